@@ -1,0 +1,151 @@
+"""make_dataset: one element per step, gathered in TensorFlow, fresh every epoch."""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from tfdp.data import PoissonSampler, make_dataset
+
+N = 300
+
+
+def source():
+    # Row i of x holds i everywhere, so a gathered row names its record.
+    x = np.repeat(np.arange(N, dtype=np.float32)[:, None, None], 3, axis=1)
+    x = np.repeat(x, 2, axis=2)  # (N, 3, 2)
+    y = (np.arange(N) % 7).astype(np.int64)
+    return x, y
+
+
+def check_step(batch_x, batch_y, mask, sampler):
+    batch_x, batch_y, mask = batch_x.numpy(), batch_y.numpy(), mask.numpy()
+    assert mask.dtype == np.float32
+    assert batch_x.shape[0] == batch_y.shape[0] == mask.shape[0]
+    assert batch_x.shape[0] % sampler.padded_size == 0
+    real = mask == 1
+    rows = batch_x[real, 0, 0].astype(np.int64)
+    np.testing.assert_array_equal(batch_x[real], source()[0][rows])
+    np.testing.assert_array_equal(batch_y[real], rows % 7)
+    # Padding gathers record 0 and is masked out.
+    assert np.all(batch_x[~real] == 0)
+    return rows
+
+
+def test_element_spec_and_cardinality():
+    sampler = PoissonSampler(N, 30, seed=0)
+    dataset = make_dataset(sampler, source())
+    (x_spec, y_spec), mask_spec = dataset.element_spec
+    assert x_spec.shape.as_list() == [None, 3, 2] and x_spec.dtype == tf.float32
+    assert y_spec.shape.as_list() == [None] and y_spec.dtype == tf.int64
+    assert mask_spec.shape.as_list() == [None] and mask_spec.dtype == tf.float32
+    assert int(dataset.cardinality()) == sampler.steps_per_epoch == 10
+
+
+def test_steps_rows_and_fresh_draws_per_iteration():
+    sampler = PoissonSampler(N, 30, seed=0)
+    dataset = make_dataset(sampler, source())
+    epochs = []
+    for _ in range(3):
+        steps = []
+        for (batch_x, batch_y), mask in dataset:
+            assert batch_x.shape[0] == sampler.padded_size
+            steps.append(tuple(check_step(batch_x, batch_y, mask, sampler)))
+        assert len(steps) == sampler.steps_per_epoch
+        assert len(set(steps)) == len(steps)  # fresh draw per step
+        epochs.append(steps)
+    assert epochs[0] != epochs[1] != epochs[2]  # fresh draws per iteration
+
+
+def test_dict_structure_and_tensor_inputs():
+    x, y = source()
+    sampler = PoissonSampler(N, 30, seed=1)
+    dataset = make_dataset(
+        sampler, {"features": {"image": tf.constant(x)}, "label": y}
+    )
+    batch, mask_spec = dataset.element_spec
+    assert set(batch) == {"features", "label"}
+    assert batch["features"]["image"].shape.as_list() == [None, 3, 2]
+    for batch, mask in dataset.take(3):
+        check_step(batch["features"]["image"], batch["label"], mask, sampler)
+
+
+def test_single_array():
+    x, _ = source()
+    sampler = PoissonSampler(N, 30, seed=1)
+    dataset = make_dataset(sampler, x)
+    assert dataset.element_spec[0].shape.as_list() == [None, 3, 2]
+    batch, mask = next(iter(dataset))
+    rows = batch.numpy()[mask.numpy() == 1, 0, 0]
+    assert len(rows) == int(mask.numpy().sum())
+
+
+def test_oversized_draw_passes_through(monkeypatch):
+    sampler = PoissonSampler(N, 30, seed=0)
+    forced = np.arange(sampler.padded_size + 5, dtype=np.int64)
+    monkeypatch.setattr(sampler, "sample_indices", lambda: forced)
+    dataset = make_dataset(sampler, source())
+    count = 0
+    for (batch_x, batch_y), mask in dataset:
+        assert batch_x.shape[0] == 2 * sampler.padded_size
+        rows = check_step(batch_x, batch_y, mask, sampler)
+        np.testing.assert_array_equal(rows, forced)
+        count += 1
+    assert count == sampler.steps_per_epoch
+
+
+def test_same_seed_same_dataset():
+    a = make_dataset(PoissonSampler(N, 30, seed=5), source())
+    b = make_dataset(PoissonSampler(N, 30, seed=5), source())
+    for (_, mask_a), (_, mask_b) in zip(a, b):
+        np.testing.assert_array_equal(mask_a.numpy(), mask_b.numpy())
+
+
+def test_mismatched_first_dimensions_raise():
+    x, y = source()
+    sampler = PoissonSampler(N, 30)
+    with pytest.raises(ValueError, match=r"arrays\[1\] with first dimension 299"):
+        make_dataset(sampler, (x, y[:-1]))
+    with pytest.raises(ValueError, match=r"arrays\['label'\] with first dimension 10"):
+        make_dataset(sampler, {"image": x, "label": y[:10]})
+    with pytest.raises(ValueError, match=r"num_examples \(200\)"):
+        make_dataset(PoissonSampler(200, 30), (x, y))
+
+
+def test_bad_arguments_raise():
+    x, y = source()
+    with pytest.raises(TypeError, match="sampler"):
+        make_dataset(object(), (x, y))
+    with pytest.raises(ValueError, match="first"):
+        make_dataset(PoissonSampler(N, 30), (np.float32(1.0), y))
+    with pytest.raises(ValueError, match="at least one"):
+        make_dataset(PoissonSampler(N, 30), ())
+
+
+def test_keras_fit_consumes_it():
+    import keras
+
+    x = np.random.default_rng(0).normal(size=(N, 4)).astype(np.float32)
+    y = (x[:, 0] > 0).astype(np.int64)
+    sampler = PoissonSampler(N, 50, seed=0)
+    dataset = make_dataset(sampler, (x, y)).map(lambda xy, mask: (xy[0], xy[1], mask))
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
+    model.compile(
+        optimizer="sgd",
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+    )
+    history = model.fit(dataset, epochs=2, verbose=0, shuffle=False)
+    assert len(history.history["loss"]) == 2
+
+
+def test_one_fashion_mnist_sized_epoch_is_fast():
+    import time
+
+    x = np.zeros((60000, 28, 28, 1), np.float32)
+    y = np.zeros(60000, np.int64)
+    dataset = make_dataset(PoissonSampler(60000, 2048, seed=0), (x, y))
+    for _ in dataset:  # warm up
+        pass
+    start = time.perf_counter()
+    steps = sum(1 for _ in dataset)
+    assert steps == 29
+    assert time.perf_counter() - start < 5.0

@@ -1,0 +1,250 @@
+"""PoissonSampler: the draws are Poisson sampling, padded without truncation.
+
+Statistical tests use fixed seeds and a negative control that the same check
+must reject.
+"""
+
+import math
+
+import numpy as np
+import pytest
+
+from tfdp.data import PoissonSampler
+
+N, B = 500, 25  # q = 0.05
+DRAWS = 20000
+
+
+def binomial_pmf(n, q):
+    k = np.arange(n + 1, dtype=np.float64)
+    lg = np.vectorize(math.lgamma)
+    return np.exp(
+        lg(n + 1.0) - lg(k + 1.0) - lg(n - k + 1.0) + k * math.log(q) + (n - k) * math.log1p(-q)
+    )
+
+
+def chi_square_pvalue(statistic, dof):
+    """Upper tail of chi-square(dof), Wilson-Hilferty normal approximation."""
+    z = ((statistic / dof) ** (1.0 / 3.0) - (1.0 - 2.0 / (9.0 * dof))) / math.sqrt(
+        2.0 / (9.0 * dof)
+    )
+    return 0.5 * math.erfc(z / math.sqrt(2.0))
+
+
+def binomial_gof(sizes, n, q):
+    """(chi-square p-value, KS distance, KS 0.1% critical value) vs Binomial(n, q)."""
+    sizes = np.asarray(sizes)
+    pmf = binomial_pmf(n, q)
+    expected = pmf * len(sizes)
+    observed = np.bincount(sizes, minlength=n + 1).astype(np.float64)
+    # Merge cells so that every cell expects >= 5: collapse both tails.
+    cells_obs, cells_exp = [], []
+    acc_o = acc_e = 0.0
+    for o, e in zip(observed, expected):
+        acc_o += o
+        acc_e += e
+        if acc_e >= 5.0:
+            cells_obs.append(acc_o)
+            cells_exp.append(acc_e)
+            acc_o = acc_e = 0.0
+    cells_obs[-1] += acc_o
+    cells_exp[-1] += acc_e
+    cells_obs, cells_exp = np.array(cells_obs), np.array(cells_exp)
+    statistic = float(((cells_obs - cells_exp) ** 2 / cells_exp).sum())
+    pvalue = chi_square_pvalue(statistic, len(cells_obs) - 1)
+    ks = float(np.abs(np.cumsum(observed) / len(sizes) - np.cumsum(pmf)).max())
+    return pvalue, ks, 1.95 / math.sqrt(len(sizes))
+
+
+def poisson_sizes(sampler, draws):
+    return np.array([len(sampler.sample_indices()) for _ in range(draws)])
+
+
+@pytest.fixture(scope="module")
+def sizes():
+    return poisson_sizes(PoissonSampler(N, B, seed=1234), DRAWS)
+
+
+def test_size_mean_and_variance(sizes):
+    q = B / N
+    mean_sd = math.sqrt(N * q * (1 - q) / DRAWS)
+    assert abs(sizes.mean() - N * q) < 5 * mean_sd
+    var = N * q * (1 - q)
+    var_sd = var * math.sqrt(2.0 / DRAWS)
+    assert abs(sizes.var(ddof=1) - var) < 5 * var_sd
+
+
+def test_size_distribution_is_binomial(sizes):
+    pvalue, ks, ks_critical = binomial_gof(sizes, N, B / N)
+    assert pvalue > 1e-3
+    assert ks < ks_critical
+
+
+def test_negative_control_fixed_size_sampler_is_rejected():
+    sizes = np.full(DRAWS, B)
+    pvalue, ks, ks_critical = binomial_gof(sizes, N, B / N)
+    assert pvalue < 1e-9
+    assert ks > ks_critical
+    assert sizes.var() < 0.5 * N * (B / N) * (1 - B / N)
+
+
+def test_negative_control_doubled_q_is_rejected():
+    sizes = poisson_sizes(PoissonSampler(N, 2 * B, seed=1234), DRAWS // 4)
+    pvalue, ks, ks_critical = binomial_gof(sizes, N, B / N)
+    assert pvalue < 1e-9
+    assert ks > ks_critical
+
+
+def indicator_matrix(sampler, draws):
+    x = np.zeros((draws, sampler.num_examples), dtype=np.float64)
+    for t in range(draws):
+        x[t, sampler.sample_indices()] = 1.0
+    return x
+
+
+def test_every_record_included_with_probability_q():
+    n, b, draws = 50, 5, 40000
+    q = b / n
+    counts = indicator_matrix(PoissonSampler(n, b, seed=7), draws).sum(axis=0)
+    z = (counts - draws * q) / math.sqrt(draws * q * (1 - q))
+    assert np.abs(z).max() < 4.5, z  # first and last record included
+    assert chi_square_pvalue(float((z**2).sum()), n) > 1e-3
+    # Negative control: a sampler that favours record 0 by 20% is caught.
+    biased = counts.copy()
+    biased[0] = draws * q * 1.2
+    z_biased = (biased - draws * q) / math.sqrt(draws * q * (1 - q))
+    assert np.abs(z_biased).max() > 4.5
+
+
+def test_draws_independent_across_steps_and_records():
+    n, b, draws = 100, 10, 20000
+    q = b / n
+    x = indicator_matrix(PoissonSampler(n, b, seed=11), draws)
+    # Across steps: batch sizes and per-record indicators are uncorrelated.
+    sizes = x.sum(axis=1)
+    r_sizes = np.corrcoef(sizes[:-1], sizes[1:])[0, 1]
+    assert abs(r_sizes) < 4 / math.sqrt(draws)
+    centred = x - q
+    lag1 = (centred[:-1] * centred[1:]).mean() / (q * (1 - q))
+    assert abs(lag1) < 4 / math.sqrt(draws * n)
+    # Within a step: neighbouring records are included independently.
+    both = (x[:, :-1] * x[:, 1:]).mean()
+    assert abs(both - q * q) < 6 * math.sqrt(q * q / (draws * (n - 1)))
+    corr = np.corrcoef(x.T)
+    off_diagonal = corr[~np.eye(n, dtype=bool)]
+    assert np.abs(off_diagonal).max() < 5.5 / math.sqrt(draws)
+
+
+def test_epoch_shapes_and_padding():
+    sampler = PoissonSampler(1000, 50, seed=0)
+    steps = list(sampler.epoch())
+    assert len(steps) == sampler.steps_per_epoch == 20
+    for indices, mask in steps:
+        assert indices.dtype == np.int64 and mask.dtype == np.float32
+        assert len(indices) == len(mask) == sampler.padded_size
+        count = int(mask.sum())
+        assert np.all(mask[:count] == 1) and np.all(mask[count:] == 0)
+        assert np.all(indices[count:] == 0)
+        real = indices[:count]
+        assert len(np.unique(real)) == count
+        assert real.min(initial=0) >= 0 and real.max(initial=0) < 1000
+
+
+def test_default_steps_per_epoch():
+    assert PoissonSampler(1000, 50).steps_per_epoch == 20
+    assert PoissonSampler(1797, 64).steps_per_epoch == 28
+    assert PoissonSampler(10, 10).steps_per_epoch == 1
+    assert PoissonSampler(1000, 50, steps_per_epoch=3).steps_per_epoch == 3
+    sampler = PoissonSampler(60000, 256)
+    assert sampler.sampling_probability == 256 / 60000
+    assert sampler.padded_size == 376
+
+
+def test_full_sampling_includes_everything():
+    sampler = PoissonSampler(13, 13, seed=0)
+    for indices, mask in sampler.epoch():
+        assert list(indices[mask == 1]) == list(range(13))
+
+
+def test_oversized_draw_is_never_truncated(monkeypatch):
+    sampler = PoissonSampler(1000, 50, seed=0)
+    forced = np.random.default_rng(0).permutation(1000)[: 2 * sampler.padded_size + 3]
+    monkeypatch.setattr(sampler, "sample_indices", lambda: forced)
+    for indices, mask in sampler.epoch():
+        assert len(indices) == 3 * sampler.padded_size
+        assert len(indices) % sampler.padded_size == 0
+        assert set(indices[mask == 1]) == set(forced)
+        assert mask.sum() == len(forced)
+    assert sampler.overflow_count == sampler.steps_per_epoch
+
+
+def test_natural_overflows_are_padded_not_truncated():
+    # overflow_probability=0.5 makes roughly half the draws overflow.
+    sampler = PoissonSampler(400, 40, seed=3, overflow_probability=0.5, multiple=1)
+    overflowed = 0
+    for _ in range(200):
+        drawn = sampler.sample_indices()
+        indices, mask = sampler.pad(drawn)
+        assert len(indices) % sampler.padded_size == 0
+        assert len(indices) >= len(drawn)
+        np.testing.assert_array_equal(indices[mask == 1], drawn)
+        overflowed += len(drawn) > sampler.padded_size
+    assert overflowed > 20
+    assert sampler.overflow_count == overflowed
+
+
+def test_empty_draw_is_a_valid_step(monkeypatch):
+    sampler = PoissonSampler(1000, 1, seed=0)
+    monkeypatch.setattr(sampler, "sample_indices", lambda: np.zeros(0, np.int64))
+    indices, mask = next(sampler.epoch())
+    assert len(indices) == sampler.padded_size
+    assert mask.sum() == 0 and np.all(indices == 0)
+
+
+def test_empty_draws_occur_naturally():
+    sampler = PoissonSampler(1000, 1, seed=0)  # P(empty) ~ 0.37
+    sizes = poisson_sizes(sampler, 200)
+    assert (sizes == 0).sum() > 30
+
+
+def test_seed_none_gives_different_draws():
+    a, b = PoissonSampler(60000, 256), PoissonSampler(60000, 256)
+    assert not np.array_equal(a.sample_indices(), b.sample_indices())
+
+
+def test_same_seed_gives_same_draws():
+    a, b = PoissonSampler(60000, 256, seed=42), PoissonSampler(60000, 256, seed=42)
+    for (ia, ma), (ib, mb) in zip(a.epoch(), b.epoch()):
+        np.testing.assert_array_equal(ia, ib)
+        np.testing.assert_array_equal(ma, mb)
+    c = PoissonSampler(60000, 256, seed=43)
+    assert not np.array_equal(a.sample_indices(), c.sample_indices())
+
+
+def test_sampling_is_fast():
+    import time
+
+    sampler = PoissonSampler(60000, 2048, steps_per_epoch=30, seed=0)
+    start = time.perf_counter()
+    list(sampler.epoch())
+    assert time.perf_counter() - start < 0.5
+
+
+@pytest.mark.parametrize(
+    "args,kwargs,error,match",
+    [
+        ((0, 1), {}, ValueError, "num_examples"),
+        ((10.0, 1), {}, TypeError, "num_examples"),
+        ((10, 0), {}, ValueError, "expected_batch_size"),
+        ((10, 11), {}, ValueError,
+         r"expected_batch_size.*\(10\).*Received: expected_batch_size=11"),
+        ((10, "5"), {}, TypeError, "expected_batch_size"),
+        ((10, 5), {"steps_per_epoch": 0}, ValueError, "steps_per_epoch"),
+        ((10, 5), {"steps_per_epoch": 2.5}, ValueError, "steps_per_epoch"),
+        ((10, 5), {"seed": "abc"}, TypeError, "seed"),
+        ((10, 5), {"seed": -1}, TypeError, "seed"),
+    ],
+)
+def test_validation(args, kwargs, error, match):
+    with pytest.raises(error, match=match):
+        PoissonSampler(*args, **kwargs)

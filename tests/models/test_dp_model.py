@@ -1,0 +1,229 @@
+"""DPModel / DPSequential end to end: training, errors, saving, export."""
+
+import os
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tfdp
+from tfdp import recipes
+from tfdp.data import load_digits
+
+
+class NoiselessDPSGD(tfdp.optimizers.DPSGD):
+    """Test double: DP-SGD with its noise removed, to compare with plain SGD."""
+
+    def noise_stddev(self):
+        return 0.0
+
+
+def small_model(method="auto"):
+    return tfdp.DPSequential(
+        [keras.Input((4,)), keras.layers.Dense(5, activation="tanh"), keras.layers.Dense(3)],
+        per_example_gradients=method,
+    )
+
+
+def small_data(n=40, seed=0):
+    rng = np.random.default_rng(seed)
+    return rng.normal(size=(n, 4)).astype(np.float32), rng.integers(0, 3, size=n)
+
+
+LOSS = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+
+@pytest.mark.parametrize("method", ["fast", "vectorized"])
+def test_noiseless_full_batch_step_equals_plain_sgd(method):
+    """Noise 0, huge C, q = 1: one DP step is exactly the plain mean-gradient step."""
+    x, y = small_data()
+    keras.utils.set_random_seed(3)
+    model = small_model(method)
+    plain = keras.Sequential([keras.Input((4,)), keras.layers.Dense(5, activation="tanh"), keras.layers.Dense(3)])
+    for plain_layer, dp_layer in zip(plain.layers, model.layers):
+        plain_layer.set_weights(dp_layer.get_weights())
+    model.compile(optimizer=NoiselessDPSGD(0.3, l2_norm_clip=1e9, noise_multiplier=1.0), loss=LOSS)
+    model.fit(x, y, batch_size=len(x), epochs=1, steps_per_epoch=1, verbose=0)
+    plain.compile(optimizer=keras.optimizers.SGD(0.3), loss=LOSS)
+    plain.fit(x, y, batch_size=len(x), epochs=1, shuffle=False, verbose=0)
+    for got, want in zip(model.trainable_variables, plain.trainable_variables):
+        np.testing.assert_allclose(got.numpy(), want.numpy(), rtol=1e-5, atol=1e-6)
+
+
+def test_plain_keras_model_with_dp_optimizer_is_refused():
+    x, y = small_data()
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3)])
+    model.compile(optimizer=tfdp.optimizers.DPSGD(0.1, l2_norm_clip=1.0, noise_multiplier=1.0), loss=LOSS)
+    before = [w.copy() for w in model.get_weights()]
+    with pytest.raises(ValueError, match="per-example"):
+        model.fit(x, y, batch_size=8, epochs=1, verbose=0)
+    for a, b in zip(before, model.get_weights()):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_dp_model_refuses_a_non_private_optimizer():
+    with pytest.raises(ValueError, match="Received: optimizer=SGD"):
+        small_model().compile(optimizer=keras.optimizers.SGD(0.1), loss=LOSS)
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(l2_norm_clip=-1.0, noise_multiplier=1.0), "Received: l2_norm_clip=-1.0"),
+        (dict(l2_norm_clip=1.0, noise_multiplier=0.0), "Received: noise_multiplier=0.0"),
+        (dict(l2_norm_clip=float("nan"), noise_multiplier=1.0), "Received: l2_norm_clip=nan"),
+        (dict(l2_norm_clip=1.0, noise_multiplier=1.0, weight_decay=-0.1), "Received: weight_decay=-0.1"),
+        (dict(l2_norm_clip=1.0, noise_multiplier=1.0, weight_decay_placement="x"), "weight_decay_placement='x'"),
+    ],
+)
+def test_bad_optimizer_settings_name_the_argument(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        tfdp.optimizers.DPSGD(0.1, **kwargs)
+
+
+def compiled_small_model():
+    model = small_model()
+    model.compile(optimizer=tfdp.optimizers.DPSGD(0.1, l2_norm_clip=1.0, noise_multiplier=1.0), loss=LOSS)
+    return model
+
+
+def test_bad_training_data_is_refused_before_training():
+    x, y = small_data()
+    model = compiled_small_model()
+    with pytest.raises(ValueError, match="Received: batch_size=41"):
+        model.fit(x, y, batch_size=41, verbose=0)
+    with pytest.raises(ValueError, match="0 examples"):
+        model.fit(x[:0], y[:0], batch_size=1, verbose=0)
+    with pytest.raises(ValueError, match="Received: y with 39 entries"):
+        model.fit(x, y[:-1], batch_size=8, verbose=0)
+    with pytest.raises(ValueError, match=r"Labels must be class indices in \[0, 2\]"):
+        model.fit(x, y + 5, batch_size=8, verbose=0)
+    with pytest.raises(ValueError, match="Poisson"):
+        model.fit(tf.data.Dataset.from_tensor_slices((x, y)).batch(8), verbose=0)
+    assert model.privacy.steps == 0
+
+
+def test_budget_stops_training_before_it_is_exceeded():
+    x, y = small_data(200)
+    model = compiled_small_model()
+    budget = tfdp.callbacks.PrivacyBudget(epsilon=10.0, delta=1e-5)
+    history = model.fit(x, y, batch_size=20, epochs=50, callbacks=[budget], verbose=0)
+    assert budget.stopped_for_budget
+    assert model.privacy.epsilon(1e-5) <= 10.0
+    assert model.privacy.epsilon(1e-5, extra_steps=1) > 10.0
+    assert history.history["epsilon"][-1] == pytest.approx(model.privacy.epsilon(1e-5))
+    with pytest.raises(ValueError, match="no room for another step"):
+        model.fit(x, y, batch_size=20, epochs=1, callbacks=[budget], verbose=0)
+
+
+def test_ledger_counts_steps_with_the_poisson_event():
+    x, y = small_data(100)
+    model = compiled_small_model()
+    model.fit(x, y, batch_size=10, epochs=3, verbose=0)
+    assert model.privacy.steps == 30
+    expected = tfdp.accounting.compute_epsilon(1.0, 0.1, 30, 1e-5)
+    assert model.privacy.epsilon(1e-5) == pytest.approx(expected, rel=1e-12)
+
+
+def test_save_load_resume_keeps_the_ledger(tmp_path):
+    x, y = small_data(100)
+    model = compiled_small_model()
+    model.fit(x, y, batch_size=10, epochs=2, verbose=0)
+    path = str(tmp_path / "m.keras")
+    model.save(path)
+    restored = keras.models.load_model(path)
+    assert isinstance(restored, tfdp.DPSequential)
+    assert isinstance(restored.optimizer, tfdp.optimizers.DPSGD)
+    assert restored.privacy.steps == 20
+    assert restored.privacy.epsilon(1e-5) == pytest.approx(model.privacy.epsilon(1e-5))
+    assert int(restored.optimizer.iterations.numpy()) == 20
+    np.testing.assert_allclose(restored.predict(x, verbose=0), model.predict(x, verbose=0), rtol=1e-6)
+    restored.fit(x, y, batch_size=10, epochs=1, verbose=0)
+    assert restored.privacy.steps == 30
+    assert restored.privacy.epsilon(1e-5) == pytest.approx(
+        tfdp.accounting.compute_epsilon(1.0, 0.1, 30, 1e-5), rel=1e-12
+    )
+    assert "_noise_key" not in str(restored.optimizer.get_config())
+
+
+def test_weights_file_without_ledger_is_refused(tmp_path):
+    plain = keras.Sequential([keras.Input((4,))] + small_model().layers)
+    path = str(tmp_path / "plain.weights.h5")
+    plain.save_weights(path)
+    with pytest.raises(ValueError, match="no tfdp privacy ledger"):
+        small_model().load_weights(path)
+
+
+def test_functional_dp_model_round_trip(tmp_path):
+    inputs = keras.Input((4,))
+    outputs = keras.layers.Dense(3)(keras.layers.Dense(6, activation="relu")(inputs))
+    model = tfdp.DPModel(inputs, outputs, per_example_gradients="vectorized")
+    model.compile(optimizer=tfdp.optimizers.DPOptimizer(keras.optimizers.Adam(0.01), 1.0, 1.0), loss=LOSS)
+    x, y = small_data()
+    model.fit(x, y, batch_size=8, epochs=1, verbose=0)
+    path = str(tmp_path / "f.keras")
+    model.save(path)
+    restored = keras.models.load_model(path)
+    assert isinstance(restored, tfdp.DPModel)
+    assert restored.per_example_gradients == "vectorized"
+    assert isinstance(restored.optimizer.inner_optimizer, keras.optimizers.Adam)
+    assert restored.privacy.steps == model.privacy.steps
+
+
+def test_export_predicts_the_same_and_holds_no_optimizer_state(tmp_path):
+    x, y = small_data()
+    model = compiled_small_model()
+    model.fit(x, y, batch_size=8, epochs=1, verbose=0)
+    path = str(tmp_path / "export")
+    model.export(path, verbose=False)
+    loaded = tf.saved_model.load(path)
+    np.testing.assert_allclose(loaded.serve(tf.constant(x)).numpy(), model.predict(x, verbose=0), rtol=1e-6)
+    names = [v.name for v in loaded.variables]
+    assert not any("iteration" in n or "momentum" in n or "noise" in n for n in names), names
+    assert len(loaded.variables) <= len(model.weights)
+
+
+def test_weight_decay_before_clip_reaches_the_ridge_optimum():
+    """Seed 003's toy: L = (theta - 3.8)^2 / 2, C = 1, lambda = 0.5, ~no noise.
+
+    Classic decay (after noise) is pinned at C / lambda = 2; decay inside the
+    per-example loss converges to the ridge optimum 3.8 / 1.5 = 2.533.
+    """
+    x = np.ones((8, 1), np.float32)
+    y = np.full((8, 1), 3.8, np.float32)
+    results = {}
+    for placement in ("after_noise", "before_clip"):
+        model = tfdp.DPSequential(
+            [keras.Input((1,)), keras.layers.Dense(1, use_bias=False, kernel_initializer="zeros")]
+        )
+        model.compile(
+            optimizer=NoiselessDPSGD(
+                0.2, l2_norm_clip=1.0, noise_multiplier=1.0, weight_decay=0.5,
+                weight_decay_placement=placement,
+            ),
+            loss=lambda t, p: 0.5 * tf.reduce_sum(tf.square(t - p), -1),
+        )
+        model.fit(x, y, batch_size=8, epochs=300, steps_per_epoch=1, verbose=0)
+        results[placement] = float(model.trainable_variables[0].numpy().squeeze())
+    assert results["after_noise"] == pytest.approx(2.0, abs=1e-3)
+    assert results["before_clip"] == pytest.approx(3.8 / 1.5, abs=1e-3)
+
+
+def test_digits_reaches_90_percent_at_epsilon_3():
+    (x_train, y_train), (x_test, y_test) = load_digits()
+    defaults = recipes.DEFAULTS["digits"]
+    steps = defaults["epochs"] * round(len(x_train) / defaults["batch_size"])
+    sigma = tfdp.accounting.calibrate_noise_multiplier(3.0, 1e-5, defaults["batch_size"] / len(x_train), steps)
+    keras.utils.set_random_seed(0)
+    model = recipes.build_model("digits")
+    model.compile(
+        optimizer=tfdp.optimizers.DPSGD(defaults["learning_rate"], l2_norm_clip=defaults["l2_norm_clip"],
+                                        noise_multiplier=sigma, seed=0),
+        loss=LOSS, metrics=["accuracy"],
+    )
+    model.fit(x_train, y_train, batch_size=defaults["batch_size"], epochs=defaults["epochs"],
+              callbacks=[tfdp.callbacks.PrivacyBudget(3.0, 1e-5)], verbose=0)
+    _, accuracy = model.evaluate(x_test, y_test, verbose=0)
+    assert model.privacy.epsilon(1e-5) <= 3.0
+    assert accuracy >= 0.90

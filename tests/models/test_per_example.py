@@ -1,0 +1,139 @@
+"""Per-example gradients: fast (book-keeping) and vectorized paths against a
+per-example loop of ordinary backward passes."""
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from tfdp.models.losses import per_example_loss
+from tfdp.models.per_example import (
+    check_per_example_support,
+    compute_per_example_gradients,
+    fast_path_available,
+)
+
+
+def tanh_cnn(input_shape=(12, 12, 1)):
+    """A small cousin of the papers' tanh CNN: strides, both paddings, pooling."""
+    return keras.Sequential(
+        [
+            keras.Input(input_shape),
+            keras.layers.Conv2D(4, 4, strides=2, padding="same", activation="tanh"),
+            keras.layers.MaxPooling2D(2, strides=1),
+            keras.layers.Conv2D(6, 2, strides=1, padding="valid", activation="tanh", dilation_rate=2),
+            keras.layers.Flatten(),
+            keras.layers.Dense(8, activation="tanh"),
+            keras.layers.Dense(3),
+        ]
+    )
+
+
+def sequence_mlp():
+    inputs = keras.Input((5, 4))
+    hidden = keras.layers.Dense(7, activation="relu")(inputs)
+    pooled = keras.layers.GlobalAveragePooling1D()(hidden)
+    return keras.Model(inputs, keras.layers.Dense(3)(pooled))
+
+
+def wide_sequence_model():
+    """Dense on [B, S, K] with S (K + O) < K O: the Gram-matrix norm path."""
+    inputs = keras.Input((2, 16))
+    hidden = keras.layers.Dense(16, activation="tanh")(inputs)
+    return keras.Model(inputs, keras.layers.Dense(3)(keras.layers.Flatten()(hidden)))
+
+
+def reference_gradients(model, x, y, weights, loss_fn):
+    """Per-example gradients by a Python loop, one example at a time."""
+    per_example = []
+    for i in range(x.shape[0]):
+        with tf.GradientTape() as tape:
+            loss = loss_fn(y[i : i + 1], model(x[i : i + 1], training=True)) * weights[i]
+        per_example.append(tape.gradient(loss, model.trainable_variables))
+    return [np.stack([g[j].numpy() for g in per_example]) for j in range(len(model.trainable_variables))]
+
+
+CASES = [
+    (tanh_cnn, (6, 12, 12, 1)),
+    (sequence_mlp, (6, 5, 4)),
+    (wide_sequence_model, (6, 2, 16)),
+]
+
+
+@pytest.mark.parametrize("make_model,shape", CASES)
+@pytest.mark.parametrize("method", ["fast", "vectorized"])
+def test_matches_per_example_loop(make_model, shape, method):
+    keras.utils.set_random_seed(1)
+    model = make_model()
+    rng = np.random.default_rng(0)
+    x = tf.constant(rng.normal(size=shape), tf.float32)
+    y = tf.constant(rng.integers(0, 3, size=shape[0]))
+    weights = tf.constant([1.0, 0.5, 2.0, 1.0, 0.0, 1.0])
+    loss_fn = per_example_loss(keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    grads, _, losses = compute_per_example_gradients(model, x, y, weights, loss_fn, method)
+    expected = reference_gradients(model, x, y, weights.numpy(), loss_fn)
+    for got, want in zip(grads.materialize(), expected):
+        np.testing.assert_allclose(got.numpy(), want, rtol=2e-4, atol=2e-6)
+    flat = np.concatenate([w.reshape(6, -1) for w in expected], axis=1)
+    np.testing.assert_allclose(grads.sq_norms().numpy(), (flat**2).sum(1), rtol=2e-4, atol=1e-8)
+    factors = np.array([0.3, 1.0, 0.0, 2.0, 1.0, 0.5], np.float32)
+    for got, want in zip(grads.weighted_sum(tf.constant(factors)), expected):
+        np.testing.assert_allclose(got.numpy(), np.tensordot(factors, want, 1), rtol=2e-4, atol=2e-6)
+    vectors = [tf.constant(rng.normal(size=v.shape), tf.float32) for v in model.trainable_variables]
+    dots = sum((w.reshape(6, -1) @ v.numpy().reshape(-1)) for w, v in zip(expected, vectors))
+    np.testing.assert_allclose(grads.dots(vectors).numpy(), dots, rtol=2e-4, atol=1e-5)
+    assert losses.shape == (6,)
+
+
+def test_offsets_shift_every_example():
+    keras.utils.set_random_seed(2)
+    model = sequence_mlp()
+    x = tf.random.normal((4, 5, 4))
+    y = tf.constant([0, 1, 2, 1])
+    loss_fn = per_example_loss(keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    grads, _, _ = compute_per_example_gradients(model, x, y, tf.ones([4]), loss_fn, "fast")
+    offsets = [0.1 * v for v in model.trainable_variables]
+    shifted = grads.with_offsets(offsets)
+    flat = np.concatenate(
+        [(g + o[None]).numpy().reshape(4, -1) for g, o in zip(grads.materialize(), offsets)], 1
+    )
+    np.testing.assert_allclose(shifted.sq_norms().numpy(), (flat**2).sum(1), rtol=1e-4)
+    w = tf.constant([1.0, 0.0, 2.0, 0.5])
+    for got, g, o in zip(shifted.weighted_sum(w), grads.materialize(), offsets):
+        want = np.tensordot(w.numpy(), g.numpy(), 1) + 3.5 * o.numpy()
+        np.testing.assert_allclose(got.numpy(), want, rtol=1e-4, atol=1e-6)
+
+
+def test_nan_rows_with_zero_weight_do_not_poison_the_sum():
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
+    x = tf.constant([[1.0, 2.0, 3.0], [np.nan, 0.0, 0.0]])
+    loss_fn = per_example_loss("mse")
+    for method in ("fast", "vectorized"):
+        grads, _, _ = compute_per_example_gradients(
+            model, x, tf.zeros([2, 2]), tf.ones([2]), loss_fn, method
+        )
+        norms = grads.sq_norms().numpy()
+        assert np.isfinite(norms[0]) and not np.isfinite(norms[1])
+        sums = grads.weighted_sum(tf.constant([1.0, 0.0]))
+        assert all(np.all(np.isfinite(s.numpy())) for s in sums)
+
+
+def test_auto_falls_back_for_unsupported_trainable_layers():
+    model = keras.Sequential(
+        [keras.Input((4,)), keras.layers.Dense(3), keras.layers.LayerNormalization(), keras.layers.Dense(2)]
+    )
+    assert not fast_path_available(model)
+    with pytest.raises(ValueError, match="per_example_gradients='fast'"):
+        compute_per_example_gradients(
+            model, tf.ones([2, 4]), tf.zeros([2, 2]), tf.ones([2]), per_example_loss("mse"), "fast"
+        )
+    grads, _, _ = compute_per_example_gradients(
+        model, tf.ones([2, 4]), tf.zeros([2, 2]), tf.ones([2]), per_example_loss("mse"), "auto"
+    )
+    assert grads.sq_norms().shape == (2,)
+
+
+def test_batch_normalization_is_refused():
+    model = keras.Sequential([keras.Input((4,)), keras.layers.BatchNormalization(), keras.layers.Dense(2)])
+    with pytest.raises(ValueError, match="BatchNormalization"):
+        check_per_example_support(model)

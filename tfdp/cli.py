@@ -1,0 +1,138 @@
+"""The `tfdp` command: privacy questions and DP training from a shell.
+
+    tfdp epsilon   --num-examples 60000 --batch-size 256 --noise-multiplier 1.1 --epochs 60
+    tfdp calibrate --num-examples 60000 --batch-size 256 --epochs 60 --epsilon 3
+    tfdp train     --dataset digits --epsilon 3
+
+`epsilon` and `calibrate` import only the accountant (fast); `train` imports
+TensorFlow.
+"""
+
+import argparse
+import json
+import math
+import sys
+import time
+
+MECHANISMS = ("dpsgd",)
+DATASETS = ("digits", "fashion_mnist")
+
+
+def _positive_float(text):
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"expected a finite number > 0, got {text!r}")
+    return value
+
+
+def _positive_int(text):
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}")
+    return value
+
+
+def _probability(text):
+    value = _positive_float(text)
+    if value >= 1:
+        raise argparse.ArgumentTypeError(f"expected a number in (0, 1), got {text!r}")
+    return value
+
+
+def _add_dpsgd_settings(parser, noise=True):
+    parser.add_argument("--num-examples", type=_positive_int, required=True, help="training set size N")
+    parser.add_argument("--batch-size", type=_positive_int, required=True, help="expected (Poisson) batch size")
+    parser.add_argument("--epochs", type=_positive_float, required=True, help="epochs (steps = ceil(epochs * N / batch))")
+    parser.add_argument("--delta", type=_probability, default=1e-5, help="target delta (default 1e-5)")
+    parser.add_argument("--accountant", choices=("rdp", "pld"), default="rdp")
+    if noise:
+        parser.add_argument("--noise-multiplier", type=_positive_float, required=True)
+
+
+def build_parser():
+    """The argument parser of the `tfdp` command."""
+    parser = argparse.ArgumentParser(prog="tfdp", description=__doc__.split("\n")[0])
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    epsilon = commands.add_parser("epsilon", help="epsilon of DP-SGD settings (Poisson sampling)")
+    _add_dpsgd_settings(epsilon)
+    epsilon.add_argument("--conversion", choices=("tight", "classic"), default="tight",
+                         help="RDP to (epsilon, delta): tight (default) or the papers' classic formula")
+
+    calibrate = commands.add_parser("calibrate", help="noise multiplier for a target epsilon")
+    _add_dpsgd_settings(calibrate, noise=False)
+    calibrate.add_argument("--epsilon", type=_positive_float, required=True, help="target epsilon")
+
+    train = commands.add_parser("train", help="DP training on a built-in dataset")
+    train.add_argument("--mechanism", choices=MECHANISMS, default="dpsgd")
+    train.add_argument("--dataset", choices=DATASETS, default="digits")
+    train.add_argument("--data-dir", default=None, help="Fashion-MNIST IDX files (default: Debian's)")
+    train.add_argument("--epochs", type=_positive_int)
+    train.add_argument("--batch-size", type=_positive_int)
+    train.add_argument("--learning-rate", type=_positive_float)
+    train.add_argument("--l2-norm-clip", type=_positive_float)
+    budget = train.add_mutually_exclusive_group()
+    budget.add_argument("--epsilon", type=_positive_float, help="target epsilon (noise is calibrated)")
+    budget.add_argument("--noise-multiplier", type=_positive_float)
+    train.add_argument("--delta", type=_probability)
+    train.add_argument("--seed", type=int, default=None, help="reproducible noise (tests only: not private)")
+    train.add_argument("--output", default=None, help="save the trained model (.keras)")
+    train.add_argument("--verbose", type=int, choices=(0, 1, 2), default=2)
+    return parser
+
+
+def _epsilon(args):
+    from tfdp import accounting
+
+    value = accounting.compute_dpsgd_epsilon(
+        args.num_examples, args.batch_size, args.noise_multiplier, args.epochs, args.delta,
+        accountant=args.accountant, conversion=args.conversion,
+    )
+    return {"epsilon": value, "delta": args.delta}
+
+
+def _calibrate(args):
+    from tfdp import accounting
+
+    sigma = accounting.calibrate_dpsgd(
+        args.num_examples, args.batch_size, args.epochs, args.epsilon, args.delta,
+        accountant=args.accountant,
+    )
+    achieved = accounting.compute_dpsgd_epsilon(
+        args.num_examples, args.batch_size, sigma, args.epochs, args.delta, accountant=args.accountant
+    )
+    return {"noise_multiplier": sigma, "epsilon": achieved, "delta": args.delta}
+
+
+def _train(args):
+    from tfdp import training
+
+    settings = {k: v for k, v in vars(args).items() if k not in ("command",)}
+    return training.train(**settings)
+
+
+def main(argv=None):
+    """Entry point of the `tfdp` command. Prints one JSON object."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    handlers = {"epsilon": _epsilon, "calibrate": _calibrate, "train": _train}
+    started = time.time()
+    try:
+        result = handlers[args.command](args)
+    except (ValueError, TypeError, FileNotFoundError, ImportError) as error:
+        parser.exit(2, f"tfdp {args.command}: error: {error}\n")
+    if args.command == "train":
+        result["seconds"] = round(time.time() - started, 1)
+    json.dump(result, sys.stdout, indent=2)
+    sys.stdout.write("\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

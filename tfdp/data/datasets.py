@@ -1,0 +1,298 @@
+"""Built-in datasets for `tfdp train` and the examples.
+
+Each loader returns `((x_train, y_train), (x_test, y_test))` with float32
+features scaled to [0, 1] and int64 labels. Nothing is downloaded by
+scikit-learn's digits (it ships with scikit-learn); Fashion-MNIST is read from
+IDX files (a directory you give, or Debian's `dataset-fashion-mnist` package)
+or, failing both, from tensorflow-datasets.
+
+Example:
+
+```python
+(x_train, y_train), (x_test, y_test) = load_dataset("digits")
+x_train.shape   # (1437, 64)
+```
+"""
+
+import gzip
+import numbers
+import os
+
+import numpy as np
+
+__all__ = ["load_digits", "load_fashion_mnist", "load_dataset", "read_idx"]
+
+DEBIAN_FASHION_MNIST_DIR = "/usr/share/datasets/fashion-mnist"
+
+_FASHION_MNIST_FILES = {
+    "x_train": ("train-images-idx3-ubyte", 3),
+    "y_train": ("train-labels-idx1-ubyte", 1),
+    "x_test": ("t10k-images-idx3-ubyte", 3),
+    "y_test": ("t10k-labels-idx1-ubyte", 1),
+}
+
+# IDX type codes (third byte of the magic number) -> numpy big-endian dtype.
+_IDX_DTYPES = {
+    0x08: np.dtype("u1"),
+    0x09: np.dtype("i1"),
+    0x0B: np.dtype(">i2"),
+    0x0C: np.dtype(">i4"),
+    0x0D: np.dtype(">f4"),
+    0x0E: np.dtype(">f8"),
+}
+
+
+def load_digits(test_fraction=0.2, seed=0, flatten=True):
+    """scikit-learn's 8x8 handwritten digits, split into train and test.
+
+    1797 images of the digits 0-9 (shipped with scikit-learn, no download).
+    Pixel values 0..16 are scaled to [0, 1]. The split is stratified by label
+    and deterministic for a given `seed`.
+
+    Args:
+        test_fraction: float in (0, 1), the fraction of records in the test
+            split.
+        seed: int, the seed of the split.
+        flatten: bool. True gives features of shape (N, 64); False gives
+            images of shape (N, 8, 8, 1).
+
+    Returns:
+        `((x_train, y_train), (x_test, y_test))`, float32 features in [0, 1]
+        and int64 labels in 0..9.
+
+    Example:
+
+    >>> (x_train, y_train), (x_test, y_test) = load_digits()
+    >>> x_train.shape, x_test.shape
+    ((1437, 64), (360, 64))
+    """
+    if (
+        not isinstance(test_fraction, numbers.Real)
+        or isinstance(test_fraction, bool)
+        or not 0.0 < test_fraction < 1.0
+    ):
+        raise ValueError(
+            "Expected `test_fraction` in (0, 1). "
+            f"Received: test_fraction={test_fraction!r}"
+        )
+    from sklearn import datasets as sk_datasets
+    from sklearn.model_selection import train_test_split
+
+    digits = sk_datasets.load_digits()
+    x = (digits.data / 16.0).astype(np.float32)
+    y = digits.target.astype(np.int64)
+    if not flatten:
+        x = x.reshape(-1, 8, 8, 1)
+    x_train, x_test, y_train, y_test = train_test_split(
+        x, y, test_size=test_fraction, random_state=seed, stratify=y
+    )
+    return (x_train, y_train), (x_test, y_test)
+
+
+def read_idx(path):
+    """Reads one IDX file (gzipped or not) into a numpy array.
+
+    Args:
+        path: path of the file. Gzip compression is detected from the
+            content, not the name.
+
+    Returns:
+        np.ndarray with the file's dimensions and (native-endian) dtype.
+
+    Raises:
+        ValueError: the file is not a valid IDX file (bad magic number,
+            unknown type code, or a size that does not match its header).
+
+    Example:
+
+    >>> labels = read_idx("/usr/share/datasets/fashion-mnist/t10k-labels-idx1-ubyte.gz")
+    >>> labels.shape
+    (10000,)
+    """
+    with open(path, "rb") as f:
+        raw = f.read()
+    if raw[:2] == b"\x1f\x8b":
+        try:
+            raw = gzip.decompress(raw)
+        except (OSError, EOFError) as e:
+            raise ValueError(f"Could not decompress the IDX file {path!r}: {e}") from e
+    if len(raw) < 4 or raw[0] != 0 or raw[1] != 0 or raw[2] not in _IDX_DTYPES:
+        raise ValueError(
+            f"Expected an IDX file at {path!r} (magic number 0x0000TTDD with a "
+            f"known type code TT). Received magic bytes: {raw[:4].hex() or 'none'}"
+        )
+    dtype = _IDX_DTYPES[raw[2]]
+    ndim = raw[3]
+    header = 4 + 4 * ndim
+    if len(raw) < header:
+        raise ValueError(
+            f"The IDX file {path!r} is truncated: its header declares {ndim} "
+            f"dimensions but the file has only {len(raw)} bytes."
+        )
+    shape = tuple(int(d) for d in np.frombuffer(raw, dtype=">u4", count=ndim, offset=4))
+    expected = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    if len(raw) - header != expected:
+        raise ValueError(
+            f"The IDX file {path!r} has {len(raw) - header} data bytes; its "
+            f"header (shape {shape}, dtype {dtype}) requires {expected}."
+        )
+    data = np.frombuffer(raw, dtype=dtype, offset=header).reshape(shape)
+    return data.astype(dtype.newbyteorder("="), copy=True)
+
+
+def _find_idx_file(directory, stem):
+    for name in (stem + ".gz", stem):
+        path = os.path.join(directory, name)
+        if os.path.isfile(path):
+            return path
+    return None
+
+
+def _has_fashion_mnist(directory):
+    return all(
+        _find_idx_file(directory, stem) is not None
+        for stem, _ in _FASHION_MNIST_FILES.values()
+    )
+
+
+def _read_fashion_mnist_dir(directory):
+    arrays = {}
+    missing = []
+    for key, (stem, ndim) in _FASHION_MNIST_FILES.items():
+        path = _find_idx_file(directory, stem)
+        if path is None:
+            missing.append(f"{stem}[.gz]")
+            continue
+        arrays[key] = (path, ndim)
+    if missing:
+        raise FileNotFoundError(
+            f"Fashion-MNIST IDX files not found in data_dir={directory!r}. "
+            f"Looked for: {', '.join(missing)} (gzipped or not)."
+        )
+    loaded = {}
+    for key, (path, ndim) in arrays.items():
+        array = read_idx(path)
+        if array.ndim != ndim:
+            raise ValueError(
+                f"Expected {ndim} dimension(s) in {path!r}. "
+                f"Received: shape={array.shape}"
+            )
+        loaded[key] = array
+    for split in ("train", "test"):
+        x, y = loaded[f"x_{split}"], loaded[f"y_{split}"]
+        if len(x) != len(y):
+            raise ValueError(
+                f"Fashion-MNIST {split} images and labels disagree in {directory!r}: "
+                f"{len(x)} images, {len(y)} labels."
+            )
+    return tuple(
+        (
+            _scale_images(loaded[f"x_{split}"]),
+            loaded[f"y_{split}"].astype(np.int64),
+        )
+        for split in ("train", "test")
+    )
+
+
+def _scale_images(images):
+    images = np.asarray(images)
+    if images.ndim == 3:
+        images = images[..., np.newaxis]
+    return images.astype(np.float32) / np.float32(255.0)
+
+
+def _load_fashion_mnist_tfds():
+    try:
+        import tensorflow_datasets as tfds
+    except ImportError as e:
+        raise ImportError(
+            "Fashion-MNIST was not found as IDX files (no `data_dir` given and "
+            f"none in {DEBIAN_FASHION_MNIST_DIR!r}) and tensorflow-datasets is "
+            "not installed. Install it with `pip install tfdp[examples]`, or "
+            "install the Debian package `dataset-fashion-mnist`, or pass "
+            "`data_dir` pointing to the IDX files."
+        ) from e
+    splits = tfds.as_numpy(
+        tfds.load("fashion_mnist", batch_size=-1, as_supervised=True)
+    )
+    return tuple(
+        (_scale_images(splits[split][0]), np.asarray(splits[split][1]).astype(np.int64))
+        for split in ("train", "test")
+    )
+
+
+def load_fashion_mnist(data_dir=None):
+    """Fashion-MNIST: 28x28 grey images of 10 clothing classes.
+
+    Looked for, in order: the IDX files in `data_dir` if given
+    (`train-images-idx3-ubyte[.gz]`, `train-labels-idx1-ubyte[.gz]`,
+    `t10k-images-idx3-ubyte[.gz]`, `t10k-labels-idx1-ubyte[.gz]`); the same
+    files in Debian's `/usr/share/datasets/fashion-mnist`
+    (package `dataset-fashion-mnist`); tensorflow-datasets.
+
+    Args:
+        data_dir: optional directory holding the four IDX files.
+
+    Returns:
+        `((x_train, y_train), (x_test, y_test))`: float32 images in [0, 1] of
+        shape (60000, 28, 28, 1) and (10000, 28, 28, 1), int64 labels in 0..9.
+
+    Raises:
+        FileNotFoundError: `data_dir` is given but lacks some of the files.
+        ImportError: no IDX files were found and tensorflow-datasets is not
+            installed.
+
+    Example:
+
+    >>> (x_train, y_train), (x_test, y_test) = load_fashion_mnist()
+    >>> x_train.shape, int(y_test.max())
+    ((60000, 28, 28, 1), 9)
+    """
+    if data_dir is not None:
+        data_dir = os.fspath(data_dir)
+        if not os.path.isdir(data_dir):
+            raise FileNotFoundError(
+                f"Expected `data_dir` to be a directory holding the Fashion-MNIST "
+                f"IDX files. Received: data_dir={data_dir!r} (not a directory)"
+            )
+        return _read_fashion_mnist_dir(data_dir)
+    if _has_fashion_mnist(DEBIAN_FASHION_MNIST_DIR):
+        return _read_fashion_mnist_dir(DEBIAN_FASHION_MNIST_DIR)
+    return _load_fashion_mnist_tfds()
+
+
+_LOADERS = {
+    "digits": lambda data_dir: load_digits(),
+    "fashion_mnist": lambda data_dir: load_fashion_mnist(data_dir=data_dir),
+}
+
+
+def load_dataset(name, data_dir=None):
+    """Loads a built-in dataset by name.
+
+    Args:
+        name: "digits" or "fashion_mnist" ("fashion-mnist" is accepted too).
+        data_dir: optional directory of IDX files, used by "fashion_mnist"
+            (ignored by "digits", which ships with scikit-learn).
+
+    Returns:
+        `((x_train, y_train), (x_test, y_test))` as the named loader returns.
+
+    Example:
+
+    >>> (x_train, y_train), _ = load_dataset("digits")
+    >>> x_train.dtype, y_train.dtype
+    (dtype('float32'), dtype('int64'))
+    """
+    if not isinstance(name, str):
+        raise TypeError(
+            "Expected `name` to be a string, one of "
+            f"{sorted(_LOADERS)}. Received: name={name!r}"
+        )
+    key = name.strip().lower().replace("-", "_")
+    if key not in _LOADERS:
+        raise ValueError(
+            f"Unknown dataset. Expected `name` to be one of {sorted(_LOADERS)}. "
+            f"Received: name={name!r}"
+        )
+    return _LOADERS[key](data_dir)

@@ -1,0 +1,491 @@
+"""Poisson sampling into fixed-shape padded batches.
+
+DP-SGD's privacy accounting (`PoissonSampledDpEvent`) holds only when every
+record joins each step's batch independently with probability
+`q = expected_batch_size / num_examples`. The realised batch size is then
+Binomial(N, q): it changes from step to step, which would make a compiled
+training step retrace. This module pads every batch to one fixed length
+`padded_size` (with a 0/1 mask), chosen so that a larger draw happens with
+probability at most `overflow_probability` per step. A draw that is larger
+anyway is never truncated (truncation would change the sampling distribution
+and void the accounting): it is padded to the next multiple of
+`padded_size` instead.
+
+Example:
+
+```python
+sampler = PoissonSampler(num_examples=60000, expected_batch_size=256, seed=1)
+dataset = make_dataset(sampler, (x_train, y_train))
+for (x, y), mask in dataset:   # one element per DP-SGD step
+    ...                        # rows with mask == 0 are padding
+```
+"""
+
+import math
+import numbers
+import threading
+from collections.abc import Mapping
+
+import numpy as np
+import tensorflow as tf
+
+__all__ = ["PoissonSampler", "padded_batch_size", "make_dataset"]
+
+
+def _is_int(value):
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def _is_real(value):
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+def _check_num_examples(num_examples):
+    if not _is_int(num_examples):
+        raise TypeError(
+            "Expected `num_examples` to be an integer. "
+            f"Received: num_examples={num_examples!r} "
+            f"of type {type(num_examples).__name__}"
+        )
+    if num_examples < 1:
+        raise ValueError(
+            "Expected `num_examples` >= 1. "
+            f"Received: num_examples={num_examples}"
+        )
+    return int(num_examples)
+
+
+def _round_up(value, multiple):
+    return -(-value // multiple) * multiple
+
+
+# Binomial tail ------------------------------------------------------------------
+
+
+def _log_binomial_window(n, q, lo, hi, mode, log_pmf_mode):
+    """Log pmf of Binomial(n, q) on k = lo..hi (lo <= mode <= hi).
+
+    Anchored at the mode (computed with `math.lgamma`) and extended outwards
+    with cumulative sums of the log pmf ratios
+    log(p(k + 1) / p(k)) = log(n - k) - log(k + 1) + log(q / (1 - q)),
+    which avoids the cancellation of large `lgamma` differences.
+    """
+    log_odds = math.log(q) - math.log1p(-q)
+    out = np.empty(hi - lo + 1, dtype=np.float64)
+    out[mode - lo] = log_pmf_mode
+    if hi > mode:
+        k = np.arange(mode, hi, dtype=np.float64)
+        steps = np.log(n - k) - np.log(k + 1.0) + log_odds
+        out[mode - lo + 1 :] = log_pmf_mode + np.cumsum(steps)
+    if lo < mode:
+        # log(p(k - 1) / p(k)) = log(k) - log(n - k + 1) - log_odds, k = mode..lo+1
+        k = np.arange(mode, lo, -1, dtype=np.float64)
+        steps = np.log(k) - np.log(n - k + 1.0) - log_odds
+        out[: mode - lo][::-1] = log_pmf_mode + np.cumsum(steps)
+    return out
+
+
+def _log_geometric_remainder(log_pmf_edge, log_ratio):
+    """Log of p_edge * r / (1 - r): a bound on the mass beyond a window edge."""
+    if log_ratio >= 0.0:
+        return math.inf
+    return log_pmf_edge + log_ratio - math.log(-math.expm1(log_ratio))
+
+
+def _binomial_log_tails(n, q, log_target):
+    """Upper bounds on log P(X > P), X ~ Binomial(n, q), for P = lo..hi.
+
+    Returns `(lo, log_tails)`. The window [lo, hi] around the mode is widened
+    until (a) the mass above `hi` is provably below `target * e^-30` and
+    (b) the mass below `lo` is provably below 1/2, so every P with
+    P(X > P) <= target (< 1) lies in the window. The probabilities inside the
+    window are summed exactly in log space (from the far end, so small terms
+    are not lost); the mass above `hi` is added as its geometric upper bound
+    (beyond the mode the pmf ratio p(k+1)/p(k) decreases, so the tail above
+    `hi` is at most p(hi) r / (1 - r) with r = p(hi+1)/p(hi)). The result is
+    therefore an upper bound on the true tail, up to float64 rounding.
+    """
+    mode = min(n, int(math.floor((n + 1) * q)))
+    log_pmf_mode = (
+        math.lgamma(n + 1)
+        - math.lgamma(mode + 1)
+        - math.lgamma(n - mode + 1)
+        + mode * math.log(q)
+        + (n - mode) * math.log1p(-q)
+    )
+    log_odds = math.log(q) - math.log1p(-q)
+    width = int(math.ceil(10.0 * math.sqrt(n * q * (1.0 - q)))) + 16
+    while True:
+        lo = max(0, mode - width)
+        hi = min(n, mode + width)
+        log_pmf = _log_binomial_window(n, q, lo, hi, mode, log_pmf_mode)
+        if hi == n:
+            log_upper_rest = -math.inf
+        else:
+            log_ratio_up = math.log(n - hi) - math.log(hi + 1.0) + log_odds
+            log_upper_rest = _log_geometric_remainder(log_pmf[-1], log_ratio_up)
+        if lo == 0:
+            log_lower_rest = -math.inf
+        else:
+            log_ratio_down = math.log(lo) - math.log(n - lo + 1.0) - log_odds
+            log_lower_rest = _log_geometric_remainder(log_pmf[0], log_ratio_down)
+        if log_upper_rest <= log_target - 30.0 and log_lower_rest <= math.log(0.5):
+            break
+        width *= 2
+    # log_tails[j] = log P(X > lo + j) = log(sum_{k > lo + j} p(k) + rest).
+    reversed_cumulative = np.logaddexp.accumulate(log_pmf[::-1])[::-1]
+    log_tails = np.empty_like(log_pmf)
+    log_tails[:-1] = np.logaddexp(reversed_cumulative[1:], log_upper_rest)
+    log_tails[-1] = log_upper_rest
+    return lo, log_tails
+
+
+def padded_batch_size(
+    num_examples, sampling_probability, overflow_probability=1e-12, multiple=8
+):
+    """Smallest padded batch length that a Poisson draw overflows rarely.
+
+    Returns the smallest `P` with `P(Binomial(N, q) > P) <= overflow_probability`,
+    rounded up to a multiple of `multiple` (and at least `multiple`).
+
+    The tail is computed, not approximated: the binomial pmf is summed in log
+    space over a window around the mode that holds all but a provably tiny
+    remainder, and that remainder is added as a geometric upper bound. The
+    computed tail is thus an upper bound on the true tail (up to float64
+    rounding), so the returned size never understates the overflow risk.
+
+    Args:
+        num_examples: int, the number of records `N` (>= 1).
+        sampling_probability: float in (0, 1], the per-record inclusion
+            probability `q`.
+        overflow_probability: float in (0, 1), the largest acceptable
+            probability that one step's draw is longer than the result.
+        multiple: int >= 1; the result is rounded up to a multiple of it.
+
+    Returns:
+        int, the padded batch length.
+
+    Example:
+
+    >>> padded_batch_size(60000, 256 / 60000)
+    376
+    >>> padded_batch_size(100, 1.0, multiple=1)
+    100
+    """
+    n = _check_num_examples(num_examples)
+    if not _is_real(sampling_probability) or not (
+        0.0 < float(sampling_probability) <= 1.0
+    ):
+        raise ValueError(
+            "Expected `sampling_probability` in (0, 1]. "
+            f"Received: sampling_probability={sampling_probability!r}"
+        )
+    if not _is_real(overflow_probability) or not (
+        0.0 < float(overflow_probability) < 1.0
+    ):
+        raise ValueError(
+            "Expected `overflow_probability` in (0, 1). "
+            f"Received: overflow_probability={overflow_probability!r}"
+        )
+    if not _is_int(multiple) or multiple < 1:
+        raise ValueError(
+            f"Expected `multiple` to be an integer >= 1. Received: multiple={multiple!r}"
+        )
+    q = float(sampling_probability)
+    multiple = int(multiple)
+    if q == 1.0:
+        size = n
+    else:
+        lo, log_tails = _binomial_log_tails(n, q, math.log(overflow_probability))
+        fits = np.flatnonzero(log_tails <= math.log(overflow_probability))
+        # The window guarantees that the last entry fits.
+        size = lo + int(fits[0])
+    return max(multiple, _round_up(size, multiple))
+
+
+# Sampler ------------------------------------------------------------------------
+
+
+class PoissonSampler:
+    """Draws Poisson-sampled batches of record indices, padded to a fixed length.
+
+    Every step, each of the `num_examples` records joins the batch
+    independently with probability `q = expected_batch_size / num_examples`
+    (the sampling the DP-SGD accountant assumes). Batches are padded to
+    `padded_size` rows with a float mask (1 for a sampled record, 0 for
+    padding). A draw longer than `padded_size` (probability at most
+    `overflow_probability` per step) is padded to the smallest multiple of
+    `padded_size` that holds it; it is never truncated.
+
+    Args:
+        num_examples: int, the number of records `N` (>= 1).
+        expected_batch_size: number in [1, num_examples], the expected batch
+            size `b`.
+        steps_per_epoch: int >= 1, the steps `epoch()` yields. Defaults to
+            `round(num_examples / expected_batch_size)` (at least 1).
+        seed: int or None. None (the default) seeds from OS entropy, so no two
+            runs share a sampling stream; an int makes the draws reproducible.
+        overflow_probability: float in (0, 1), passed to `padded_batch_size`.
+        multiple: int >= 1, passed to `padded_batch_size`.
+
+    Attributes:
+        num_examples, expected_batch_size, steps_per_epoch: as given.
+        sampling_probability: `q = expected_batch_size / num_examples`.
+        padded_size: the padded batch length.
+        overflow_count: how many drawn batches were longer than `padded_size`.
+
+    Example:
+
+    >>> sampler = PoissonSampler(1000, 50, seed=0)
+    >>> sampler.steps_per_epoch, sampler.padded_size
+    (20, 112)
+    >>> for indices, mask in sampler.epoch():
+    ...     real = indices[mask == 1]   # this step's records
+    """
+
+    def __init__(
+        self,
+        num_examples,
+        expected_batch_size,
+        steps_per_epoch=None,
+        seed=None,
+        *,
+        overflow_probability=1e-12,
+        multiple=8,
+    ):
+        self.num_examples = _check_num_examples(num_examples)
+        if not _is_real(expected_batch_size):
+            raise TypeError(
+                "Expected `expected_batch_size` to be a number. "
+                f"Received: expected_batch_size={expected_batch_size!r} "
+                f"of type {type(expected_batch_size).__name__}"
+            )
+        if not 1 <= expected_batch_size <= self.num_examples:
+            raise ValueError(
+                "Expected 1 <= `expected_batch_size` <= the number of examples "
+                f"({self.num_examples}). "
+                f"Received: expected_batch_size={expected_batch_size}"
+            )
+        self.expected_batch_size = expected_batch_size
+        if steps_per_epoch is None:
+            steps_per_epoch = max(
+                1, int(round(self.num_examples / expected_batch_size))
+            )
+        elif not _is_int(steps_per_epoch) or steps_per_epoch < 1:
+            raise ValueError(
+                "Expected `steps_per_epoch` to be an integer >= 1. "
+                f"Received: steps_per_epoch={steps_per_epoch!r}"
+            )
+        self.steps_per_epoch = int(steps_per_epoch)
+        if seed is not None and (not _is_int(seed) or seed < 0):
+            raise TypeError(
+                "Expected `seed` to be None or a non-negative integer. "
+                f"Received: seed={seed!r}"
+            )
+        self.seed = seed
+        self.sampling_probability = float(expected_batch_size) / self.num_examples
+        self.padded_size = padded_batch_size(
+            self.num_examples,
+            self.sampling_probability,
+            overflow_probability=overflow_probability,
+            multiple=multiple,
+        )
+        self.overflow_count = 0
+        # seed=None: fresh OS entropy. Never saved with a model.
+        self._rng = np.random.default_rng(seed)
+        self._lock = threading.Lock()
+
+    def __repr__(self):
+        return (
+            f"PoissonSampler(num_examples={self.num_examples}, "
+            f"expected_batch_size={self.expected_batch_size}, "
+            f"steps_per_epoch={self.steps_per_epoch}, "
+            f"padded_size={self.padded_size})"
+        )
+
+    def sample_indices(self):
+        """Draws one Poisson batch.
+
+        Each record is included independently with probability `q`. The draw
+        walks the records with i.i.d. Geometric(q) gaps between successive
+        included records, which is the same distribution as N independent
+        Bernoulli(q) coins but costs O(q N) instead of O(N).
+
+        Returns:
+            np.ndarray of int64: the sorted indices of the included records
+            (possibly empty).
+
+        Example:
+
+        >>> PoissonSampler(10, 10, seed=0).sample_indices()
+        array([0, 1, 2, 3, 4, 5, 6, 7, 8, 9])
+        """
+        n, q = self.num_examples, self.sampling_probability
+        chunks = []
+        last = -1
+        with self._lock:
+            while True:
+                remaining = n - 1 - last
+                expected = q * remaining
+                size = int(expected + 6.0 * math.sqrt(expected) + 16)
+                positions = last + np.cumsum(self._rng.geometric(q, size=size))
+                if positions[-1] >= n:
+                    chunks.append(positions[positions < n])
+                    break
+                chunks.append(positions)
+                last = int(positions[-1])
+        indices = chunks[0] if len(chunks) == 1 else np.concatenate(chunks)
+        return indices.astype(np.int64, copy=False)
+
+    def pad(self, indices):
+        """Pads a draw to `padded_size` (or a multiple of it, never truncating).
+
+        Args:
+            indices: 1-D integer array, one step's sampled indices.
+
+        Returns:
+            `(indices, mask)`: int64 and float32 arrays of length L, where L is
+            `padded_size` if the draw fits, else the smallest multiple of
+            `padded_size` that holds it. Padding rows have index 0 and mask 0.
+
+        Example:
+
+        >>> sampler = PoissonSampler(100, 10, seed=0)
+        >>> idx, mask = sampler.pad(np.array([3, 7]))
+        >>> idx[:3], mask[:3]
+        (array([3, 7, 0]), array([1., 1., 0.], dtype=float32))
+        """
+        count = len(indices)
+        length = self.padded_size
+        if count > length:
+            length = _round_up(count, self.padded_size)
+            self.overflow_count += 1
+        padded = np.zeros(length, dtype=np.int64)
+        padded[:count] = indices
+        mask = np.zeros(length, dtype=np.float32)
+        mask[:count] = 1.0
+        return padded, mask
+
+    def epoch(self):
+        """Yields one epoch of padded Poisson batches.
+
+        Yields:
+            `steps_per_epoch` pairs `(indices, mask)` as returned by `pad`, each
+            from a fresh independent draw. An empty draw is a valid step (its
+            mask is all 0).
+
+        Example:
+
+        >>> sampler = PoissonSampler(1000, 50, seed=0)
+        >>> sum(1 for _ in sampler.epoch())
+        20
+        """
+        for _ in range(self.steps_per_epoch):
+            yield self.pad(self.sample_indices())
+
+
+# tf.data ------------------------------------------------------------------------
+
+
+def _leaf_paths(structure, path=""):
+    """Readable paths of the leaves of a nested structure, in `tf.nest` order."""
+    if isinstance(structure, Mapping):
+        items = [(f"{path}[{key!r}]", structure[key]) for key in sorted(structure)]
+    elif isinstance(structure, (list, tuple)):
+        items = [(f"{path}[{i}]", value) for i, value in enumerate(structure)]
+    else:
+        return [f"arrays{path}"]
+    paths = []
+    for child_path, value in items:
+        paths.extend(_leaf_paths(value, child_path))
+    return paths
+
+
+def make_dataset(sampler, arrays):
+    """A `tf.data.Dataset` of Poisson-sampled, padded batches.
+
+    Each element is one training step: `(batch_arrays, mask)`, where
+    `batch_arrays` has the structure of `arrays` with each array gathered at
+    the step's indices (leading dimension L, usually `sampler.padded_size`)
+    and `mask` is float32 `[L]` (1 for a sampled record, 0 for padding).
+    Iterating the dataset yields exactly `sampler.steps_per_epoch` elements,
+    and every iteration (every Keras epoch) draws fresh batches. The leading
+    dimension in `element_spec` is None so that a rare oversized draw (padded
+    to a multiple of `padded_size`) fits the same signature.
+
+    The arrays are converted to tensors once; only the index and mask arrays
+    come from Python, the gathering happens in TensorFlow.
+
+    Args:
+        sampler: a `PoissonSampler`.
+        arrays: a nested structure (tuple, list, dict) of numpy arrays or
+            tensors, all with first dimension `sampler.num_examples`.
+
+    Returns:
+        A `tf.data.Dataset` with known cardinality `sampler.steps_per_epoch`.
+
+    Example:
+
+    >>> sampler = PoissonSampler(len(x), expected_batch_size=256)
+    >>> dataset = make_dataset(sampler, (x, y))
+    >>> for (x_batch, y_batch), mask in dataset:
+    ...     loss = tf.reduce_sum(mask * per_example_loss(x_batch, y_batch))
+    """
+    if not isinstance(sampler, PoissonSampler):
+        raise TypeError(
+            "Expected `sampler` to be a `PoissonSampler`. "
+            f"Received: sampler={sampler!r} of type {type(sampler).__name__}"
+        )
+    leaves = tf.nest.flatten(arrays)
+    paths = _leaf_paths(arrays)
+    if len(paths) != len(leaves):
+        paths = [f"leaf {i} of arrays" for i in range(len(leaves))]
+    if not leaves:
+        raise ValueError(
+            "Expected `arrays` to hold at least one array. "
+            f"Received: arrays={arrays!r}"
+        )
+    tensors = []
+    for path, value in zip(paths, leaves):
+        if value is None:
+            raise ValueError(f"Expected an array at `{path}`. Received: None")
+        tensor = tf.convert_to_tensor(value)
+        if tensor.shape.rank is None or tensor.shape.rank == 0:
+            raise ValueError(
+                f"Expected `{path}` to have a first (example) dimension. "
+                f"Received: shape={tensor.shape}"
+            )
+        tensors.append(tensor)
+    for path, tensor in zip(paths, tensors):
+        if tensor.shape[0] != sampler.num_examples:
+            first_dims = ", ".join(
+                f"{p}: {t.shape[0]}" for p, t in zip(paths, tensors)
+            )
+            raise ValueError(
+                "Expected every array in `arrays` to have first dimension "
+                f"equal to the sampler's num_examples ({sampler.num_examples}). "
+                f"Received: {path} with first dimension {tensor.shape[0]} "
+                f"(first dimensions: {first_dims})"
+            )
+    structure = tf.nest.pack_sequence_as(arrays, tensors)
+
+    def generator():
+        yield from sampler.epoch()
+
+    index_dataset = tf.data.Dataset.from_generator(
+        generator,
+        output_signature=(
+            tf.TensorSpec(shape=[None], dtype=tf.int64),
+            tf.TensorSpec(shape=[None], dtype=tf.float32),
+        ),
+    )
+
+    def gather(indices, mask):
+        batch = tf.nest.map_structure(lambda t: tf.gather(t, indices), structure)
+        return batch, mask
+
+    dataset = index_dataset.map(gather, num_parallel_calls=tf.data.AUTOTUNE)
+    dataset = dataset.apply(
+        tf.data.experimental.assert_cardinality(sampler.steps_per_epoch)
+    )
+    return dataset.prefetch(tf.data.AUTOTUNE)

@@ -1,0 +1,1 @@
+"""The math of each mechanism as plain TensorFlow functions (no Keras objects)."""

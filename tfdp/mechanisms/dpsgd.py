@@ -1,0 +1,129 @@
+"""DP-SGD's math (Abadi et al. 2016) as plain TensorFlow functions.
+
+One private step: clip every per-example gradient to L2 norm at most
+`l2_norm_clip`, sum, add Gaussian noise N(0, (noise_multiplier * l2_norm_clip)^2)
+to every coordinate of the sum, and divide by the *expected* batch size (the
+realised size of a Poisson batch is private). See MECHANISMS.md sections 0-1.
+
+Example:
+
+>>> import tensorflow as tf
+>>> sq_norms = tf.constant([4.0, 0.25, float("nan")])
+>>> clip_factors(sq_norms, l2_norm_clip=1.0).numpy()
+array([0.5, 1. , 0. ], dtype=float32)
+"""
+
+import tensorflow as tf
+
+
+def clip_factors(sq_norms, l2_norm_clip, weights=None):
+    """Per-example factors `min(1, C / ||g_i||)` that clip each gradient to C.
+
+    A non-finite norm (NaN or Inf gradient) gets factor 0: such an example
+    contributes nothing, so it can never bypass clipping (MECHANISMS.md 0.1).
+
+    Args:
+        sq_norms: float tensor [B], squared L2 norms of per-example gradients.
+        l2_norm_clip: positive float, the clipping bound C.
+        weights: optional float tensor [B] multiplied into the factors (0 for
+            padded rows of a batch).
+
+    Returns:
+        Float tensor [B] of factors in [0, 1].
+
+    Example:
+
+    >>> clip_factors(tf.constant([9.0]), 1.5).numpy()
+    array([0.5], dtype=float32)
+    """
+    sq_norms = tf.convert_to_tensor(sq_norms)
+    finite = tf.math.is_finite(sq_norms)
+    # ||g + a||^2 expanded as ||g||^2 + 2<g, a> + ||a||^2 can round below 0.
+    safe = tf.where(finite, tf.maximum(sq_norms, 0.0), tf.zeros_like(sq_norms))
+    norms = tf.sqrt(safe)
+    clip = tf.cast(l2_norm_clip, sq_norms.dtype)
+    factors = tf.minimum(1.0, clip / tf.maximum(norms, 1e-30))
+    factors = tf.where(finite, factors, tf.zeros_like(factors))
+    if weights is not None:
+        factors = factors * tf.cast(weights, factors.dtype)
+    return factors
+
+
+def step_seed(key, step):
+    """The seed of one step's noise: `key` folded with the step counter.
+
+    Stateless: nothing about the noise is stored in a variable, so nothing can
+    be saved with a model; a resumed run (larger `step`) never replays noise.
+
+    Args:
+        key: int64 tensor [2], the run's secret noise key.
+        step: integer scalar tensor, e.g. the optimizer's iteration counter.
+
+    Returns:
+        int64 tensor [2].
+
+    Example:
+
+    >>> s = step_seed(tf.constant([1, 2], tf.int64), tf.constant(7, tf.int64))
+    >>> s.shape
+    TensorShape([2])
+    """
+    return tf.random.experimental.stateless_fold_in(
+        tf.cast(key, tf.int64), tf.cast(step, tf.int64)
+    )
+
+
+def gaussian_noise_like(tensors, stddev, seed):
+    """Independent N(0, stddev^2) noise shaped like each tensor of a list.
+
+    Args:
+        tensors: list of float tensors.
+        stddev: scalar standard deviation (a float, or a tensor broadcastable
+            to each tensor for per-coordinate noise).
+        seed: int64 tensor [2] (see `step_seed`); each tensor gets its own
+            stream, folded with its index.
+
+    Returns:
+        List of noise tensors.
+
+    Example:
+
+    >>> n = gaussian_noise_like([tf.zeros([3])], 1.0, tf.constant([0, 1], tf.int64))
+    >>> n[0].shape
+    TensorShape([3])
+    """
+    noise = []
+    for index, tensor in enumerate(tensors):
+        stream = tf.random.experimental.stateless_fold_in(seed, index)
+        unit = tf.random.stateless_normal(
+            tf.shape(tensor), seed=stream, dtype=tensor.dtype
+        )
+        noise.append(unit * tf.cast(stddev, tensor.dtype))
+    return noise
+
+
+def noisy_mean(clipped_sums, noise_stddev, expected_batch_size, seed):
+    """Adds Gaussian noise to clipped sums and divides by the expected size.
+
+    Args:
+        clipped_sums: list of tensors, the sums of clipped per-example grads.
+        noise_stddev: standard deviation of the noise on each coordinate of
+            the sum (noise_multiplier * l2_norm_clip for DP-SGD).
+        expected_batch_size: the sampler's expected batch size b (never the
+            realised size, which is private).
+        seed: int64 tensor [2] for this step.
+
+    Returns:
+        List of noisy mean gradients.
+
+    Example:
+
+    >>> g = noisy_mean([tf.ones([2])], 0.0, 4.0, tf.constant([0, 0], tf.int64))
+    >>> g[0].numpy()
+    array([0.25, 0.25], dtype=float32)
+    """
+    noise = gaussian_noise_like(clipped_sums, noise_stddev, seed)
+    return [
+        (s + n) / tf.cast(expected_batch_size, s.dtype)
+        for s, n in zip(clipped_sums, noise)
+    ]

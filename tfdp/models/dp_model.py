@@ -1,0 +1,389 @@
+"""`DPModel` and `DPSequential`: Keras models that train with DP.
+
+They differ from `keras.Model` / `keras.Sequential` in training only:
+`fit` feeds Poisson-sampled batches (fixed padded shape and a mask) and
+`train_step` computes per-example gradients and hands them to a tfdp
+optimizer, which clips, noises and applies them. Each step is counted in the
+model's privacy ledger (`model.privacy`), saved with the model and its
+checkpoints. Prediction, evaluation, saving and export are plain Keras.
+"""
+
+import keras
+import numpy as np
+import tensorflow as tf
+from keras.src.utils.tracking import no_automatic_dependency_tracking
+
+from tfdp.accounting import PrivacyLedger
+from tfdp.models.losses import per_example_loss
+from tfdp.models.per_example import (
+    METHODS,
+    check_per_example_support,
+    compute_per_example_gradients,
+)
+
+_LEDGER_KEY = "privacy_ledger"
+DEFAULT_DELTA = 1e-5
+
+
+def _first_dim(arrays):
+    return len(tf.nest.flatten(arrays)[0])
+
+
+def _take(arrays, index):
+    return tf.nest.map_structure(lambda a: a[index], arrays)
+
+
+class DPTrainingMixin:
+    """The private training path shared by `DPModel` and `DPSequential`."""
+
+    def _init_dp(self, per_example_gradients):
+        if per_example_gradients not in METHODS:
+            raise ValueError(
+                f"Expected `per_example_gradients` in {METHODS}. Received: "
+                f"per_example_gradients={per_example_gradients!r}"
+            )
+        self.per_example_gradients = per_example_gradients
+        self._dp_steps = self.add_weight(
+            shape=(),
+            dtype="int64",
+            initializer="zeros",
+            trainable=False,
+            name="dp_steps",
+            aggregation="only_first_replica",
+        )
+        self._privacy_ledger = PrivacyLedger(step_counter=self._read_dp_steps)
+        self._per_example_loss = None
+        self._add_nonfinite_counter()
+
+    @no_automatic_dependency_tracking
+    def _add_nonfinite_counter(self):
+        # Untracked: a training-data statistic, kept out of evaluate(),
+        # saved files and exports. Counts over the model's life in memory.
+        self._nonfinite_counter = keras.metrics.Sum(name="nonfinite_examples")
+
+    def _read_dp_steps(self):
+        return int(self._dp_steps.numpy())
+
+    @property
+    def privacy(self):
+        """The privacy ledger: every release this model's training made.
+
+        Example: `model.privacy.epsilon(delta=1e-5)`.
+        """
+        return self._privacy_ledger
+
+    # -- compile -------------------------------------------------------------
+
+    def compile(self, optimizer=None, loss=None, metrics=None, **kwargs):
+        """Keras `compile`, requiring a tfdp optimizer and one loss.
+
+        `jit_compile` defaults to False: on the 2-core CPU this was measured
+        on, the DP step ran faster without XLA (see benchmarks/throughput.py).
+        """
+        from tfdp.optimizers import DPOptimizer
+
+        if isinstance(optimizer, (str, dict)):
+            optimizer = keras.optimizers.get(optimizer)
+        if not isinstance(optimizer, DPOptimizer):
+            raise ValueError(
+                f"{type(self).__name__} trains with differential privacy and needs "
+                "a tfdp optimizer (tfdp.optimizers.DPSGD, DPOptimizer, SADPSGD, "
+                "DPIS, AdaDP). Received: optimizer="
+                f"{type(optimizer).__name__ if optimizer is not None else None}"
+            )
+        check_per_example_support(self)
+        self._per_example_loss = per_example_loss(loss)
+        if kwargs.get("jit_compile", "auto") == "auto":
+            kwargs["jit_compile"] = False
+        super().compile(optimizer=optimizer, loss=loss, metrics=metrics, **kwargs)
+
+    def compile_from_config(self, config):
+        """Recompiles a loaded model (Keras skips models with a custom compile)."""
+        config = keras.saving.deserialize_keras_object(config)
+        self.compile(**config)
+        if self.built:
+            self.optimizer.build(self.trainable_variables)
+
+    # -- the private step ----------------------------------------------------
+
+    def train_step(self, data):
+        arrays, step_info = data
+        x, y = arrays[0], arrays[1]
+        mask = tf.cast(step_info["mask"], tf.float32)
+        weights = mask
+        if len(arrays) > 2:
+            weights = mask * tf.cast(tf.reshape(arrays[2], [-1]), tf.float32)
+        per_example, y_pred, losses = compute_per_example_gradients(
+            self, x, y, weights, self._per_example_loss, self.per_example_gradients
+        )
+        grads, stats = self.optimizer.privatize(per_example, step_info)
+        logs = self.optimizer.apply_private_gradients(
+            grads, self.trainable_variables, model=self
+        )
+        self._dp_steps.assign_add(1)
+        self._nonfinite_counter.update_state(stats["nonfinite_examples"])
+        finite = tf.math.is_finite(losses)
+        loss_weights = tf.where(finite, weights, tf.zeros_like(weights))
+        safe_losses = tf.where(finite, losses, tf.zeros_like(losses))
+        self._loss_tracker.update_state(
+            tf.math.divide_no_nan(
+                tf.reduce_sum(safe_losses * loss_weights), tf.reduce_sum(loss_weights)
+            ),
+            sample_weight=tf.reduce_sum(loss_weights),
+        )
+        metrics = self.compute_metrics(x, y, y_pred, sample_weight=loss_weights)
+        return {**metrics, **logs, "nonfinite_examples": self._nonfinite_counter.result()}
+
+    # -- fit -----------------------------------------------------------------
+
+    def fit(
+        self,
+        x=None,
+        y=None,
+        batch_size=None,
+        epochs=1,
+        verbose="auto",
+        callbacks=None,
+        validation_split=0.0,
+        validation_data=None,
+        shuffle=True,
+        class_weight=None,
+        sample_weight=None,
+        initial_epoch=0,
+        steps_per_epoch=None,
+        validation_steps=None,
+        validation_batch_size=None,
+        validation_freq=1,
+    ):
+        """Keras `fit` on Poisson-sampled batches (MECHANISMS.md 0.2).
+
+        Each of `steps_per_epoch` steps (default: dataset size / batch_size)
+        includes every training record independently with probability
+        batch_size / N, so `batch_size` is the *expected* batch size. Data
+        must be in memory (NumPy arrays or tensors): a tf.data pipeline
+        cannot be Poisson-sampled. `shuffle` is ignored (sampling is random).
+        Everything else is as in Keras. Epsilon appears in the logs; add
+        `tfdp.callbacks.PrivacyBudget` to set delta or stop at a budget.
+        """
+        from tfdp.callbacks import PrivacyBudget
+
+        if self.optimizer is None or self._per_example_loss is None:
+            raise ValueError("Compile the model with a tfdp optimizer before calling fit().")
+        x, y, sample_weight = self._check_training_arrays(x, y, sample_weight, class_weight)
+        if validation_split and validation_data is None:
+            x, y, sample_weight, validation_data = _split_validation(
+                x, y, sample_weight, validation_split
+            )
+        num_examples = _first_dim(x)
+        batch_size = 32 if batch_size is None else batch_size
+        if isinstance(batch_size, bool) or not isinstance(batch_size, (int, np.integer)) or batch_size < 1:
+            raise ValueError(f"Expected `batch_size` to be an int >= 1. Received: batch_size={batch_size!r}")
+        if batch_size > num_examples:
+            raise ValueError(
+                f"Expected `batch_size` <= the number of training examples "
+                f"({num_examples}). Received: batch_size={batch_size}"
+            )
+        arrays = (x, y) if sample_weight is None else (x, y, sample_weight)
+        self._build_for(arrays)
+        dataset, steps = self.optimizer.make_training_data(
+            self, arrays, batch_size, steps_per_epoch=steps_per_epoch
+        )
+        callbacks = list(callbacks or [])
+        if not any(isinstance(c, PrivacyBudget) for c in callbacks):
+            callbacks.append(PrivacyBudget(epsilon=None, delta=min(DEFAULT_DELTA, 1.0 / num_examples)))
+        # Ledger-reading callbacks go first so that every other callback
+        # (progress bar, History, TensorBoard, checkpoints) sees epsilon.
+        callbacks.sort(key=lambda c: not isinstance(c, PrivacyBudget))
+        for callback in callbacks:
+            if isinstance(callback, PrivacyBudget):
+                callback.check_can_start(self.privacy)
+        return super().fit(
+            dataset,
+            epochs=epochs,
+            verbose=verbose,
+            callbacks=callbacks,
+            validation_data=validation_data,
+            shuffle=False,
+            initial_epoch=initial_epoch,
+            steps_per_epoch=steps,
+            validation_steps=validation_steps,
+            validation_batch_size=validation_batch_size,
+            validation_freq=validation_freq,
+        )
+
+    def _check_training_arrays(self, x, y, sample_weight, class_weight):
+        if isinstance(x, (tf.data.Dataset, keras.utils.PyDataset)) or callable(
+            getattr(x, "__next__", None)
+        ):
+            raise ValueError(
+                "DP training needs the training data in memory (NumPy arrays or "
+                "tensors) to Poisson-sample each batch; the privacy accounting is "
+                "only valid for Poisson sampling. Received: x of type "
+                f"{type(x).__name__}"
+            )
+        if x is None or y is None:
+            raise ValueError(
+                f"DP training needs inputs and labels. Received: x={type(x).__name__}, "
+                f"y={type(y).__name__}"
+            )
+        x = tf.nest.map_structure(np.asarray, x)
+        y = np.asarray(y)
+        num_examples = _first_dim(x)
+        if num_examples == 0:
+            raise ValueError("Received empty training data: x has 0 examples.")
+        for name, arr in [("y", y)] + (
+            [("sample_weight", sample_weight)] if sample_weight is not None else []
+        ):
+            if len(arr) != num_examples:
+                raise ValueError(
+                    f"Expected `{name}` to have one entry per example of x "
+                    f"({num_examples}). Received: {name} with {len(arr)} entries"
+                )
+        if any(len(a) != num_examples for a in tf.nest.flatten(x)):
+            raise ValueError("All inputs in x must have the same number of examples.")
+        self._check_labels(y)
+        if class_weight is not None:
+            if y.ndim > 2 or (y.ndim == 2 and y.shape[1] != 1):
+                raise ValueError("`class_weight` needs integer class labels of shape [N].")
+            weights = np.asarray([class_weight[int(c)] for c in y.reshape(-1)], np.float32)
+            sample_weight = weights if sample_weight is None else weights * sample_weight
+        if sample_weight is not None:
+            sample_weight = np.asarray(sample_weight, np.float32)
+        return x, y, sample_weight
+
+    def _check_labels(self, y):
+        if not np.issubdtype(y.dtype, np.integer):
+            return
+        outputs = getattr(self, "outputs", None)
+        units = outputs[0].shape[-1] if outputs else None
+        if units and units > 1 and (y.ndim == 1 or (y.ndim == 2 and y.shape[1] == 1)):
+            if y.min() < 0 or y.max() >= units:
+                raise ValueError(
+                    f"Labels must be class indices in [0, {units - 1}] for a model "
+                    f"with {units} outputs. Received: labels in "
+                    f"[{y.min()}, {y.max()}]"
+                )
+
+    def _build_for(self, arrays):
+        """Builds model, metrics and optimizer on a 1-example batch."""
+        sample = _take(arrays, slice(0, 1))
+        data = tuple(sample) + ((None,) if len(sample) == 2 else ())
+        strategy = self.distribute_strategy
+        with strategy.scope():
+            self._symbolic_build(data_batch=data)
+
+    # -- the ledger travels with the weights ------------------------------
+
+    def save_own_variables(self, store):
+        super().save_own_variables(store)
+        text = self._privacy_ledger.to_json().encode("utf-8")
+        store[_LEDGER_KEY] = np.frombuffer(text, dtype=np.uint8)
+
+    def load_own_variables(self, store):
+        keys = list(store.keys())
+        if _LEDGER_KEY not in keys:
+            raise ValueError(
+                "These weights hold no tfdp privacy ledger, so the privacy spent "
+                "training them is unknown; tfdp refuses to resume from them."
+            )
+        ledger_json = bytes(np.asarray(store[_LEDGER_KEY], dtype=np.uint8)).decode("utf-8")
+        super().load_own_variables({k: store[k] for k in keys if k != _LEDGER_KEY})
+        self._privacy_ledger = PrivacyLedger.from_json(
+            ledger_json, step_counter=self._read_dp_steps
+        )
+
+    def get_config(self):
+        config = super().get_config()
+        config["per_example_gradients"] = self.per_example_gradients
+        return config
+
+
+def _split_validation(x, y, sample_weight, validation_split):
+    if not 0.0 < validation_split < 1.0:
+        raise ValueError(
+            f"Expected `validation_split` in (0, 1). Received: validation_split={validation_split}"
+        )
+    num_examples = _first_dim(x)
+    cut = int(num_examples * (1.0 - validation_split))
+    if cut < 1 or cut >= num_examples:
+        raise ValueError(
+            f"validation_split={validation_split} leaves no training or no "
+            f"validation examples out of {num_examples}."
+        )
+    train = (_take(x, slice(0, cut)), y[:cut])
+    val = (_take(x, slice(cut, None)), y[cut:])
+    sw_train = sw_val = None
+    if sample_weight is not None:
+        sw_train, sw_val = sample_weight[:cut], sample_weight[cut:]
+        val = val + (sw_val,)
+    return train[0], train[1], sw_train, val
+
+
+@keras.saving.register_keras_serializable(package="tfdp")
+class DPModel(DPTrainingMixin, keras.Model):
+    """A Functional Keras model trained with differential privacy.
+
+    Args:
+        inputs, outputs: as `keras.Model(inputs, outputs)`.
+        per_example_gradients: "auto" (default: the fast book-keeping path
+            when every trainable layer is Dense or Conv2D, else
+            tf.vectorized_map), "fast" or "vectorized".
+        **kwargs: passed to `keras.Model` (name, ...).
+
+    Example:
+
+    >>> import keras, tfdp
+    >>> inputs = keras.Input((64,))
+    >>> outputs = keras.layers.Dense(10)(keras.layers.Dense(32, activation="tanh")(inputs))
+    >>> model = tfdp.DPModel(inputs, outputs)
+    >>> model.compile(
+    ...     optimizer=tfdp.optimizers.DPSGD(0.5, l2_norm_clip=1.0, noise_multiplier=1.1),
+    ...     loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    """
+
+    def __init__(self, *args, per_example_gradients="auto", **kwargs):
+        super().__init__(*args, **kwargs)
+        self._init_dp(per_example_gradients)
+
+    @classmethod
+    def from_config(cls, config, custom_objects=None):
+        config = dict(config)
+        method = config.pop("per_example_gradients", "auto")
+        model = super().from_config(config, custom_objects=custom_objects)
+        model.per_example_gradients = method
+        return model
+
+
+@keras.saving.register_keras_serializable(package="tfdp")
+class DPSequential(DPTrainingMixin, keras.Sequential):
+    """A `keras.Sequential` model trained with differential privacy.
+
+    Args:
+        layers: list of layers, as `keras.Sequential`.
+        per_example_gradients: see `DPModel`.
+        **kwargs: passed to `keras.Sequential` (name, trainable).
+
+    Example:
+
+    >>> import keras, tfdp
+    >>> model = tfdp.DPSequential([
+    ...     keras.Input((64,)),
+    ...     keras.layers.Dense(32, activation="tanh"),
+    ...     keras.layers.Dense(10)])
+    >>> model.compile(
+    ...     optimizer=tfdp.optimizers.DPSGD(0.5, l2_norm_clip=1.0, noise_multiplier=1.1),
+    ...     loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+    ...     metrics=["accuracy"])
+    """
+
+    def __init__(self, layers=None, per_example_gradients="auto", **kwargs):
+        super().__init__(layers=layers, **kwargs)
+        self._init_dp(per_example_gradients)
+
+    @classmethod
+    def from_config(cls, config, custom_objects=None):
+        config = dict(config)
+        method = config.pop("per_example_gradients", "auto")
+        model = super().from_config(config, custom_objects=custom_objects)
+        model.per_example_gradients = method
+        return model

@@ -1,0 +1,272 @@
+"""`DPOptimizer`: any Keras optimizer, made differentially private.
+
+The wrapper owns the private part of a step (clip per-example gradients, add
+calibrated Gaussian noise, divide by the expected batch size, describe the
+release to the privacy ledger); the inner optimizer only post-processes the
+noisy mean, like `keras.optimizers.LossScaleOptimizer` wraps its inner one.
+"""
+
+import math
+import os
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+from tfdp import accounting
+from tfdp.data.poisson import PoissonSampler, make_dataset
+from tfdp.mechanisms import dpsgd
+
+WEIGHT_DECAY_PLACEMENTS = ("before_clip", "after_noise")
+
+NON_PRIVATE_ERROR = (
+    "{name} is a differentially private optimizer: it needs per-example "
+    "gradients to clip, which a plain keras.Model does not compute (it called "
+    "apply_gradients with the batch's mean gradient). Build the model with "
+    "tfdp.DPModel(inputs, outputs) or tfdp.DPSequential([...]) and compile it "
+    "with this optimizer. Training was not started, so nothing ran without "
+    "privacy."
+)
+
+
+def check_positive(name, value):
+    """Raises ValueError unless `value` is a finite number > 0 (Keras style)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float, np.number)):
+        raise TypeError(f"Expected `{name}` to be a number. Received: {name}={value!r}")
+    if not math.isfinite(value) or value <= 0:
+        raise ValueError(
+            f"Expected `{name}` to be a finite number > 0. Received: {name}={value}"
+        )
+    return float(value)
+
+
+def _noise_key(seed):
+    """Two int64 words keying the stateless noise; OS entropy unless seeded."""
+    if seed is None:
+        words = np.frombuffer(os.urandom(16), dtype=np.int64)
+    else:
+        words = np.random.default_rng([int(seed), 0x7FD9]).integers(
+            np.iinfo(np.int64).min, np.iinfo(np.int64).max, size=2, dtype=np.int64
+        )
+    return words.copy()
+
+
+@keras.saving.register_keras_serializable(package="tfdp")
+class DPOptimizer(keras.optimizers.Optimizer):
+    """Makes any Keras optimizer differentially private (DP-SGD's mechanism).
+
+    Each step clips every example's gradient to L2 norm `l2_norm_clip`, sums,
+    adds N(0, (noise_multiplier * l2_norm_clip)^2) to every coordinate, divides
+    by the expected batch size and hands the noisy mean to `inner_optimizer`.
+    Use it with `tfdp.DPModel` / `tfdp.DPSequential`, which compute the
+    per-example gradients and feed Poisson-sampled batches; a plain
+    `keras.Model` gets a clear error instead of silently non-private training.
+
+    Args:
+        inner_optimizer: a `keras.optimizers.Optimizer` (Adam, SGD, RMSprop,
+            ...). It only post-processes noisy gradients.
+        l2_norm_clip: clipping bound C > 0 on each example's gradient norm.
+        noise_multiplier: sigma > 0; the noise's standard deviation is
+            sigma * C on the sum of clipped gradients.
+        weight_decay: lambda >= 0 (default 0, none).
+        weight_decay_placement: "before_clip" (default; seed 003: the L2 term
+            lambda/2 ||theta||^2 joins each example's loss, so lambda * theta
+            is added to every per-example gradient before clipping) or
+            "after_noise" (classic: lambda * theta added to the noisy
+            gradient, which can pin theta at C / lambda).
+        seed: optional int making noise and sampling reproducible. Anyone who
+            knows the seed can subtract the noise: use it for tests and
+            reproductions, never for a model whose privacy matters. Without it
+            the noise is keyed from OS entropy per run. The key is never saved.
+        name: optimizer name.
+
+    Example:
+
+    >>> import keras, tfdp
+    >>> opt = tfdp.optimizers.DPOptimizer(
+    ...     keras.optimizers.Adam(1e-3), l2_norm_clip=1.0, noise_multiplier=1.1)
+    >>> opt.noise_multiplier
+    1.1
+    """
+
+    def __init__(
+        self,
+        inner_optimizer,
+        l2_norm_clip,
+        noise_multiplier,
+        weight_decay=0.0,
+        weight_decay_placement="before_clip",
+        seed=None,
+        name=None,
+        **kwargs,
+    ):
+        if not isinstance(inner_optimizer, keras.optimizers.Optimizer):
+            raise TypeError(
+                "Expected `inner_optimizer` to be a keras.optimizers.Optimizer "
+                f"instance. Received: inner_optimizer={inner_optimizer!r}"
+            )
+        if isinstance(inner_optimizer, DPOptimizer):
+            raise ValueError(
+                "`inner_optimizer` is already a tfdp optimizer; wrapping it again "
+                "would clip and noise twice. Received: inner_optimizer="
+                f"{type(inner_optimizer).__name__}"
+            )
+        if kwargs:
+            raise ValueError(
+                f"{type(self).__name__} does not support arguments "
+                f"{sorted(kwargs)}; set them on the inner optimizer."
+            )
+        l2_norm_clip = check_positive("l2_norm_clip", l2_norm_clip)
+        noise_multiplier = check_positive("noise_multiplier", noise_multiplier)
+        if isinstance(weight_decay, bool) or not isinstance(
+            weight_decay, (int, float, np.number)
+        ) or not math.isfinite(weight_decay) or weight_decay < 0:
+            raise ValueError(
+                "Expected `weight_decay` to be a finite number >= 0. "
+                f"Received: weight_decay={weight_decay!r}"
+            )
+        if weight_decay_placement not in WEIGHT_DECAY_PLACEMENTS:
+            raise ValueError(
+                f"Expected `weight_decay_placement` in {WEIGHT_DECAY_PLACEMENTS}. "
+                f"Received: weight_decay_placement={weight_decay_placement!r}"
+            )
+        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, (int, np.integer))):
+            raise TypeError(f"Expected `seed` to be an int or None. Received: seed={seed!r}")
+        super().__init__(learning_rate=0.0, name=name)
+        self.inner_optimizer = inner_optimizer
+        self.l2_norm_clip = l2_norm_clip
+        self.noise_multiplier = noise_multiplier
+        self.weight_decay = float(weight_decay)
+        self.weight_decay_placement = weight_decay_placement
+        self.seed = seed
+        self._noise_key = _noise_key(seed)
+
+    # -- Keras optimizer plumbing (as in LossScaleOptimizer) ---------------
+
+    def build(self, var_list):
+        self.inner_optimizer.build(var_list)
+        super().build(var_list)
+
+    @property
+    def variables(self):
+        return self._variables + self.inner_optimizer.variables
+
+    @property
+    def iterations(self):
+        return self.inner_optimizer.iterations
+
+    @property
+    def learning_rate(self):
+        return self.inner_optimizer.learning_rate
+
+    @learning_rate.setter
+    def learning_rate(self, learning_rate):
+        self.inner_optimizer.learning_rate = learning_rate
+
+    def apply(self, grads, trainable_variables=None):
+        raise ValueError(NON_PRIVATE_ERROR.format(name=type(self).__name__))
+
+    def stateless_apply(self, optimizer_variables, grads, trainable_variables):
+        raise ValueError(NON_PRIVATE_ERROR.format(name=type(self).__name__))
+
+    def finalize_variable_values(self, var_list):
+        self.inner_optimizer.finalize_variable_values(var_list)
+
+    # -- the private step ---------------------------------------------------
+
+    def noise_stddev(self):
+        """Standard deviation of the noise on each coordinate of the sum."""
+        return self.noise_multiplier * self.l2_norm_clip
+
+    def noise_seed(self):
+        """This step's noise seed: the run's key folded with the step count."""
+        seed = dpsgd.step_seed(self._noise_key, self.iterations)
+        replica = tf.distribute.get_replica_context()
+        if replica is not None and replica.num_replicas_in_sync > 1:
+            seed = tf.random.experimental.stateless_fold_in(
+                seed, tf.cast(replica.replica_id_in_sync_group, tf.int64)
+            )
+        return seed
+
+    def _decay_offsets(self, variables):
+        return [self.weight_decay * tf.cast(v, tf.float32) for v in variables]
+
+    def privatize(self, per_example, step_info):
+        """Clip, sum, noise and average per-example gradients.
+
+        Args:
+            per_example: `tfdp.models.per_example.PerExampleGradients`.
+            step_info: dict with "mask" (float [B], 0 on padding rows) and
+                "expected_batch_size" (scalar).
+
+        Returns:
+            (noisy mean gradients aligned with `per_example.variables`,
+            dict of per-step tensors for logging).
+        """
+        variables = per_example.variables
+        if self.weight_decay and self.weight_decay_placement == "before_clip":
+            per_example = per_example.with_offsets(self._decay_offsets(variables))
+        sq_norms = per_example.sq_norms()
+        factors = dpsgd.clip_factors(sq_norms, self.l2_norm_clip, step_info["mask"])
+        sums = per_example.weighted_sum(factors)
+        grads = dpsgd.noisy_mean(
+            sums, self.noise_stddev(), step_info["expected_batch_size"], self.noise_seed()
+        )
+        if self.weight_decay and self.weight_decay_placement == "after_noise":
+            grads = [g + o for g, o in zip(grads, self._decay_offsets(variables))]
+        nonfinite = tf.reduce_sum(
+            tf.cast(~tf.math.is_finite(sq_norms), tf.float32) * step_info["mask"]
+        )
+        return grads, {"nonfinite_examples": nonfinite}
+
+    def apply_private_gradients(self, grads, trainable_variables, model=None):
+        """Hands the noisy gradients to the inner optimizer.
+
+        Mechanisms that act after the update (SA-DPSGD's acceptance test)
+        override this. Returns a dict of per-step tensors for logging.
+        """
+        self.inner_optimizer.apply(grads, trainable_variables)
+        return {}
+
+    def step_event(self, sampling_probability):
+        """The dp_accounting event one step of this optimizer releases."""
+        return accounting.dpsgd_event(self.noise_multiplier, sampling_probability)
+
+    def make_training_data(self, model, arrays, batch_size, steps_per_epoch=None):
+        """Poisson-sampled training data for `DPModel.fit` (MECHANISMS.md 0.2).
+
+        Opens the ledger's step event for these settings and returns
+        `(dataset, steps_per_epoch)`; each element is `(arrays_batch,
+        step_info)` with a padding mask and the expected batch size.
+        """
+        num_examples = len(tf.nest.flatten(arrays)[0])
+        sampler = PoissonSampler(
+            num_examples, batch_size, steps_per_epoch=steps_per_epoch, seed=self.seed
+        )
+        expected = tf.constant(float(batch_size))
+        dataset = make_dataset(sampler, arrays).map(
+            lambda batch, mask: (batch, {"mask": mask, "expected_batch_size": expected})
+        )
+        model.privacy.begin_steps(self.step_event(batch_size / num_examples))
+        return dataset, sampler.steps_per_epoch
+
+    # -- serialization --------------------------------------------------------
+
+    def get_config(self):
+        return {
+            "name": self.name,
+            "inner_optimizer": keras.saving.serialize_keras_object(self.inner_optimizer),
+            "l2_norm_clip": self.l2_norm_clip,
+            "noise_multiplier": self.noise_multiplier,
+            "weight_decay": self.weight_decay,
+            "weight_decay_placement": self.weight_decay_placement,
+            "seed": self.seed,
+        }
+
+    @classmethod
+    def from_config(cls, config, custom_objects=None):
+        config = dict(config)
+        config["inner_optimizer"] = keras.saving.deserialize_keras_object(
+            config["inner_optimizer"], custom_objects=custom_objects
+        )
+        return cls(**config)

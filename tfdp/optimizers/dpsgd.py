@@ -1,0 +1,74 @@
+"""`DPSGD`: DP-SGD (Abadi et al. 2016) with keras.optimizers.SGD's arguments."""
+
+import keras
+
+from tfdp.optimizers.dp_optimizer import DPOptimizer
+
+
+@keras.saving.register_keras_serializable(package="tfdp")
+class DPSGD(DPOptimizer):
+    """DP-SGD: `DPOptimizer` around `keras.optimizers.SGD`.
+
+    Args:
+        learning_rate: float or `keras.optimizers.schedules` schedule
+            (default 0.01, as SGD).
+        momentum: float >= 0 (default 0), as SGD.
+        nesterov: bool (default False), as SGD.
+        l2_norm_clip: clipping bound C > 0 on each example's gradient norm.
+        noise_multiplier: sigma > 0 (noise std sigma * C on the clipped sum).
+        weight_decay, weight_decay_placement, seed, name: see `DPOptimizer`.
+
+    Example (the Fashion-MNIST settings of SA-DPSGD's Table 2):
+
+    >>> import tfdp
+    >>> opt = tfdp.optimizers.DPSGD(learning_rate=4.0, l2_norm_clip=0.1,
+    ...                             noise_multiplier=2.15)
+    >>> float(opt.learning_rate)
+    4.0
+    """
+
+    def __init__(
+        self,
+        learning_rate=0.01,
+        momentum=0.0,
+        nesterov=False,
+        l2_norm_clip=1.0,
+        noise_multiplier=1.0,
+        weight_decay=0.0,
+        weight_decay_placement="before_clip",
+        seed=None,
+        name=None,
+        **kwargs,
+    ):
+        inner = keras.optimizers.SGD(
+            learning_rate=learning_rate, momentum=momentum, nesterov=nesterov
+        )
+        super().__init__(
+            inner,
+            l2_norm_clip=l2_norm_clip,
+            noise_multiplier=noise_multiplier,
+            weight_decay=weight_decay,
+            weight_decay_placement=weight_decay_placement,
+            seed=seed,
+            name=name,
+            **kwargs,
+        )
+
+    def get_config(self):
+        config = super().get_config()
+        inner = config.pop("inner_optimizer")["config"]
+        config.update(
+            learning_rate=inner["learning_rate"],
+            momentum=inner["momentum"],
+            nesterov=inner["nesterov"],
+        )
+        return config
+
+    @classmethod
+    def from_config(cls, config, custom_objects=None):
+        config = dict(config)
+        if isinstance(config.get("learning_rate"), dict):
+            config["learning_rate"] = keras.saving.deserialize_keras_object(
+                config["learning_rate"], custom_objects=custom_objects
+            )
+        return cls(**config)
