@@ -49,7 +49,7 @@ def measure(model_name, batch, xla, private, method, steps):
     import tfdp
 
     keras.utils.set_random_seed(0)
-    num = batch * 8
+    num = batch * steps  # Keras must not run out of data within the timed epoch
     rng = np.random.default_rng(0)
     x = rng.random((num, 28, 28, 1), dtype=np.float32)
     y = rng.integers(0, 10, num)

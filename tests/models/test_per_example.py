@@ -53,8 +53,21 @@ def reference_gradients(model, x, y, weights, loss_fn):
     return [np.stack([g[j].numpy() for g in per_example]) for j in range(len(model.trainable_variables))]
 
 
+def multichannel_cnn():
+    """Nine input channels: patches come from tf.image.extract_patches."""
+    return keras.Sequential(
+        [
+            keras.Input((7, 7, 9)),
+            keras.layers.Conv2D(5, 3, strides=2, padding="same", activation="tanh"),
+            keras.layers.Flatten(),
+            keras.layers.Dense(3),
+        ]
+    )
+
+
 CASES = [
     (tanh_cnn, (6, 12, 12, 1)),
+    (multichannel_cnn, (6, 7, 7, 9)),
     (sequence_mlp, (6, 5, 4)),
     (wide_sequence_model, (6, 2, 16)),
 ]
