@@ -227,3 +227,11 @@ def test_digits_reaches_90_percent_at_epsilon_3():
     _, accuracy = model.evaluate(x_test, y_test, verbose=0)
     assert model.privacy.epsilon(1e-5) <= 3.0
     assert accuracy >= 0.90
+
+
+def test_seeded_sampling_does_not_replay_across_fit_calls():
+    seeded = tfdp.optimizers.DPSGD(0.1, l2_norm_clip=1.0, noise_multiplier=1.0, seed=7)
+    assert seeded.sampling_seed(0) == seeded.sampling_seed(0)
+    assert seeded.sampling_seed(0) != seeded.sampling_seed(20)
+    unseeded = tfdp.optimizers.DPSGD(0.1, l2_norm_clip=1.0, noise_multiplier=1.0)
+    assert unseeded.sampling_seed(0) is None

@@ -1,275 +1,607 @@
 """`PrivacyLedger`: every private release of a training run, as DpEvents.
 
 The ledger is tfdp's single source of truth for epsilon. Mechanisms describe
-what they release (`begin_steps` for the per-step event, `record` for one-off
-releases); the ledger composes them with dp_accounting's accountants.
+what each training step releases (`begin_steps`) and any one-off release
+(`record`); the ledger composes them with dp_accounting's accountants and
+answers epsilon, delta and "how many more steps fit in the budget".
+
+Releases are kept as segments: from `begin_steps(event)` on, every step
+releases `event`, until the next `begin_steps` with a different event closes
+the segment. Steps are counted by the model (a `step_counter`) or by
+`advance`. Steps that run while no event is declared are refused, never
+silently left out of epsilon.
 
 Example:
 
 >>> from tfdp.accounting import PrivacyLedger, dpsgd_event
 >>> ledger = PrivacyLedger()
->>> ledger.begin_steps(dpsgd_event(noise_multiplier=1.1, sampling_probability=256 / 60000))
->>> ledger.advance(14_040)          # 60 epochs
->>> round(ledger.epsilon(delta=1e-5), 2)
-2.92
+>>> ledger.begin_steps(dpsgd_event(noise_multiplier=1.3, sampling_probability=150 / 60000))
+>>> ledger.advance(6000)                    # 15 epochs of 60,000 examples
+>>> round(ledger.epsilon(delta=1e-5), 4)
+0.7242
+>>> ledger.steps_within_budget(epsilon=1.0, delta=1e-5)
+5610
+>>> restored = PrivacyLedger.from_json(ledger.to_json())
+>>> restored.epsilon(delta=1e-5) == ledger.epsilon(delta=1e-5)
+True
 """
 
 import json
-import math
 
 import dp_accounting
-import numpy as np
 
-from tfdp.accounting.events import check_count, check_number, event_from_dict, event_to_dict
-from tfdp.accounting.statement import privacy_statement
+from tfdp.accounting import _engine
+from tfdp.accounting._validation import check_choice, check_delta, check_int, check_real, show
+from tfdp.accounting.events import event_from_dict, event_to_dict
+from tfdp.accounting.statement import describe_releases, privacy_statement
 
-ACCOUNTANTS = ("rdp", "pld")
-CONVERSIONS = ("tight", "classic")
-CLASSIC_ORDERS = tuple(range(2, 65))
-# PLD discretisation: pessimistic rounding keeps the bound valid; 1e-4 keeps
-# a 10,000-step DP-SGD ledger under a second.
-PLD_DISCRETIZATION = 1e-4
+_FORMAT = "tfdp.PrivacyLedger"
+_VERSION = 1
+_CACHE_SIZE = 256
 
 
-def rdp_curve(event, orders):
-    """RDP epsilons of `event` at `orders`, from dp_accounting's RdpAccountant.
-
-    dp_accounting exposes the composed RDP vector only as the private
-    attribute `_rdp`; this is the one place tfdp reads it (tests pin it).
-    """
-    accountant = dp_accounting.rdp.RdpAccountant(orders=list(orders))
-    accountant.compose(event)
-    return np.asarray(accountant._rdp, dtype=np.float64)  # pylint: disable=protected-access
-
-
-def classic_epsilon(event, delta):
-    """eps = min_alpha RDP(alpha) + log(1/delta) / (alpha - 1), alpha in 2..64.
-
-    The conversion of Abadi et al. / Mironov (2017) the seed papers use; looser
-    than dp_accounting's default. Only for reproducing papers' numbers.
-    """
-    orders = np.asarray(CLASSIC_ORDERS, dtype=np.float64)
-    rdp = rdp_curve(event, orders)
-    return float(np.min(rdp + math.log(1.0 / delta) / (orders - 1.0)))
+def _check_event(event, name="event"):
+    """Refuses anything that is not a serializable dp_accounting event."""
+    if not isinstance(event, dp_accounting.DpEvent):
+        raise TypeError(
+            f"Expected `{name}` to be a dp_accounting DpEvent. Received: {name}={show(event)} "
+            f"(of type {type(event).__name__})"
+        )
+    event_to_dict(event)  # the ledger must be savable: fail now, not at save time
+    return event
 
 
-def _accountant(name):
-    if name == "rdp":
-        return dp_accounting.rdp.RdpAccountant()
-    if name == "pld":
-        return dp_accounting.pld.PLDAccountant(value_discretization_interval=PLD_DISCRETIZATION)
-    raise ValueError(f"Expected `accountant` in {ACCOUNTANTS}. Received: accountant={name!r}")
-
-
-def event_epsilon(event, delta, accountant="rdp", conversion="tight"):
-    """Epsilon at `delta` of one (composed) DpEvent."""
-    delta = check_number("delta", delta, low=0.0, high=1.0)
-    if conversion not in CONVERSIONS:
-        raise ValueError(f"Expected `conversion` in {CONVERSIONS}. Received: conversion={conversion!r}")
-    if conversion == "classic":
-        if accountant != "rdp":
-            raise ValueError(
-                "The classic conversion applies to RDP only. Received: "
-                f"accountant={accountant!r}, conversion='classic'"
-            )
-        return classic_epsilon(event, delta)
-    acc = _accountant(accountant)
-    acc.compose(event)
-    return float(acc.get_epsilon(delta))
+def _check_accountant(accountant, conversion="tight"):
+    check_choice("accountant", accountant, _engine.ACCOUNTANTS)
+    check_choice("conversion", conversion, _engine.CONVERSIONS)
+    if conversion == "classic" and accountant != "rdp":
+        raise ValueError(
+            "The classic conversion converts RDP, so it needs accountant='rdp'. "
+            f"Received: accountant={accountant!r}, conversion='classic'"
+        )
 
 
 class PrivacyLedger:
-    """Composes a run's releases; answers epsilon, delta and budget questions.
+    """Composes a training run's private releases; answers privacy questions.
 
     Args:
-        step_counter: optional zero-argument callable returning how many
-            private training steps ran (tfdp's models read a variable that
-            the compiled train step increments). Without it the ledger keeps
-            its own count, advanced by `advance`.
+        step_counter: optional zero-argument callable returning the number of
+            private training steps run so far (tfdp's models pass a reader of
+            a variable the compiled train step increments). If None, the
+            ledger keeps its own count, advanced with `advance(n)`.
+
+    Example:
+
+    >>> from tfdp.accounting import dpsgd_event
+    >>> ledger = PrivacyLedger()
+    >>> ledger.begin_steps(dpsgd_event(1.1, 256 / 60000))
+    >>> ledger.advance(1000)
+    >>> ledger.record(dp_accounting.GaussianDpEvent(100.0))  # e.g. a noisy dataset size
+    >>> ledger
+    PrivacyLedger(steps=1000, segments=1, records=1)
     """
 
     def __init__(self, step_counter=None):
+        if step_counter is not None and not callable(step_counter):
+            raise TypeError(
+                "Expected `step_counter` to be a zero-argument callable or None. "
+                f"Received: step_counter={show(step_counter)}"
+            )
         self._step_counter = step_counter
         self._own_steps = 0
-        self._segments = []  # closed: (event, count)
-        self._records = []  # one-off: (event, count)
-        self._open_event = None
-        self._open_start = 0
+        self._segments = []  # closed segments: (event, start, end), contiguous from 0
+        self._open = None  # (event, start), start == end of the last closed segment
+        self._records = []  # one-off releases: (event, count)
+        self._version = 0  # bumped on every change other than the step count
+        self._high_water = 0  # the largest step count seen: counters never go back
         self._cache = {}
 
-    # -- recording -------------------------------------------------------
+    # -- steps ---------------------------------------------------------------
 
     @property
     def steps(self):
-        """Private training steps run so far."""
-        return int(self._step_counter()) if self._step_counter else self._own_steps
+        """The number of private training steps run so far (an int)."""
+        if self._step_counter is None:
+            return self._own_steps
+        value = self._step_counter()
+        try:
+            return check_int("step_counter()", value, minimum=0)
+        except (TypeError, ValueError) as error:
+            raise ValueError(
+                f"The ledger's step_counter must return an integer >= 0: {error}"
+            ) from None
 
     def advance(self, n=1):
-        """Counts `n` more steps (only for a ledger without a step_counter)."""
+        """Counts `n` more steps of the open event.
+
+        Only for a ledger without a `step_counter` (with one, the counter is
+        the truth and this raises).
+
+        Args:
+            n: an integer >= 0.
+
+        Raises:
+            ValueError: if the ledger has a step counter, if `n` is negative,
+                or if no step event is open (call `begin_steps` first).
+        """
         if self._step_counter is not None:
-            raise ValueError("This ledger reads its steps from the model; advance() is not allowed.")
-        self._own_steps += check_count("n", n)
+            raise ValueError(
+                "This ledger reads its steps from its `step_counter`; advance() is only "
+                "for a ledger created without one."
+            )
+        n = check_int("n", n, minimum=0)
+        if n and self._open is None:
+            raise ValueError(
+                "No step event is open: call begin_steps(event) before counting steps, "
+                f"so that every step is accounted. Received: n={n}"
+            )
+        self._own_steps += n
+
+    def _unaccounted_error(self, now):
+        return ValueError(
+            f"The step counter reads {now}, but no step event was ever declared: those "
+            "private steps would be missing from epsilon. Call begin_steps(event) before "
+            "running private steps (or restore the ledger saved with these weights)."
+        )
+
+    def _check_counter(self, now):
+        if self._open is None:
+            if now > 0:
+                raise self._unaccounted_error(now)
+        elif now < self._high_water:
+            raise ValueError(
+                f"The step counter went backwards: it reads {now}, but this ledger has "
+                f"already counted {self._high_water} steps. Releases are never un-counted; "
+                "to resume from an earlier checkpoint, restore its saved ledger."
+            )
+        self._high_water = now
+
+    # -- recording -----------------------------------------------------------
 
     def begin_steps(self, event):
-        """From the current step on, every step releases `event`."""
-        event_to_dict(event)  # type check
-        if event == self._open_event:
-            return
-        self._close_open_segment()
-        self._open_event = event
-        self._open_start = self.steps
+        """From the current step on, every step releases `event`.
 
-    def _close_open_segment(self):
-        if self._open_event is not None:
-            count = self.steps - self._open_start
-            if count > 0:
-                self._segments.append((self._open_event, count))
-        self._open_event = None
-        self._open_start = self.steps
+        Closes the open segment (its count is the steps run since it began).
+        Calling it with an event equal to the open one does nothing.
+
+        Args:
+            event: a `dp_accounting.DpEvent`, e.g. `dpsgd_event(sigma, q)`.
+
+        Raises:
+            TypeError: if `event` is not a DpEvent.
+            ValueError: if steps ran before any event was declared, or the
+                step counter went backwards.
+        """
+        _check_event(event)
+        now = self.steps
+        self._check_counter(now)
+        if self._open is not None:
+            open_event, start = self._open
+            if open_event == event:
+                return
+            if now > start:
+                self._segments.append((open_event, start, now))
+        self._open = (event, now)
+        self._version += 1
 
     def record(self, event, count=1):
-        """Records `count` one-off releases of `event` (not tied to steps)."""
-        event_to_dict(event)
-        count = check_count("count", count, minimum=1)
+        """Records `count` one-off releases of `event` not tied to steps.
+
+        For example the noisy dataset size DPIS releases once.
+
+        Args:
+            event: a `dp_accounting.DpEvent`.
+            count: how many times it was released, an integer >= 1.
+        """
+        _check_event(event)
+        count = check_int("count", count, minimum=1)
         self._records.append((event, count))
+        self._version += 1
 
-    # -- questions ---------------------------------------------------------
+    # -- composition ---------------------------------------------------------
 
-    def _parts(self, extra_steps=0):
-        parts = list(self._segments) + list(self._records)
-        if self._open_event is not None:
-            count = self.steps - self._open_start + extra_steps
+    def _parts(self, now, extra_steps=0):
+        """(event, count) for every release, in composed_event's order."""
+        self._check_counter(now)
+        parts = [(event, end - start) for event, start, end in self._segments]
+        parts += list(self._records)
+        if self._open is not None:
+            event, start = self._open
+            count = now - start + extra_steps
             if count > 0:
-                parts.append((self._open_event, count))
+                parts.append((event, count))
         elif extra_steps:
-            raise ValueError("No step event is open, so extra steps cannot be projected.")
+            raise ValueError(
+                "No step event is open, so there is no step to project: call "
+                f"begin_steps(event) first. Received: extra_steps={extra_steps}"
+            )
         return parts
 
-    def composed_event(self, extra_steps=0):
-        """Everything released, as one dp_accounting DpEvent."""
-        parts = [
-            event if count == 1 else dp_accounting.SelfComposedDpEvent(event, count)
-            for event, count in self._parts(extra_steps)
+    def composed_event(self):
+        """Everything released so far, as one dp_accounting event.
+
+        Returns:
+            `ComposedDpEvent` of `SelfComposedDpEvent(event, count)` for every
+            closed segment, the one-off records, then the open segment up to
+            `steps`. Zero counts are skipped; with no release the list is empty.
+        """
+        now = self.steps
+        self._check_counter(now)
+        events = [
+            dp_accounting.SelfComposedDpEvent(event, end - start)
+            for event, start, end in self._segments
         ]
-        return dp_accounting.ComposedDpEvent(parts)
+        events += [
+            event if count == 1 else dp_accounting.SelfComposedDpEvent(event, count)
+            for event, count in self._records
+        ]
+        if self._open is not None and now > self._open[1]:
+            events.append(dp_accounting.SelfComposedDpEvent(self._open[0], now - self._open[1]))
+        return dp_accounting.ComposedDpEvent(events)
+
+    def _spent_parts(self):
+        """The releases so far as (event, count) pairs (for calibration)."""
+        return self._parts(self.steps)
+
+    # -- questions -----------------------------------------------------------
+
+    def _cached(self, key, compute):
+        if key not in self._cache:
+            if len(self._cache) >= _CACHE_SIZE:
+                self._cache.clear()
+            self._cache[key] = compute()
+        return self._cache[key]
 
     def epsilon(self, delta, accountant="rdp", conversion="tight", extra_steps=0):
-        """Epsilon spent at `delta` (0.0 before any release).
+        """Epsilon spent at `delta`: a valid upper bound for every release.
+
+        Cached: asking again with an unchanged ledger costs nothing.
 
         Args:
             delta: target delta in (0, 1).
-            accountant: "rdp" (default, tensorflow-privacy's accountant) or
-                "pld" (privacy loss distributions, tighter).
-            conversion: "tight" (dp_accounting's RDP conversion, the default)
-                or "classic" (the papers' formula; for reproductions only).
-            extra_steps: also count this many more steps of the open event.
+            accountant: "rdp" (dp_accounting's RdpAccountant, the default,
+                tensorflow-privacy's accountant) or "pld" (privacy loss
+                distributions; usually tighter, slower).
+            conversion: "tight" (dp_accounting's RDP to (epsilon, delta)
+                conversion, the default) or "classic" (min over integer orders
+                2..64 of RDP + log(1/delta)/(order - 1), as in the papers; only
+                for reproducing them; needs accountant="rdp").
+            extra_steps: also count this many more steps of the open event
+                ("what if I train k more steps"), an integer >= 0.
+
+        Returns:
+            Epsilon as a float; 0.0 before any release; inf if a release is
+            not private.
+
+        Example:
+
+        >>> from tfdp.accounting import dpsgd_event
+        >>> ledger = PrivacyLedger()
+        >>> ledger.epsilon(1e-5)
+        0.0
+        >>> ledger.begin_steps(dpsgd_event(1.0, 0.01))
+        >>> ledger.epsilon(1e-5, extra_steps=1000) > ledger.epsilon(1e-5)
+        True
         """
-        extra_steps = check_count("extra_steps", extra_steps)
-        parts = self._parts(extra_steps)
-        if not parts:
-            check_number("delta", delta, low=0.0, high=1.0)
-            return 0.0
-        key = (repr(parts), float(delta), accountant, conversion)
-        if key not in self._cache:
-            if len(self._cache) > 256:
-                self._cache.clear()
-            self._cache[key] = event_epsilon(
-                self.composed_event(extra_steps), delta, accountant, conversion
-            )
-        return self._cache[key]
+        delta = check_delta(delta)
+        _check_accountant(accountant, conversion)
+        extra_steps = check_int("extra_steps", extra_steps, minimum=0)
+        now = self.steps
+        self._check_counter(now)  # before the cache: a counter that went back is an error
+        key = ("epsilon", self._version, now, delta, accountant, conversion, extra_steps)
+        return self._cached(
+            key,
+            lambda: _engine.epsilon(self._parts(now, extra_steps), delta, accountant, conversion),
+        )
 
     def delta(self, epsilon, accountant="rdp"):
-        """Smallest delta at which the releases so far are epsilon-DP."""
-        epsilon = check_number("epsilon", epsilon, low=0.0, low_open=False)
-        if not self._parts():
-            return 0.0
-        acc = _accountant(accountant)
-        acc.compose(self.composed_event())
-        return float(acc.get_delta(epsilon))
+        """Smallest delta for which the releases so far are (epsilon, delta)-DP.
+
+        Args:
+            epsilon: a finite number >= 0.
+            accountant: "rdp" or "pld".
+
+        Returns:
+            Delta as a float in [0, 1]; 0.0 before any release.
+        """
+        epsilon = check_real("epsilon", epsilon, low=0.0, low_inclusive=True)
+        _check_accountant(accountant)
+        now = self.steps
+        self._check_counter(now)
+        key = ("delta", self._version, now, epsilon, accountant)
+        return self._cached(key, lambda: _engine.delta(self._parts(now), epsilon, accountant))
 
     def steps_within_budget(self, epsilon, delta, accountant="rdp", max_steps=10**7):
-        """Largest k >= 0 with epsilon after k more steps <= `epsilon`.
+        """How many more steps of the open event fit in (epsilon, delta).
 
-        Exponential search then bisection: O(log k) accountant calls. Never
-        returns a k that overshoots the budget.
+        Exponential search then bisection, so O(log k) accountant calls. The
+        answer never overshoots: `self.epsilon(delta, extra_steps=k) <= epsilon`
+        always holds, and (below `max_steps`) k + 1 more steps exceed it.
+        With accountant="pld" the search starts from the (cheap) RDP answer;
+        settings PLD cannot evaluate (more than 10^6 releases in total, or
+        noise below 1e-3) count as over budget.
+
+        Args:
+            epsilon: the budget, a finite number >= 0.
+            delta: target delta in (0, 1).
+            accountant: "rdp" or "pld".
+            max_steps: the largest answer, an integer >= 0.
+
+        Returns:
+            The largest k in [0, max_steps] with epsilon after k more steps
+            <= `epsilon`; 0 if the budget is already spent.
+
+        Raises:
+            ValueError: if no step event is open (call `begin_steps` first).
+
+        Example:
+
+        >>> from tfdp.accounting import dpsgd_event
+        >>> ledger = PrivacyLedger()
+        >>> ledger.begin_steps(dpsgd_event(1.1, 0.01))
+        >>> k = ledger.steps_within_budget(epsilon=2.0, delta=1e-5)
+        >>> ledger.epsilon(1e-5, extra_steps=k) <= 2.0 < ledger.epsilon(1e-5, extra_steps=k + 1)
+        True
         """
-        epsilon = check_number("epsilon", epsilon, low=0.0)
-        if self._open_event is None:
-            raise ValueError("No step event is open: call begin_steps first.")
-        if self.epsilon(delta, accountant, extra_steps=1) > epsilon:
-            return 0
-        low, high = 1, 2
-        while high <= max_steps and self.epsilon(delta, accountant, extra_steps=high) <= epsilon:
-            low, high = high, high * 2
-        if high > max_steps:
-            return max_steps if self.epsilon(delta, accountant, extra_steps=max_steps) <= epsilon else self._bisect(low, max_steps, epsilon, delta, accountant)
-        return self._bisect(low, high, epsilon, delta, accountant)
+        budget = check_real("epsilon", epsilon, low=0.0, low_inclusive=True)
+        delta = check_delta(delta)
+        _check_accountant(accountant)
+        max_steps = check_int("max_steps", max_steps, minimum=0)
+        if self._open is None:
+            raise ValueError(
+                "No step event is open, so there is no step to project: call "
+                "begin_steps(event) before asking for the steps within a budget."
+            )
 
-    def _bisect(self, feasible, infeasible, epsilon, delta, accountant):
-        while infeasible - feasible > 1:
-            middle = (feasible + infeasible) // 2
-            if self.epsilon(delta, accountant, extra_steps=middle) <= epsilon:
-                feasible = middle
-            else:
-                infeasible = middle
-        return feasible
+        def fits(k):
+            try:
+                return self.epsilon(delta, accountant, extra_steps=k) <= budget
+            except _engine.PLDUnavailable:
+                return False  # epsilon beyond what PLD can represent: over budget
+
+        if not fits(0):
+            return 0
+        guess = None
+        if accountant == "pld":
+            # The RDP answer (cheap) is usually close below the PLD one: search
+            # around it. Every answer is still checked with PLD itself.
+            try:
+                guess = self.steps_within_budget(budget, delta, "rdp", max_steps)
+            except ValueError:
+                guess = None
+        return _largest_fitting(fits, max_steps, guess)
 
     def statement(self, delta, accountant="rdp"):
-        """A plain-language statement of the guarantee so far."""
-        return privacy_statement(self.epsilon(delta, accountant), delta, self.steps)
+        """A plain-language privacy statement for the releases so far.
 
-    # -- persistence ---------------------------------------------------------
+        Args:
+            delta: target delta in (0, 1).
+            accountant: "rdp" or "pld".
+
+        Returns:
+            A few sentences: the guarantee, what it means, what it covers
+            and what it does not (see `privacy_statement`).
+        """
+        epsilon = self.epsilon(delta, accountant)
+        now = self.steps
+        return privacy_statement(
+            epsilon,
+            delta,
+            now,
+            mechanism_description=describe_releases(self._parts(now)),
+            accountant=accountant,
+        )
+
+    # -- persistence -----------------------------------------------------------
 
     def to_json(self):
-        """The ledger as JSON (events, counts, and the step count now)."""
-        encode = lambda pairs: [{"event": event_to_dict(e), "count": c} for e, c in pairs]
-        return json.dumps(
-            {
-                "version": 1,
-                "steps": self.steps,
-                "segments": encode(self._segments),
-                "records": encode(self._records),
-                "open_event": event_to_dict(self._open_event) if self._open_event is not None else None,
-                "open_start": self._open_start,
-            }
-        )
+        """The ledger as a JSON string.
+
+        Holds the closed segments, the open segment, the one-off records and
+        the step count at save time; `from_json` restores it.
+        """
+        data = {
+            "format": _FORMAT,
+            "version": _VERSION,
+            "steps": self.steps,
+            "segments": [
+                {"event": event_to_dict(event), "start": start, "end": end}
+                for event, start, end in self._segments
+            ],
+            "open": None
+            if self._open is None
+            else {"event": event_to_dict(self._open[0]), "start": self._open[1]},
+            "records": [
+                {"event": event_to_dict(event), "count": count} for event, count in self._records
+            ],
+        }
+        return json.dumps(data, allow_nan=False)
 
     @classmethod
     def from_json(cls, text, step_counter=None):
-        """Restores a ledger; refuses corrupt or mismatched state.
+        """Restores a ledger written by `to_json`.
 
-        With a `step_counter` (a restored model's), the counter must not be
-        below the saved ledger's closed segments: weights and ledger from
-        different checkpoints would under-count.
+        Args:
+            text: the JSON string (or UTF-8 bytes).
+            step_counter: optional step counter of the restored model. It is
+                trusted for the open segment, but refused if it reads fewer
+                steps than the saved closed segments account for (the weights
+                and the ledger come from different checkpoints), or more than
+                zero for a ledger that never declared a step event. Without
+                one, the ledger continues from the saved step count.
+
+        Returns:
+            The `PrivacyLedger`.
+
+        Raises:
+            ValueError: corrupt JSON (the message names the problem) or a
+                mismatched step counter.
         """
+        if isinstance(text, (bytes, bytearray)):
+            try:
+                text = text.decode("utf-8")
+            except UnicodeDecodeError as error:
+                raise ValueError(f"Corrupt privacy ledger: not UTF-8 text ({error}).") from None
+        if not isinstance(text, str):
+            raise TypeError(
+                f"Expected `text` to be a JSON string. Received: text={show(text)} "
+                f"(of type {type(text).__name__})"
+            )
         try:
             data = json.loads(text)
-            decode = lambda items: [
-                (event_from_dict(item["event"]), check_count("count", item["count"], 1)) for item in items
-            ]
-            segments, records = decode(data["segments"]), decode(data["records"])
-            open_event = event_from_dict(data["open_event"]) if data["open_event"] else None
-            open_start = check_count("open_start", data["open_start"])
-            saved_steps = check_count("steps", data["steps"])
-        except (ValueError, TypeError, KeyError) as error:
-            raise ValueError(f"Corrupt privacy ledger: {error}") from None
-        if open_start > saved_steps:
-            raise ValueError("Corrupt privacy ledger: its open segment starts after its last step.")
+        except json.JSONDecodeError as error:
+            raise ValueError(f"Corrupt privacy ledger: invalid JSON ({error}).") from None
+        segments, open_segment, records, saved_steps = _parse(data)
+
         ledger = cls(step_counter=step_counter)
+        ledger._segments = segments
+        ledger._open = open_segment
+        ledger._records = records
+        ledger._high_water = open_segment[1] if open_segment is not None else 0
         if step_counter is None:
             ledger._own_steps = saved_steps
-        elif ledger.steps < open_start:
+            return ledger
+        now = ledger.steps
+        floor = open_segment[1] if open_segment is not None else 0
+        if now < floor:
             raise ValueError(
-                f"Mismatched checkpoint: the weights count {ledger.steps} private "
-                f"steps but their privacy ledger already closed {open_start}. "
-                "Refusing to load a ledger that would under-count."
+                f"Mismatched checkpoint: the step counter reads {now}, but the saved privacy "
+                f"ledger's closed segments already account for {floor} steps. The weights and "
+                "the ledger come from different checkpoints; refusing a ledger that would "
+                f"under-count. Received: step_counter()={now}"
             )
-        ledger._segments, ledger._records = segments, records
-        ledger._open_event, ledger._open_start = open_event, open_start
+        if open_segment is None and now > 0:
+            raise ValueError(
+                f"Mismatched checkpoint: the step counter reads {now}, but the saved privacy "
+                "ledger declares no step event (it was saved before any private step). "
+                f"Received: step_counter()={now}"
+            )
         return ledger
 
     def __repr__(self):
-        return (
-            f"PrivacyLedger(steps={self.steps}, segments={len(self._segments) + (self._open_event is not None)}, "
-            f"records={len(self._records)})"
-        )
+        try:
+            steps = self.steps
+        except Exception:  # a repr must not raise; pylint: disable=broad-except
+            steps = "?"
+        segments = len(self._segments) + (self._open is not None)
+        return f"PrivacyLedger(steps={steps}, segments={segments}, records={len(self._records)})"
+
+
+def _largest_fitting(fits, max_steps, guess=None):
+    """Largest k in [0, max_steps] with fits(k), given fits(0) is True.
+
+    Gallops from `guess` (or from 0) with doubling steps until it brackets
+    the answer between a k that fits and one that does not, then bisects.
+    Only a k for which `fits` returned True is ever returned.
+    """
+    if guess is None or not 0 < guess <= max_steps:
+        feasible, infeasible, step = 0, None, 1
+    elif fits(guess):
+        feasible, infeasible, step = guess, None, max(1, guess // 32)
+    else:
+        feasible, infeasible, step = None, guess, max(1, guess // 32)
+    while feasible is None:  # walk down from an infeasible guess
+        k = infeasible - step
+        if k <= 0:
+            feasible = 0
+        elif fits(k):
+            feasible = k
+        else:
+            infeasible, step = k, 2 * step
+    while infeasible is None:  # walk up from a feasible point
+        if feasible >= max_steps:
+            return max_steps
+        k = min(feasible + step, max_steps)
+        if fits(k):
+            feasible, step = k, 2 * step
+        else:
+            infeasible = k
+    while infeasible - feasible > 1:
+        middle = (feasible + infeasible) // 2
+        if fits(middle):
+            feasible = middle
+        else:
+            infeasible = middle
+    return feasible
+
+
+# -- JSON parsing ------------------------------------------------------------------
+
+
+def _corrupt(message):
+    return ValueError(f"Corrupt privacy ledger: {message}")
+
+
+def _get(mapping, key, where):
+    if not isinstance(mapping, dict):
+        raise _corrupt(f"expected {where} to be an object, got {show(mapping)}.")
+    if key not in mapping:
+        raise _corrupt(f"{where} has no {key!r}.")
+    return mapping[key]
+
+
+def _get_int(mapping, key, where, minimum=0):
+    value = _get(mapping, key, where)
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise _corrupt(f"expected {where}.{key} to be an integer >= {minimum}, got {show(value)}.")
+    return value
+
+
+def _get_list(mapping, key, where):
+    value = _get(mapping, key, where)
+    if not isinstance(value, list):
+        raise _corrupt(f"expected {where}.{key} to be a list, got {show(value)}.")
+    return value
+
+
+def _get_event(mapping, where):
+    data = _get(mapping, "event", where)
+    try:
+        return event_from_dict(data)
+    except (TypeError, ValueError) as error:
+        raise _corrupt(f"bad event at {where}.event: {error}") from None
+
+
+def _parse(data):
+    """Validated (segments, open, records, steps) of a saved ledger."""
+    if _get(data, "format", "the ledger") != _FORMAT:
+        raise _corrupt(f"expected format {_FORMAT!r}, got {show(data['format'])}.")
+    if _get(data, "version", "the ledger") != _VERSION:
+        raise _corrupt(f"unsupported version {show(data['version'])} (this tfdp reads {_VERSION}).")
+    saved_steps = _get_int(data, "steps", "the ledger")
+
+    segments = []
+    end = 0
+    for i, item in enumerate(_get_list(data, "segments", "the ledger")):
+        where = f"segments[{i}]"
+        start = _get_int(item, "start", where)
+        stop = _get_int(item, "end", where)
+        if start != end or stop <= start:
+            raise _corrupt(
+                f"{where} covers steps [{start}, {stop}), but segments must be non-empty "
+                f"and follow each other from step 0 (expected start {end})."
+            )
+        segments.append((_get_event(item, where), start, stop))
+        end = stop
+
+    open_data = _get(data, "open", "the ledger")
+    if open_data is None:
+        open_segment = None
+        if segments:
+            raise _corrupt("closed segments but no open segment.")
+        if saved_steps != 0:
+            raise _corrupt(f"{saved_steps} steps but no step event.")
+    else:
+        start = _get_int(open_data, "start", "open")
+        if start != end:
+            raise _corrupt(f"the open segment starts at step {start}, expected {end}.")
+        if saved_steps < start:
+            raise _corrupt(f"{saved_steps} steps, but the open segment starts at step {start}.")
+        open_segment = (_get_event(open_data, "open"), start)
+
+    records = []
+    for i, item in enumerate(_get_list(data, "records", "the ledger")):
+        where = f"records[{i}]"
+        records.append((_get_event(item, where), _get_int(item, "count", where, minimum=1)))
+    return segments, open_segment, records, saved_steps
+

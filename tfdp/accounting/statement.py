@@ -1,31 +1,140 @@
 """A plain-language statement of a differential privacy guarantee.
 
+Numbers in the statement are rounded up, never down: a statement must not
+claim more privacy than the accountant proved.
+
 Example:
 
->>> print(privacy_statement(2.93, 1e-5, 14040).splitlines()[0])
+>>> text = privacy_statement(2.9231, 1e-5, 14040)
+>>> print(text.splitlines()[0])
 This model was trained with (epsilon=2.93, delta=1e-05)-differential privacy at the record level, over 14040 private training steps.
 """
 
+import decimal
+import math
 
-def privacy_statement(epsilon, delta, steps):
-    """A few sentences a practitioner can put in a model card.
+import dp_accounting
+
+from tfdp.accounting._validation import check_int, check_real
+
+DEFAULT_MECHANISM = "DP-SGD (Poisson-sampled Gaussian mechanism on clipped per-example gradients)"
+
+_ACCOUNTANT_NAMES = {
+    "rdp": "dp_accounting's RDP accountant",
+    "pld": "dp_accounting's PLD (privacy loss distribution) accountant",
+}
+
+
+def _round_up(value, digits=3):
+    """`value` (finite, >= 0) rounded up to `digits` significant digits, as text."""
+    if value == 0:
+        return "0"
+    # The shortest repr reads back as the same float, so it is that number.
+    exact = decimal.Decimal(repr(float(value)))
+    quantum = decimal.Decimal(1).scaleb(exact.adjusted() - digits + 1)
+    rounded = exact.quantize(quantum, rounding=decimal.ROUND_CEILING)
+    if rounded.adjusted() > exact.adjusted():  # 9.9999 -> 10.0, not 10.00
+        quantum = decimal.Decimal(1).scaleb(rounded.adjusted() - digits + 1)
+        rounded = rounded.quantize(quantum, rounding=decimal.ROUND_CEILING)
+    if decimal.Decimal("0.001") <= rounded < decimal.Decimal(10**6):
+        return f"{rounded:f}"
+    return f"{rounded:.{digits - 1}e}"
+
+
+def _format_delta(delta):
+    return f"{delta:.3g}"
+
+
+def privacy_statement(
+    epsilon, delta, steps, mechanism_description=DEFAULT_MECHANISM, accountant=None
+):
+    """A few plain-language sentences describing an (epsilon, delta) guarantee.
+
+    Suitable for a model card: the guarantee, what it means, what it covers
+    and what it does not cover.
 
     Args:
-        epsilon: the epsilon the ledger reports.
-        delta: the delta it was computed at.
-        steps: the number of private training steps.
+        epsilon: the epsilon the ledger reports, a number >= 0 (inf allowed).
+        delta: the delta it was computed at, in [0, 1).
+        steps: the number of private training steps, an integer >= 0.
+        mechanism_description: what was released, in words.
+        accountant: optional "rdp" or "pld", named in the statement.
+
+    Returns:
+        The statement, one sentence group per line.
+
+    Example:
+
+    >>> print(privacy_statement(0.7242, 1e-5, 6000).splitlines()[2])
+    Meaning: adding or removing any one training record changes the probability of any outcome of training by at most a factor e^epsilon = 2.07, except with probability at most delta = 1e-05.
     """
-    return (
-        f"This model was trained with (epsilon={epsilon:.3g}, delta={delta:.3g})-differential "
-        f"privacy at the record level, over {steps} private training steps.\n"
+    epsilon = check_real("epsilon", epsilon, low=0.0, low_inclusive=True, allow_inf=True)
+    delta = check_real("delta", delta, low=0.0, high=1.0, low_inclusive=True)
+    steps = check_int("steps", steps, minimum=0)
+    if not isinstance(mechanism_description, str):
+        raise TypeError(
+            "Expected `mechanism_description` to be a string. Received: "
+            f"mechanism_description={mechanism_description!r}"
+        )
+    mechanism = f"Mechanism: {mechanism_description}."
+    if math.isinf(epsilon):
+        return (
+            "This model has NO finite differential privacy guarantee: the ledger holds a "
+            "release that is not differentially private, or the noise was too small for any "
+            f"finite bound at this delta ({steps} private training steps).\n{mechanism}"
+        )
+    eps_text = _round_up(epsilon)
+    try:
+        factor = _round_up(math.exp(epsilon))
+    except OverflowError:
+        factor = "more than 1e300"
+    lines = [
+        f"This model was trained with (epsilon={eps_text}, delta={_format_delta(delta)})-"
+        f"differential privacy at the record level, over {steps} private training steps.",
+        mechanism,
         "Meaning: adding or removing any one training record changes the probability of "
-        f"any outcome of training by at most a factor e^epsilon = {2.718281828 ** epsilon:.3g}, "
-        f"except with probability at most delta.\n"
-        "Covered: the trained weights and anything computed from them alone, and every "
-        "release in the privacy ledger (noisy gradients, and the extra noisy statistics "
-        "some mechanisms use).\n"
+        f"any outcome of training by at most a factor e^epsilon = {factor}, except with "
+        f"probability at most delta = {_format_delta(delta)}.",
+        "Covered: the trained weights and anything derived from them alone (predictions, "
+        "exports, fine-tuning on other data), and every release recorded in the privacy "
+        "ledger (the noisy gradients and any extra noisy statistics the mechanism released).",
         "Not covered: hyperparameters tuned by looking at results on the private data, "
-        "training-set loss and metrics shown in the logs, data-dependent preprocessing, and "
-        "anything released outside tfdp. Records of one person counted as several records "
-        "get a weaker, group-level guarantee."
-    )
+        "training-set loss and metrics shown in the logs, data-independent choices (model "
+        "architecture, clipping norm, noise level, schedule), anything released outside "
+        "tfdp, and groups of records: a person with k records gets roughly a k-fold weaker "
+        "guarantee.",
+    ]
+    if accountant is not None:
+        name = _ACCOUNTANT_NAMES.get(accountant, str(accountant))
+        lines.append(f"Epsilon was computed with {name}, an upper bound on the privacy loss.")
+    return "\n".join(lines)
+
+
+def _describe_event(event):
+    if isinstance(event, dp_accounting.PoissonSampledDpEvent) and isinstance(
+        event.event, dp_accounting.GaussianDpEvent
+    ):
+        return (
+            f"Poisson-sampled Gaussian (sampling probability {event.sampling_probability:.4g}, "
+            f"noise multiplier {event.event.noise_multiplier:.4g})"
+        )
+    if isinstance(event, dp_accounting.GaussianDpEvent):
+        return f"Gaussian (noise multiplier {event.noise_multiplier:.4g})"
+    return type(event).__name__
+
+
+def describe_releases(parts):
+    """Short text for a list of (event, count) releases, for the statement.
+
+    Example:
+
+    >>> from tfdp.accounting.events import dpsgd_event
+    >>> describe_releases([(dpsgd_event(1.3, 0.0025), 6000)])
+    '6000 x Poisson-sampled Gaussian (sampling probability 0.0025, noise multiplier 1.3)'
+    """
+    if not parts:
+        return "no private release yet"
+    pieces = [f"{count} x {_describe_event(event)}" for event, count in parts[:3]]
+    if len(parts) > 3:
+        pieces.append(f"{len(parts) - 3} more segment(s) or release(s)")
+    return "; ".join(pieces)

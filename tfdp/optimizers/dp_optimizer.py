@@ -228,9 +228,29 @@ class DPOptimizer(keras.optimizers.Optimizer):
         self.inner_optimizer.apply(grads, trainable_variables)
         return {}
 
+    def sampling_seed(self, steps_taken):
+        """Seed for a `fit` call's sampler: None (OS entropy) unless seeded.
+
+        A user seed is combined with the steps already taken, so a second
+        `fit` (or a resumed run) draws new batches instead of replaying.
+        """
+        if self.seed is None:
+            return None
+        return int(np.random.SeedSequence([self.seed, steps_taken]).generate_state(1)[0])
+
     def step_event(self, sampling_probability):
         """The dp_accounting event one step of this optimizer releases."""
         return accounting.dpsgd_event(self.noise_multiplier, sampling_probability)
+
+    def training_callbacks(self):
+        """Keras callbacks this mechanism needs during `DPModel.fit`.
+
+        `fit` runs them before every other callback (before `PrivacyBudget`
+        reads the ledger), so a mechanism can make per-epoch releases and
+        open the epoch's step event in `on_epoch_begin` (DPIS does). Called
+        after `make_training_data`. Default: none.
+        """
+        return []
 
     def make_training_data(self, model, arrays, batch_size, steps_per_epoch=None):
         """Poisson-sampled training data for `DPModel.fit` (MECHANISMS.md 0.2).
@@ -241,7 +261,8 @@ class DPOptimizer(keras.optimizers.Optimizer):
         """
         num_examples = len(tf.nest.flatten(arrays)[0])
         sampler = PoissonSampler(
-            num_examples, batch_size, steps_per_epoch=steps_per_epoch, seed=self.seed
+            num_examples, batch_size, steps_per_epoch=steps_per_epoch,
+            seed=self.sampling_seed(model.privacy.steps),
         )
         expected = tf.constant(float(batch_size))
         dataset = make_dataset(sampler, arrays).map(
