@@ -194,6 +194,9 @@ class DPTrainingMixin:
         # Ledger-reading callbacks go first so that every other callback
         # (progress bar, History, TensorBoard, checkpoints) sees epsilon.
         callbacks.sort(key=lambda c: not isinstance(c, PrivacyBudget))
+        # The mechanism's own callbacks write the ledger (per-epoch releases),
+        # so they run before its readers.
+        callbacks = list(self.optimizer.training_callbacks()) + callbacks
         for callback in callbacks:
             if isinstance(callback, PrivacyBudget):
                 callback.check_can_start(self.privacy)
