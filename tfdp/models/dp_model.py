@@ -8,11 +8,14 @@ model's privacy ledger (`model.privacy`), saved with the model and its
 checkpoints. Prediction, evaluation, saving and export are plain Keras.
 """
 
+import json
+
 import keras
 import numpy as np
 import tensorflow as tf
 from keras.src.utils.tracking import no_automatic_dependency_tracking
 
+from tfdp import distribute
 from tfdp.accounting import PrivacyLedger
 from tfdp.models.losses import per_example_loss
 from tfdp.models.per_example import (
@@ -132,7 +135,12 @@ class DPTrainingMixin:
             sample_weight=tf.reduce_sum(loss_weights),
         )
         metrics = self.compute_metrics(x, y, y_pred, sample_weight=loss_weights)
-        return {**metrics, **logs, "nonfinite_examples": self._nonfinite_counter.result()}
+        logs = {**metrics, **logs, "nonfinite_examples": self._nonfinite_counter.result()}
+        return distribute.logs_for_keras(logs)
+
+    def test_step(self, data):
+        """Keras `test_step`; logs shaped for multi-worker reduction."""
+        return distribute.logs_for_keras(super().test_step(data))
 
     # -- fit -----------------------------------------------------------------
 
@@ -275,6 +283,20 @@ class DPTrainingMixin:
         with strategy.scope():
             self._symbolic_build(data_batch=data)
 
+    def _maybe_symbolic_build(self, iterator=None, data_batch=None):
+        # Under a tf.distribute strategy Keras takes a batch from the iterator
+        # to build on even when nothing is left to build: in fit (which built
+        # everything in _build_for) that spends a Poisson draw, and Keras
+        # 3.15 fails on it under MultiWorkerMirroredStrategy.
+        parts = [getattr(self, "_compile_metrics", None), getattr(self, "_compile_loss", None),
+                 self.optimizer]
+        built = all(layer.built for layer in self._flatten_layers()) and all(
+            part is None or part.built for part in parts
+        )
+        if iterator is not None and built:
+            return
+        super()._maybe_symbolic_build(iterator=iterator, data_batch=data_batch)
+
     # -- the ledger travels with the weights ------------------------------
 
     def save_own_variables(self, store):
@@ -289,11 +311,20 @@ class DPTrainingMixin:
                 "These weights hold no tfdp privacy ledger, so the privacy spent "
                 "training them is unknown; tfdp refuses to resume from them."
             )
-        ledger_json = bytes(np.asarray(store[_LEDGER_KEY], dtype=np.uint8)).decode("utf-8")
+        # Bytes: from_json reports text that is not UTF-8 as a corrupt ledger.
+        ledger_json = bytes(np.asarray(store[_LEDGER_KEY], dtype=np.uint8))
         super().load_own_variables({k: store[k] for k in keys if k != _LEDGER_KEY})
-        self._privacy_ledger = PrivacyLedger.from_json(
-            ledger_json, step_counter=self._read_dp_steps
-        )
+        ledger = PrivacyLedger.from_json(ledger_json, step_counter=self._read_dp_steps)
+        # The ledger and the step counter are saved together, so they agree in
+        # any file tfdp wrote; a difference means they were mixed from two.
+        saved_steps = json.loads(ledger_json.decode("utf-8"))["steps"]
+        if saved_steps != self._read_dp_steps():
+            raise ValueError(
+                f"Mismatched checkpoint: its privacy ledger was saved at step {saved_steps} "
+                f"but its weights' step counter reads {self._read_dp_steps()}; they come "
+                "from different checkpoints. tfdp refuses to resume from them."
+            )
+        self._privacy_ledger = ledger
 
     def get_config(self):
         config = super().get_config()

@@ -13,7 +13,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from tfdp import accounting
+from tfdp import accounting, distribute
 from tfdp.data.poisson import PoissonSampler, make_dataset
 from tfdp.mechanisms import dpsgd
 
@@ -199,6 +199,11 @@ class DPOptimizer(keras.optimizers.Optimizer):
             step_info: dict with "mask" (float [B], 0 on padding rows) and
                 "expected_batch_size" (scalar).
 
+        Under a tf.distribute strategy with R replicas this runs on each
+        replica's share of the global batch and returns that replica's part
+        of the noisy mean (noise std `noise_stddev() / sqrt(R)`); Keras sums
+        the parts. Overrides must do the same (see `tfdp.distribute`).
+
         Returns:
             (noisy mean gradients aligned with `per_example.variables`,
             dict of per-step tensors for logging).
@@ -209,11 +214,15 @@ class DPOptimizer(keras.optimizers.Optimizer):
         sq_norms = per_example.sq_norms()
         factors = dpsgd.clip_factors(sq_norms, self.l2_norm_clip, step_info["mask"])
         sums = per_example.weighted_sum(factors)
+        # Under tf.distribute Keras sums R replicas: each adds noise of
+        # variance sigma^2 C^2 / R and 1/R of the decay (tfdp.distribute).
         grads = dpsgd.noisy_mean(
-            sums, self.noise_stddev(), step_info["expected_batch_size"], self.noise_seed()
+            sums, self.noise_stddev() * distribute.noise_scale(),
+            step_info["expected_batch_size"], self.noise_seed(),
         )
         if self.weight_decay and self.weight_decay_placement == "after_noise":
-            grads = [g + o for g, o in zip(grads, self._decay_offsets(variables))]
+            share = distribute.replica_share()
+            grads = [g + o * share for g, o in zip(grads, self._decay_offsets(variables))]
         nonfinite = tf.reduce_sum(
             tf.cast(~tf.math.is_finite(sq_norms), tf.float32) * step_info["mask"]
         )
@@ -242,6 +251,39 @@ class DPOptimizer(keras.optimizers.Optimizer):
         """The dp_accounting event one step of this optimizer releases."""
         return accounting.dpsgd_event(self.noise_multiplier, sampling_probability)
 
+    # Why a subclass cannot run under several replicas (None: it can).
+    multi_replica_unsupported = None
+
+    def check_distributable(self, strategy):
+        """Raises unless this optimizer is exact under `strategy`'s replicas.
+
+        Called by `make_training_data` when the model's strategy has several
+        replicas. Refuses a mechanism that sets `multi_replica_unsupported`,
+        and an inner optimizer with `clipnorm`, `clipvalue` or
+        `global_clipnorm`: Keras applies those to each replica's part of the
+        gradient before summing, and a part carries only 1/sqrt(R) of the
+        noise, so the result would not be a function of the private sum.
+        """
+        replicas = strategy.num_replicas_in_sync
+        if replicas <= 1:
+            return
+        if self.multi_replica_unsupported:
+            raise ValueError(
+                f"{type(self).__name__} cannot train under a tf.distribute strategy "
+                f"with several replicas: {self.multi_replica_unsupported} Train it "
+                f"on one device. Received: {replicas} replicas"
+            )
+        for name in ("clipnorm", "clipvalue", "global_clipnorm"):
+            value = getattr(self.inner_optimizer, name, None)
+            if value is not None:
+                raise ValueError(
+                    f"Under a tf.distribute strategy with several replicas the inner "
+                    f"optimizer must not clip gradients: Keras would clip each "
+                    f"replica's partial gradient, which carries only part of the DP "
+                    f"noise. tfdp already clips per example (l2_norm_clip). "
+                    f"Received: {name}={value} with {replicas} replicas"
+                )
+
     def training_callbacks(self):
         """Keras callbacks this mechanism needs during `DPModel.fit`.
 
@@ -258,16 +300,34 @@ class DPOptimizer(keras.optimizers.Optimizer):
         Opens the ledger's step event for these settings and returns
         `(dataset, steps_per_epoch)`; each element is `(arrays_batch,
         step_info)` with a padding mask and the expected batch size.
+
+        Under a tf.distribute strategy with several replicas, every worker
+        draws the same global batch (user seed, or a secret seed broadcast by
+        the chief) and each replica gets its share of it as its element
+        (`tfdp.distribute.distribute_poisson_batches`); "expected_batch_size"
+        stays the global b.
         """
         num_examples = len(tf.nest.flatten(arrays)[0])
+        strategy = model.distribute_strategy
+        seed = self.sampling_seed(model.privacy.steps)
+        if strategy.num_replicas_in_sync > 1:
+            self.check_distributable(strategy)
+            if seed is None:  # every worker must draw the same global batches
+                seed = distribute.shared_sampling_seed(strategy, num_examples)
         sampler = PoissonSampler(
-            num_examples, batch_size, steps_per_epoch=steps_per_epoch,
-            seed=self.sampling_seed(model.privacy.steps),
+            num_examples, batch_size, steps_per_epoch=steps_per_epoch, seed=seed
         )
-        expected = tf.constant(float(batch_size))
-        dataset = make_dataset(sampler, arrays).map(
-            lambda batch, mask: (batch, {"mask": mask, "expected_batch_size": expected})
-        )
+
+        def to_element(batch, mask):
+            expected = tf.constant(float(batch_size))
+            return batch, {"mask": mask, "expected_batch_size": expected}
+
+        if strategy.num_replicas_in_sync > 1:
+            dataset = distribute.distribute_poisson_batches(
+                strategy, sampler, arrays, to_element
+            )
+        else:
+            dataset = make_dataset(sampler, arrays).map(to_element)
         model.privacy.begin_steps(self.step_event(batch_size / num_examples))
         return dataset, sampler.steps_per_epoch
 

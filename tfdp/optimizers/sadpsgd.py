@@ -186,7 +186,8 @@ class SADPSGD(DPOptimizer):
     evaluated in one batch, so its activations must fit in memory. Measured
     on 2 CPU cores (benchmarks/sadpsgd_fashion_mnist.py, tanh CNN, batch
     2048, 5,000 public examples): 24.5 s per epoch against DP-SGD's 16.6 s.
-    Tested on one replica; under tf.distribute it is untested.
+    Runs on one replica: `fit` refuses a tf.distribute strategy with several
+    replicas (see `multi_replica_unsupported`).
 
     Logs (each step; the epoch's logs show its last step): "energy" J(w_t)
     after the decision, "candidate_energy" J(w_new), "tau" (accepted so
@@ -222,6 +223,12 @@ class SADPSGD(DPOptimizer):
     >>> opt.initial_temperature, opt.rejection_threshold
     (10.0, 10)
     """
+
+    multi_replica_unsupported = (
+        "its accept/reject decision and the roll-back of weights and optimizer "
+        "slots are one cross-replica decision, which it does not synchronise "
+        "(workers keyed from their own entropy would decide differently)."
+    )
 
     def __init__(
         self,

@@ -1,0 +1,388 @@
+"""DP training under tf.distribute, run in a fresh process (not collected by pytest).
+
+    python scenarios.py mirrored R OUT.npz  # MirroredStrategy on R logical CPUs
+    python scenarios.py worker 2 OUT.npz    # one MultiWorkerMirroredStrategy worker
+                                            # (TF_CONFIG set by the caller)
+
+Logical devices must be configured before TensorFlow initialises, and a
+MultiWorkerMirroredStrategy must be created before any op runs (two
+MirroredStrategies over different device sets cannot share a process
+either: their collectives clash), so each runs in its own process. Results
+go to OUT.npz; the tests assert on them.
+"""
+
+import contextlib
+import os
+import sys
+import time
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+
+import numpy as np  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+MODE, REPLICAS = sys.argv[1], int(sys.argv[2])
+if MODE == "mirrored":
+    _cpu = tf.config.list_physical_devices("CPU")[0]
+    tf.config.set_logical_device_configuration(
+        _cpu, [tf.config.LogicalDeviceConfiguration()] * REPLICAS
+    )
+    STRATEGY = tf.distribute.MirroredStrategy([f"/cpu:{i}" for i in range(REPLICAS)])
+else:
+    STRATEGY = tf.distribute.MultiWorkerMirroredStrategy()
+if STRATEGY.num_replicas_in_sync != REPLICAS:
+    raise SystemExit(f"expected {REPLICAS} replicas, got {STRATEGY.num_replicas_in_sync}")
+
+import absl.logging  # noqa: E402
+import keras  # noqa: E402
+
+import tfdp  # noqa: E402
+from tfdp import distribute  # noqa: E402
+from tfdp.mechanisms import adaptive_noise as ada  # noqa: E402
+from tfdp.models.per_example import compute_per_example_gradients  # noqa: E402
+
+absl.logging.set_verbosity("error")
+
+SIGMA, CLIP = 1.3, 0.7
+LOSS = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+
+# -- test doubles -----------------------------------------------------------
+
+
+class NoiselessDPSGD(tfdp.optimizers.DPSGD):
+    def noise_stddev(self):
+        return 0.0
+
+
+class NoiselessDPOptimizer(tfdp.optimizers.DPOptimizer):
+    def noise_stddev(self):
+        return 0.0
+
+
+class NoiselessAdaDP(tfdp.optimizers.AdaDP):
+    def noise_stddev(self):
+        return 0.0
+
+    def whitened_noise_multiplier(self):
+        return 0.0
+
+
+@contextlib.contextmanager
+def timed(label):
+    """Logs a section's seconds to the process log (kept by _launch on failure)."""
+    start = time.perf_counter()
+    yield
+    print(f"{label}: {time.perf_counter() - start:.1f} s", flush=True)
+
+
+@contextlib.contextmanager
+def patched(name, value):
+    """Replaces `tfdp.distribute.<name>` (negative controls)."""
+    original = getattr(distribute, name)
+    setattr(distribute, name, value)
+    try:
+        yield
+    finally:
+        setattr(distribute, name, original)
+
+
+def scope(replicas):
+    return STRATEGY.scope() if replicas > 1 else contextlib.nullcontext()
+
+
+# -- 1. noiseless training equals single-device training ---------------------
+
+EXACT_OPTIMIZERS = {
+    # momentum + classic weight decay added after the noise (1/R per replica)
+    "dpsgd": lambda: NoiselessDPSGD(
+        0.5, momentum=0.9, l2_norm_clip=0.5, noise_multiplier=SIGMA,
+        weight_decay=0.05, weight_decay_placement="after_noise", seed=7,
+    ),
+    "adam": lambda: NoiselessDPOptimizer(
+        keras.optimizers.Adam(0.05), l2_norm_clip=0.5, noise_multiplier=SIGMA,
+        weight_decay=0.05, seed=7,
+    ),
+    # threshold 0: the adaptive phase (local clipping from s) starts at step 2
+    "adadp": lambda: NoiselessAdaDP(
+        0.02, l2_norm_clip=0.5, noise_multiplier=SIGMA, local_clip_threshold=0.0,
+        weight_decay=0.05, weight_decay_placement="after_noise", seed=7,
+    ),
+}
+
+
+def exact_data():
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(96, 6)).astype(np.float32)
+    y = rng.integers(0, 3, size=96)
+    sample_weight = rng.uniform(0.5, 1.5, size=96).astype(np.float32)
+    return x, y, sample_weight
+
+
+def exact_model():
+    model = tfdp.DPSequential(
+        [keras.Input((6,)), keras.layers.Dense(8, activation="tanh"), keras.layers.Dense(3)]
+    )
+    rng = np.random.default_rng(1)
+    for variable in model.trainable_variables:
+        variable.assign(rng.normal(size=variable.shape).astype(np.float32) * 0.5)
+    return model
+
+
+def train_exact(name, replicas):
+    """8 seeded Poisson steps; returns (weights, steps, epsilon, first-epoch loss)."""
+    x, y, sample_weight = exact_data()
+    with scope(replicas):
+        model = exact_model()
+        model.compile(optimizer=EXACT_OPTIMIZERS[name](), loss=LOSS)
+    history = model.fit(
+        x, y, sample_weight=sample_weight, batch_size=24, epochs=2, verbose=0
+    )
+    weights = np.concatenate([v.numpy().ravel() for v in model.trainable_variables])
+    return weights, model.privacy.steps, model.privacy.epsilon(1e-5), history.history["loss"][0]
+
+
+# -- 2. the global update's noise -------------------------------------------
+
+NOISE_BATCH = 8
+
+
+def noise_model():
+    # x = 0 and no bias: every per-example gradient is exactly 0, so the
+    # update is -learning_rate * noise / b.
+    model = tfdp.DPSequential([keras.Input((100,)), keras.layers.Dense(400, use_bias=False)])
+    model.trainable_variables[0].assign(np.zeros((100, 400), np.float32))
+    return model
+
+
+def global_noise(replicas, seed=11):
+    """One DP-SGD step on zero gradients; returns noise / (sigma C / b), ideally N(0, 1)."""
+    x = np.zeros((16, 100), np.float32)
+    y = np.zeros((16, 400), np.float32)
+    with scope(replicas):
+        model = noise_model()
+        model.compile(
+            optimizer=tfdp.optimizers.DPSGD(
+                1.0, l2_norm_clip=CLIP, noise_multiplier=SIGMA, seed=seed
+            ),
+            loss="mse",
+        )
+    model.fit(x, y, batch_size=NOISE_BATCH, epochs=1, steps_per_epoch=1, verbose=0)
+    update = -model.trainable_variables[0].numpy().ravel()
+    return update / (SIGMA * CLIP / NOISE_BATCH)
+
+
+def _replica_parts(model):
+    """Each local replica's `privatize` output on zero gradients (its noise part)."""
+    strategy = STRATEGY
+
+    @tf.function
+    def parts():
+        def replica_fn():
+            x = tf.zeros((NOISE_BATCH, 100))
+            y = tf.zeros((NOISE_BATCH, 400))
+            weights = tf.ones([NOISE_BATCH])
+            per_example, _, _ = compute_per_example_gradients(
+                model, x, y, weights, model._per_example_loss
+            )
+            step_info = {"mask": weights, "expected_batch_size": tf.constant(float(NOISE_BATCH))}
+            grads, _ = model.optimizer.privatize(per_example, step_info)
+            return grads[0]
+
+        return strategy.experimental_local_results(strategy.run(replica_fn))
+
+    return np.stack([p.numpy().ravel() for p in parts()])
+
+
+def replica_noise(replicas, seed=11):
+    """Each local replica's part of one step's noise, in units of sigma C / b."""
+    with STRATEGY.scope():
+        model = noise_model()
+        model.compile(
+            optimizer=tfdp.optimizers.DPSGD(
+                1.0, l2_norm_clip=CLIP, noise_multiplier=SIGMA, seed=seed
+            ),
+            loss="mse",
+        )
+        model.optimizer.build(model.trainable_variables)
+    return _replica_parts(model) / (SIGMA * CLIP / NOISE_BATCH)
+
+
+def adadp_replica_noise(replicas, seed=11):
+    """AdaDP's adaptive-phase noise parts, each coordinate in units of its sigma_j / b."""
+    with STRATEGY.scope():
+        model = noise_model()
+        model.compile(
+            optimizer=tfdp.optimizers.AdaDP(
+                1.0, l2_norm_clip=CLIP, noise_multiplier=SIGMA, local_clip_threshold=0.0,
+                seed=seed,
+            ),
+            loss="mse",
+        )
+        optimizer = model.optimizer
+        optimizer.build(model.trainable_variables)
+        moments = np.random.default_rng(5).uniform(0.05, 0.2, size=(100, 400)).astype(np.float32)
+        optimizer.second_moments(model.trainable_variables)[0].assign(moments)
+    bounds = ada.clip_bounds([tf.constant(moments)], optimizer.local_clip_factor, CLIP)
+    sigma_j = ada.noise_stddevs(bounds, SIGMA, moments.size)[0].numpy().ravel()
+    return _replica_parts(model) / (sigma_j / NOISE_BATCH)
+
+
+# -- 3. refusals --------------------------------------------------------------
+
+
+def refusal_messages(replicas):
+    x, y, _ = exact_data()
+    public = (x[:10] + 100.0, y[:10])
+    candidates = {
+        "sadpsgd": lambda: tfdp.optimizers.SADPSGD(
+            0.1, l2_norm_clip=1.0, noise_multiplier=1.0, public_energy_data=public, seed=1
+        ),
+        "dpis": lambda: tfdp.optimizers.DPIS(
+            0.1, l2_norm_clip=1.0, target_epsilon=5.0, epochs=1, sigma_n=10.0, seed=1
+        ),
+        "clipnorm": lambda: tfdp.optimizers.DPOptimizer(
+            keras.optimizers.SGD(0.1, clipnorm=1.0), l2_norm_clip=1.0, noise_multiplier=1.0
+        ),
+    }
+    messages = {}
+    for name, make in candidates.items():
+        with scope(replicas):
+            model = exact_model()
+            model.compile(optimizer=make(), loss=LOSS)
+        try:
+            model.fit(x, y, batch_size=24, epochs=1, verbose=0)
+            messages[name] = "TRAINED"
+        except ValueError as error:
+            messages[name] = f"{str(error)} | steps={model.privacy.steps}"
+    return messages
+
+
+# -- 4. unseeded sampling: one global batch per step, split once -------------
+
+
+def unseeded_draws(replicas, fits=2):
+    """Records the global draws (indices, mask) and this process's shares."""
+    x, y, _ = exact_data()
+    records = []
+    original = distribute.replica_shares
+
+    def recording(indices, mask, num_replicas):
+        shares = original(indices, mask, num_replicas)
+        records.append((np.asarray(indices).copy(), np.asarray(mask).copy()))
+        return shares
+
+    per_fit = []
+    with patched("replica_shares", recording):
+        for _ in range(fits):
+            with scope(replicas):
+                model = exact_model()
+                model.compile(
+                    optimizer=tfdp.optimizers.DPSGD(0.1, l2_norm_clip=1.0, noise_multiplier=1.0),
+                    loss=LOSS,
+                )
+            records.clear()
+            model.fit(x, y, batch_size=24, epochs=1, steps_per_epoch=4, verbose=0)
+            # the pipeline prefetches ahead; the first 4 draws are the steps
+            draws = np.full((4, len(x)), -1, np.int64)
+            for step, (indices, mask) in enumerate(records[:4]):
+                real = indices[mask > 0]
+                draws[step, : len(real)] = real
+            per_fit.append(draws)
+    return np.stack(per_fit)  # [fits, 4 steps, N]: sampled indices, -1 after
+
+
+# -- 5. the rest of Keras under the strategy ---------------------------------
+
+
+def keras_paths(replicas):
+    """fit with validation data, then evaluate and predict: [val_loss, loss, rows]."""
+    x, y, _ = exact_data()
+    with scope(replicas):
+        model = exact_model()
+        model.compile(
+            optimizer=tfdp.optimizers.DPSGD(0.1, l2_norm_clip=1.0, noise_multiplier=1.0, seed=3),
+            loss=LOSS,
+        )
+    history = model.fit(x, y, batch_size=24, epochs=1, validation_data=(x[:40], y[:40]), verbose=0)
+    evaluated = model.evaluate(x[:40], y[:40], verbose=0)
+    predicted = model.predict(x[:10], verbose=0)
+    return np.array([history.history["val_loss"][0], evaluated, len(predicted)])
+
+
+# -- main -----------------------------------------------------------------------
+
+
+def mirrored(out):
+    replicas = REPLICAS
+    results = {}
+    # R = 3 checks the parts R = 2 cannot (uneven shares, 1/3 scaling); the
+    # mechanism-specific checks run once, with R = 2.
+    names = list(EXACT_OPTIMIZERS) if replicas == 2 else ["dpsgd"]
+    for name in names:
+        for r in (1, replicas):
+            with timed(f"exact {name} R={r}"):
+                w, steps, eps, loss = train_exact(name, r)
+            results[f"exact_{name}_{r}"] = w
+            results[f"steps_{name}_{r}"] = steps
+            results[f"epsilon_{name}_{r}"] = eps
+            results[f"loss_{name}_{r}"] = loss
+    with timed("noise"):
+        results["noise_1"] = global_noise(1)
+        results["noise"] = global_noise(replicas)
+        with patched("noise_scale", lambda: 1.0):
+            results["noise_unscaled"] = global_noise(replicas)
+    with timed("parts"):
+        results["parts"] = replica_noise(replicas)
+    if replicas == 2:
+        with timed("adadp parts"):
+            results["adadp_parts"] = adadp_replica_noise(replicas)
+            with patched("noise_scale", lambda: 1.0):
+                results["adadp_parts_unscaled"] = adadp_replica_noise(replicas)
+        # negative controls: the decay added in full on every replica; AdaDP's
+        # s read from one replica's part of the gradient
+        with timed("controls"):
+            with patched("replica_share", lambda: 1.0):
+                results["exact_dpsgd_unshared_decay"] = train_exact("dpsgd", replicas)[0]
+            with patched("sum_over_replicas", list):
+                results["exact_adadp_local_moments"] = train_exact("adadp", replicas)[0]
+        with timed("refusals"):
+            for name, message in refusal_messages(replicas).items():
+                results[f"refusal_{name}"] = message
+        with timed("draws"):
+            results["draws"] = unseeded_draws(replicas)
+    np.savez(out, **results)
+
+
+def worker(out):
+    task = STRATEGY.cluster_resolver.task_id
+    results = {"task": task}
+    with timed("exact"):
+        w, steps, eps, loss = train_exact("dpsgd", 2)
+    results.update(exact_dpsgd=w, steps=steps, epsilon=eps)
+    with timed("noise"):
+        results["noise"] = global_noise(2)
+        with patched("noise_scale", lambda: 1.0):
+            results["noise_unscaled"] = global_noise(2)
+    with timed("parts"):
+        results["parts"] = replica_noise(2)
+    with timed("draws"):
+        results["draws"] = unseeded_draws(2)
+    with timed("keras paths"):
+        results["keras_paths"] = keras_paths(2)
+    with timed("seeds"):
+        results["shared_seed"] = str(distribute.shared_sampling_seed(STRATEGY, 96))
+        try:  # worker 1 holds one example more: both must refuse
+            distribute.shared_sampling_seed(STRATEGY, 96 + task)
+            results["mismatch"] = "accepted"
+        except ValueError as error:
+            results["mismatch"] = str(error)
+    # single-device reference, outside the strategy (after all collectives)
+    with timed("single"):
+        w, steps, eps, _ = train_exact("dpsgd", 1)
+    results.update(exact_dpsgd_single=w, steps_single=steps, epsilon_single=eps)
+    np.savez(out, **results)
+
+
+if __name__ == "__main__":
+    {"mirrored": mirrored, "worker": worker}[MODE](sys.argv[3])

@@ -1,0 +1,72 @@
+"""DP training under MultiWorkerMirroredStrategy: 2 local workers on loopback.
+
+Each worker is a process with its own TF_CONFIG (127.0.0.1 ports), running
+`scenarios.py worker` (started with the others by conftest.py); a time
+limit kills all if any hangs or fails.
+One CPU device per worker, so R = 2 replicas, one per worker.
+"""
+
+import numpy as np
+import pytest
+
+NOISE_TOLERANCE = 0.02
+
+
+@pytest.fixture(scope="module")
+def workers(scenario_runs):
+    return [scenario_runs["worker_0"], scenario_runs["worker_1"]]
+
+
+def test_workers_are_two_tasks_of_one_cluster(workers):
+    assert sorted(int(w["task"]) for w in workers) == [0, 1]
+
+
+def test_global_noise_matches_single_device_and_unscaled_noise_fails(workers):
+    # The all-reduced update is the same on both workers.
+    np.testing.assert_array_equal(workers[0]["noise"], workers[1]["noise"])
+    assert abs(np.std(workers[0]["noise"]) - 1.0) < NOISE_TOLERANCE
+    unscaled = np.std(workers[0]["noise_unscaled"])  # negative control
+    assert abs(unscaled - 1.0) > 10 * NOISE_TOLERANCE
+    assert abs(unscaled - np.sqrt(2)) < NOISE_TOLERANCE * np.sqrt(2)
+
+
+def test_each_worker_draws_its_own_independent_part_of_the_noise(workers):
+    parts = np.concatenate([w["parts"] for w in workers])  # [2, coordinates]
+    assert not np.array_equal(parts[0], parts[1])
+    for part in parts:
+        assert abs(np.std(part) * np.sqrt(2) - 1.0) < NOISE_TOLERANCE
+    assert abs(np.corrcoef(parts)[0, 1]) < 0.03
+    assert abs(np.std(parts.sum(0)) - 1.0) < NOISE_TOLERANCE
+
+
+def test_noiseless_training_equals_single_device_training(workers):
+    for worker in workers:
+        np.testing.assert_allclose(
+            worker["exact_dpsgd"], worker["exact_dpsgd_single"], rtol=0, atol=1e-5
+        )
+        assert int(worker["steps"]) == int(worker["steps_single"]) == 8
+        assert float(worker["epsilon"]) == float(worker["epsilon_single"])
+
+
+def test_unseeded_workers_agree_on_every_global_batch(workers):
+    """No user seed: the chief's secret seed is shared, so the batches match."""
+    draws = [w["draws"] for w in workers]  # [fits, steps, N]
+    np.testing.assert_array_equal(draws[0], draws[1])
+    assert np.all((draws[0] >= 0).sum(-1) > 0)
+    assert not np.array_equal(draws[0][0], draws[0][1])  # fresh seed per fit
+
+
+def test_chief_seed_reaches_every_worker_and_data_mismatch_is_refused(workers):
+    assert str(workers[0]["shared_seed"]) == str(workers[1]["shared_seed"])
+    for worker in workers:
+        message = str(worker["mismatch"])
+        assert "Every worker must hold the same training data" in message
+        assert "[96, 97] across the replicas" in message
+
+
+def test_validation_evaluate_and_predict_work_across_workers(workers):
+    # Keras 3.15 alone fails on the first two under MultiWorkerMirroredStrategy.
+    for worker in workers:
+        val_loss, loss, rows = worker["keras_paths"]
+        assert np.isfinite(val_loss) and np.isfinite(loss) and rows == 10
+        assert abs(val_loss - loss) < 1e-5  # same weights, same 40 examples

@@ -1,0 +1,314 @@
+"""DP training under `tf.distribute` (MirroredStrategy, MultiWorkerMirroredStrategy).
+
+Keras sums the replicas' gradients (an all-reduce SUM in the inner
+optimizer's `apply`). A DP step stays one DP-SGD release of the *global*
+Poisson batch when:
+
+- the global batch is drawn once over the global dataset (every worker draws
+  the same indices from a shared secret seed) and split into R shares, one
+  per replica (`distribute_poisson_batches`);
+- each replica clips its share, divides by the global expected batch size b
+  and adds independent noise N(0, sigma^2 C^2 / R): the R noises sum to
+  exactly N(0, sigma^2 C^2) on the global sum, added once (`replica_share`);
+- every other term that the step adds once (e.g. weight decay after the
+  noise) is added as 1/R of it per replica;
+- everything nonlinear (an inner optimizer's clipnorm, a mechanism's
+  statistics) reads only the all-reduced gradient: a single replica's partial
+  gradient carries only noise sigma / sqrt(R), so nothing may depend on it
+  alone.
+
+The ledger counts global steps (`DPModel._dp_steps` is updated once per
+step). `DPOptimizer.make_training_data` and `DPOptimizer.privatize` use this
+module; users only create the strategy and the model in its scope.
+
+Example:
+
+```python
+strategy = tf.distribute.MirroredStrategy()
+with strategy.scope():
+    model = tfdp.DPSequential([...])
+    model.compile(optimizer=tfdp.optimizers.DPSGD(...), loss=...)
+model.fit(x, y, batch_size=1024)   # global expected batch size
+```
+"""
+
+import itertools
+import math
+import os
+
+import numpy as np
+import tensorflow as tf
+
+from tfdp.data.poisson import PoissonSampler
+
+__all__ = [
+    "num_replicas_in_sync",
+    "replica_share",
+    "replica_shares",
+    "shared_sampling_seed",
+    "distribute_poisson_batches",
+    "noise_scale",
+    "sum_over_replicas",
+    "logs_for_keras",
+]
+
+
+def num_replicas_in_sync():
+    """Replicas whose gradients Keras sums at this point (1 outside a replica fn).
+
+    Example:
+
+    >>> num_replicas_in_sync()
+    1
+    """
+    context = tf.distribute.get_replica_context()
+    if context is None:  # cross-replica context: no per-replica gradients here
+        return 1
+    return int(context.num_replicas_in_sync)
+
+
+def replica_share():
+    """1/R: the share of a once-per-step term that each of R replicas adds.
+
+    Keras sums the replicas' gradients, so a term the global step must carry
+    once is added as 1/R of it per replica; noise of variance v is added as
+    independent noise of variance v/R per replica (std scaled by
+    `sqrt(replica_share())`).
+
+    Example:
+
+    >>> replica_share()
+    1.0
+    """
+    return 1.0 / num_replicas_in_sync()
+
+
+def replica_shares(indices, mask, num_replicas):
+    """Splits one padded global batch into `num_replicas` equal shares.
+
+    The batch is padded (index 0, mask 0) to a multiple of `num_replicas`;
+    share r holds rows r, r + R, r + 2R, ... Sampled rows come first in a
+    padded batch, so interleaving spreads them evenly over the replicas.
+    The split does not change which records the step uses.
+
+    Args:
+        indices: int array [L], a padded Poisson draw (`PoissonSampler.pad`).
+        mask: float array [L], 1 for sampled rows, 0 for padding.
+        num_replicas: int R >= 1.
+
+    Returns:
+        List of R pairs `(indices, mask)`, each of length ceil(L / R).
+
+    Example:
+
+    >>> shares = replica_shares(np.array([4, 9, 7, 0]), np.array([1., 1., 1., 0.]), 2)
+    >>> [s[0].tolist() for s in shares]
+    [[4, 7], [9, 0]]
+    """
+    length = -(-len(indices) // num_replicas) * num_replicas
+    indices = np.pad(np.asarray(indices, np.int64), (0, length - len(indices)))
+    mask = np.pad(np.asarray(mask, np.float32), (0, length - len(mask)))
+    return [(indices[r::num_replicas], mask[r::num_replicas]) for r in range(num_replicas)]
+
+
+def shared_sampling_seed(strategy, num_examples):
+    """A secret sampling seed that every worker of `strategy` agrees on.
+
+    Every worker must draw the same global Poisson batches, so they need one
+    seed; and the seed must stay secret, since whoever knows it knows which
+    records each step used (privacy amplification by sampling assumes they
+    do not). The first replica (the chief's) draws 128 bits from OS entropy
+    and broadcasts them with one all-gather over the strategy's own
+    collective channel (the workers already share the training data); the
+    seed is never logged or saved. The same all-gather checks that all
+    workers hold the same number of training examples.
+
+    Must be called by every worker (as `fit` is), like any collective.
+
+    Args:
+        strategy: a `tf.distribute.Strategy`.
+        num_examples: this worker's number of training examples N.
+
+    Returns:
+        A non-negative Python int.
+
+    Raises:
+        ValueError: when workers hold different numbers of examples.
+
+    Example:
+
+    >>> seed = shared_sampling_seed(tf.distribute.get_strategy(), 100)
+    >>> seed >= 0
+    True
+    """
+    # 32-bit words and N in float64: exact, and every collective supports it.
+    words = np.frombuffer(os.urandom(16), dtype=np.uint32).astype(np.float64)
+    local = np.concatenate([words, [float(num_examples)]])[None]
+
+    @tf.function(autograph=False)
+    def exchange():
+        def replica_fn():
+            context = tf.distribute.get_replica_context()
+            return context.all_gather(tf.constant(local, tf.float64), axis=0)
+
+        return strategy.experimental_local_results(strategy.run(replica_fn))[0]
+
+    gathered = exchange().numpy()  # [R, 5], the same on every worker
+    counts = gathered[:, 4]
+    if np.any(counts != counts[0]):
+        raise ValueError(
+            "Every worker must hold the same training data (Poisson sampling is over "
+            "the global dataset and each worker takes its replicas' share of each "
+            f"batch). Received: num_examples={num_examples} on this worker, "
+            f"{sorted(set(int(c) for c in counts))} across the replicas"
+        )
+    seed = 0
+    for word in gathered[0, :4]:  # the first replica's (the chief's) entropy
+        seed = (seed << 32) | int(word)
+    return seed
+
+
+def distribute_poisson_batches(strategy, sampler, arrays, to_element):
+    """A distributed dataset of global Poisson batches split over the replicas.
+
+    Every worker runs the same `sampler` (same seed: `shared_sampling_seed`
+    or a user seed), so all draw the same global batch each step; each worker
+    gathers only its replicas' shares (`replica_shares`; replica ids
+    `pipeline * R_local + j`). The per-replica element is `to_element(batch,
+    mask)`. The dataset repeats with fresh draws: pass `steps_per_epoch`.
+
+    Workers read ahead (prefetch) by different amounts, so a shared random
+    stream would put them out of step if the dataset were iterated again.
+    Each iteration therefore draws from its own stream, keyed by the seed
+    and the iteration's number (the first uses `sampler` itself): every
+    worker's n-th iteration draws the same batches, and no two iterations
+    replay each other's.
+
+    Args:
+        strategy: a `tf.distribute.Strategy`.
+        sampler: a `tfdp.data.PoissonSampler` over the global dataset.
+        arrays: nested structure of arrays with first dimension
+            `sampler.num_examples` (the same on every worker).
+        to_element: function `(batch_arrays, mask) -> element`, run in the
+            tf.data pipeline.
+
+    Returns:
+        A `tf.distribute.DistributedDataset` (one global step per element).
+
+    Example:
+
+    ```python
+    sampler = PoissonSampler(len(x), expected_batch_size=256, seed=seed)
+    dataset = distribute_poisson_batches(
+        strategy, sampler, (x, y), lambda batch, mask: (batch, mask))
+    ```
+    """
+    if not isinstance(sampler, PoissonSampler):
+        raise TypeError(
+            "Expected `sampler` to be a `PoissonSampler`. "
+            f"Received: sampler={sampler!r} of type {type(sampler).__name__}"
+        )
+    num_replicas = strategy.num_replicas_in_sync
+
+    def dataset_fn(input_context):
+        local = num_replicas // input_context.num_input_pipelines
+        first = input_context.input_pipeline_id * local
+        replica_ids = list(range(first, first + local))
+        tensors = tf.nest.map_structure(tf.convert_to_tensor, arrays)
+        iterations = itertools.count()
+
+        def generator():
+            source = _iteration_sampler(sampler, next(iterations))
+            while True:  # every pass over the sampler draws fresh batches
+                for indices, mask in source.epoch():
+                    shares = replica_shares(indices, mask, num_replicas)
+                    for replica in replica_ids:
+                        yield shares[replica]
+
+        shares = tf.data.Dataset.from_generator(
+            generator,
+            output_signature=(
+                tf.TensorSpec(shape=[None], dtype=tf.int64),
+                tf.TensorSpec(shape=[None], dtype=tf.float32),
+            ),
+        )
+
+        def gather(indices, mask):
+            batch = tf.nest.map_structure(lambda t: tf.gather(t, indices), tensors)
+            return to_element(batch, mask)
+
+        # tf.data keeps the order (deterministic by default): consecutive
+        # elements go to consecutive local replicas.
+        return shares.map(gather, num_parallel_calls=tf.data.AUTOTUNE).prefetch(
+            tf.data.AUTOTUNE
+        )
+
+    return strategy.distribute_datasets_from_function(dataset_fn)
+
+
+def _iteration_sampler(sampler, iteration):
+    """`sampler` for iteration 0, else a sampler keyed by (seed, iteration)."""
+    if iteration == 0:
+        return sampler
+    if sampler.seed is None:
+        raise ValueError(
+            "A distributed DP dataset needs a sampler seed shared by all workers. "
+            "Received: seed=None"
+        )
+    words = np.random.SeedSequence([sampler.seed, iteration]).generate_state(4)
+    seed = int.from_bytes(np.asarray(words, np.uint32).tobytes(), "little")
+    return PoissonSampler(
+        sampler.num_examples, sampler.expected_batch_size,
+        steps_per_epoch=sampler.steps_per_epoch, seed=seed,
+    )
+
+
+def noise_scale():
+    """sqrt(1/R): the factor on each replica's noise standard deviation.
+
+    Example:
+
+    >>> noise_scale()
+    1.0
+    """
+    return math.sqrt(replica_share())
+
+
+def sum_over_replicas(tensors):
+    """The all-reduced (global) sum of per-replica tensors; identity on one replica.
+
+    A mechanism statistic that steers training (AdaDP's second moments) must
+    read the global noisy gradient, never one replica's part of it (which
+    carries only 1/sqrt(R) of the noise). Every replica gets the same result.
+
+    Example:
+
+    >>> [t.numpy() for t in sum_over_replicas([tf.ones([2])])]
+    [array([1., 1.], dtype=float32)]
+    """
+    context = tf.distribute.get_replica_context()
+    if context is None or context.num_replicas_in_sync == 1:
+        return list(tensors)
+    return list(context.all_reduce(tf.distribute.ReduceOp.SUM, list(tensors)))
+
+
+def logs_for_keras(logs):
+    """A train step's logs in the shape Keras can reduce across workers.
+
+    Keras 3.15 reduces step logs under a multi-worker
+    MultiWorkerMirroredStrategy with `strategy.reduce("MEAN", v, axis=0)`,
+    which fails on scalars; there each log gets shape [1] (the reduction
+    returns a scalar). Elsewhere the logs are returned unchanged.
+
+    Example:
+
+    >>> logs_for_keras({"loss": tf.constant(1.0)})["loss"].shape
+    TensorShape([])
+    """
+    strategy = tf.distribute.get_strategy()
+    multi_worker = isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy) and (
+        getattr(strategy.extended, "_in_multi_worker_mode", lambda: False)()
+    )
+    if not multi_worker:
+        return logs
+    return {key: tf.reshape(value, [1]) for key, value in logs.items()}
