@@ -14,7 +14,7 @@ import math
 import sys
 import time
 
-MECHANISMS = ("dpsgd",)
+MECHANISMS = ("dpsgd", "sadpsgd", "dpis", "adadp",)
 DATASETS = ("digits", "fashion_mnist")
 
 

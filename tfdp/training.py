@@ -16,11 +16,34 @@ from tfdp import accounting, callbacks, optimizers, recipes
 from tfdp.data import load_dataset
 
 
-def make_optimizer(mechanism, learning_rate, l2_norm_clip, noise_multiplier, momentum=0.0, seed=None):
-    """The tfdp optimizer for `mechanism` with the given settings."""
+def make_optimizer(mechanism, learning_rate, l2_norm_clip, noise_multiplier, momentum=0.0, seed=None,
+                   public_energy_data=None, target_epsilon=None, target_delta=None, epochs=None,
+                   num_examples=None):
+    """The tfdp optimizer for `mechanism` with the given settings.
+
+    "sadpsgd" needs `public_energy_data`, a public (x, y) pair (never training data).
+    """
     if mechanism == "dpsgd":
         return optimizers.DPSGD(
             learning_rate=learning_rate, momentum=momentum, l2_norm_clip=l2_norm_clip,
+            noise_multiplier=noise_multiplier, seed=seed,
+        )
+    if mechanism == "sadpsgd":
+        return optimizers.SADPSGD(
+            learning_rate=learning_rate, momentum=momentum, l2_norm_clip=l2_norm_clip,
+            noise_multiplier=noise_multiplier, seed=seed, public_energy_data=public_energy_data,
+        )
+    if mechanism == "dpis":
+        # DPIS picks sigma_G per epoch from the target (noise_multiplier unused);
+        # sigma_N = 0.02 * N is the paper's, fine here: built-in datasets' sizes are public.
+        return optimizers.DPIS(
+            learning_rate=learning_rate, momentum=momentum, l2_norm_clip=l2_norm_clip,
+            target_epsilon=target_epsilon, target_delta=target_delta, epochs=epochs,
+            sigma_n=0.02 * num_examples, seed=seed,
+        )
+    if mechanism == "adadp":
+        return optimizers.AdaDP(
+            learning_rate=learning_rate, l2_norm_clip=l2_norm_clip,
             noise_multiplier=noise_multiplier, seed=seed,
         )
     raise ValueError(f"Unknown mechanism. Received: mechanism={mechanism!r}")
@@ -52,13 +75,28 @@ def train(
     """
     defaults = recipes.DEFAULTS[dataset]
     epochs = epochs or defaults["epochs"]
+    if mechanism == "adadp":  # RMSprop-style step: its own learning rate (and batch)
+        batch_size = batch_size or optimizers.adadp.RECIPE_DEFAULTS[dataset]["batch_size"]
+        learning_rate = learning_rate or optimizers.adadp.RECIPE_DEFAULTS[dataset]["learning_rate"]
     batch_size = batch_size or defaults["batch_size"]
     learning_rate = learning_rate or defaults["learning_rate"]
     l2_norm_clip = l2_norm_clip or defaults["l2_norm_clip"]
     delta = delta or defaults["delta"]
     (x_train, y_train), (x_test, y_test) = load_dataset(dataset, data_dir=data_dir)
+    public_energy_data = None
+    if mechanism == "sadpsgd":
+        # SA-DPSGD's energy set: the first half of the (public) test split;
+        # accuracy is reported on the other half, which the energy never read.
+        half = len(x_test) // 2
+        public_energy_data = (x_test[:half], y_test[:half])
+        x_test, y_test = x_test[half:], y_test[half:]
     num_examples = len(x_train)
     steps_per_epoch = max(1, round(num_examples / batch_size))
+    if mechanism == "dpis" and noise_multiplier is not None:
+        raise ValueError(
+            "DPIS chooses its noise multiplier every epoch from the target epsilon: "
+            f"pass epsilon instead. Received: noise_multiplier={noise_multiplier}"
+        )
     if noise_multiplier is None:
         epsilon = epsilon or defaults["epsilon"]
         noise_multiplier = accounting.calibrate_noise_multiplier(
@@ -69,7 +107,9 @@ def train(
     model = recipes.build_model(dataset)
     model.compile(
         optimizer=make_optimizer(mechanism, learning_rate, l2_norm_clip, noise_multiplier,
-                                 momentum=defaults["momentum"], seed=seed),
+                                 momentum=defaults["momentum"], seed=seed,
+                                 public_energy_data=public_energy_data, target_epsilon=epsilon,
+                                 target_delta=delta, epochs=epochs, num_examples=num_examples),
         loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
         metrics=["accuracy"],
     )
@@ -82,7 +122,7 @@ def train(
     if output:
         model.save(output)
     spent = model.privacy.epsilon(delta)
-    return {
+    result = {
         "dataset": dataset,
         "mechanism": mechanism,
         "test_accuracy": round(float(test_accuracy), 4),
@@ -96,3 +136,19 @@ def train(
         "l2_norm_clip": l2_norm_clip,
         "stopped_for_budget": budget.stopped_for_budget,
     }
+    if mechanism == "sadpsgd":
+        opt = model.optimizer
+        result.update(
+            accepted_steps=int(opt.accepted_count.numpy()),
+            energy_examples=len(public_energy_data[1]),
+            # The paper's Theorem 1 (accepted steps only): NOT a guarantee.
+            paper_claimed_epsilon=round(opt.paper_claimed_epsilon(delta), 4),
+        )
+    if mechanism == "dpis":
+        schedule = [round(row["sigma_g"], 4) for row in model.optimizer.epoch_history]
+        result.update(noise_multiplier=schedule[-1] if schedule else None, sigma_g_schedule=schedule)
+    if mechanism == "adadp":
+        # The paper's Theorem 1 accounting (Wang et al. bound, classic conversion): NOT a guarantee.
+        result.update(paper_theorem1_epsilon=round(model.optimizer.paper_epsilon(
+            delta, batch_size / num_examples, model.privacy.steps), 4))
+    return result

@@ -4,7 +4,10 @@
 optimizer private; `DPSGD` is DP-SGD with SGD's arguments.
 """
 
+from tfdp.optimizers.adadp import AdaDP
 from tfdp.optimizers.dp_optimizer import DPOptimizer
 from tfdp.optimizers.dpsgd import DPSGD
+from tfdp.optimizers.dpis import DPIS
+from tfdp.optimizers.sadpsgd import SADPSGD
 
-__all__ = ["DPOptimizer", "DPSGD"]
+__all__ = ["AdaDP", "DPIS", "DPOptimizer", "DPSGD", "SADPSGD"]
