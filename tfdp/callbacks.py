@@ -2,6 +2,8 @@
 
 `PrivacyBudget` puts epsilon into the logs (progress bar, History,
 TensorBoard, CSVLogger) and stops training before a budget is exceeded.
+`PrivacyJournal` writes each step range to disk before it runs, so a run
+killed mid-epoch and resumed from a checkpoint never under-counts.
 """
 
 import math
@@ -98,3 +100,204 @@ class PrivacyBudget(keras.callbacks.Callback):
     def on_epoch_end(self, epoch, logs=None):
         if logs is not None:
             logs["epsilon"] = self._ledger().epsilon(self.delta, accountant=self.accountant)
+
+
+class PrivacyJournal(keras.callbacks.Callback):
+    """A write-ahead journal of private steps: a crash never under-counts.
+
+    A checkpoint's ledger covers the steps before it was saved. When training
+    is killed, the steps that ran after the last checkpoint are gone from the
+    weights, but they ran: their outputs may have been seen (progress logs,
+    TensorBoard, a later checkpoint that was copied elsewhere). This callback
+    appends, BEFORE steps run, a line "steps [start, end) of the step counter
+    release this event" to a journal file (flushed and fsynced). After a crash,
+    `recover(model)` charges every journaled step the loaded checkpoint does
+    not cover to its ledger, so epsilon covers every step that ran. It may
+    over-count (steps journaled ahead that never ran: up to one epoch with
+    `frequency="epoch"`, none with "batch"), never under-count.
+
+    While training, a model whose ledger counts fewer steps than the journal
+    records is refused before its first step (call `recover` first), and so
+    is a journal that records fewer steps than the model has (it belongs to
+    another run). Keep one journal per training run, next to its checkpoints.
+
+    Args:
+        path: the journal file (JSON lines; created if missing).
+        frequency: "epoch" (default: one fsync per epoch, for its planned
+            steps) or "batch" (one fsync per step: exact, slower).
+
+    Example:
+
+    ```python
+    journal = tfdp.callbacks.PrivacyJournal("run/journal.jsonl")
+    model.fit(x, y, epochs=10, callbacks=[journal,
+              keras.callbacks.ModelCheckpoint("run/last.keras")])
+    # ... killed; later:
+    model = keras.models.load_model("run/last.keras")
+    journal.recover(model)            # charges the steps lost with the kill
+    model.fit(x, y, epochs=10, initial_epoch=..., callbacks=[journal, ...])
+    ```
+    """
+
+    FORMAT = "tfdp.PrivacyJournal"
+    FREQUENCIES = ("epoch", "batch")
+
+    def __init__(self, path, frequency="epoch"):
+        super().__init__()
+        if not isinstance(path, (str, bytes)) and not hasattr(path, "__fspath__"):
+            raise TypeError(f"Expected `path` to be a file path. Received: path={path!r}")
+        if frequency not in self.FREQUENCIES:
+            raise ValueError(
+                f"Expected `frequency` in {self.FREQUENCIES}. Received: frequency={frequency!r}"
+            )
+        self.path = path
+        self.frequency = frequency
+
+    # -- the file ----------------------------------------------------------
+
+    def entries(self):
+        """The journal's entries: dicts with "start", "end" and "event".
+
+        A last line cut short (the process was killed while writing it) is
+        ignored: its steps had not started, since they start only after the
+        line is written. Any other damage raises ValueError.
+        """
+        import json
+        import os
+
+        if not os.path.exists(self.path):
+            return []
+        with open(self.path, "rb") as file:
+            data = file.read()
+        lines = data.split(b"\n")
+        if lines and lines[-1] == b"":
+            lines.pop()
+        elif lines:
+            lines.pop()  # torn last line: written without its newline
+        entries = []
+        for number, line in enumerate(lines, 1):
+            try:
+                entry = json.loads(line.decode("utf-8"))
+            except (UnicodeDecodeError, json.JSONDecodeError) as error:
+                raise ValueError(
+                    f"Corrupt privacy journal {self.path!r}: line {number} is not JSON ({error})."
+                ) from None
+            if number == 1:
+                if entry != {"format": self.FORMAT, "version": 1}:
+                    raise ValueError(
+                        f"Corrupt privacy journal {self.path!r}: expected a "
+                        f"{self.FORMAT} header on line 1. Received: {line[:80]!r}"
+                    )
+                continue
+            if not (
+                isinstance(entry, dict)
+                and isinstance(entry.get("start"), int)
+                and isinstance(entry.get("end"), int)
+                and 0 <= entry["start"] < entry["end"]
+                and isinstance(entry.get("event"), dict)
+            ):
+                raise ValueError(
+                    f"Corrupt privacy journal {self.path!r}: line {number} is not an entry "
+                    f"with 0 <= start < end and an event. Received: {line[:80]!r}"
+                )
+            entries.append(entry)
+        return entries
+
+    def journaled_steps(self):
+        """The highest step count the journal records (0 if empty)."""
+        return max((entry["end"] for entry in self.entries()), default=0)
+
+    def _append(self, entry):
+        import json
+        import os
+
+        new = not os.path.exists(self.path) or os.path.getsize(self.path) == 0
+        with open(self.path, "ab") as file:
+            if new:
+                file.write(json.dumps({"format": self.FORMAT, "version": 1}).encode() + b"\n")
+            file.write(json.dumps(entry, allow_nan=False).encode("utf-8") + b"\n")
+            file.flush()
+            os.fsync(file.fileno())
+
+    # -- recovery ----------------------------------------------------------
+
+    def recover(self, model):
+        """Charges `model`'s ledger with every journaled step it does not cover.
+
+        Call it after loading a checkpoint, before `fit`. The lost steps are
+        charged with the events the journal recorded for them, and the model's
+        step counter moves to the journal's count (steps that ran are never
+        un-counted; the next steps continue from there).
+
+        Args:
+            model: a `tfdp.DPModel` / `DPSequential` (its `privacy` ledger).
+
+        Returns:
+            The number of steps charged (0 if the checkpoint covers all).
+
+        Raises:
+            ValueError: corrupt journal, or a journal recording fewer steps
+                than the model has run (it belongs to another run).
+        """
+        import json
+
+        from tfdp.accounting import event_from_dict
+
+        ledger = model.privacy
+        now = ledger.steps
+        entries = self.entries()
+        high = max((entry["end"] for entry in entries), default=0)
+        self._check_belongs(now, high)
+        if high <= now:
+            return 0
+        saved_open = json.loads(ledger.to_json())["open"]
+        position = now
+        for entry in sorted(entries, key=lambda e: e["start"]):
+            if entry["end"] <= position:
+                continue
+            ledger.begin_steps(event_from_dict(entry["event"]))
+            position = entry["end"]
+            model._dp_steps.assign(position)
+        if saved_open is not None:
+            ledger.begin_steps(event_from_dict(saved_open["event"]))
+        return high - now
+
+    def _check_belongs(self, now, high):
+        if high and now > high:
+            raise ValueError(
+                f"Mismatched privacy journal: the model's ledger counts {now} steps but the "
+                f"journal {self.path!r} records only {high}: the journal belongs to another "
+                "run (or steps ran without it). Use this run's journal or a new file."
+            )
+
+    # -- the callback ---------------------------------------------------------
+
+    def on_train_begin(self, logs=None):
+        now = self.model.privacy.steps
+        high = self.journaled_steps()
+        self._check_belongs(now, high)
+        if high > now:
+            raise ValueError(
+                f"The privacy journal {self.path!r} records {high} steps, but this model's "
+                f"ledger counts {now}: {high - now} steps ran after the checkpoint it was "
+                "loaded from. Call `journal.recover(model)` before fit() so epsilon covers "
+                "them. Training was not started."
+            )
+
+    def _write_ahead(self, steps):
+        import json
+
+        ledger = self.model.privacy
+        saved = json.loads(ledger.to_json())
+        if saved["open"] is None:
+            raise ValueError("No step event is open: nothing to journal.")
+        now = saved["steps"]
+        self._append({"start": now, "end": now + steps, "event": saved["open"]["event"]})
+
+    def on_epoch_begin(self, epoch, logs=None):
+        if self.frequency == "epoch":
+            self._write_ahead(int((self.params or {}).get("steps") or 1))
+
+    def on_train_batch_begin(self, batch, logs=None):
+        if self.frequency == "batch":
+            self._write_ahead(1)

@@ -79,6 +79,12 @@ def _compute_rdp_vector(event, orders):
         accountant.compose(event)
     except dp_accounting.UnsupportedEventError as error:
         raise _unsupported("rdp", event, error) from None
+    except (OverflowError, ZeroDivisionError, FloatingPointError):
+        # Extreme parameters (a noise multiplier near 1e308 or 1e-300) overflow
+        # dp_accounting's float arithmetic: infinite RDP is always a valid bound.
+        vector = np.full(len(orders), np.inf)
+        vector.setflags(write=False)
+        return vector
     vector = _rdp_of(accountant)
     vector.setflags(write=False)
     return vector
@@ -225,6 +231,16 @@ class _ComposedPLD:
 
 
 def _pld_accountant(parts):
+    """A PLD accountant that has composed `parts` (PLDUnavailable on overflow)."""
+    try:
+        return _build_pld_accountant(parts)
+    except (OverflowError, ZeroDivisionError, FloatingPointError) as error:
+        raise PLDUnavailable(
+            f"The PLD accountant overflows on these releases ({error}); use accountant='rdp'."
+        ) from None
+
+
+def _build_pld_accountant(parts):
     """A PLD accountant that has composed `parts`.
 
     When every part is a DP-SGD step event (Poisson-sampled Gaussian), the

@@ -1,0 +1,170 @@
+"""The audit runner: scores to bounds, black-box runs, argument checks."""
+
+import math
+
+import dp_accounting
+import keras
+import numpy as np
+import pytest
+
+import tfdp
+from tfdp import auditing
+from tfdp.accounting import PrivacyLedger, compute_epsilon, dpsgd_event
+
+
+def gaussian_epsilon(sigma, delta):
+    """Exact epsilon of the Gaussian mechanism (sensitivity 1), via PLD."""
+    return compute_epsilon(sigma, 1.0, 1, delta, accountant="pld")
+
+
+def test_gaussian_scores_give_a_bound_between_zero_and_the_truth():
+    truth = gaussian_epsilon(1.0, 1e-5)  # N(0, 1) against N(1, 1): 4.38
+    bounds = []
+    for seed in range(5):
+        rng = np.random.default_rng(seed)
+        result = auditing.epsilon_from_scores(
+            rng.normal(0, 1, 50000), rng.normal(1, 1, 50000), delta=1e-5, seed=seed,
+            claimed_epsilon=truth,
+        )
+        assert result.direction == "greater"
+        assert result.negatives == result.positives == 25000
+        assert result.selection_trials == 50000
+        assert not result.violates_claim
+        bounds.append(result.epsilon_lower_bound)
+    assert 1.5 < min(bounds) and max(bounds) < truth
+
+
+def test_direction_is_chosen_on_the_selection_half():
+    rng = np.random.default_rng(0)
+    result = auditing.epsilon_from_scores(rng.normal(0, 1, 20000), rng.normal(-1, 1, 20000), delta=1e-5)
+    assert result.direction == "less" and result.epsilon_lower_bound > 1.0
+
+
+def test_a_claim_below_what_the_scores_prove_is_flagged():
+    rng = np.random.default_rng(0)
+    result = auditing.epsilon_from_scores(
+        rng.normal(0, 1, 20000), rng.normal(3, 1, 20000), delta=1e-5, claimed_epsilon=1.0,
+        mechanism="leaky",
+    )
+    assert result.violates_claim
+    data = result.to_dict()
+    assert data["violates_claim"] is True and data["mechanism"] == "leaky"
+    assert "leaky: epsilon >= " in result.summary() and "claimed 1.000" in result.summary()
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, message",
+    [
+        (dict(scores_out=[0.0, 1.0, float("nan"), 2.0, 3.0]), ValueError, "`scores_out` to be finite numbers; 1 of 5"),
+        (dict(scores_in=[1.0, 2.0]), ValueError, "`scores_in` to hold at least 4 scores"),
+        (dict(scores_in="abc"), TypeError, "`scores_in` to be an array of numbers"),
+        (dict(delta=1.0), ValueError, "Received: delta=1.0"),
+        (dict(confidence=0.0), ValueError, "Received: confidence=0.0"),
+        (dict(selection_fraction=1.0), ValueError, "Received: selection_fraction=1.0"),
+        (dict(claimed_epsilon=-1.0), ValueError, "Received: claimed_epsilon=-1.0"),
+        (dict(seed=-3), ValueError, "Received: seed=-3"),
+    ],
+)
+def test_bad_scores_and_settings_get_clear_errors(kwargs, error, message):
+    args = dict(scores_out=np.zeros(10), scores_in=np.ones(10), delta=1e-5)
+    args.update(kwargs)
+    with pytest.raises(error, match=message.replace("(", r"\(").replace("[", r"\[")):
+        auditing.epsilon_from_scores(**args)
+
+
+def test_one_step_epsilon_ignores_one_off_records_and_takes_the_worst_step():
+    ledger = PrivacyLedger()
+    ledger.begin_steps(dpsgd_event(2.0, 0.1))
+    ledger.advance(10)
+    ledger.record(dp_accounting.GaussianDpEvent(0.1), count=3)  # a one-off release, not a step
+    ledger.begin_steps(dpsgd_event(1.0, 0.1))
+    ledger.advance(5)
+    ledger.begin_steps(dpsgd_event(5.0, 0.1))  # open, no step yet
+    assert auditing.one_step_epsilon(ledger, 1e-5) == pytest.approx(compute_epsilon(1.0, 0.1, 1, 1e-5))
+    assert auditing.one_step_epsilon(PrivacyLedger(), 1e-5) == 0.0
+
+
+def test_audit_training_runs_d_and_d_prime_with_distinct_seeds():
+    """A Gaussian mechanism on the sum of clipped records, audited black-box."""
+    seeds = []
+    x = np.zeros((20, 3), np.float32)
+    y = np.zeros(20, np.int64)
+
+    def train_fn(x, y, seed):
+        seeds.append((seed, len(x)))
+        rng = np.random.default_rng(seed)
+        norms = np.maximum(np.linalg.norm(x, axis=1, keepdims=True), 1.0)
+        return (x / norms).sum(0) + rng.normal(0.0, 0.5, size=3)  # clip 1, sigma 0.5
+
+    def score_fn(release, canary_x, canary_y):
+        return float(release @ canary_x / np.linalg.norm(canary_x))
+
+    result = auditing.audit_training(
+        train_fn, score_fn, (x, y), (np.array([30.0, 0, 0], np.float32), 1), runs=400,
+        delta=1e-5, seed=7, claimed_epsilon=gaussian_epsilon(0.5, 1e-5),
+    )
+    assert [n for _, n in seeds] == [20, 21] * 400
+    assert len({s for s, _ in seeds}) == 800
+    assert 1.0 < result.epsilon_lower_bound <= result.claimed_epsilon
+
+
+def test_audit_training_with_real_tfdp_runs_and_the_loss_attack():
+    """Mechanics on a tiny logistic regression (too few runs for a tight bound)."""
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(32, 4)).astype(np.float32)
+    y = (x[:, 0] > 0).astype(np.float32)[:, None]
+
+    def train_fn(x, y, seed):
+        keras.utils.set_random_seed(seed)
+        model = tfdp.DPSequential([keras.Input((4,)), keras.layers.Dense(1, activation="sigmoid")])
+        model.compile(
+            optimizer=tfdp.optimizers.DPSGD(0.5, l2_norm_clip=1.0, noise_multiplier=1.0, seed=seed),
+            loss="binary_crossentropy",
+        )
+        model.fit(x, y, batch_size=16, epochs=1, verbose=0)
+        return model
+
+    result = auditing.audit_training(
+        train_fn, auditing.loss_score("binary_crossentropy"), (x, y),
+        (np.full(4, 5.0, np.float32), np.zeros(1, np.float32)), runs=4, delta=1e-5,
+        claimed_epsilon=compute_epsilon(1.0, 0.5, 2, 1e-5),
+    )
+    assert result.negatives + result.positives + result.selection_trials == 8
+    assert result.epsilon_lower_bound <= result.claimed_epsilon
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, message",
+    [
+        (dict(runs=3), ValueError, "Received: runs=3"),
+        (dict(train_fn=None), TypeError, "`train_fn` and `score_fn` to be callables"),
+        (dict(canary=(np.zeros(5), 1)), ValueError, r"shape \(3,\) .* Received: canary_x of shape \(5,\)"),
+    ],
+)
+def test_audit_training_argument_errors(kwargs, error, message):
+    args = dict(
+        train_fn=lambda x, y, seed: None, score_fn=lambda m, cx, cy: 0.0,
+        data=(np.zeros((4, 3)), np.zeros(4)), canary=(np.zeros(3), 1), runs=4, delta=1e-5,
+    )
+    args.update(kwargs)
+    with pytest.raises(error, match=message):
+        auditing.audit_training(**args)
+
+
+@pytest.mark.parametrize(
+    "maker, kwargs, error, message",
+    [
+        (lambda s: tfdp.optimizers.DPSGD(1.0, momentum=0.9, seed=s), {}, ValueError, "plain SGD without momentum"),
+        (lambda s: tfdp.optimizers.DPOptimizer(keras.optimizers.Adam(), 1.0, 1.0, seed=s), {}, ValueError, "Adam"),
+        (lambda s: keras.optimizers.SGD(), {}, TypeError, "tfdp optimizer"),
+        (lambda s: tfdp.optimizers.DPSGD(1.0, seed=s), dict(steps=10, epochs=3), ValueError, "multiple of epochs"),
+        (lambda s: tfdp.optimizers.DPSGD(1.0, seed=s), dict(absent="none"), ValueError, "Received: absent='none'"),
+        (lambda s: tfdp.optimizers.DPSGD(1.0, seed=s), dict(num_examples=2, canaries=4), ValueError, "num_examples=2"),
+        (lambda s: tfdp.optimizers.DPSGD(1.0, seed=s), dict(canary_scale=math.inf), ValueError, "canary_scale=inf"),
+    ],
+)
+def test_audit_optimizer_argument_errors(maker, kwargs, error, message):
+    args = dict(steps=4, canaries=4)
+    args.update(kwargs)
+    with pytest.raises(error, match=message):
+        auditing.audit_optimizer(maker, **args)
