@@ -54,7 +54,7 @@ def reference_gradients(model, x, y, weights, loss_fn):
 
 
 def multichannel_cnn():
-    """Nine input channels: patches come from tf.image.extract_patches."""
+    """Nine input channels: patches come from one gather over pixels."""
     return keras.Sequential(
         [
             keras.Input((7, 7, 9)),
@@ -65,9 +65,22 @@ def multichannel_cnn():
     )
 
 
+def dilated_wide_cnn():
+    """Sixteen channels, dilation, few positions: gathered patches, Gram norms."""
+    return keras.Sequential(
+        [
+            keras.Input((6, 7, 16)),
+            keras.layers.Conv2D(32, (3, 2), padding="valid", dilation_rate=2, activation="tanh"),
+            keras.layers.Flatten(),
+            keras.layers.Dense(3),
+        ]
+    )
+
+
 CASES = [
     (tanh_cnn, (6, 12, 12, 1)),
     (multichannel_cnn, (6, 7, 7, 9)),
+    (dilated_wide_cnn, (6, 6, 7, 16)),
     (sequence_mlp, (6, 5, 4)),
     (wide_sequence_model, (6, 2, 16)),
 ]
@@ -129,6 +142,18 @@ def test_nan_rows_with_zero_weight_do_not_poison_the_sum():
         assert np.isfinite(norms[0]) and not np.isfinite(norms[1])
         sums = grads.weighted_sum(tf.constant([1.0, 0.0]))
         assert all(np.all(np.isfinite(s.numpy())) for s in sums)
+
+
+def test_fast_path_survives_an_explicit_build():
+    # `build` calls a Sequential's layers outside its graph once more; that
+    # extra call must not send the model to the slow vectorized path.
+    model = tanh_cnn()
+    model.build((None, 12, 12, 1))
+    assert fast_path_available(model)
+    shared = keras.layers.Dense(4)
+    inputs = keras.Input((4,))
+    twice = keras.Model(inputs, shared(shared(inputs)))
+    assert not fast_path_available(twice)
 
 
 def test_auto_falls_back_for_unsupported_trainable_layers():

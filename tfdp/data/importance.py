@@ -38,7 +38,13 @@ import threading
 import numpy as np
 import tensorflow as tf
 
-from tfdp.data.poisson import _check_num_examples, _is_int, _round_up, padded_batch_size
+from tfdp.data.poisson import (
+    DEFAULT_OVERFLOW_PROBABILITY,
+    _check_num_examples,
+    _is_int,
+    _round_up,
+    padded_batch_size,
+)
 from tfdp.mechanisms import importance_sampling
 
 __all__ = ["ImportanceSampler", "make_importance_dataset"]
@@ -97,7 +103,7 @@ class ImportanceSampler:
     >>> sampler = ImportanceSampler(1000, 50, seed=0)
     >>> sampler.start_epoch(40.0, np.full(1000, 0.2))
     >>> sampler.padded_size
-    352
+    320
     >>> sorted(sampler.draw())
     ['ghat', 'indices', 'mask', 'uniform']
     """
@@ -109,7 +115,7 @@ class ImportanceSampler:
         steps_per_epoch=None,
         seed=None,
         *,
-        overflow_probability=1e-12,
+        overflow_probability=DEFAULT_OVERFLOW_PROBABILITY,
         multiple=8,
     ):
         self.num_examples = _check_num_examples(num_examples)
