@@ -235,3 +235,27 @@ def test_seeded_sampling_does_not_replay_across_fit_calls():
     assert seeded.sampling_seed(0) != seeded.sampling_seed(20)
     unseeded = tfdp.optimizers.DPSGD(0.1, l2_norm_clip=1.0, noise_multiplier=1.0)
     assert unseeded.sampling_seed(0) is None
+
+
+@pytest.mark.parametrize("jit_compile", [False, True])
+def test_batches_are_padded_to_one_shape_only_under_xla(jit_compile):
+    # Without XLA the step takes any length without retracing, so padding
+    # rows (as costly as real ones) are dropped; XLA needs one shape.
+    x, y = small_data(n=400)
+    model = small_model()
+    model.compile(
+        optimizer=tfdp.optimizers.DPSGD(0.1, l2_norm_clip=1.0, noise_multiplier=1.0, seed=3),
+        loss=LOSS, jit_compile=jit_compile,
+    )
+    model._build_for((x, y))
+    dataset, steps = model.optimizer.make_training_data(model, (x, y), 40)
+    lengths, counts = [], []
+    for (batch_x, _), info in dataset:
+        lengths.append(batch_x.shape[0])
+        counts.append(int(info["mask"].numpy().sum()))
+    assert steps == 10 and len(lengths) == 10
+    if jit_compile:
+        assert len(set(lengths)) == 1 and lengths[0] > max(counts)
+    else:  # the smallest positive multiple of 8 that holds the draw
+        assert lengths == [max(8, -(-count // 8) * 8) for count in counts]
+        assert len(set(lengths)) > 1

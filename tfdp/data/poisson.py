@@ -223,6 +223,10 @@ class PoissonSampler:
     `overflow_probability` per step) is padded to the smallest multiple of
     `padded_size` that holds it; it is never truncated.
 
+    With `fixed_shape=False` a batch is padded only to a multiple of
+    `multiple` rows (at least `multiple`): for a step that is traced once for
+    any batch length (TensorFlow without XLA), padding rows are wasted work.
+
     Args:
         num_examples: int, the number of records `N` (>= 1).
         expected_batch_size: number in [1, num_examples], the expected batch
@@ -234,6 +238,8 @@ class PoissonSampler:
         overflow_probability: float in (0, 1), passed to `padded_batch_size`
             (default 1e-6, see `DEFAULT_OVERFLOW_PROBABILITY`).
         multiple: int >= 1, passed to `padded_batch_size`.
+        fixed_shape: True (default) pads every batch to `padded_size` (one
+            shape, for XLA); False pads to a multiple of `multiple` only.
 
     Attributes:
         num_examples, expected_batch_size, steps_per_epoch: as given.
@@ -259,6 +265,7 @@ class PoissonSampler:
         *,
         overflow_probability=DEFAULT_OVERFLOW_PROBABILITY,
         multiple=8,
+        fixed_shape=True,
     ):
         self.num_examples = _check_num_examples(num_examples)
         if not _is_real(expected_batch_size):
@@ -297,6 +304,8 @@ class PoissonSampler:
             overflow_probability=overflow_probability,
             multiple=multiple,
         )
+        self.multiple = int(multiple)
+        self.fixed_shape = bool(fixed_shape)
         self.overflow_count = 0
         # seed=None: fresh OS entropy. Never saved with a model.
         self._rng = np.random.default_rng(seed)
@@ -353,7 +362,9 @@ class PoissonSampler:
         Returns:
             `(indices, mask)`: int64 and float32 arrays of length L, where L is
             `padded_size` if the draw fits, else the smallest multiple of
-            `padded_size` that holds it. Padding rows have index 0 and mask 0.
+            `padded_size` that holds it (with `fixed_shape=False`: the
+            smallest positive multiple of `multiple` that holds it). Padding
+            rows have index 0 and mask 0.
 
         Example:
 
@@ -364,7 +375,9 @@ class PoissonSampler:
         """
         count = len(indices)
         length = self.padded_size
-        if count > length:
+        if not self.fixed_shape:
+            length = max(self.multiple, _round_up(count, self.multiple))
+        elif count > length:
             length = _round_up(count, self.padded_size)
             self.overflow_count += 1
         padded = np.zeros(length, dtype=np.int64)

@@ -314,8 +314,13 @@ class DPOptimizer(keras.optimizers.Optimizer):
             self.check_distributable(strategy)
             if seed is None:  # every worker must draw the same global batches
                 seed = distribute.shared_sampling_seed(strategy, num_examples)
+        # Without XLA the compiled step takes any batch length without
+        # retracing, so batches are not padded to one fixed shape (padding
+        # rows cost as much as real ones). XLA and replicas keep one shape.
+        fixed_shape = bool(model.jit_compile) or strategy.num_replicas_in_sync > 1
         sampler = PoissonSampler(
-            num_examples, batch_size, steps_per_epoch=steps_per_epoch, seed=seed
+            num_examples, batch_size, steps_per_epoch=steps_per_epoch, seed=seed,
+            fixed_shape=fixed_shape,
         )
 
         def to_element(batch, mask):
