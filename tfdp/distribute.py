@@ -39,7 +39,7 @@ import os
 import numpy as np
 import tensorflow as tf
 
-from tfdp.data.poisson import PoissonSampler
+from tfdp.data.poisson import PoissonSampler, gathered_batches
 
 __all__ = [
     "num_replicas_in_sync",
@@ -225,23 +225,10 @@ def distribute_poisson_batches(strategy, sampler, arrays, to_element):
                     for replica in replica_ids:
                         yield shares[replica]
 
-        shares = tf.data.Dataset.from_generator(
-            generator,
-            output_signature=(
-                tf.TensorSpec(shape=[None], dtype=tf.int64),
-                tf.TensorSpec(shape=[None], dtype=tf.float32),
-            ),
-        )
-
-        def gather(indices, mask):
-            batch = tf.nest.map_structure(lambda t: tf.gather(t, indices), tensors)
-            return to_element(batch, mask)
-
         # tf.data keeps the order (deterministic by default): consecutive
         # elements go to consecutive local replicas.
-        return shares.map(gather, num_parallel_calls=tf.data.AUTOTUNE).prefetch(
-            tf.data.AUTOTUNE
-        )
+        shares = gathered_batches(generator, tensors)
+        return shares.map(to_element).prefetch(tf.data.AUTOTUNE)
 
     return strategy.distribute_datasets_from_function(dataset_fn)
 

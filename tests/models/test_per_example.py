@@ -175,3 +175,27 @@ def test_batch_normalization_is_refused():
     model = keras.Sequential([keras.Input((4,)), keras.layers.BatchNormalization(), keras.layers.Dense(2)])
     with pytest.raises(ValueError, match="BatchNormalization"):
         check_per_example_support(model)
+
+
+def tanh_mlp():
+    return keras.Sequential(
+        [keras.Input((4,)), keras.layers.Dense(5, activation="tanh"), keras.layers.Dense(3)]
+    )
+
+
+@pytest.mark.parametrize("make_model,shape", [(tanh_mlp, (6, 4)), (wide_sequence_model, (6, 2, 16))])
+def test_huge_input_on_saturated_units_has_a_finite_norm(make_model, shape):
+    # |x|^2 overflows float32 at 1e30, but tanh saturates, so the example's
+    # first-layer gradient x g^T is exactly 0: factored norms must not
+    # compute inf * 0 (which would drop a legitimate record as non-finite).
+    keras.utils.set_random_seed(0)
+    model = make_model()
+    x = np.random.default_rng(0).normal(size=shape).astype(np.float32)
+    x[2] = 1e30
+    y = tf.constant([0, 1, 2, 0, 1, 2])
+    loss_fn = per_example_loss(keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    grads, _, _ = compute_per_example_gradients(model, tf.constant(x), y, tf.ones([6]), loss_fn, "fast")
+    expected = reference_gradients(model, tf.constant(x), y, np.ones(6), loss_fn)
+    flat = np.concatenate([w.reshape(6, -1) for w in expected], axis=1)
+    assert np.all(np.isfinite(flat))
+    np.testing.assert_allclose(grads.sq_norms().numpy(), (flat**2).sum(1), rtol=2e-4, atol=1e-8)

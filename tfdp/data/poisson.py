@@ -29,7 +29,7 @@ from collections.abc import Mapping
 import numpy as np
 import tensorflow as tf
 
-__all__ = ["PoissonSampler", "padded_batch_size", "make_dataset"]
+__all__ = ["PoissonSampler", "padded_batch_size", "make_dataset", "gathered_batches"]
 
 
 def _is_int(value):
@@ -490,11 +490,34 @@ def make_dataset(sampler, arrays):
                 f"(first dimensions: {first_dims})"
             )
     structure = tf.nest.pack_sequence_as(arrays, tensors)
+    dataset = gathered_batches(sampler.epoch, structure)
+    dataset = dataset.apply(
+        tf.data.experimental.assert_cardinality(sampler.steps_per_epoch)
+    )
+    return dataset.prefetch(tf.data.AUTOTUNE)
 
-    def generator():
-        yield from sampler.epoch()
 
-    index_dataset = tf.data.Dataset.from_generator(
+def gathered_batches(generator, tensors):
+    """`(batch, mask)` elements from a generator of `(indices, mask)` arrays.
+
+    Args:
+        generator: a callable returning an iterator of `(indices, mask)`
+            (int64 and float32 1-D arrays of one length), e.g. a sampler's
+            `epoch`.
+        tensors: a nested structure of tensors, gathered at `indices`.
+
+    Returns:
+        A `tf.data.Dataset` of `(batch, mask)`, batches gathered in
+        TensorFlow, in the generator's order.
+
+    Example:
+
+    >>> sampler = PoissonSampler(10, 10, seed=0)
+    >>> batch, mask = next(iter(gathered_batches(sampler.epoch, tf.range(10) * 2)))
+    >>> batch.numpy()[:3], mask.numpy()[:3]
+    (array([0, 2, 4], dtype=int32), array([1., 1., 1.], dtype=float32))
+    """
+    indices = tf.data.Dataset.from_generator(
         generator,
         output_signature=(
             tf.TensorSpec(shape=[None], dtype=tf.int64),
@@ -502,12 +525,7 @@ def make_dataset(sampler, arrays):
         ),
     )
 
-    def gather(indices, mask):
-        batch = tf.nest.map_structure(lambda t: tf.gather(t, indices), structure)
-        return batch, mask
+    def gather(rows, mask):
+        return tf.nest.map_structure(lambda t: tf.gather(t, rows), tensors), mask
 
-    dataset = index_dataset.map(gather, num_parallel_calls=tf.data.AUTOTUNE)
-    dataset = dataset.apply(
-        tf.data.experimental.assert_cardinality(sampler.steps_per_epoch)
-    )
-    return dataset.prefetch(tf.data.AUTOTUNE)
+    return indices.map(gather, num_parallel_calls=tf.data.AUTOTUNE)

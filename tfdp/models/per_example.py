@@ -75,14 +75,20 @@ class LinearGrads:
         return self._materialized
 
     def sq_norms(self):
-        if self.x.shape[1] == 1:
-            kernel = tf.reduce_sum(tf.square(self.x), [1, 2]) * tf.reduce_sum(
-                tf.square(self.g), [1, 2]
-            )
-        elif self._ghost:
-            x_gram = tf.einsum("bsk,btk->bst", self.x, self.x)
-            g_gram = tf.einsum("bso,bto->bst", self.g, self.g)
-            kernel = tf.reduce_sum(x_gram * g_gram, [1, 2])
+        if self.x.shape[1] == 1 or self._ghost:
+            # Factored norms multiply a term in |x|^2 by one in |g|^2: each
+            # example's x and g are scaled to max 1 first, so that a huge
+            # input with a zero output gradient (a saturated unit) gives a
+            # finite norm rather than inf * 0.
+            x, x_scale = _scaled_to_unit_max(self.x)
+            g, g_scale = _scaled_to_unit_max(self.g)
+            if self.x.shape[1] == 1:
+                kernel = tf.reduce_sum(tf.square(x), [1, 2]) * tf.reduce_sum(tf.square(g), [1, 2])
+            else:
+                x_gram = tf.einsum("bsk,btk->bst", x, x)
+                g_gram = tf.einsum("bso,bto->bst", g, g)
+                kernel = tf.reduce_sum(x_gram * g_gram, [1, 2])
+            kernel *= tf.square(x_scale * g_scale)
         else:
             kernel = tf.reduce_sum(tf.square(self._per_example_kernel()), [1, 2])
         if len(self.variables) == 1:
@@ -126,6 +132,14 @@ class LinearGrads:
         if len(self.variables) == 2:
             grads.append(tf.reduce_sum(self.g, 1))
         return grads
+
+
+def _scaled_to_unit_max(tensor):
+    """(tensor / s, s), s [B] the largest |entry| of each example (an
+    all-zero example is divided by 1 and keeps s = 0)."""
+    scale = tf.reduce_max(tf.abs(tensor), axis=[1, 2])
+    safe = tf.where(scale > 0, scale, tf.ones_like(scale))
+    return tensor / safe[:, None, None], scale
 
 
 class MaterializedGrads:

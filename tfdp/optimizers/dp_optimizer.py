@@ -351,8 +351,12 @@ class DPOptimizer(keras.optimizers.Optimizer):
 
     @classmethod
     def from_config(cls, config, custom_objects=None):
+        """Rebuilds the optimizer; a serialized inner optimizer or learning
+        rate schedule in `config` is deserialized first."""
         config = dict(config)
-        config["inner_optimizer"] = keras.saving.deserialize_keras_object(
-            config["inner_optimizer"], custom_objects=custom_objects
-        )
+        for key in ("inner_optimizer", "learning_rate"):
+            if isinstance(config.get(key), dict):
+                config[key] = keras.saving.deserialize_keras_object(
+                    config[key], custom_objects=custom_objects
+                )
         return cls(**config)

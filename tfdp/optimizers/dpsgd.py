@@ -63,12 +63,3 @@ class DPSGD(DPOptimizer):
             nesterov=inner["nesterov"],
         )
         return config
-
-    @classmethod
-    def from_config(cls, config, custom_objects=None):
-        config = dict(config)
-        if isinstance(config.get("learning_rate"), dict):
-            config["learning_rate"] = keras.saving.deserialize_keras_object(
-                config["learning_rate"], custom_objects=custom_objects
-            )
-        return cls(**config)

@@ -532,15 +532,6 @@ class SADPSGD(DPOptimizer):
     def from_config(cls, config, custom_objects=None):
         """Rebuilds the optimizer without its energy set (arrays are not
         configuration): call `set_public_energy_data` before training."""
-        config = dict(config)
-        if "inner_optimizer" in config:
-            config["inner_optimizer"] = keras.saving.deserialize_keras_object(
-                config["inner_optimizer"], custom_objects=custom_objects
-            )
-        if isinstance(config.get("learning_rate"), dict):
-            config["learning_rate"] = keras.saving.deserialize_keras_object(
-                config["learning_rate"], custom_objects=custom_objects
-            )
-        config.setdefault("public_energy_data", None)
-        return cls(**config)
+        config = {"public_energy_data": None, **config}
+        return super().from_config(config, custom_objects=custom_objects)
 
