@@ -167,9 +167,11 @@ def load_results():
 
 
 def _spread(values):
+    """Mean ± sample standard deviation in %; one seed has no spread to show."""
     mean = statistics.mean(values)
-    spread = statistics.stdev(values) if len(values) > 1 else 0.0
-    return f"{100 * mean:.2f} ± {100 * spread:.2f}"
+    if len(values) == 1:
+        return f"{100 * mean:.2f} (one seed)"
+    return f"{100 * mean:.2f} ± {100 * statistics.stdev(values):.2f}"
 
 
 def report(args):

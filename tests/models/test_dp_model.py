@@ -259,3 +259,24 @@ def test_batches_are_padded_to_one_shape_only_under_xla(jit_compile):
     else:  # the smallest positive multiple of 8 that holds the draw
         assert lengths == [max(8, -(-count // 8) * 8) for count in counts]
         assert len(set(lengths)) > 1
+
+
+def test_sample_weights_act_before_clipping():
+    # A record weighted 1e6 moves the weights by at most lr * C / b, like any
+    # other: the weight scales its loss, then its gradient is clipped.
+    x, y = small_data(n=8)
+    weights = np.ones(8, np.float32)
+    weights[0] = 1e6
+
+    def update(sample_weight, clip):
+        keras.utils.set_random_seed(0)
+        model = small_model()
+        model.compile(optimizer=NoiselessDPSGD(1.0, l2_norm_clip=clip, noise_multiplier=1.0), loss=LOSS)
+        start = [v.numpy() for v in model.trainable_variables]
+        model.fit(x, y, sample_weight=sample_weight, batch_size=8, epochs=1, steps_per_epoch=1, verbose=0)
+        delta = [v.numpy() - s for v, s in zip(model.trainable_variables, start)]
+        return np.sqrt(sum(float(np.sum(d**2)) for d in delta))
+
+    assert update(weights, clip=0.1) <= 1.0 * 0.1 * 8 / 8 + 1e-6
+    # Negative control: with clipping out of reach the weight dominates.
+    assert update(weights, clip=1e9) > 100.0
