@@ -8,6 +8,7 @@ accuracy and the final test accuracy. The tuning is not privately accounted.
     python benchmarks/dpsgd_fmnist_variants.py --variant baseline --epochs 10
     python benchmarks/dpsgd_fmnist_variants.py --variant standardized --epochs 10
     python benchmarks/dpsgd_fmnist_variants.py --variant momentum --learning-rate 0.4 --epochs 10
+    python benchmarks/dpsgd_fmnist_variants.py --variant momentum --learning-rate 4.0 --epochs 10
 """
 
 import argparse

@@ -45,6 +45,16 @@ def _probability(text):
     return value
 
 
+def _momentum(text):
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not 0 <= value < 1:
+        raise argparse.ArgumentTypeError(f"expected a number in [0, 1), got {text!r}")
+    return value
+
+
 def _add_dpsgd_settings(parser, noise=True):
     parser.add_argument("--num-examples", type=_positive_int, required=True, help="training set size N")
     parser.add_argument("--batch-size", type=_positive_int, required=True, help="expected (Poisson) batch size")
@@ -76,6 +86,7 @@ def build_parser():
     train.add_argument("--epochs", type=_positive_int)
     train.add_argument("--batch-size", type=_positive_int)
     train.add_argument("--learning-rate", type=_positive_float)
+    train.add_argument("--momentum", type=_momentum, help="SGD momentum (not AdaDP)")
     train.add_argument("--l2-norm-clip", type=_positive_float)
     budget = train.add_mutually_exclusive_group()
     budget.add_argument("--epsilon", type=_positive_float, help="target epsilon (noise is calibrated)")

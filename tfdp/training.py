@@ -55,6 +55,7 @@ def train(
     epochs=None,
     batch_size=None,
     learning_rate=None,
+    momentum=None,
     l2_norm_clip=None,
     epsilon=None,
     noise_multiplier=None,
@@ -80,6 +81,12 @@ def train(
         learning_rate = learning_rate or optimizers.adadp.RECIPE_DEFAULTS[dataset]["learning_rate"]
     batch_size = batch_size or defaults["batch_size"]
     learning_rate = learning_rate or defaults["learning_rate"]
+    if mechanism == "adadp":
+        if momentum:
+            raise ValueError(f"AdaDP has its own update rule: no momentum. Received: momentum={momentum}")
+        momentum = None  # AdaDP has none
+    elif momentum is None:
+        momentum = defaults["momentum"]
     l2_norm_clip = l2_norm_clip or defaults["l2_norm_clip"]
     delta = delta or defaults["delta"]
     (x_train, y_train), (x_test, y_test) = load_dataset(dataset, data_dir=data_dir)
@@ -107,7 +114,7 @@ def train(
     model = recipes.build_model(dataset)
     model.compile(
         optimizer=make_optimizer(mechanism, learning_rate, l2_norm_clip, noise_multiplier,
-                                 momentum=defaults["momentum"], seed=seed,
+                                 momentum=momentum, seed=seed,
                                  public_energy_data=public_energy_data, target_epsilon=epsilon,
                                  target_delta=delta, epochs=epochs, num_examples=num_examples),
         loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
@@ -133,6 +140,7 @@ def train(
         "steps": model.privacy.steps,
         "batch_size": batch_size,
         "learning_rate": learning_rate,
+        "momentum": momentum,
         "l2_norm_clip": l2_norm_clip,
         "stopped_for_budget": budget.stopped_for_budget,
     }

@@ -96,7 +96,8 @@ def test_tfdp_calibrate_on_hostile_arguments(field, value):
     "argv",
     [[], ["nonsense"], ["epsilon"], ["epsilon", "--num-examples", "10", "--batch-size", "20",
                                      "--noise-multiplier", "1", "--epochs", "1"],
-     ["train", "--dataset", "nope"], ["train", "--epochs", "-3"], ["train", "--epsilon", "1", "--noise-multiplier", "1"]],
+     ["train", "--dataset", "nope"], ["train", "--epochs", "-3"], ["train", "--epsilon", "1", "--noise-multiplier", "1"],
+     ["train", "--momentum", "1"], ["train", "--momentum", "-0.1"]],
 )
 def test_tfdp_usage_errors_are_one_line(argv):
     code, out, err = run_cli(argv)

@@ -280,3 +280,15 @@ def test_sample_weights_act_before_clipping():
     assert update(weights, clip=0.1) <= 1.0 * 0.1 * 8 / 8 + 1e-6
     # Negative control: with clipping out of reach the weight dominates.
     assert update(weights, clip=1e9) > 100.0
+
+
+def test_tfdp_train_hands_momentum_to_the_optimizer(tmp_path):
+    from tfdp import training
+
+    path = str(tmp_path / "digits.keras")
+    result = training.train(dataset="digits", epochs=1, momentum=0.5, seed=0, output=path, verbose=0)
+    assert result["momentum"] == 0.5
+    assert keras.models.load_model(path).optimizer.inner_optimizer.momentum == 0.5
+    assert training.train(dataset="digits", epochs=1, seed=0, verbose=0)["momentum"] == 0.0
+    with pytest.raises(ValueError, match="AdaDP has its own update rule"):
+        training.train(dataset="digits", mechanism="adadp", epochs=1, momentum=0.5, verbose=0)
