@@ -8,6 +8,8 @@ derandomized so the suite is reproducible and its run time stable.
 import json
 import math
 
+import dp_accounting
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -72,6 +74,22 @@ def test_compute_epsilon(sigma, q, steps, delta, conversion):
         ["noise_multiplier", "sampling_probability", "steps", "delta", "conversion"],
         is_epsilon,
     )
+
+
+@FAST
+@given(sigma=st.floats(0.3, 50.0), q=st.floats(1e-5, 1.0), steps=st.integers(1, 10**5),
+       delta=st.floats(1e-12, 0.1))
+def test_valid_epsilon_is_dp_accountings_and_monotone(sigma, q, steps, delta):
+    """Valid settings: exactly dp_accounting's RDP epsilon, which grows with
+    the steps and falls with the noise (a wrong answer fails, not just NaN)."""
+    accountant = dp_accounting.rdp.RdpAccountant()
+    accountant.compose(
+        dp_accounting.PoissonSampledDpEvent(q, dp_accounting.GaussianDpEvent(sigma)), steps
+    )
+    epsilon = compute_epsilon(sigma, q, steps, delta)
+    assert epsilon == pytest.approx(accountant.get_epsilon(delta), rel=1e-12)
+    assert compute_epsilon(sigma, q, 2 * steps, delta) >= epsilon
+    assert compute_epsilon(2 * sigma, q, steps, delta) <= epsilon
 
 
 @FAST

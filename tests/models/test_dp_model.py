@@ -147,6 +147,68 @@ def test_save_load_resume_keeps_the_ledger(tmp_path):
     assert "_noise_key" not in str(restored.optimizer.get_config())
 
 
+@pytest.mark.parametrize(
+    "make_optimizer",
+    [
+        lambda: tfdp.optimizers.DPSGD(0.1, momentum=0.9, l2_norm_clip=1.0, noise_multiplier=1.0),
+        lambda: tfdp.optimizers.DPOptimizer(keras.optimizers.Adam(0.01), 1.0, 1.0),
+    ],
+    ids=["dpsgd_momentum", "dp_adam"],
+)
+def test_save_load_keeps_the_inner_optimizers_slots(tmp_path, make_optimizer):
+    x, y = small_data(100)
+    model = small_model()
+    model.compile(optimizer=make_optimizer(), loss=LOSS)
+    model.fit(x, y, batch_size=10, epochs=1, verbose=0)
+    saved = [v.numpy() for v in model.optimizer.inner_optimizer.variables]
+    # Non-vacuous: training left non-zero momentum / moment estimates.
+    assert sum(np.count_nonzero(v) for v in saved[1:]) > 0
+    path = str(tmp_path / "slots.keras")
+    model.save(path)
+    restored = keras.models.load_model(path).optimizer.inner_optimizer
+    assert type(restored) is type(model.optimizer.inner_optimizer)
+    assert [v.shape for v in restored.variables] == [v.shape for v in saved]
+    for before, after in zip(saved, restored.variables):
+        np.testing.assert_array_equal(after.numpy(), before)
+
+
+def test_validation_split_trains_on_the_rest_and_accounts_for_it():
+    x, y = small_data(100)
+    model = compiled_small_model()
+    history = model.fit(x, y, batch_size=10, epochs=2, validation_split=0.2, verbose=0)
+    assert len(history.history["val_loss"]) == 2
+    # 80 training records: 8 steps an epoch at q = 10 / 80.
+    assert model.privacy.steps == 16
+    expected = tfdp.accounting.compute_epsilon(1.0, 10 / 80, 16, 1e-5)
+    assert model.privacy.epsilon(1e-5) == pytest.approx(expected, rel=1e-12)
+    with pytest.raises(ValueError, match="validation_split"):
+        model.fit(x, y, batch_size=10, validation_split=1.5, verbose=0)
+
+
+def test_epsilon_reaches_the_other_loggers(tmp_path):
+    x, y = small_data(100)
+    model = compiled_small_model()
+    path = tmp_path / "log.csv"
+    model.fit(x, y, batch_size=10, epochs=3, callbacks=[keras.callbacks.CSVLogger(str(path))],
+              verbose=0)
+    rows = path.read_text().splitlines()
+    column = rows[0].split(",").index("epsilon")
+    logged = [float(row.split(",")[column]) for row in rows[1:]]
+    expected = [tfdp.accounting.compute_epsilon(1.0, 0.1, 10 * e, 1e-5) for e in (1, 2, 3)]
+    np.testing.assert_allclose(logged, expected, rtol=1e-9)
+
+
+def test_batch_normalization_is_refused_at_compile():
+    model = tfdp.DPSequential(
+        [keras.Input((4,)), keras.layers.Dense(5), keras.layers.BatchNormalization(),
+         keras.layers.Dense(3)]
+    )
+    with pytest.raises(ValueError, match="mixes examples within a batch"):
+        model.compile(
+            optimizer=tfdp.optimizers.DPSGD(0.1, l2_norm_clip=1.0, noise_multiplier=1.0), loss=LOSS
+        )
+
+
 def test_weights_file_without_ledger_is_refused(tmp_path):
     plain = keras.Sequential([keras.Input((4,))] + small_model().layers)
     path = str(tmp_path / "plain.weights.h5")
