@@ -15,8 +15,8 @@ import keras
 
 from tfdp.models import DPSequential
 
-# Defaults per dataset: the digits MLP reaches >= 90% at epsilon 3 in about a
-# minute on 2 CPU cores; Fashion-MNIST uses SA-DPSGD's Table 2 settings with
+# Defaults per dataset: the digits MLP reaches >= 90% at epsilon 3 in about
+# 10 seconds on 2 CPU cores; Fashion-MNIST uses SA-DPSGD's Table 2 settings with
 # SGD momentum 0.9, which DPIS states and Tramer and Boneh's code uses (it
 # reached the papers' 86% at epsilon 3: RESULTS.md).
 DEFAULTS = {
