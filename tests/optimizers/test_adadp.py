@@ -177,6 +177,36 @@ def test_adaptive_phase_clips_locally_and_noises_per_coordinate():
     assert logs["adadp_noise_std_spread"] == pytest.approx(stds.std(), rel=1e-5)
 
 
+class HalfNoiseAdaDP(tfdp.optimizers.AdaDP):
+    """Negative control: adds half the whitened noise it claims."""
+
+    def whitened_noise_multiplier(self):
+        return 0.5 * super().whitened_noise_multiplier()
+
+
+@pytest.mark.parametrize("optimizer_class, caught", [(tfdp.optimizers.AdaDP, False),
+                                                    (HalfNoiseAdaDP, True)])
+def test_optimizer_adds_whitened_noise_of_std_sigma_star(optimizer_class, caught):
+    """Through the optimizer's adaptive phase, not the helper: with zero
+    gradients the release is noise/b; whitened by b / (beta sqrt(d s_j)) it
+    must be N(0, sigma*^2) on every coordinate group (4 x 1024 coordinates,
+    a sample std's own std is about 2%)."""
+    d, sigma, batch = 4096, 1.3, 2
+    shape = np.repeat(np.array([4.0, 1.0, 0.25, 0.01], np.float32), d // 4)
+    vs = [tf.Variable(tf.zeros([d]))]
+    opt = optimizer_class(learning_rate=0.1, l2_norm_clip=100.0, noise_multiplier=sigma,
+                          local_clip_factor=1.0, seed=5)
+    opt.build(vs)
+    opt.second_moments(vs)[0].assign(shape)
+    info = {"mask": tf.ones([batch]), "expected_batch_size": tf.constant(float(batch))}
+    (released,), logs = step(opt, vs, [np.zeros((batch, d), np.float32)], info)
+    assert logs["adadp_phase"] == 1.0
+    whitened = released * batch / (np.sqrt(d) * np.sqrt(shape))
+    group_stds = whitened.reshape(4, -1).std(axis=1)
+    within = np.all(np.abs(group_stds / sigma - 1.0) < 0.08) and abs(whitened.mean()) < 0.1
+    assert within != caught, group_stds
+
+
 def small_model():
     return tfdp.DPSequential(
         [keras.Input((4,)), keras.layers.Dense(5, activation="tanh"), keras.layers.Dense(3)]
