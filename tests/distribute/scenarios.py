@@ -334,6 +334,7 @@ def mirrored(out):
             results["noise_unscaled"] = global_noise(replicas)
     with timed("parts"):
         results["parts"] = replica_noise(replicas)
+        results["parts_unseeded"] = replica_noise(replicas, seed=None)  # OS entropy
     if replicas == 2:
         with timed("adadp parts"):
             results["adadp_parts"] = adadp_replica_noise(replicas)
@@ -366,6 +367,7 @@ def worker(out):
             results["noise_unscaled"] = global_noise(2)
     with timed("parts"):
         results["parts"] = replica_noise(2)
+        results["parts_unseeded"] = replica_noise(2, seed=None)  # each worker's own entropy
     with timed("draws"):
         results["draws"] = unseeded_draws(2)
     with timed("keras paths"):

@@ -32,9 +32,10 @@ def test_global_noise_matches_single_device_and_unscaled_noise_fails(runs, repli
     assert abs(unscaled - np.sqrt(replicas)) < NOISE_TOLERANCE * np.sqrt(replicas)
 
 
+@pytest.mark.parametrize("key", ["parts", "parts_unseeded"])
 @pytest.mark.parametrize("replicas", REPLICAS)
-def test_per_replica_noise_draws_are_independent_parts_of_the_total(runs, replicas):
-    parts = runs[replicas]["parts"]  # [R, coordinates], one row per replica
+def test_per_replica_noise_draws_are_independent_parts_of_the_total(runs, replicas, key):
+    parts = runs[replicas][key]  # [R, coordinates], one row per replica
     assert parts.shape[0] == replicas
     for part in parts:
         assert abs(np.std(part) * np.sqrt(replicas) - 1.0) < NOISE_TOLERANCE

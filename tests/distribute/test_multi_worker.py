@@ -30,8 +30,9 @@ def test_global_noise_matches_single_device_and_unscaled_noise_fails(workers):
     assert abs(unscaled - np.sqrt(2)) < NOISE_TOLERANCE * np.sqrt(2)
 
 
-def test_each_worker_draws_its_own_independent_part_of_the_noise(workers):
-    parts = np.concatenate([w["parts"] for w in workers])  # [2, coordinates]
+@pytest.mark.parametrize("key", ["parts", "parts_unseeded"])
+def test_each_worker_draws_its_own_independent_part_of_the_noise(workers, key):
+    parts = np.concatenate([w[key] for w in workers])  # [2, coordinates]
     assert not np.array_equal(parts[0], parts[1])
     for part in parts:
         assert abs(np.std(part) * np.sqrt(2) - 1.0) < NOISE_TOLERANCE
