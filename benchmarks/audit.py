@@ -11,7 +11,8 @@ the epsilon of ONE step as tfdp's ledger reports it (RDP, tight conversion).
 Negative controls (test doubles) must be caught: bound above the claim.
 The black-box audit trains a logistic regression many times on D and D plus
 a canary and uses the canary's loss as the attack; it is compared with the
-whole run's epsilon. Prints a Markdown table (the README's "Auditing" figures).
+whole run's epsilon (1), and a control without noise or clipping must be
+caught. Prints a Markdown table (the README's "Auditing" figures).
 """
 
 import argparse
@@ -24,7 +25,6 @@ import tensorflow as tf
 
 import tfdp
 from tfdp import auditing
-from tfdp.accounting import compute_epsilon
 from tfdp.mechanisms import dpsgd
 
 SIGMA = 2.0
@@ -98,29 +98,46 @@ def white_box_audits(k, steps):
     ]
 
 
-def black_box_audit(runs, delta, seed):
-    """Logistic regression, DP-SGD, canary's loss as the attack (whole runs)."""
+def black_box_audit(runs, delta, seed, private=True):
+    """Logistic regression, DP-SGD, canary's loss as the attack (whole runs).
+
+    Two full-batch steps from zero weights (so sampling and noise are the
+    runs' only randomness) with the noise that claims epsilon 1; with
+    `private=False` the control trains without noise or clipping under the
+    same claim, and must be caught.
+    """
     rng = np.random.default_rng(0)
     x = rng.normal(size=(64, 8)).astype(np.float32)
     y = (x[:, 0] > 0).astype(np.float32)[:, None]
     canary = (np.full(8, 3.0, np.float32), np.zeros(1, np.float32))  # a mislabelled outlier
-    batch, steps, sigma = 64, 4, 1.0
+    batch, epochs = 64, 2
+    sigma = tfdp.accounting.calibrate_dpsgd(64, batch, epochs, target_epsilon=1.0, delta=delta)
+    noise_multiplier, clip = (sigma, 1.0) if private else (1e-9, 1e3)
 
     def train_fn(x, y, run_seed):
-        keras.utils.set_random_seed(run_seed)
-        model = tfdp.DPSequential([keras.Input((8,)), keras.layers.Dense(1, activation="sigmoid")])
+        model = tfdp.DPSequential([
+            keras.Input((8,)),
+            keras.layers.Dense(1, activation="sigmoid", kernel_initializer="zeros"),
+        ])
         model.compile(
-            optimizer=tfdp.optimizers.DPSGD(2.0, l2_norm_clip=1.0, noise_multiplier=sigma, seed=run_seed),
+            optimizer=tfdp.optimizers.DPSGD(
+                2.0, l2_norm_clip=clip, noise_multiplier=noise_multiplier, seed=run_seed
+            ),
             loss="binary_crossentropy",
         )
-        model.fit(x, y, batch_size=batch, epochs=1, steps_per_epoch=steps, verbose=0)
+        model.fit(x, y, batch_size=batch, epochs=epochs, verbose=0)
         return model
 
-    claimed = compute_epsilon(sigma, 1.0, steps, delta)
-    return auditing.audit_training(
+    claimed = tfdp.accounting.compute_dpsgd_epsilon(64, batch, sigma, epochs, delta)
+    description = (
+        f"logistic regression, {epochs} steps q = 1, sigma {sigma:.2f}, canary's loss"
+        if private else "control: the same runs without noise or clipping"
+    )
+    result = auditing.audit_training(
         train_fn, auditing.loss_score("binary_crossentropy"), (x, y), canary, runs=runs,
         delta=delta, seed=seed, claimed_epsilon=claimed, mechanism="DP-SGD logistic regression",
-    ), f"black box: logistic regression, {steps} steps q = 1, sigma {sigma}"
+    )
+    return result, description
 
 
 def main(argv=None):
@@ -157,15 +174,18 @@ def main(argv=None):
             f"{'ok' if ok else 'FAILED'} | {time.time() - started:.0f} |",
             flush=True,
         )
-    if args.black_box_runs and (not args.only or "black_box" in args.only):
+    black_box_rows = [("black_box", True), ("black_box_no_noise", False)]
+    for name, private in black_box_rows:
+        if not args.black_box_runs or (args.only and name not in args.only):
+            continue
         started = time.time()
-        result, description = black_box_audit(args.black_box_runs, args.delta, args.seed)
-        ok = not result.violates_claim
+        result, description = black_box_audit(args.black_box_runs, args.delta, args.seed, private)
+        ok = result.violates_claim != private
         failures += not ok
         print(
-            f"| black_box | {description} | {args.black_box_runs} runs | {result.claimed_epsilon:.3f} | "
-            f"{result.epsilon_lower_bound:.3f} | bound <= claim | {'ok' if ok else 'FAILED'} | "
-            f"{time.time() - started:.0f} |",
+            f"| {name} | {description} | {args.black_box_runs} runs | {result.claimed_epsilon:.3f} | "
+            f"{result.epsilon_lower_bound:.3f} | {'bound <= claim' if private else 'caught'} | "
+            f"{'ok' if ok else 'FAILED'} | {time.time() - started:.0f} |",
             flush=True,
         )
     return 1 if failures else 0
