@@ -256,7 +256,9 @@ class DPTrainingMixin:
                 f"DP training needs inputs and labels. Received: x={type(x).__name__}, "
                 f"y={type(y).__name__}"
             )
-        x = tf.nest.map_structure(np.asarray, x)
+        # tf.data cannot carry lists: a multi-input model's x=[a, b] travels
+        # as a tuple (Keras takes either).
+        x = tf.nest.map_structure(np.asarray, _lists_to_tuples(x))
         y = np.asarray(y)
         num_examples = _first_dim(x)
         if num_examples == 0:
@@ -349,6 +351,14 @@ class DPTrainingMixin:
         config = super().get_config()
         config["per_example_gradients"] = self.per_example_gradients
         return config
+
+
+def _lists_to_tuples(structure):
+    if isinstance(structure, (list, tuple)):
+        return tuple(_lists_to_tuples(item) for item in structure)
+    if isinstance(structure, dict):
+        return {key: _lists_to_tuples(value) for key, value in structure.items()}
+    return structure
 
 
 def _split_validation(x, y, sample_weight, validation_split):
