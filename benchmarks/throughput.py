@@ -1,131 +1,261 @@
-"""Training throughput: tfdp DP-SGD against the non-private Keras step.
+"""Training throughput on a model zoo: tfdp DP-SGD against plain Keras.
 
-Each configuration runs in a fresh process (so peak memory is its own) on
-synthetic 28x28 data: the 4-layer tanh CNN of MECHANISMS.md section 6 and a
-784-256-10 MLP, batch 256 and 2048, XLA off and on, tfdp's per-example path
-"fast" (book-keeping) and, for the CNN at batch 256, "vectorized"
-(tf.vectorized_map). Prints a Markdown table.
+For every zoo model, one child process builds the plain Keras model and the
+same model as a `tfdp.DPModel` (same weights), then fits each for one epoch
+of `steps` steps, alternating plain / DP for `--rounds` rounds after a
+warm-up round (tracing). Each row gives the median over rounds of examples/s
+measured two ways: inside `fit` (from the end of the 3rd step to the end of
+the last, the step's loss read at both ends) and over the whole `fit` call
+(input pipeline, callbacks and DP's epsilon included). Peak memory is
+measured in separate child processes, one per model and kind, as the growth
+of the process's peak RSS during `fit` over its RSS just before. "noise ms"
+is the time to draw one step's Gaussian noise for every parameter, the
+floor DP adds whatever the per-example path (dense on every embedding row).
+Synthetic data; no XLA. Prints a Markdown table.
 
-    python benchmarks/throughput.py              # full table (~10 minutes on 2 cores)
-    python benchmarks/throughput.py --quick      # CNN at batch 256 only
+    python benchmarks/throughput.py                 # whole zoo (~20 minutes on 2 cores)
+    python benchmarks/throughput.py --only tanh_cnn_256 text_pooling
 """
 
 import argparse
 import json
 import os
 import resource
+import statistics
 import subprocess
 import sys
 import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
-
-def build(model_name, private, method):
-    import keras
-
-    import tfdp
-    from tfdp import recipes
-
-    if model_name == "cnn":
-        layers = recipes.tanh_cnn()
-    else:
-        layers = [
-            keras.Input((28, 28, 1)),
-            keras.layers.Flatten(),
-            keras.layers.Dense(256, activation="tanh"),
-            keras.layers.Dense(10),
-        ]
-    if private:
-        return tfdp.DPSequential(layers, per_example_gradients=method)
-    return keras.Sequential(layers)
+# name: (batch size, steps per epoch)
+ZOO = {
+    "tanh_cnn_256": (256, 30),
+    "tanh_cnn_2048": (2048, 6),
+    "mlp": (256, 30),
+    "text_pooling": (256, 20),
+    "embedding_lstm": (128, 8),
+    "embedding_bigru": (128, 8),
+    "transformer": (64, 8),
+    "resnet_groupnorm": (128, 8),
+    "conv1d_series": (256, 20),
+}
 
 
-def measure(model_name, batch, xla, private, method, steps):
-    """Examples per second of `steps` training steps inside one `fit`.
-
-    The clock runs from the end of the 5th step to the end of the last (the
-    step's loss is read at both ends, which waits for the step), so the
-    `fit` call's fixed costs (building the input pipeline, the epoch's
-    epsilon) and the first steps are left out for both Keras and tfdp.
-    """
+def build(name):
+    """(keras layers graph as (inputs, outputs), x, y) for a zoo model."""
     import keras
     import numpy as np
 
+    from tfdp import recipes
+
+    L = keras.layers
+    rng = np.random.default_rng(0)
+    batch, steps = ZOO[name]
+    n = batch * (steps + 1)
+
+    def tokens(length, vocab):
+        return rng.integers(1, vocab, (n, length)).astype("int32")
+
+    if name.startswith("tanh_cnn"):
+        inputs = keras.Input((28, 28, 1))
+        outputs = keras.Sequential(recipes.tanh_cnn()[1:])(inputs)
+        x = rng.random((n, 28, 28, 1), dtype=np.float32)
+    elif name == "mlp":
+        inputs = keras.Input((28, 28, 1))
+        h = L.Dense(256, activation="tanh")(L.Flatten()(inputs))
+        outputs = L.Dense(10)(h)
+        x = rng.random((n, 28, 28, 1), dtype=np.float32)
+    elif name == "text_pooling":
+        inputs = keras.Input((128,), dtype="int32")
+        h = L.GlobalAveragePooling1D()(L.Embedding(20000, 128)(inputs))
+        outputs = L.Dense(2)(h)
+        x = tokens(128, 20000)
+    elif name == "embedding_lstm":
+        inputs = keras.Input((100,), dtype="int32")
+        outputs = L.Dense(2)(L.LSTM(64)(L.Embedding(20000, 128)(inputs)))
+        x = tokens(100, 20000)
+    elif name == "embedding_bigru":
+        inputs = keras.Input((100,), dtype="int32")
+        h = L.Bidirectional(L.GRU(32))(L.Embedding(20000, 128)(inputs))
+        outputs = L.Dense(2)(h)
+        x = tokens(100, 20000)
+    elif name == "transformer":
+        inputs = keras.Input((128,), dtype="int32")
+        h = L.Embedding(5000, 128)(inputs)
+        for _ in range(2):
+            attended = L.MultiHeadAttention(num_heads=4, key_dim=32)(h, h)
+            h = L.LayerNormalization()(h + attended)
+            ffn = L.Dense(128)(L.Dense(256, activation="relu")(h))
+            h = L.LayerNormalization()(h + ffn)
+        outputs = L.Dense(2)(L.GlobalAveragePooling1D()(h))
+        x = tokens(128, 5000)
+    elif name == "resnet_groupnorm":
+        inputs = keras.Input((32, 32, 3))
+        h = L.Conv2D(16, 3, padding="same", activation="relu")(inputs)
+        for filters, stride in ((16, 1), (32, 2)):
+            skip = h if stride == 1 else L.Conv2D(filters, 1, strides=stride)(h)
+            r = L.Conv2D(filters, 3, strides=stride, padding="same")(h)
+            r = L.Activation("relu")(L.GroupNormalization(4)(r))
+            r = L.GroupNormalization(4)(L.Conv2D(filters, 3, padding="same")(r))
+            h = L.Activation("relu")(skip + r)
+        outputs = L.Dense(10)(L.GlobalAveragePooling2D()(h))
+        x = rng.random((n, 32, 32, 3), dtype=np.float32)
+    elif name == "conv1d_series":
+        inputs = keras.Input((128, 8))
+        h = L.Conv1D(32, 5, activation="relu")(inputs)
+        h = L.Conv1D(32, 5, activation="relu")(L.MaxPooling1D(2)(h))
+        outputs = L.Dense(2)(L.GlobalAveragePooling1D()(h))
+        x = rng.normal(size=(n, 128, 8)).astype(np.float32)
+    else:
+        raise ValueError(f"Unknown zoo model. Received: name={name!r}")
+    classes = outputs.shape[-1]
+    y = rng.integers(0, classes, n)
+    return inputs, outputs, x, y
+
+
+class StepClock:
+    """Keras callback timing the steps of one epoch (skipping the first)."""
+
+    def __new__(cls, first, last):
+        import keras
+        import numpy as np
+
+        class Clock(keras.callbacks.Callback):
+            def __init__(self):
+                super().__init__()
+                self.times = {}
+
+            def on_train_batch_end(self, batch, logs=None):
+                if batch in (first, last):
+                    float(np.asarray(logs["loss"]))  # waits for this step
+                    self.times[batch] = time.perf_counter()
+
+            def seconds(self):
+                return self.times[last] - self.times[first]
+
+        return Clock()
+
+
+def make_models(name):
+    import keras
+
     import tfdp
 
-    class StepClock(keras.callbacks.Callback):
-        def __init__(self, first, last):
-            super().__init__()
-            self.first, self.last, self.times = first, last, {}
-
-        def on_train_batch_end(self, batch, logs=None):
-            if batch in (self.first, self.last):
-                float(np.asarray(logs["loss"]))  # waits for this step
-                self.times[batch] = time.perf_counter()
-
     keras.utils.set_random_seed(0)
-    skip = 5
-    num = batch * (steps + skip)  # Keras must not run out of data within the epoch
-    rng = np.random.default_rng(0)
-    x = rng.random((num, 28, 28, 1), dtype=np.float32)
-    y = rng.integers(0, 10, num)
-    model = build(model_name, private, method)
+    inputs, outputs, x, y = build(name)
+    plain = keras.Model(inputs, outputs)
+    private = tfdp.DPModel(inputs, outputs)
     loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
-    if private:
-        optimizer = tfdp.optimizers.DPSGD(0.1, l2_norm_clip=1.0, noise_multiplier=1.0)
-    else:
-        optimizer = keras.optimizers.SGD(0.1)
-    model.compile(optimizer=optimizer, loss=loss, jit_compile=xla)
-    clock = StepClock(skip - 1, skip + steps - 1)
-    model.fit(x, y, batch_size=batch, epochs=1, steps_per_epoch=skip + steps, verbose=0,
+    plain.compile(optimizer=keras.optimizers.SGD(0.01), loss=loss, jit_compile=False)
+    private.compile(
+        optimizer=tfdp.optimizers.DPSGD(0.01, l2_norm_clip=1.0, noise_multiplier=1.0),
+        loss=loss,
+    )
+    return plain, private, x, y
+
+
+def fit_once(model, x, y, name):
+    batch, steps = ZOO[name]
+    skip = 2
+    clock = StepClock(skip, steps - 1)
+    start = time.perf_counter()
+    model.fit(x, y, batch_size=batch, epochs=1, steps_per_epoch=steps, verbose=0,
               callbacks=[clock])
-    seconds = clock.times[clock.last] - clock.times[clock.first]
-    examples = batch * steps  # expected batch for DP (Poisson), exact for Keras
-    peak_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    return {"examples_per_s": examples / seconds, "peak_mib": peak_mib}
+    wall = time.perf_counter() - start
+    return {
+        "step": batch * (steps - 1 - skip) / clock.seconds(),
+        "epoch": batch * steps / wall,
+    }
 
 
-def configurations(quick):
-    models = ["cnn"] if quick else ["cnn", "mlp"]
-    batches = [256] if quick else [256, 2048]
-    for model_name in models:
-        for batch in batches:
-            for xla in (False, True):
-                yield model_name, batch, xla, "fast"
-                if model_name == "cnn" and batch == 256:
-                    yield model_name, batch, xla, "vectorized"
+def noise_ms(model):
+    """Milliseconds to draw N(0, 1) for every trainable parameter once."""
+    import tensorflow as tf
+
+    shapes = [v.shape for v in model.trainable_variables]
+
+    @tf.function
+    def draw(seed):
+        return [tf.random.stateless_normal(s, seed=seed) for s in shapes]
+
+    draw(tf.constant([0, 0], tf.int64))
+    times = []
+    for i in range(5):
+        start = time.perf_counter()
+        [t.numpy() for t in draw(tf.constant([i, 1], tf.int64))]
+        times.append(time.perf_counter() - start)
+    return 1000 * statistics.median(times)
 
 
-def run_child(model_name, batch, xla, private, method, steps):
-    command = [sys.executable, __file__, "--child", json.dumps([model_name, batch, xla, private, method, steps])]
-    output = subprocess.run(command, check=True, capture_output=True, text=True).stdout
-    return json.loads(output.strip().splitlines()[-1])
+def speed_child(name, rounds):
+    plain, private, x, y = make_models(name)
+    results = {"plain": [], "dp": []}
+    for round_index in range(rounds + 1):
+        for kind, model in (("plain", plain), ("dp", private)):
+            result = fit_once(model, x, y, name)
+            if round_index:  # round 0 traces the steps
+                results[kind].append(result)
+    median = {
+        kind: {key: statistics.median(r[key] for r in runs) for key in ("step", "epoch")}
+        for kind, runs in results.items()
+    }
+    return {
+        **median,
+        "path": private.per_example_path.split(": ", 1)[1],
+        "params": int(sum(v.shape.num_elements() for v in private.trainable_variables)),
+        "noise_ms": noise_ms(private),
+    }
+
+
+def memory_child(name, kind):
+    plain, private, x, y = make_models(name)
+    model = plain if kind == "plain" else private
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    fit_once(model, x, y, name)
+    after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return {"peak_growth_mib": (after - before) / 1024}
+
+
+def run_child(*args):
+    command = [sys.executable, __file__, "--child", json.dumps(args)]
+    done = subprocess.run(command, capture_output=True, text=True)
+    if done.returncode:
+        last = (done.stderr.strip().splitlines() or ["failed"])[-1]
+        return {"error": last[:120]}
+    return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--only", nargs="*", choices=sorted(ZOO))
+    parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        print(json.dumps(measure(*json.loads(args.child))))
+        kind, *rest = json.loads(args.child)
+        result = speed_child(*rest) if kind == "speed" else memory_child(*rest)
+        print(json.dumps(result))
         return
-    print("| model | batch | XLA | per-example path | Keras ex/s | tfdp DP-SGD ex/s | ratio | Keras peak MiB | tfdp peak MiB |")
-    print("|---|---|---|---|---|---|---|---|---|")
-    baselines = {}
-    for model_name, batch, xla, method in configurations(args.quick):
-        key = (model_name, batch, xla)
-        if key not in baselines:
-            baselines[key] = run_child(model_name, batch, xla, False, "auto", args.steps)
-        base = baselines[key]
-        dp = run_child(model_name, batch, xla, True, method, args.steps)
+    print("| model | batch | params | per-example path | Keras ex/s (step / epoch) "
+          "| tfdp ex/s (step / epoch) | DP/plain (step / epoch) | noise ms | "
+          "Keras peak +MiB | tfdp peak +MiB |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for name in args.only or ZOO:
+        speed = run_child("speed", name, args.rounds)
+        memory = {kind: run_child("memory", name, kind) for kind in ("plain", "dp")}
+        batch = ZOO[name][0]
+        if "error" in speed:
+            print(f"| {name} | {batch} | | fails: {speed['error']} | | | | | | |", flush=True)
+            continue
+        plain, dp = speed["plain"], speed["dp"]
+        mib = [memory[k].get("peak_growth_mib") for k in ("plain", "dp")]
         print(
-            f"| {model_name} | {batch} | {'on' if xla else 'off'} | {method} "
-            f"| {base['examples_per_s']:.0f} | {dp['examples_per_s']:.0f} "
-            f"| {dp['examples_per_s'] / base['examples_per_s']:.2f} "
-            f"| {base['peak_mib']:.0f} | {dp['peak_mib']:.0f} |",
+            f"| {name} | {batch} | {speed['params']:,} | {speed['path']} "
+            f"| {plain['step']:.0f} / {plain['epoch']:.0f} | {dp['step']:.0f} / {dp['epoch']:.0f} "
+            f"| {dp['step'] / plain['step']:.2f} / {dp['epoch'] / plain['epoch']:.2f} "
+            f"| {speed['noise_ms']:.1f} | "
+            + " | ".join("?" if m is None else f"{m:.0f}" for m in mib) + " |",
             flush=True,
         )
 

@@ -137,7 +137,8 @@ class DPTrainingMixin:
         per_example, y_pred, losses = compute_per_example_gradients(
             self, x, y, weights, self._per_example_loss, self.per_example_gradients
         )
-        logger.info("%s: %s", self.name, self.per_example_path)
+        path = self.per_example_path
+        (logger.warning if "vectorized_map (layer" in path else logger.info)("%s: %s", self.name, path)
         grads, stats = self.optimizer.privatize(per_example, step_info)
         logs = self.optimizer.apply_private_gradients(
             grads, self.trainable_variables, model=self
