@@ -6,6 +6,8 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+import tfdp
+
 from tfdp.models.losses import per_example_loss
 from tfdp.per_example import (
     check_per_example_support,
@@ -226,3 +228,53 @@ def test_huge_input_on_saturated_units_has_a_finite_norm(make_model, shape):
     flat = np.concatenate([w.reshape(6, -1) for w in expected], axis=1)
     assert np.all(np.isfinite(flat))
     np.testing.assert_allclose(grads.sq_norms().numpy(), (flat**2).sum(1), rtol=2e-4, atol=1e-8)
+
+
+def test_a_declared_custom_layer_takes_the_batched_path():
+    @tfdp.per_example.declare_per_example
+    class Scale(keras.layers.Layer):
+        def build(self, input_shape):
+            self.scale = self.add_weight(shape=(input_shape[-1],), initializer="ones")
+
+        def call(self, x):
+            return x * self.scale
+
+    class Undeclared(Scale):
+        pass
+
+    declared = keras.Sequential([keras.Input((3,)), keras.layers.Dense(3), Scale(), keras.layers.Dense(2)])
+    plan = plan_for(declared)
+    assert plan.path == "batched" and len(plan.fallback_layers) == 1
+    loss_fn = per_example_loss("mse")
+    x = tf.constant(np.random.default_rng(0).normal(size=(4, 3)), tf.float32)
+    y = tf.zeros([4, 2])
+    grads, _, _ = compute_per_example_gradients(declared, x, y, tf.ones([4]), loss_fn, "batched")
+    for got, want in zip(grads.materialize(), reference_gradients(declared, x, y, np.ones(4), loss_fn)):
+        np.testing.assert_allclose(got.numpy(), want, rtol=1e-5, atol=1e-6)
+    undeclared = keras.Sequential([keras.Input((3,)), Undeclared(), keras.layers.Dense(2)])
+    assert plan_for(undeclared).path == "vectorized"
+
+
+def test_the_model_names_its_path_and_warns_for_an_unknown_layer(caplog):
+    model = tfdp.DPSequential(
+        [keras.Input((4,)), keras.layers.Dense(3), keras.layers.Lambda(lambda t: 2.0 * t),
+         keras.layers.Dense(2)]
+    )
+    model.compile(optimizer=tfdp.optimizers.DPSGD(0.1, l2_norm_clip=1.0, noise_multiplier=1.0),
+                  loss="mse")
+    with caplog.at_level("WARNING", logger="tfdp"):
+        model.fit(np.ones((16, 4), np.float32), np.zeros((16, 2), np.float32), batch_size=4, verbose=0)
+    assert "vectorized_map" in model.per_example_path and "lambda" in model.per_example_path
+    assert any("Lambda" in r.getMessage() for r in caplog.records)
+
+
+def test_mixed_precision_is_refused_at_compile():
+    policy = keras.config.dtype_policy()
+    keras.config.set_dtype_policy("mixed_float16")
+    try:
+        model = tfdp.DPSequential([keras.Input((4,)), keras.layers.Dense(2)])
+    finally:
+        keras.config.set_dtype_policy(policy)
+    with pytest.raises(ValueError, match="mixed precision"):
+        model.compile(optimizer=tfdp.optimizers.DPSGD(0.1, l2_norm_clip=1.0, noise_multiplier=1.0),
+                      loss="mse")
