@@ -156,6 +156,14 @@ class DPIS(DPOptimizer):
     (5.0, 0.8)
     """
 
+    # noise_multiplier is left out: it is sigma_G, chosen every epoch (its
+    # property refuses assignment with its own message).
+    _fixed_settings = tuple(n for n in DPOptimizer._fixed_settings if n != "noise_multiplier") + (
+        "target_epsilon", "target_delta", "epochs", "sigma_n", "sigma_k", "k",
+        "epoch_divider", "gradient_floor", "adaptive_clipping", "external_clip",
+        "clip_quantile", "accountant", "log_sampling_stats",
+    )
+
     def __init__(
         self,
         learning_rate=None,
@@ -265,7 +273,9 @@ class DPIS(DPOptimizer):
     def noise_multiplier(self, value):
         if getattr(self, "_dpis_ready", False):
             raise AttributeError(
-                "DPIS chooses sigma_G every epoch from target_epsilon; it cannot be set."
+                "DPIS chooses its noise multiplier sigma_G every epoch from "
+                "target_epsilon, so `noise_multiplier` cannot be set. Received: "
+                f"noise_multiplier={value!r}"
             )
 
     @property
@@ -380,6 +390,7 @@ class DPIS(DPOptimizer):
                 f"counting). Received: epochs_begun={self.epochs_begun}"
             )
         num_examples = len(tf.nest.flatten(arrays)[0])
+        self.bind_model_steps(model)
         sampler = ImportanceSampler(
             num_examples,
             batch_size,

@@ -17,7 +17,7 @@ import numpy as np
 import tensorflow as tf
 
 from tfdp import accounting
-from tfdp.mechanisms import annealing, dpsgd
+from tfdp.mechanisms import annealing
 from tfdp.optimizers.dp_optimizer import DPOptimizer, check_positive
 
 MISSING_ENERGY_DATA = (
@@ -224,6 +224,12 @@ class SADPSGD(DPOptimizer):
     (10.0, 10)
     """
 
+    _fixed_settings = DPOptimizer._fixed_settings + (
+        "initial_temperature",
+        "rejection_threshold",
+        "energy_batch_size",
+    )
+
     multi_replica_unsupported = (
         "its accept/reject decision and the roll-back of weights and optimizer "
         "slots are one cross-replica decision, which it does not synchronise "
@@ -406,7 +412,7 @@ class SADPSGD(DPOptimizer):
             )
         energy_set = self._require_energy_set()
         trainable_variables = list(trainable_variables)
-        step_seed = dpsgd.step_seed(self._noise_key, self.iterations)
+        step_seed = self.step_key()
         state = trainable_variables + self._slot_variables()
         saved = [tf.identity(tf.convert_to_tensor(v)) for v in state]
 
