@@ -43,6 +43,7 @@ from tfdp.data.poisson import (
     _check_num_examples,
     _is_int,
     _round_up,
+    default_steps_per_epoch,
     padded_batch_size,
 )
 from tfdp.mechanisms import importance_sampling
@@ -133,7 +134,7 @@ class ImportanceSampler:
             )
         self.expected_batch_size = float(expected_batch_size)
         if steps_per_epoch is None:
-            steps_per_epoch = max(1, int(round(self.num_examples / expected_batch_size)))
+            steps_per_epoch = default_steps_per_epoch(self.num_examples, expected_batch_size)
         elif not _is_int(steps_per_epoch) or steps_per_epoch < 1:
             raise ValueError(
                 "Expected `steps_per_epoch` to be an integer >= 1. "
