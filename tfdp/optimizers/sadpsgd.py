@@ -98,6 +98,12 @@ def check_disjoint_from_training_data(energy_hashes, train_x):
     read public data (MECHANISMS.md section 3). Identical inputs in both sets
     are taken as the energy set reading training records. Cost: one hash per
     training example, once per `fit`.
+
+    It catches EXACT duplicates only (inputs equal as float32 bytes): a
+    training record that was rescaled, cropped, augmented, re-encoded or
+    shifted by one rounding step passes, and so does a different record of
+    the same person. Passing the check does not make a set public; that is
+    the user's declaration.
     """
     train = set(_row_hashes(train_x))
     shared = sum(h in train for h in energy_hashes)
@@ -178,7 +184,8 @@ class SADPSGD(DPOptimizer):
 
     The energy set must be public: it steers every decision without noise.
     Never pass training data (fit refuses an energy set sharing examples with
-    the training data). A held-out split you are free to release is the
+    the training data, but only exact duplicates: a near-copy such as an
+    augmented or rescaled training record is not detected). A held-out split you are free to release is the
     intended use. Cost: one forward pass over the energy set per step (plus
     one at the start of every `fit`); with `energy_batch_size=k`, a fresh
     random subset of k public examples is drawn every step and both energies
