@@ -368,8 +368,12 @@ class DPOptimizer(keras.optimizers.Optimizer):
         """
         return []
 
-    def make_training_data(self, model, arrays, batch_size, steps_per_epoch=None):
+    def make_training_data(self, model, arrays, batch_size, steps_per_epoch=None, budgets=()):
         """Poisson-sampled training data for `DPModel.fit` (MECHANISMS.md 0.2).
+
+        `budgets` are the fit's `PrivacyBudget` callbacks: a mechanism that
+        makes releases outside its steps (DPIS) checks them before each
+        release; DP-SGD's steps are left to the callbacks themselves.
 
         Opens the ledger's step event for these settings and returns
         `(dataset, steps_per_epoch)`; each element is `(arrays_batch,

@@ -470,7 +470,7 @@ class SADPSGD(DPOptimizer):
             / tf.cast(tf.convert_to_tensor(self._candidates), tf.float32),
         }
 
-    def make_training_data(self, model, arrays, batch_size, steps_per_epoch=None):
+    def make_training_data(self, model, arrays, batch_size, steps_per_epoch=None, budgets=()):
         """DP-SGD's Poisson-sampled data, after checking the energy set.
 
         Refuses to start without a public energy set or with one that shares
@@ -480,7 +480,7 @@ class SADPSGD(DPOptimizer):
         energy_set = self._require_energy_set()
         check_disjoint_from_training_data(energy_set.row_hashes, arrays[0])
         dataset, steps = super().make_training_data(
-            model, arrays, batch_size, steps_per_epoch=steps_per_epoch
+            model, arrays, batch_size, steps_per_epoch=steps_per_epoch, budgets=budgets
         )
         if not self.built:
             self.build(model.trainable_variables)
