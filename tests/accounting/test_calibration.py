@@ -40,8 +40,9 @@ def test_compute_epsilon_matches_dp_accounting():
 
 def test_dpsgd_steps_convention():
     assert dpsgd_steps(60000, 150, 15) == 6000
-    assert dpsgd_steps(1000, 300, 1) == 4  # partial final step counts
-    assert dpsgd_steps(1000, 300, 0.3) == 1
+    assert dpsgd_steps(1000, 300, 1) == 3  # fit's epoch: round(1000 / 300) steps
+    assert dpsgd_steps(1000, 280, 10) == 40  # not ceil(10 * 1000 / 280) = 36
+    assert dpsgd_steps(1000, 300, 0.5) == 2  # a partial epoch's last step counts
     assert dpsgd_steps(30, 10, 0.1 * 3) == 1  # float noise does not add a step
     assert dpsgd_steps(100, 100, 0) == 0
     with pytest.raises(ValueError, match="batch is larger than the dataset. Received: batch_size=101"):

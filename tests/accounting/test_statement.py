@@ -8,6 +8,16 @@ from tfdp.accounting import privacy_statement
 from tfdp.accounting.statement import _round_up
 
 
+def test_statement_says_validation_data_and_loss_driven_callbacks_are_not_covered():
+    """Broken variant caught: a statement silent on validation data (held-out
+    records get no protection) and on callbacks steering training from the
+    private logged loss (the old text)."""
+    not_covered = privacy_statement(1.0, 1e-5, 10).split("Not covered:")[1]
+    for words in ("validation_split", "validation_data", "no protection", "ReduceLROnPlateau",
+                  "EarlyStopping on the training loss"):
+        assert words in not_covered, words
+
+
 def test_statement_says_what_is_and_is_not_covered():
     text = privacy_statement(2.93, 1e-5, 14040)
     assert text.startswith(

@@ -217,7 +217,10 @@ def test_sampler_realised_batch_size_averages_b():
     k_tilde = float(clipped.sum())
     ghat = isp.first_stage_bounds(clipped, k, 0.01, k_tilde, b).numpy()
     sampler = ImportanceSampler(500, b, steps_per_epoch=400, seed=11)
-    sampler.start_epoch(k_tilde, ghat)
+    sampler.start_epoch(
+        k_tilde, ghat, population=500.0,
+        expected_size=isp.released_first_stage_size(k, 0.01, k_tilde, 500.0, b),
+    )
     accepted, drawn = [], []
     for draw in sampler.epoch():
         assert len(draw["indices"]) == sampler.padded_size
@@ -229,14 +232,18 @@ def test_sampler_realised_batch_size_averages_b():
     error = np.std(accepted) / math.sqrt(len(accepted))
     assert abs(np.mean(accepted) - b) < 4 * error
     assert np.mean(drawn) == pytest.approx(sampler.expected_stage1_size(), rel=0.02)
+    assert np.mean(drawn) <= isp.released_first_stage_size(k, 0.01, k_tilde, 500.0, b)
     assert abs(np.mean(drawn) - b) > 20 * error  # stage 1 alone is ~k b, not b
+
+
+SIZE_30 = {"expected_size": 30.0, "population": 300.0}
 
 
 def test_sampler_never_truncates_and_is_reproducible():
     ghat = np.full(300, 0.1, np.float32)
     table = {"ghat": ghat}
     sampler = ImportanceSampler(300, 10, steps_per_epoch=3, seed=5)
-    sampler.start_epoch(10.0, lambda: table["ghat"])  # q = 0.1, ~30 drawn
+    sampler.start_epoch(10.0, lambda: table["ghat"], **SIZE_30)  # q = 0.1, ~30 drawn
     table["ghat"] = np.full(300, 0.9, np.float32)  # the table grew: q = 0.9, ~270 drawn
     draw = sampler.draw()
     count = int(draw["mask"].sum())
@@ -244,11 +251,11 @@ def test_sampler_never_truncates_and_is_reproducible():
     assert len(draw["indices"]) % sampler.padded_size == 0 and len(draw["indices"]) >= count
     assert sampler.overflow_count == 1
     again = ImportanceSampler(300, 10, steps_per_epoch=3, seed=5)
-    again.start_epoch(10.0, lambda: table["ghat"])
+    again.start_epoch(10.0, lambda: table["ghat"], **SIZE_30)
     drawn = draw["indices"][draw["mask"] == 1]
     replay = again.draw()
     np.testing.assert_array_equal(replay["indices"][replay["mask"] == 1], drawn)
-    again.start_epoch(10.0, lambda: table["ghat"], epoch_index=1)
+    again.start_epoch(10.0, lambda: table["ghat"], epoch_index=1, **SIZE_30)
     other = again.draw()
     assert not np.array_equal(other["indices"][other["mask"] == 1], drawn)
 

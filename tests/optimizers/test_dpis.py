@@ -49,7 +49,7 @@ class NoiselessDPIS(tfdp.optimizers.DPIS):
 
 def test_fit_spends_at_most_the_target_and_logs_its_schedule():
     x, y = data()
-    optimizer = dpis(epoch_divider=1.0)
+    optimizer = dpis(epoch_divider=1.0, log_sampling_stats=True)
     model = model_with(optimizer)
     budget = tfdp.callbacks.PrivacyBudget(epsilon=4.0, delta=1e-5)
     history = model.fit(x, y, batch_size=B, epochs=3, callbacks=[budget], verbose=0)
@@ -93,7 +93,7 @@ def test_batches_are_drawn_one_step_at_a_time():
 def test_one_step_weights_accepted_gradients_and_refreshes_ghat():
     x, y = data()
     optimizer = NoiselessDPIS(learning_rate=0.5, l2_norm_clip=0.5, target_epsilon=4.0,
-                              epochs=3, sigma_n=5.0, seed=3)
+                              epochs=3, sigma_n=5.0, seed=3, log_sampling_stats=True)
     model = model_with(optimizer)
     model._build_for((x, y))  # pylint: disable=protected-access
     dataset, steps = optimizer.make_training_data(model, (x, y), B)

@@ -73,14 +73,42 @@ def compute_epsilon(
     return _engine.epsilon([(event, steps)], delta, accountant, conversion)
 
 
-def dpsgd_steps(num_examples, batch_size, epochs):
-    """Number of DP-SGD steps for `epochs` epochs: ceil(epochs * N / batch_size).
+def steps_per_epoch(num_examples, batch_size):
+    """Steps in one epoch of `DPModel.fit`: max(1, round(N / batch_size)).
 
-    The convention of tensorflow-privacy's compute_dp_sgd_privacy: an epoch
-    is N / batch_size steps of expected batch size batch_size, and a partial
-    final step counts as a full one (counting more steps never under-reports
-    epsilon). A product within 1e-9 (relative) of an integer is taken as that
-    integer, so float noise such as 0.1 * 3 does not add a step.
+    The samplers (`tfdp.data.PoissonSampler`, DPIS's `ImportanceSampler`)
+    use this function for their default epoch length, so calibration counts
+    exactly the steps `fit` runs. Each step samples every record with
+    probability batch_size / N, so an epoch visits each record round(N / b)
+    * b / N times in expectation, not exactly once.
+
+    Args:
+        num_examples: N, an integer >= 1.
+        batch_size: expected batch size, a number in [1, N].
+
+    Returns:
+        The number of steps (an int >= 1).
+
+    Example:
+
+    >>> steps_per_epoch(60000, 150)
+    400
+    >>> steps_per_epoch(1000, 280)   # 3.57 rounds to 4
+    4
+    """
+    return max(1, int(round(num_examples / batch_size)))
+
+
+def dpsgd_steps(num_examples, batch_size, epochs):
+    """Number of DP-SGD steps that `fit(epochs=epochs, batch_size=b)` runs.
+
+    `epochs * steps_per_epoch(N, b)` (`steps_per_epoch` is max(1,
+    round(N / b)), the samplers' own count), rounded up for a fractional
+    number of epochs. tensorflow-privacy's compute_dp_sgd_privacy counts
+    ceil(epochs * N / b) instead, which under-counts fit whenever N / b
+    rounds up (N = 1000, b = 280, 10 epochs: 36 against the 40 fit runs). A
+    product within 1e-9 (relative) of an integer is taken as that integer,
+    so float noise such as 0.1 * 3 does not add a step.
 
     Args:
         num_examples: N, an integer >= 1.
@@ -98,8 +126,8 @@ def dpsgd_steps(num_examples, batch_size, epochs):
 
     >>> dpsgd_steps(60000, 150, 15)
     6000
-    >>> dpsgd_steps(1000, 300, 1)
-    4
+    >>> dpsgd_steps(1000, 280, 10)
+    40
     """
     num_examples = check_int("num_examples", num_examples, minimum=1)
     batch_size = check_int("batch_size", batch_size, minimum=1)
@@ -109,11 +137,11 @@ def dpsgd_steps(num_examples, batch_size, epochs):
             f"Expected `batch_size` <= `num_examples` ({num_examples}): the batch is larger "
             f"than the dataset. Received: batch_size={batch_size}"
         )
-    exact = epochs * num_examples / batch_size
+    exact = epochs * steps_per_epoch(num_examples, batch_size)
     if exact > MAX_COUNT:
         raise ValueError(
-            f"Expected `epochs` to give at most {MAX_COUNT} steps; epochs * num_examples / "
-            f"batch_size = {exact:.4g}. Received: epochs={epochs!r}"
+            f"Expected `epochs` to give at most {MAX_COUNT} steps; epochs * "
+            f"steps_per_epoch = {exact:.4g}. Received: epochs={epochs!r}"
         )
     nearest = round(exact)
     if abs(exact - nearest) <= 1e-9 * max(1.0, exact):
@@ -132,8 +160,8 @@ def compute_dpsgd_epsilon(
 ):
     """Epsilon of DP-SGD on N examples for a number of epochs.
 
-    Uses q = batch_size / N and steps = ceil(epochs * N / batch_size) (see
-    `dpsgd_steps`), tensorflow-privacy's convention.
+    Uses q = batch_size / N and the steps `fit(epochs=epochs,
+    batch_size=batch_size)` runs (`dpsgd_steps`: epochs * round(N / b)).
 
     Args:
         num_examples: N, an integer >= 1.
@@ -354,8 +382,9 @@ def calibrate_dpsgd(
 ):
     """`calibrate_noise_multiplier` for N examples, a batch size and epochs.
 
-    Uses q = batch_size / N and steps = ceil(epochs * N / batch_size)
-    (`dpsgd_steps`).
+    Uses q = batch_size / N and the steps `fit(epochs=epochs,
+    batch_size=batch_size)` runs (`dpsgd_steps`: epochs * round(N / b)), so
+    training with the returned noise ends within `target_epsilon`.
 
     Args:
         num_examples: N, an integer >= 1.

@@ -99,10 +99,14 @@ def privacy_statement(
         "exports, fine-tuning on other data), and every release recorded in the privacy "
         "ledger (the noisy gradients and any extra noisy statistics the mechanism released).",
         "Not covered: hyperparameters tuned by looking at results on the private data, "
-        "training-set loss and metrics shown in the logs, data-independent choices (model "
-        "architecture, clipping norm, noise level, schedule), anything released outside "
-        "tfdp, and groups of records: a person with k records gets roughly a k-fold weaker "
-        "guarantee.",
+        "training-set loss and metrics shown in the logs, decisions callbacks take from that "
+        "logged loss or those metrics (ReduceLROnPlateau, EarlyStopping on the training loss: "
+        "the learning rate and the stopping epoch they choose are not protected), "
+        "validation data (validation_split or validation_data: the records held out get no "
+        "protection at all, and neither do the validation metrics), data-independent choices "
+        "(model architecture, clipping norm, noise level, schedule), anything released "
+        "outside tfdp, and groups of records: a person with k records gets roughly a k-fold "
+        "weaker guarantee.",
     ]
     if accountant is not None:
         name = _ACCOUNTANT_NAMES.get(accountant, str(accountant))

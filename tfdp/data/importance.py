@@ -11,12 +11,14 @@ with the batch.
 
 Every batch is padded to `padded_size` rows with a mask, so the compiled train
 step sees one shape. `padded_size` is chosen at the start of each epoch from
-the expected stage-1 size sum_i q_i: by Hoeffding's theorem the independent
-(Poisson-binomial) count exceeds a length P no more often than a Binomial with
-the same mean, so `padded_batch_size` on that Binomial bounds the overflow
-probability. A larger draw is never truncated (that would change the sampling
-distribution the accounting assumes): it is padded to the next multiple of
-`padded_size`.
+an estimate of the stage-1 size sum_i q_i that the caller computes from
+RELEASED values (the ghat table and the record count are private, and the
+padded length is observable): `padded_batch_size` on a Binomial with that
+mean over the released record count. By Hoeffding's theorem the independent
+(Poisson-binomial) count exceeds a length P no more often than a Binomial
+with the same mean, so with a good estimate overflows are rare. A larger
+draw is never truncated (that would change the sampling distribution the
+accounting assumes): it is padded to the next multiple of `padded_size`.
 
 The dataset built by `make_importance_dataset` runs synchronously (no
 prefetch, no parallel map): each draw reads the ghat table right before its
@@ -26,7 +28,8 @@ Example:
 
 ```python
 sampler = ImportanceSampler(num_examples=1000, expected_batch_size=50, seed=0)
-sampler.start_epoch(k_tilde=40.0, ghat=np.full(1000, 0.2))   # q_i = 0.25
+sampler.start_epoch(k_tilde=40.0, ghat=np.full(1000, 0.2),    # q_i = 0.25
+                    expected_size=250.0, population=1000.0)
 draw = sampler.draw()
 draw["indices"][draw["mask"] == 1]    # stage-1 records of one step
 ```
@@ -43,6 +46,7 @@ from tfdp.data.poisson import (
     _check_num_examples,
     _is_int,
     _round_up,
+    default_steps_per_epoch,
     padded_batch_size,
 )
 from tfdp.mechanisms import importance_sampling
@@ -74,7 +78,7 @@ def _entropy(seed):
 class ImportanceSampler:
     """Stage 1 of DPIS: draws records with probability b * ghat_i / K~.
 
-    Call `start_epoch(k_tilde, ghat)` at the start of each epoch (DPIS does,
+    Call `start_epoch(k_tilde, ghat, ...)` at the start of each epoch (DPIS does,
     after it releases K~); then each `draw()` (or each element of `epoch()`)
     is one step's stage-1 set, padded with a mask, together with the ghat_i
     it used and one U[0, 1) number per row for stage 2.
@@ -101,7 +105,7 @@ class ImportanceSampler:
     Example:
 
     >>> sampler = ImportanceSampler(1000, 50, seed=0)
-    >>> sampler.start_epoch(40.0, np.full(1000, 0.2))
+    >>> sampler.start_epoch(40.0, np.full(1000, 0.2), expected_size=250.0, population=1000.0)
     >>> sampler.padded_size
     320
     >>> sorted(sampler.draw())
@@ -133,7 +137,7 @@ class ImportanceSampler:
             )
         self.expected_batch_size = float(expected_batch_size)
         if steps_per_epoch is None:
-            steps_per_epoch = max(1, int(round(self.num_examples / expected_batch_size)))
+            steps_per_epoch = default_steps_per_epoch(self.num_examples, expected_batch_size)
         elif not _is_int(steps_per_epoch) or steps_per_epoch < 1:
             raise ValueError(
                 "Expected `steps_per_epoch` to be an integer >= 1. "
@@ -171,7 +175,7 @@ class ImportanceSampler:
             )
         return ghat
 
-    def start_epoch(self, k_tilde, ghat, epoch_index=0):
+    def start_epoch(self, k_tilde, ghat, epoch_index=0, *, expected_size, population):
         """Sets the epoch's K~ and ghat table, and sizes its padded batches.
 
         Args:
@@ -180,23 +184,31 @@ class ImportanceSampler:
                 returning it (read at every draw, so the train step's
                 refreshes take effect).
             epoch_index: int >= 0, keys this epoch's random draws.
+            expected_size: the stage-1 size (sum_i q_i) the padding is sized
+                for, a number > 0. Compute it from released values (DPIS
+                uses `importance_sampling.released_first_stage_size`), never
+                from the private ghat table.
+            population: the released record count (N~) the padding's
+                Binomial is taken over, a number > 0; never the private N.
         """
         k_tilde = float(k_tilde)
         if not np.isfinite(k_tilde) or k_tilde <= 0:
             raise ValueError(f"Expected `k_tilde` > 0. Received: k_tilde={k_tilde}")
         if not _is_int(epoch_index) or epoch_index < 0:
             raise ValueError(f"Expected `epoch_index` >= 0. Received: epoch_index={epoch_index!r}")
+        for name, value in (("expected_size", expected_size), ("population", population)):
+            if isinstance(value, bool) or not isinstance(value, numbers.Real) or not (
+                np.isfinite(value) and value > 0
+            ):
+                raise ValueError(f"Expected `{name}` > 0. Received: {name}={value!r}")
+        trials = max(1, int(round(population)), int(np.ceil(expected_size)))
         with self._lock:
             self.k_tilde = k_tilde
             self._ghat_source = ghat
-            q = importance_sampling.first_stage_probabilities(
-                self._read_ghat(), k_tilde, self.expected_batch_size
-            )
-            mean = float(np.sum(q, dtype=np.float64))
-            rate = min(1.0, max(mean, 1.0) / self.num_examples)
+            self._read_ghat()  # checks its length now
             self.padded_size = padded_batch_size(
-                self.num_examples,
-                rate,
+                trials,
+                min(1.0, max(float(expected_size), 1.0) / trials),
                 overflow_probability=self._overflow_probability,
                 multiple=self._multiple,
             )
@@ -205,7 +217,10 @@ class ImportanceSampler:
             self._rng = np.random.default_rng(sequence)
 
     def expected_stage1_size(self):
-        """sum_i q_i for the current ghat table (the mean stage-1 count)."""
+        """sum_i q_i for the current ghat table (the mean stage-1 count).
+
+        Private (it reads the ghat table): for tests and diagnostics only.
+        """
         q = importance_sampling.first_stage_probabilities(
             self._read_ghat(), self.k_tilde, self.expected_batch_size
         )
@@ -222,7 +237,7 @@ class ImportanceSampler:
             (float32 U[0, 1) draws for stage 2).
         """
         if self._rng is None:
-            raise ValueError("Call start_epoch(k_tilde, ghat) before drawing batches.")
+            raise ValueError("Call start_epoch(k_tilde, ghat, ...) before drawing batches.")
         with self._lock:
             ghat = self._read_ghat()
             q = importance_sampling.first_stage_probabilities(

@@ -29,6 +29,8 @@ from collections.abc import Mapping
 import numpy as np
 import tensorflow as tf
 
+from tfdp.accounting.calibration import steps_per_epoch as default_steps_per_epoch
+
 __all__ = ["PoissonSampler", "padded_batch_size", "make_dataset", "gathered_batches"]
 
 
@@ -281,10 +283,8 @@ class PoissonSampler:
                 f"Received: expected_batch_size={expected_batch_size}"
             )
         self.expected_batch_size = expected_batch_size
-        if steps_per_epoch is None:
-            steps_per_epoch = max(
-                1, int(round(self.num_examples / expected_batch_size))
-            )
+        if steps_per_epoch is None:  # the count calibration assumes
+            steps_per_epoch = default_steps_per_epoch(self.num_examples, expected_batch_size)
         elif not _is_int(steps_per_epoch) or steps_per_epoch < 1:
             raise ValueError(
                 "Expected `steps_per_epoch` to be an integer >= 1. "

@@ -56,6 +56,7 @@ __all__ = [
     "adaptive_clip",
     "first_stage_bounds",
     "first_stage_probabilities",
+    "released_first_stage_size",
     "second_stage",
     "importance_weights",
     "step_event",
@@ -65,6 +66,14 @@ __all__ = [
 
 # The noise multipliers `allocate_noise_multiplier` searches.
 SIGMA_BRACKET = (1e-3, 1e4)
+
+# Added to every per-example squared norm before DPIS uses it, so the norm it
+# weights by is never below the true one. In float32 a squared coordinate
+# (or product of factors) under ~1.2e-38 underflows to 0; a squared norm sums
+# far fewer than 1e17 such terms, so it loses less than 1e-20. A norm below
+# 1e-10 is then taken as 1e-10: its record's acceptance probability
+# ||g|| / ghat is negligible anyway (ghat >= k g_L).
+SQ_NORM_UNDERFLOW_ALLOWANCE = 1e-20
 
 
 def _check_real(name, value, low=None, low_inclusive=False, high=None, high_inclusive=True):
@@ -252,8 +261,47 @@ def first_stage_probabilities(ghat, k_tilde, batch_size):
     return np.clip(ghat * scale, 0.0, 1.0).astype(np.float32)
 
 
+def released_first_stage_size(k, floor, k_tilde, n_tilde, batch_size):
+    """An upper estimate of the stage-1 size sum_i q_i from released values.
+
+    sum_i q_i = (b / K~) sum_i ghat_i, and ghat_i <= k (||g_i clipped|| + g_L),
+    so with K~ standing for the sum of clipped norms and N~ for N it is about
+    at most k b (1 + N~ g_L / K~), and at most N~. DPIS sizes its padded
+    batches with this: the ghat table (raw gradient norms) and N are
+    private, and the padded length is observable. A draw longer than the
+    padding is never truncated, so a low estimate costs only speed.
+
+    Args:
+        k: the probability multiplier k.
+        floor: the norm floor g_L.
+        k_tilde, n_tilde: the released K~ and N~.
+        batch_size: the expected batch size b.
+
+    Returns:
+        The estimate, a float > 0.
+
+    Example:
+
+    >>> released_first_stage_size(k=5, floor=0.01, k_tilde=40.0, n_tilde=1000.0, batch_size=50)
+    312.5
+    """
+    k = _check_real("k", k, low=0.0)
+    floor = _check_real("floor", floor, low=0.0, low_inclusive=True)
+    k_tilde = _check_real("k_tilde", k_tilde, low=0.0)
+    n_tilde = _check_real("n_tilde", n_tilde, low=0.0)
+    batch_size = _check_real("batch_size", batch_size, low=0.0)
+    return min(n_tilde, k * batch_size * (1.0 + n_tilde * floor / k_tilde))
+
+
 def second_stage(sq_norms, ghat, clip, uniform, mask):
     """Stage 2: clip g_i to min(ghat_i, C), accept with p_i = ||clipped|| / ghat_i.
+
+    The norm is sqrt(sq_norm + SQ_NORM_UNDERFLOW_ALLOWANCE): float32 squares
+    of tiny coordinates underflow to 0, and a norm below the true one would
+    give the record's weighted term a norm above K~ / N~ (a gradient with
+    one coordinate at 1e-18 and ten thousand at 3e-20 had a computed norm of
+    a third of its true one). The allowance makes it an over-estimate, which
+    keeps every term at or below K~ / N~.
 
     Args:
         sq_norms: float tensor [B], squared norms of the current per-example
@@ -264,19 +312,22 @@ def second_stage(sq_norms, ghat, clip, uniform, mask):
         mask: float tensor [B], 0 on padding rows.
 
     Returns:
-        dict of [B] tensors: "norms" (0 where not finite), "clipped_norms",
+        dict of [B] tensors: "norms" (the over-estimates above; 1e-10 where
+        not finite), "clipped_norms",
         "probability" p_i, "accepted" (bool), "finite" (bool).
     """
     sq_norms = tf.convert_to_tensor(sq_norms, tf.float32)
     ghat = tf.cast(ghat, tf.float32)
     finite = tf.math.is_finite(sq_norms)
-    norms = tf.sqrt(tf.where(finite, tf.maximum(sq_norms, 0.0), tf.zeros_like(sq_norms)))
+    safe = tf.where(finite, tf.maximum(sq_norms, 0.0), tf.zeros_like(sq_norms))
+    norms = tf.sqrt(safe + SQ_NORM_UNDERFLOW_ALLOWANCE)
     bound = tf.minimum(ghat, tf.cast(clip, tf.float32))
     clipped = tf.minimum(norms, bound)
     probability = tf.minimum(tf.math.divide_no_nan(clipped, ghat), 1.0)
     accepted = (
         (tf.cast(mask, tf.float32) > 0.0)
         & finite
+        & (safe > 0.0)  # a zero gradient adds nothing: never accepted
         & (tf.cast(uniform, tf.float32) < probability)
     )
     return {

@@ -213,10 +213,11 @@ class DPTrainingMixin:
             )
         arrays = (x, y) if sample_weight is None else (x, y, sample_weight)
         self._build_for(arrays)
-        dataset, steps = self.optimizer.make_training_data(
-            self, arrays, batch_size, steps_per_epoch=steps_per_epoch
-        )
         callbacks = list(callbacks or [])
+        dataset, steps = self.optimizer.make_training_data(
+            self, arrays, batch_size, steps_per_epoch=steps_per_epoch,
+            budgets=[c for c in callbacks if isinstance(c, PrivacyBudget)],
+        )
         if not any(isinstance(c, PrivacyBudget) for c in callbacks):
             callbacks.append(PrivacyBudget(epsilon=None, delta=min(DEFAULT_DELTA, 1.0 / num_examples)))
         # Ledger-reading callbacks go first so that every other callback

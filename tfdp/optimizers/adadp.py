@@ -130,6 +130,11 @@ class AdaDP(DPOptimizer):
     1.465
     """
 
+    _fixed_settings = DPOptimizer._fixed_settings + (
+        "gamma", "gamma_prime", "local_clip_threshold", "local_clip_factor", "epsilon",
+        "local_clipping", "adaptive_learning_rate", "adaptive_noise",
+    )
+
     def __init__(
         self,
         learning_rate=0.002,

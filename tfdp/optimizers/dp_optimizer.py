@@ -19,6 +19,14 @@ from tfdp.mechanisms import dpsgd
 
 WEIGHT_DECAY_PLACEMENTS = ("before_clip", "after_noise")
 
+FIXED_SETTING_ERROR = (
+    "`{name}` of {cls} is fixed once the optimizer is created: the compiled "
+    "train step keeps the value it was traced with, and the privacy ledger must "
+    "charge exactly what the step runs. Create a new optimizer with the setting "
+    "you want and compile the model with it (the ledger keeps counting). "
+    "Received: {name}={value!r}"
+)
+
 NON_PRIVATE_ERROR = (
     "{name} is a differentially private optimizer: it needs per-example "
     "gradients to clip, which a plain keras.Model does not compute (it called "
@@ -51,6 +59,17 @@ def _noise_key(seed):
     return words.copy()
 
 
+class _ModelSteps:
+    """The model's private step counter, as the optimizer's noise key reads it.
+
+    A plain holder, so that neither Keras nor TF tracking makes the model's
+    variable an optimizer variable.
+    """
+
+    def __init__(self, variable=None):
+        self.variable = variable
+
+
 @keras.saving.register_keras_serializable(package="tfdp")
 class DPOptimizer(keras.optimizers.Optimizer):
     """Makes any Keras optimizer differentially private (DP-SGD's mechanism).
@@ -77,8 +96,19 @@ class DPOptimizer(keras.optimizers.Optimizer):
         seed: optional int making noise and sampling reproducible. Anyone who
             knows the seed can subtract the noise: use it for tests and
             reproductions, never for a model whose privacy matters. Without it
-            the noise is keyed from OS entropy per run. The key is never saved.
+            the noise is keyed from OS entropy per run. Neither the seed nor
+            the key is ever saved (a loaded optimizer has seed None), and the
+            noise of a step is keyed by the model's private step count too, so
+            compiling a loaded model with a new optimizer of the same seed
+            never replays the noise of earlier steps.
         name: optimizer name.
+
+    Every privacy setting (the arguments above, and those listed in a
+    subclass's `_fixed_settings`) is fixed once the optimizer is created:
+    assigning one raises AttributeError. The compiled step keeps the values
+    it was traced with, so a changed attribute would make the ledger charge
+    a noise level the step does not add. To change a setting, compile the
+    model with a new optimizer; the ledger keeps counting.
 
     Example:
 
@@ -88,6 +118,16 @@ class DPOptimizer(keras.optimizers.Optimizer):
     >>> opt.noise_multiplier
     1.1
     """
+
+    # Settings the compiled step reads as Python values: assignable once
+    # (by the constructor). Subclasses extend the tuple.
+    _fixed_settings = (
+        "l2_norm_clip",
+        "noise_multiplier",
+        "weight_decay",
+        "weight_decay_placement",
+        "seed",
+    )
 
     def __init__(
         self,
@@ -133,6 +173,8 @@ class DPOptimizer(keras.optimizers.Optimizer):
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, (int, np.integer))):
             raise TypeError(f"Expected `seed` to be an int or None. Received: seed={seed!r}")
         super().__init__(learning_rate=0.0, name=name)
+        # Keras's constructor sets its own `weight_decay`; ours is assigned next.
+        self.__dict__["_assigned_settings"] = set()
         self.inner_optimizer = inner_optimizer
         self.l2_norm_clip = l2_norm_clip
         self.noise_multiplier = noise_multiplier
@@ -140,6 +182,17 @@ class DPOptimizer(keras.optimizers.Optimizer):
         self.weight_decay_placement = weight_decay_placement
         self.seed = seed
         self._noise_key = _noise_key(seed)
+        self._model_steps = _ModelSteps()
+
+    def __setattr__(self, name, value):
+        if name in type(self)._fixed_settings:
+            assigned = self.__dict__.get("_assigned_settings", set())
+            if name in assigned:
+                raise AttributeError(
+                    FIXED_SETTING_ERROR.format(name=name, cls=type(self).__name__, value=value)
+                )
+            assigned.add(name)
+        super().__setattr__(name, value)
 
     # -- Keras optimizer plumbing (as in LossScaleOptimizer) ---------------
 
@@ -178,9 +231,30 @@ class DPOptimizer(keras.optimizers.Optimizer):
         """Standard deviation of the noise on each coordinate of the sum."""
         return self.noise_multiplier * self.l2_norm_clip
 
+    def bind_model_steps(self, model):
+        """Keys this optimizer's noise by `model`'s private step counter.
+
+        Called by `make_training_data` at every `fit`. The counter is the one
+        the privacy ledger counts: it only grows, and it is saved with the
+        model, so a model loaded and compiled with a new optimizer of the
+        same seed (whose own iteration counter starts at 0) gets fresh noise.
+        """
+        self._model_steps.variable = getattr(model, "_dp_steps", None)
+
+    def step_key(self):
+        """This step's key: the run's secret key folded with the model's step
+        count (see `bind_model_steps`) and the optimizer's iteration count.
+        Without a bound model (the optimizer driven by hand) the key is folded
+        with the iteration count only."""
+        key = self._noise_key
+        counter = self._model_steps.variable
+        if counter is not None:
+            key = dpsgd.step_seed(key, counter)
+        return dpsgd.step_seed(key, self.iterations)
+
     def noise_seed(self):
-        """This step's noise seed: the run's key folded with the step count."""
-        seed = dpsgd.step_seed(self._noise_key, self.iterations)
+        """This step's noise seed: `step_key`, per replica under tf.distribute."""
+        seed = self.step_key()
         replica = tf.distribute.get_replica_context()
         if replica is not None and replica.num_replicas_in_sync > 1:
             seed = tf.random.experimental.stateless_fold_in(
@@ -294,8 +368,12 @@ class DPOptimizer(keras.optimizers.Optimizer):
         """
         return []
 
-    def make_training_data(self, model, arrays, batch_size, steps_per_epoch=None):
+    def make_training_data(self, model, arrays, batch_size, steps_per_epoch=None, budgets=()):
         """Poisson-sampled training data for `DPModel.fit` (MECHANISMS.md 0.2).
+
+        `budgets` are the fit's `PrivacyBudget` callbacks: a mechanism that
+        makes releases outside its steps (DPIS) checks them before each
+        release; DP-SGD's steps are left to the callbacks themselves.
 
         Opens the ledger's step event for these settings and returns
         `(dataset, steps_per_epoch)`; each element is `(arrays_batch,
@@ -309,6 +387,7 @@ class DPOptimizer(keras.optimizers.Optimizer):
         """
         num_examples = len(tf.nest.flatten(arrays)[0])
         strategy = model.distribute_strategy
+        self.bind_model_steps(model)
         seed = self.sampling_seed(model.privacy.steps)
         if strategy.num_replicas_in_sync > 1:
             self.check_distributable(strategy)
@@ -339,6 +418,8 @@ class DPOptimizer(keras.optimizers.Optimizer):
     # -- serialization --------------------------------------------------------
 
     def get_config(self):
+        """The optimizer's settings, without `seed`: whoever knows the seed
+        can regenerate the noise, so it never enters a saved model."""
         return {
             "name": self.name,
             "inner_optimizer": keras.saving.serialize_keras_object(self.inner_optimizer),
@@ -346,7 +427,6 @@ class DPOptimizer(keras.optimizers.Optimizer):
             "noise_multiplier": self.noise_multiplier,
             "weight_decay": self.weight_decay,
             "weight_decay_placement": self.weight_decay_placement,
-            "seed": self.seed,
         }
 
     @classmethod

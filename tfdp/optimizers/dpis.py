@@ -6,13 +6,17 @@ sampled term has the same norm K~ / N~ and the noise can shrink as gradients
 do. The math, with the fixes that keep it sound, is MECHANISMS.md section 4
 and `tfdp.mechanisms.importance_sampling`; this module binds it to Keras:
 
-* `make_training_data` releases N~ once and starts the first epoch; an
-  internal callback starts every later one before the epoch's first batch
-  (and before `PrivacyBudget` reads the ledger). Starting an epoch computes
-  all N per-example gradient norms with the current weights (one pass),
+* `make_training_data` releases N~ once and starts the first epoch of a
+  `fit`; an internal callback starts every later one at the end of the
+  epoch before it (so that a start the privacy budget does not allow can
+  still stop training before another step). Starting an epoch computes all
+  N per-example gradient norms with the current weights (one pass),
   releases K~ (and K~* with adaptive clipping), refills the per-record ghat
   table, chooses sigma_G from the target epsilon by projecting the ledger,
-  and opens the epoch's step event.
+  and opens the epoch's step event. Every release is checked against the
+  fit's `PrivacyBudget` callbacks BEFORE it is made: one that would exceed a
+  budget is not made, and training stops (or, at the start of a `fit`, does
+  not start).
 * each step, the `ImportanceSampler` draws stage 1 (q_i = b ghat_i / K~) as a
   fixed-shape padded batch; `privatize` runs stage 2 on the current gradients
   (accept with ||g_i clipped|| / ghat_i), weights accepted rows so each term
@@ -33,6 +37,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from tfdp.accounting import PrivacyLedger
 from tfdp.data.importance import ImportanceSampler, make_importance_dataset
 from tfdp.mechanisms import dpsgd
 from tfdp.mechanisms import importance_sampling as isp
@@ -50,7 +55,7 @@ NORM_PASS_CHUNK = 1024
 class _Run:
     """What one `fit` call binds to the optimizer (never saved or tracked)."""
 
-    def __init__(self, model, arrays, batch_size, steps_per_epoch, sampler, norm_fn):
+    def __init__(self, model, arrays, batch_size, steps_per_epoch, sampler, norm_fn, budgets):
         self.model = model
         self.arrays = arrays
         self.num_examples = len(tf.nest.flatten(arrays)[0])
@@ -58,7 +63,11 @@ class _Run:
         self.steps_per_epoch = steps_per_epoch
         self.sampler = sampler
         self.norm_fn = norm_fn
-        self.pending = False  # an epoch was started by make_training_data
+        self.budgets = [b for b in budgets if b.epsilon is not None]
+
+
+class _OverBudget(ValueError):
+    """A DPIS release (or the next epoch's first step) would exceed a budget."""
 
 
 class _Untracked:
@@ -72,15 +81,13 @@ class _Untracked:
 
 
 class _EpochStarter(keras.callbacks.Callback):
-    """Starts every DPIS epoch but the first of a `fit` (which
-    `make_training_data` starts), and stops after the planned epochs."""
+    """Logs each DPIS epoch's released values, stops after the planned
+    epochs, and starts the next epoch of a `fit` at the end of the one before
+    (the first is started by `make_training_data`)."""
 
     def __init__(self, optimizer):
         super().__init__()
         self._optimizer = optimizer
-
-    def on_epoch_begin(self, epoch, logs=None):
-        self._optimizer._on_epoch_begin()
 
     def on_epoch_end(self, epoch, logs=None):
         self._optimizer._on_epoch_end(self.model, epoch, self.params or {}, logs)
@@ -135,11 +142,13 @@ class DPIS(DPOptimizer):
             `PrivacyBudget(..., accountant="pld")`; RDP reads higher).
         inner_optimizer: optional Keras optimizer replacing SGD (e.g. Adam;
             then leave learning_rate, momentum and nesterov unset).
-        log_sampling_stats: bool (default True): log the realised batch size
-            and the stage-1/stage-2 acceptance rates every step. Like Keras's
-            training loss, these are computed from the private batch without
-            noise: diagnostics, not part of the guarantee. Set False for logs
-            that hold only released values (sigma_g, k_tilde, clip_norm).
+        log_sampling_stats: bool (default False). True logs the realised
+            batch size and the stage-1/stage-2 acceptance rates every step:
+            they are computed from the private batch without noise, so they
+            RELEASE PRIVATE VALUES that epsilon does not cover (to History,
+            TensorBoard, CSV logs, ...). For debugging on data you may
+            expose only. By default the logs hold released values only
+            (sigma_g, k_tilde, clip_norm).
         weight_decay, weight_decay_placement, seed, name: see `DPOptimizer`.
 
     Logs (per step): "sigma_g", "k_tilde", "clip_norm" and, with
@@ -155,6 +164,14 @@ class DPIS(DPOptimizer):
     >>> opt.k, opt.epoch_divider
     (5.0, 0.8)
     """
+
+    # noise_multiplier is left out: it is sigma_G, chosen every epoch (its
+    # property refuses assignment with its own message).
+    _fixed_settings = tuple(n for n in DPOptimizer._fixed_settings if n != "noise_multiplier") + (
+        "target_epsilon", "target_delta", "epochs", "sigma_n", "sigma_k", "k",
+        "epoch_divider", "gradient_floor", "adaptive_clipping", "external_clip",
+        "clip_quantile", "accountant", "log_sampling_stats",
+    )
 
     def __init__(
         self,
@@ -175,7 +192,7 @@ class DPIS(DPOptimizer):
         clip_quantile=1.0,
         accountant="rdp",
         inner_optimizer=None,
-        log_sampling_stats=True,
+        log_sampling_stats=False,
         weight_decay=0.0,
         weight_decay_placement="before_clip",
         seed=None,
@@ -265,7 +282,9 @@ class DPIS(DPOptimizer):
     def noise_multiplier(self, value):
         if getattr(self, "_dpis_ready", False):
             raise AttributeError(
-                "DPIS chooses sigma_G every epoch from target_epsilon; it cannot be set."
+                "DPIS chooses its noise multiplier sigma_G every epoch from "
+                "target_epsilon, so `noise_multiplier` cannot be set. Received: "
+                f"noise_multiplier={value!r}"
             )
 
     @property
@@ -357,12 +376,16 @@ class DPIS(DPOptimizer):
     def training_callbacks(self):
         return [self._epoch_starter]
 
-    def make_training_data(self, model, arrays, batch_size, steps_per_epoch=None):
+    def make_training_data(self, model, arrays, batch_size, steps_per_epoch=None, budgets=()):
         """DPIS batches for `DPModel.fit`, after starting a DPIS epoch.
 
         Releases N~ (first time only), starts an epoch (norm pass, K~
         release, sigma_G allocation, step event) and returns `(dataset,
         steps_per_epoch)` whose elements carry the stage-1 draw in step_info.
+
+        Raises ValueError, before the release, if a release would exceed one
+        of `budgets` (the fit's `PrivacyBudget` callbacks), or if after them
+        no step fits in a budget.
         """
         self._check_built()
         strategy = model.distribute_strategy
@@ -380,6 +403,7 @@ class DPIS(DPOptimizer):
                 f"counting). Received: epochs_begun={self.epochs_begun}"
             )
         num_examples = len(tf.nest.flatten(arrays)[0])
+        self.bind_model_steps(model)
         sampler = ImportanceSampler(
             num_examples,
             batch_size,
@@ -397,26 +421,26 @@ class DPIS(DPOptimizer):
         else:
             self._state.ghat.assign(tf.zeros([num_examples], tf.float32))
         self._run = _Run(
-            model, arrays, batch_size, sampler.steps_per_epoch, sampler, self._make_norm_fn(model)
+            model, arrays, batch_size, sampler.steps_per_epoch, sampler,
+            self._make_norm_fn(model), budgets,
         )
         self._begin_epoch()
-        self._run.pending = True
         dataset = make_importance_dataset(sampler, arrays)
         return dataset, sampler.steps_per_epoch
-
-    def _on_epoch_begin(self):
-        run = self._run
-        if run is None:
-            return
-        if run.pending:
-            run.pending = False
-            return
-        self._begin_epoch()
 
     def _on_epoch_end(self, model, epoch, params, logs):
         if logs is not None and self.epoch_history:
             last = self.epoch_history[-1]
             logs.update(sigma_g=last["sigma_g"], k_tilde=last["k_tilde"], clip_norm=last["clip_norm"])
+        planned = params.get("epochs")
+        more = planned is None or epoch + 1 < planned
+        if self.epochs_begun < self.epochs and more and not model.stop_training:
+            try:
+                self._begin_epoch()
+            except _OverBudget as error:
+                warnings.warn(f"Stopping DPIS training: {error}", stacklevel=2)
+                model.stop_training = True
+            return
         if self.epochs_begun >= self.epochs:
             planned = params.get("epochs")
             if planned is not None and epoch + 1 < planned and not model.stop_training:
@@ -488,6 +512,7 @@ class DPIS(DPOptimizer):
         clip = self.clip_norm or self.l2_norm_clip
         n_tilde = self.n_tilde
         if n_tilde is None:
+            self._check_budgets(ledger, [isp.count_event(self.sigma_n)], "the noisy dataset size N~")
             rng = self._stream(_COUNT_STREAM, 0, ledger.steps)
             n_tilde = isp.noisy_count(run.num_examples, self.sigma_n, rng)
             if n_tilde == 0.0:  # the variable's 0 means "not released yet"
@@ -495,13 +520,15 @@ class DPIS(DPOptimizer):
             ledger.record(isp.count_event(self.sigma_n))
             self._n_tilde.assign(n_tilde)
         isp.clamp_norm_sum(0.0, b, clip, n_tilde)  # raises now if b is too large for N~
+        sigma_k = self.sigma_k if self.sigma_k is not None else max(0.02 * b, 5.0)
+        p_k = isp.norm_sum_sampling_probability(b, n_tilde)
+        release = isp.norm_sum_event(sigma_k, p_k)
+        releases = 2 if self.adaptive_clipping and epoch > 0 else 1
+        self._check_budgets(ledger, [release] * releases, f"epoch {epoch + 1}'s K~")
         rng = self._stream(_RELEASE_STREAM, epoch, ledger.steps)
         # Counted before the first release: a retry after a failure below uses
         # a fresh stream, never the same noise for a second release.
         self._epochs_begun.assign(epoch + 1)
-        sigma_k = self.sigma_k if self.sigma_k is not None else max(0.02 * b, 5.0)
-        p_k = isp.norm_sum_sampling_probability(b, n_tilde)
-        release = isp.norm_sum_event(sigma_k, p_k)
         norms = self._all_norms()
         finite = np.isfinite(norms)
         epoch_events = [release]
@@ -546,7 +573,16 @@ class DPIS(DPOptimizer):
         self._k_tilde.assign(k_tilde)
         self._clip.assign(clip)
         ledger.begin_steps(isp.step_event(sigma_g, clip, k_tilde, n_tilde, b))
-        run.sampler.start_epoch(k_tilde, self._state.ghat.numpy, epoch_index=epoch)
+        run.sampler.start_epoch(
+            k_tilde,
+            self._state.ghat.numpy,
+            epoch_index=epoch,
+            # The padded length is observable: sized from released values only.
+            expected_size=isp.released_first_stage_size(
+                self.k, self.gradient_floor * clip, k_tilde, n_tilde, b
+            ),
+            population=n_tilde,
+        )
         self._state.history.append(
             {
                 "epoch": epoch,
@@ -559,6 +595,34 @@ class DPIS(DPOptimizer):
                 "padded_size": run.sampler.padded_size,
             }
         )
+        for budget in run.budgets:
+            if ledger.steps_within_budget(
+                budget.epsilon, budget.delta, accountant=budget.accountant, max_steps=1
+            ) == 0:
+                raise _OverBudget(
+                    f"after epoch {epoch + 1}'s releases no step of sigma_G={sigma_g:.4g} "
+                    f"fits in the privacy budget epsilon={budget.epsilon} "
+                    f"(delta={budget.delta}). Received: "
+                    f"epsilon={ledger.epsilon(budget.delta, accountant=budget.accountant):.4g} spent"
+                )
+
+    def _check_budgets(self, ledger, events, what):
+        """Raises `_OverBudget` unless recording `events` keeps every budget."""
+        for budget in self._run.budgets:
+            projected = PrivacyLedger.from_json(ledger.to_json())
+            for event in events:
+                projected.record(event)
+            try:
+                spent = projected.epsilon(budget.delta, accountant=budget.accountant)
+            except ValueError:  # beyond what the accountant can represent
+                spent = math.inf
+            if spent > budget.epsilon:
+                raise _OverBudget(
+                    f"releasing {what} would exceed the privacy budget "
+                    f"epsilon={budget.epsilon} (delta={budget.delta}), so it was not "
+                    f"released and training does not go on. Received: epsilon={spent:.4g} "
+                    "after that release"
+                )
 
     # -- the private step ------------------------------------------------------
 

@@ -17,7 +17,7 @@ import numpy as np
 import tensorflow as tf
 
 from tfdp import accounting
-from tfdp.mechanisms import annealing, dpsgd
+from tfdp.mechanisms import annealing
 from tfdp.optimizers.dp_optimizer import DPOptimizer, check_positive
 
 MISSING_ENERGY_DATA = (
@@ -98,6 +98,12 @@ def check_disjoint_from_training_data(energy_hashes, train_x):
     read public data (MECHANISMS.md section 3). Identical inputs in both sets
     are taken as the energy set reading training records. Cost: one hash per
     training example, once per `fit`.
+
+    It catches EXACT duplicates only (inputs equal as float32 bytes): a
+    training record that was rescaled, cropped, augmented, re-encoded or
+    shifted by one rounding step passes, and so does a different record of
+    the same person. Passing the check does not make a set public; that is
+    the user's declaration.
     """
     train = set(_row_hashes(train_x))
     shared = sum(h in train for h in energy_hashes)
@@ -178,7 +184,8 @@ class SADPSGD(DPOptimizer):
 
     The energy set must be public: it steers every decision without noise.
     Never pass training data (fit refuses an energy set sharing examples with
-    the training data). A held-out split you are free to release is the
+    the training data, but only exact duplicates: a near-copy such as an
+    augmented or rescaled training record is not detected). A held-out split you are free to release is the
     intended use. Cost: one forward pass over the energy set per step (plus
     one at the start of every `fit`); with `energy_batch_size=k`, a fresh
     random subset of k public examples is drawn every step and both energies
@@ -223,6 +230,12 @@ class SADPSGD(DPOptimizer):
     >>> opt.initial_temperature, opt.rejection_threshold
     (10.0, 10)
     """
+
+    _fixed_settings = DPOptimizer._fixed_settings + (
+        "initial_temperature",
+        "rejection_threshold",
+        "energy_batch_size",
+    )
 
     multi_replica_unsupported = (
         "its accept/reject decision and the roll-back of weights and optimizer "
@@ -406,7 +419,7 @@ class SADPSGD(DPOptimizer):
             )
         energy_set = self._require_energy_set()
         trainable_variables = list(trainable_variables)
-        step_seed = dpsgd.step_seed(self._noise_key, self.iterations)
+        step_seed = self.step_key()
         state = trainable_variables + self._slot_variables()
         saved = [tf.identity(tf.convert_to_tensor(v)) for v in state]
 
@@ -457,7 +470,7 @@ class SADPSGD(DPOptimizer):
             / tf.cast(tf.convert_to_tensor(self._candidates), tf.float32),
         }
 
-    def make_training_data(self, model, arrays, batch_size, steps_per_epoch=None):
+    def make_training_data(self, model, arrays, batch_size, steps_per_epoch=None, budgets=()):
         """DP-SGD's Poisson-sampled data, after checking the energy set.
 
         Refuses to start without a public energy set or with one that shares
@@ -467,7 +480,7 @@ class SADPSGD(DPOptimizer):
         energy_set = self._require_energy_set()
         check_disjoint_from_training_data(energy_set.row_hashes, arrays[0])
         dataset, steps = super().make_training_data(
-            model, arrays, batch_size, steps_per_epoch=steps_per_epoch
+            model, arrays, batch_size, steps_per_epoch=steps_per_epoch, budgets=budgets
         )
         if not self.built:
             self.build(model.trainable_variables)

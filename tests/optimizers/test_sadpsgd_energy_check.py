@@ -1,0 +1,30 @@
+"""What SA-DPSGD's check that the energy set is not training data catches
+(issue 14, item 5): exact duplicates only, and the documentation says so."""
+
+import os
+
+import numpy as np
+import pytest
+
+from tfdp.optimizers import sadpsgd
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def test_the_check_catches_exact_duplicates_only_and_says_so():
+    """Broken variant caught: documentation promising more than the check
+    does (the old docstring and README did not say that a near-copy of a
+    training record passes)."""
+    rng = np.random.default_rng(0)
+    train = rng.normal(size=(50, 4)).astype(np.float32)
+    copied = train[:3].copy()
+    with pytest.raises(ValueError, match="3 of the 3 examples"):
+        sadpsgd.check_disjoint_from_training_data(sadpsgd._row_hashes(copied), train)
+    # One float32 rounding step away: the same record for any practical
+    # purpose, and the check does not see it.
+    nudged = np.nextafter(copied, np.float32(np.inf))
+    sadpsgd.check_disjoint_from_training_data(sadpsgd._row_hashes(nudged), train)
+    assert "EXACT duplicates only" in sadpsgd.check_disjoint_from_training_data.__doc__
+    assert "only exact duplicates" in sadpsgd.SADPSGD.__doc__
+    with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as readme:
+        assert "detects exact duplicates only" in readme.read()
