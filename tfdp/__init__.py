@@ -11,11 +11,37 @@ Two changes to a Keras script make it private:
 Then `model.fit(...)` trains on Poisson-sampled batches with clipped, noised
 per-example gradients, and `model.privacy.epsilon(delta=1e-5)` reads the
 privacy ledger. `tfdp.accounting` answers privacy questions without training.
+
+`import tfdp` itself is light: each name below is imported on first use, so
+`tfdp.accounting` (and the `tfdp epsilon` / `tfdp calibrate` commands) never
+load TensorFlow or Keras; `tfdp.DPModel`, `tfdp.optimizers` and the other
+training names do.
 """
 
-from tfdp import accounting, callbacks, optimizers
-from tfdp.models import DPModel, DPSequential
+import importlib
 
 __version__ = "0.1.0"
 
 __all__ = ["DPModel", "DPSequential", "accounting", "callbacks", "optimizers"]
+
+# Public names and the module each is read from, imported on first access.
+_MODELS = ("DPModel", "DPSequential")
+_SUBMODULES = (
+    "accounting", "auditing", "callbacks", "cli", "data", "distribute", "mechanisms",
+    "models", "optimizers", "recipes", "training",
+)
+
+
+def __getattr__(name):
+    if name in _MODELS:
+        value = getattr(importlib.import_module("tfdp.models"), name)
+    elif name in _SUBMODULES:
+        value = importlib.import_module(f"tfdp.{name}")
+    else:
+        raise AttributeError(f"module 'tfdp' has no attribute {name!r}")
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_MODELS) | set(_SUBMODULES))

@@ -4,6 +4,8 @@
 TensorBoard, CSVLogger) and stops training before a budget is exceeded.
 `PrivacyJournal` writes each step range to disk before it runs, so a run
 killed mid-epoch and resumed from a checkpoint never under-counts.
+`ProgbarLogger` is Keras's progress bar, except that an epoch cut short by
+the budget ends at the steps that ran.
 """
 
 import math
@@ -18,8 +20,15 @@ class PrivacyBudget(keras.callbacks.Callback):
     more steps of the current mechanism fit in (epsilon, delta); training
     stops after the last such step, so the final epsilon never exceeds the
     budget. A budget already spent stops training before its first step.
+    `stopped_for_budget` is True only when the budget cut training short
+    (not when the last planned step also used up the budget).
+
     `DPModel.fit` runs this callback before all others, so every logger sees
-    "epsilon".
+    "epsilon": after every step (the live progress bar with verbose=1,
+    TensorBoard with update_freq="batch") and every epoch. With
+    accountant="pld" (about half a second a query) only epoch logs carry it.
+    It also keeps the training-data count "nonfinite_examples" out of the
+    logs while it is 0 (it appears as soon as a row was non-finite).
 
     Args:
         epsilon: the budget, a float > 0, or None to only report epsilon.
@@ -51,6 +60,7 @@ class PrivacyBudget(keras.callbacks.Callback):
         self.accountant = accountant
         self.stopped_for_budget = False
         self._step_limit = None
+        self._epoch = 0
 
     def _ledger(self):
         return self.model.privacy
@@ -91,15 +101,61 @@ class PrivacyBudget(keras.callbacks.Callback):
         self._plan()
 
     def on_epoch_begin(self, epoch, logs=None):
+        self._epoch = epoch
         self._plan()
 
+    def _is_last_planned_step(self, batch):
+        params = self.params or {}
+        epochs, steps = params.get("epochs"), params.get("steps")
+        return (
+            epochs is not None and steps is not None
+            and self._epoch == epochs - 1 and batch + 1 >= steps
+        )
+
     def on_train_batch_end(self, batch, logs=None):
-        if self._step_limit is not None and self._ledger().steps >= self._step_limit:
-            self._stop()
+        ledger = self._ledger()
+        if logs is not None:
+            _hide_zero_count(logs)
+            if self.accountant == "rdp":
+                logs["epsilon"] = ledger.epsilon(self.delta, accountant=self.accountant)
+        if self._step_limit is not None and ledger.steps >= self._step_limit:
+            if self._is_last_planned_step(batch):
+                self.model.stop_training = True  # training ends here anyway
+            else:
+                self._stop()
 
     def on_epoch_end(self, epoch, logs=None):
         if logs is not None:
+            _hide_zero_count(logs)
             logs["epsilon"] = self._ledger().epsilon(self.delta, accountant=self.accountant)
+
+
+def _hide_zero_count(logs):
+    """Drops "nonfinite_examples" from `logs` while it is 0 (nothing to report)."""
+    if logs.get("nonfinite_examples", None) == 0:
+        del logs["nonfinite_examples"]
+
+
+class ProgbarLogger(keras.callbacks.ProgbarLogger):
+    """Keras's progress bar, ending an epoch cut short at the steps that ran.
+
+    Keras's own bar always ends an epoch at its planned step count ("28/28")
+    even when a callback stopped training mid-epoch; this one ends at the
+    steps that ran ("21/28"). Pass it in `callbacks` (Keras then uses it
+    instead of its own).
+
+    Example:
+
+    >>> import tfdp
+    >>> progress = tfdp.callbacks.ProgbarLogger()
+    >>> # model.fit(x, y, verbose=2, callbacks=[budget, progress])
+    """
+
+    def on_epoch_end(self, epoch, logs=None):
+        if self.progbar is not None and self.target is not None and 0 < self.seen < self.target:
+            self.progbar.update(self.seen, list((logs or {}).items()), finalize=True)
+        else:
+            super().on_epoch_end(epoch, logs)
 
 
 class PrivacyJournal(keras.callbacks.Callback):

@@ -4,14 +4,18 @@
     tfdp calibrate --num-examples 60000 --batch-size 256 --epochs 60 --epsilon 3
     tfdp train     --dataset digits --epsilon 3
 
-`epsilon` and `calibrate` import only the accountant (fast); `train` imports
-TensorFlow.
+`--help`, `epsilon` and `calibrate` import only the accountant (fast, no
+TensorFlow); `train` imports TensorFlow, without its native start-up lines.
 """
 
 import argparse
+import contextlib
 import json
 import math
+import os
+import re
 import sys
+import tempfile
 import time
 
 MECHANISMS = ("dpsgd", "sadpsgd", "dpis", "adadp",)
@@ -121,7 +125,48 @@ def _calibrate(args):
     return {"noise_multiplier": sigma, "epsilon": achieved, "delta": args.delta}
 
 
+# TensorFlow's native start-up lines (absl C++ logging, CUDA probing on
+# machines without a GPU): "cudart_stub.cc ... Could not find cuda drivers",
+# "failed call to cuInit", "cpu_feature_guard.cc ...". They go straight to
+# file descriptor 2, and TF_CPP_MIN_LOG_LEVEL does not silence all of them.
+STARTUP_NOISE = re.compile(
+    r"^(WARNING: All log messages before absl::InitializeLog\(\) is called"
+    r"|To enable the following instructions:"
+    r"|[IW]\d{4} \S+\s+\d+ \S+\.cc:\d+\]"
+    r"|E\d{4} \S+\s+\d+ cuda\w*\.cc:\d+\])"
+)
+
+
+@contextlib.contextmanager
+def _startup_noise_hidden():
+    """Captures file descriptor 2 meanwhile; then shows all but STARTUP_NOISE lines."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as captured:
+        os.dup2(captured.fileno(), 2)
+        try:
+            yield
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+            captured.seek(0)
+            lines = captured.read().decode("utf-8", "replace").splitlines(keepends=True)
+            kept = "".join(line for line in lines if not STARTUP_NOISE.match(line))
+            if kept:
+                os.write(2, kept.encode("utf-8"))
+
+
+def _import_tensorflow_quietly():
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # TF's own INFO and WARNING lines
+    with _startup_noise_hidden():
+        import tensorflow as tf
+
+        tf.config.list_physical_devices()  # probes CUDA now, inside the capture
+
+
 def _train(args):
+    _import_tensorflow_quietly()
     from tfdp import training
 
     settings = {k: v for k, v in vars(args).items() if k not in ("command",)}

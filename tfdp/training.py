@@ -1,5 +1,12 @@
 """One complete DP training run on a built-in dataset (`tfdp train`).
 
+The test split is a clean hold-out: the per-epoch validation (val_loss,
+val_accuracy) reads a slice of the training split that training never
+samples, and the test split is read once, after training. Like the training
+metrics, validation metrics are computed from private data and are not
+covered by epsilon (they are for the data holder's eyes); the returned
+result holds only test accuracy and the privacy figures.
+
 Example:
 
 >>> from tfdp import training
@@ -9,11 +16,74 @@ Example:
 """
 
 import math
+import os
 
 import keras
+import numpy as np
 
 from tfdp import accounting, callbacks, optimizers, recipes
 from tfdp.data import load_dataset
+
+# The fraction of the training split held out for per-epoch validation.
+VALIDATION_FRACTION = 0.1
+# The held-out slice is chosen by this fixed seed: data-independent, reproducible.
+VALIDATION_SEED = 0
+
+
+def check_output_path(output):
+    """Raises ValueError unless the model can be saved to `output`.
+
+    Called before training, so that no privacy budget is spent on a run
+    whose model cannot be saved: `output` must name a `.keras` file in an
+    existing, writable folder (an existing file is overwritten).
+
+    Example:
+
+    >>> check_output_path("/nonexistent/folder/model.keras")
+    Traceback (most recent call last):
+        ...
+    ValueError: Cannot save to `output` (--output): the folder /nonexistent/folder does not exist. Received: output='/nonexistent/folder/model.keras'
+    """
+    if output is None:
+        return
+    path = os.fspath(output)
+    received = f"Received: output={output!r}"
+    if not str(path).endswith(".keras"):
+        raise ValueError(f"Expected `output` (--output) to name a .keras file. {received}")
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        raise ValueError(
+            f"Cannot save to `output` (--output): the folder {folder} does not exist. {received}"
+        )
+    if os.path.isdir(path):
+        raise ValueError(f"Cannot save to `output` (--output): it is a folder. {received}")
+    if not os.access(folder, os.W_OK) or (os.path.exists(path) and not os.access(path, os.W_OK)):
+        raise ValueError(f"Cannot save to `output` (--output): permission denied. {received}")
+
+
+def split_validation(x, y, fraction=VALIDATION_FRACTION, seed=VALIDATION_SEED):
+    """Splits (x, y) into training and validation parts by a fixed random permutation.
+
+    Example:
+
+    >>> (x_fit, y_fit), (x_val, y_val) = split_validation(np.arange(20), np.arange(20))
+    >>> len(x_fit), len(x_val), sorted(set(x_fit) & set(x_val))
+    (18, 2, [])
+    """
+    order = np.random.default_rng(seed).permutation(len(x))
+    held = max(1, round(fraction * len(x)))
+    fit, val = order[held:], order[:held]
+    return (x[fit], y[fit]), (x[val], y[val])
+
+
+def check_batch_size(batch_size, num_examples, dataset):
+    """Raises ValueError when the expected batch exceeds the training examples."""
+    if batch_size > num_examples:
+        raise ValueError(
+            f"Expected `batch_size` (--batch-size) <= the number of training examples of "
+            f"{dataset} ({num_examples}, after holding out {VALIDATION_FRACTION:.0%} for "
+            f"validation). Received: batch_size={batch_size}"
+        )
 
 
 def make_optimizer(mechanism, learning_rate, l2_norm_clip, noise_multiplier, momentum=0.0, seed=None,
@@ -70,10 +140,15 @@ def train(
     Unset settings take `tfdp.recipes.DEFAULTS[dataset]`. With `epsilon`
     (the default) the noise multiplier is calibrated so that the planned
     epochs spend at most epsilon; `PrivacyBudget` also stops training there.
+    Training data are the training split minus a held-out 10% used for
+    validation after each epoch; test accuracy is measured once, at the end.
+    `output` is checked before anything else, so no budget is spent on a
+    run whose model cannot be saved.
 
     Returns:
         dict with test accuracy, epsilon spent, delta and the settings used.
     """
+    check_output_path(output)
     defaults = recipes.DEFAULTS[dataset]
     epochs = epochs or defaults["epochs"]
     if mechanism == "adadp":  # RMSprop-style step: its own learning rate (and batch)
@@ -97,7 +172,9 @@ def train(
         half = len(x_test) // 2
         public_energy_data = (x_test[:half], y_test[:half])
         x_test, y_test = x_test[half:], y_test[half:]
+    (x_train, y_train), validation_data = split_validation(x_train, y_train)
     num_examples = len(x_train)
+    check_batch_size(batch_size, num_examples, dataset)
     steps_per_epoch = max(1, round(num_examples / batch_size))
     if mechanism == "dpis" and noise_multiplier is not None:
         raise ValueError(
@@ -121,9 +198,10 @@ def train(
         metrics=["accuracy"],
     )
     budget = callbacks.PrivacyBudget(epsilon=epsilon, delta=delta)
+    progress = [callbacks.ProgbarLogger()] if verbose else []
     history = model.fit(
         x_train, y_train, batch_size=batch_size, epochs=epochs,
-        validation_data=(x_test, y_test), callbacks=[budget], verbose=verbose,
+        validation_data=validation_data, callbacks=[budget, *progress], verbose=verbose,
     )
     _, test_accuracy = model.evaluate(x_test, y_test, verbose=0)
     if output:
@@ -143,6 +221,8 @@ def train(
         "momentum": momentum,
         "l2_norm_clip": l2_norm_clip,
         "stopped_for_budget": budget.stopped_for_budget,
+        # Training rows with NaN/Inf (they contribute nothing): logged only when > 0.
+        "nonfinite_examples": int(history.history.get("nonfinite_examples", [0])[-1]),
     }
     if mechanism == "sadpsgd":
         opt = model.optimizer

@@ -12,6 +12,14 @@ exactly the operations `RdpAccountant` runs, giving bit-identical epsilons.
 
 PLD: dp_accounting's `PLDAccountant` on the composed event.
 
+For large sampling rates (q above about 0.06 at sigma near 1) dp_accounting
+cannot sum the series of some fractional orders (1.1, 1.2, ...) and logs
+"_compute_log_a_frac failed to converge ... Excluding this order" once per
+order; the order then gets infinite RDP, which is a valid (unused) bound, and
+the other orders give epsilon. tfdp drops exactly that warning while it
+composes, so epsilon is dp_accounting's, bit for bit, and training logs stay
+readable.
+
 Example:
 
 >>> from tfdp.accounting.events import dpsgd_event
@@ -19,8 +27,11 @@ Example:
 0.724223
 """
 
+import contextlib
 import functools
+import logging
 import math
+import threading
 
 import dp_accounting
 import numpy as np
@@ -52,6 +63,37 @@ PLD_MIN_NOISE = 1e-3
 PLD_MAX_COUNT = 10**6
 
 
+# The one dp_accounting warning tfdp silences (see the module docstring).
+UNCONVERGED_ORDER_WARNING = "_compute_log_a_frac failed to converge"
+
+
+class _UnconvergedOrderFilter(logging.Filter):
+    """Drops dp_accounting's unconverged-order warning inside tfdp's own calls only."""
+
+    def __init__(self):
+        super().__init__()
+        self.active = threading.local()
+
+    def filter(self, record):
+        if not getattr(self.active, "depth", 0):
+            return True
+        return not str(record.msg).startswith(UNCONVERGED_ORDER_WARNING)
+
+
+_UNCONVERGED_FILTER = _UnconvergedOrderFilter()
+logging.getLogger("absl").addFilter(_UNCONVERGED_FILTER)  # inert outside tfdp's calls
+
+
+@contextlib.contextmanager
+def _quiet_unconverged_orders():
+    active = _UNCONVERGED_FILTER.active
+    active.depth = getattr(active, "depth", 0) + 1
+    try:
+        yield
+    finally:
+        active.depth -= 1
+
+
 class PLDUnavailable(ValueError):
     """The PLD accountant cannot (or cannot affordably) represent these releases."""
 
@@ -76,7 +118,8 @@ def _unsupported(accountant_name, event, error):
 def _compute_rdp_vector(event, orders):
     accountant = dp_accounting.rdp.RdpAccountant(orders=list(orders))
     try:
-        accountant.compose(event)
+        with _quiet_unconverged_orders():
+            accountant.compose(event)
     except dp_accounting.UnsupportedEventError as error:
         raise _unsupported("rdp", event, error) from None
     except (OverflowError, ZeroDivisionError, FloatingPointError):
