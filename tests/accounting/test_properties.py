@@ -7,6 +7,7 @@ derandomized so the suite is reproducible and its run time stable.
 
 import json
 import math
+import sys
 
 import dp_accounting
 import pytest
@@ -90,6 +91,38 @@ def test_valid_epsilon_is_dp_accountings_and_monotone(sigma, q, steps, delta):
     assert epsilon == pytest.approx(accountant.get_epsilon(delta), rel=1e-12)
     assert compute_epsilon(sigma, q, 2 * steps, delta) >= epsilon
     assert compute_epsilon(2 * sigma, q, steps, delta) <= epsilon
+
+
+# Every positive float, subnormals and the largest double included.
+any_noise = st.floats(min_value=5e-324, max_value=sys.float_info.max)
+WIDE = settings(max_examples=12, deadline=None, derandomize=True, database=None)
+
+
+@WIDE
+@given(a=any_noise, b=any_noise, q=st.sampled_from([1.0, 0.01]), steps=st.sampled_from([1, 1000, 2**53]),
+       conversion=st.sampled_from(["tight", "classic"]))
+def test_epsilon_never_increases_with_noise_over_the_whole_float_range(a, b, q, steps, conversion):
+    """More noise never gives a larger epsilon, from 5e-324 to 1.8e308 (dp_accounting's
+    float arithmetic overflows past sigma ~1e154; that once turned 0.0 into inf)."""
+    low, high = sorted((a, b))
+    more_noise = compute_epsilon(high, q, steps, 1e-5, conversion=conversion)
+    less_noise = compute_epsilon(low, q, steps, 1e-5, conversion=conversion)
+    is_epsilon(more_noise)
+    assert more_noise <= less_noise
+
+
+@pytest.mark.parametrize("accountant", ["rdp", "pld"])
+@pytest.mark.parametrize("q", [1.0, 0.01])
+def test_huge_noise_gives_the_limit_of_no_information(accountant, q):
+    """Past dp_accounting's overflow (sigma > ~1e154) epsilon stays the limit reached
+    before it: 0.0 (tight conversion), never inf or an error."""
+    limit = compute_epsilon(1e150, q, 1000, 1e-5, accountant=accountant)
+    assert limit == 0.0
+    for sigma in (1e155, 1e200, 1e308, sys.float_info.max):
+        assert compute_epsilon(sigma, q, 1000, 1e-5, accountant=accountant) == limit
+    classic = compute_epsilon(1e150, q, 1000, 1e-5, conversion="classic")
+    assert classic == pytest.approx(math.log(1e5) / 63)  # rdp 0 at order 64
+    assert compute_epsilon(1e308, q, 1000, 1e-5, conversion="classic") == classic
 
 
 @FAST
