@@ -11,12 +11,6 @@ import pytest
 from tfdp.data import datasets, load_dataset, load_digits, load_fashion_mnist
 
 DEBIAN_DIR = "/usr/share/datasets/fashion-mnist"
-HAS_DEBIAN = all(
-    os.path.isfile(os.path.join(DEBIAN_DIR, f"{split}-{kind}-ubyte.gz"))
-    for split in ("train", "t10k")
-    for kind in ("images-idx3", "labels-idx1")
-)
-
 
 # digits --------------------------------------------------------------------------
 
@@ -140,8 +134,9 @@ def test_truncated_and_mismatched_idx_raise(tmp_path):
         load_fashion_mnist(data_dir=tmp_path)
 
 
-@pytest.mark.skipif(not HAS_DEBIAN, reason=f"Debian Fashion-MNIST not in {DEBIAN_DIR}")
-def test_fashion_mnist_debian():
+def test_fashion_mnist_debian(installed):
+    for name in ("train-images-idx3", "train-labels-idx1", "t10k-images-idx3", "t10k-labels-idx1"):
+        installed(os.path.join(DEBIAN_DIR, f"{name}-ubyte.gz"), "apt-get install dataset-fashion-mnist")
     (x_train, y_train), (x_test, y_test) = load_fashion_mnist()
     assert x_train.shape == (60000, 28, 28, 1) and x_test.shape == (10000, 28, 28, 1)
     assert y_train.shape == (60000,) and y_test.shape == (10000,)
@@ -150,6 +145,15 @@ def test_fashion_mnist_debian():
     assert set(np.unique(y_train)) == set(range(10))
     assert set(np.unique(y_test)) == set(range(10))
     assert np.all(np.bincount(y_train) == 6000)
+
+
+@pytest.mark.parametrize("ci", ["true", ""])
+def test_a_missing_install_fails_under_ci_and_skips_otherwise(tmp_path, monkeypatch, ci, installed):
+    monkeypatch.setenv("CI", ci)
+    outcome = pytest.fail.Exception if ci else pytest.skip.Exception
+    with pytest.raises(outcome, match="apt-get install dataset-fashion-mnist"):
+        installed(str(tmp_path / "absent"), "apt-get install dataset-fashion-mnist")
+    installed(str(tmp_path), "nothing")  # present: neither
 
 
 def test_fashion_mnist_without_files_or_tfds(tmp_path, monkeypatch):
