@@ -7,12 +7,15 @@ derandomized so the suite is reproducible and its run time stable.
 
 import json
 import math
+import re
 import sys
 
 import dp_accounting
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
+
+from tfdp.accounting._engine import pld_discretization
 
 from tfdp.accounting import (
     PrivacyLedger,
@@ -139,7 +142,12 @@ def test_compute_dpsgd_epsilon(n, batch, sigma, epochs, delta):
 @FAST
 @given(sigma=sigmas, q=probabilities)
 def test_dpsgd_event(sigma, q):
-    clear_error_or(lambda: dpsgd_event(sigma, q), ["noise_multiplier", "sampling_probability"], lambda e: None)
+    def check(event):
+        gaussian = dp_accounting.GaussianDpEvent(float(sigma))
+        expected = gaussian if q == 1 else dp_accounting.PoissonSampledDpEvent(float(q), gaussian)
+        assert event == expected
+
+    clear_error_or(lambda: dpsgd_event(sigma, q), ["noise_multiplier", "sampling_probability"], check)
 
 
 @FAST
@@ -188,20 +196,53 @@ def test_calibration(target, delta, q, steps):
 
 
 @SLOW
-@given(sigma=st.floats(0.5, 50.0), q=st.floats(1e-3, 1.0), steps=st.integers(0, 1000))
-def test_pld_is_an_epsilon_and_close_to_rdp(sigma, q, steps):
+@given(sigma=st.floats(0.5, 50.0), q=st.floats(1e-3, 1.0), steps=st.integers(1, 1000))
+def test_pld_is_dp_accountings_pld_and_below_rdp(sigma, q, steps):
+    """Two-sided: tfdp's PLD epsilon is PLDAccountant's (at the interval tfdp picks)."""
     pld = compute_epsilon(sigma, q, steps, 1e-5, accountant="pld")
     is_epsilon(pld)
+    event = dpsgd_event(sigma, q)
+    accountant = dp_accounting.pld.PLDAccountant(
+        value_discretization_interval=pld_discretization([(event, steps)]))
+    accountant.compose(event, steps)
+    assert pld == pytest.approx(max(0.0, accountant.get_epsilon(1e-5)), rel=1e-9, abs=1e-12)
     rdp = compute_epsilon(sigma, q, steps, 1e-5)
     # Both are upper bounds; PLD is the tighter (up to its discretization).
     assert pld <= rdp * 1.01 + 1e-3
 
 
+def check_statement(epsilon, delta, steps):
+    """The statement states epsilon, e^epsilon and delta rounded up (never
+    promising more than the ledger holds), to 3 significant digits, and the steps."""
+
+    def check(text):
+        epsilon_value, delta_value, steps_value = float(epsilon), float(delta), int(steps)
+        if math.isinf(epsilon_value):
+            assert text.startswith("This model has NO finite") and f"({steps_value} private" in text
+            return
+        match = re.match(r"This model was trained with \(epsilon=(\S+), delta=(\S+)\)-differential "
+                         r"privacy at the record level, over (\d+) private training steps\.", text)
+        assert match, text
+        stated_epsilon, stated_delta = float(match.group(1)), float(match.group(2))
+        assert epsilon_value <= stated_epsilon <= epsilon_value * (1 + 1e-2)
+        assert delta_value <= stated_delta <= delta_value * (1 + 1e-2)
+        assert int(match.group(3)) == steps_value
+        factor = re.search(r"by at most a factor e\^epsilon = (.+?), except with probability at most "
+                           r"delta = (\S+)\.\n", text)
+        assert factor, text
+        assert float(factor.group(2)) == stated_delta
+        if factor.group(1) != "more than 1e300":
+            assert math.exp(epsilon_value) <= float(factor.group(1)) <= math.exp(epsilon_value) * (1 + 1e-2)
+
+    return check
+
+
 @FAST
 @given(epsilon=epsilons, delta=maybe(st.floats(0.0, 0.99)), steps=step_counts)
+@example(epsilon=0.7242, delta=1.2345e-5, steps=6000)  # delta once shown rounded down: 1.23e-05
 def test_privacy_statement(epsilon, delta, steps):
     clear_error_or(lambda: privacy_statement(epsilon, delta, steps), ["epsilon", "delta", "steps"],
-                   lambda text: text.startswith("This model"))
+                   check_statement(epsilon, delta, steps))
 
 
 json_values = st.recursive(
