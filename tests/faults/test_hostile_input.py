@@ -93,15 +93,25 @@ def test_tfdp_calibrate_on_hostile_arguments(field, value):
 
 
 @pytest.mark.parametrize(
-    "argv",
-    [[], ["nonsense"], ["epsilon"], ["epsilon", "--num-examples", "10", "--batch-size", "20",
-                                     "--noise-multiplier", "1", "--epochs", "1"],
-     ["train", "--dataset", "nope"], ["train", "--epochs", "-3"], ["train", "--epsilon", "1", "--noise-multiplier", "1"],
-     ["train", "--momentum", "1"], ["train", "--momentum", "-0.1"]],
+    "argv, names",
+    [([], "required: command"), (["nonsense"], "invalid choice: 'nonsense'"),
+     (["epsilon"], "required: --num-examples, --batch-size, --epochs, --noise-multiplier"),
+     (["epsilon", "--num-examples", "10", "--batch-size", "20", "--noise-multiplier", "1", "--epochs", "1"],
+      "Received: batch_size=20"),
+     (["train", "--dataset", "nope"], "argument --dataset: invalid choice: 'nope'"),
+     (["train", "--epochs", "-3"], "argument --epochs: expected an integer >= 1, got '-3'"),
+     (["train", "--epsilon", "1", "--noise-multiplier", "1"], "--noise-multiplier: not allowed with argument --epsilon"),
+     (["train", "--momentum", "1"], "argument --momentum: expected a number in [0, 1), got '1'"),
+     (["train", "--momentum", "-0.1"], "argument --momentum: expected a number in [0, 1), got '-0.1'")],
 )
-def test_tfdp_usage_errors_are_one_line(argv):
+def test_tfdp_usage_errors_are_one_line(argv, names):
+    """Exit 2, no traceback, and the error is one last line naming what was wrong."""
     code, out, err = run_cli(argv)
-    assert code == 2 and "Traceback" not in err and "error:" in err
+    assert code == 2 and "Traceback" not in err and out == ""
+    lines = err.rstrip("\n").split("\n")
+    errors = [line for line in lines if "error:" in line]
+    assert errors == [lines[-1]], err
+    assert lines[-1].startswith("tfdp") and names in lines[-1], err
 
 
 def test_the_installed_command_prints_no_traceback():
