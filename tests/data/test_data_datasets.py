@@ -46,8 +46,28 @@ def test_digits_deterministic():
     np.testing.assert_array_equal(ta, tb)
     (c, _), _ = load_digits(seed=4)
     assert not np.array_equal(a, c)
-    # Train and test are disjoint and together make the whole dataset.
-    assert len(a) + len(ta) == 1797
+
+
+def rows_with_labels(x, y):
+    """Rows (features then label), sorted: a multiset that can be compared."""
+    table = np.concatenate([x.reshape(len(x), -1), y[:, None].astype(x.dtype)], axis=1)
+    return table[np.lexsort(table.T[::-1])]
+
+
+def test_digits_train_and_test_split_the_whole_dataset():
+    """Train and test are disjoint and together make the whole dataset: as
+    multisets of (image, label) rows they add up to scikit-learn's 1797 exactly."""
+    from sklearn import datasets as sklearn_datasets  # pylint: disable=import-outside-toplevel
+
+    full = sklearn_datasets.load_digits()
+    everything = rows_with_labels((full.data / 16.0).astype(np.float32), full.target)
+    (x_train, y_train), (x_test, y_test) = load_digits(seed=3)
+    split = rows_with_labels(np.concatenate([x_train, x_test]), np.concatenate([y_train, y_test]))
+    np.testing.assert_array_equal(split, everything)
+    # Negative control: a split that repeats one training record in test is caught.
+    leaky = rows_with_labels(np.concatenate([x_train, x_test[:-1], x_train[:1]]),
+                             np.concatenate([y_train, y_test[:-1], y_train[:1]]))
+    assert not np.array_equal(leaky, everything)
 
 
 @pytest.mark.parametrize("fraction", [0, 1, -0.1, 1.5, "0.2", True])
