@@ -165,10 +165,19 @@ def test_auto_falls_back_for_unsupported_trainable_layers():
         compute_per_example_gradients(
             model, tf.ones([2, 4]), tf.zeros([2, 2]), tf.ones([2]), per_example_loss("mse"), "fast"
         )
-    grads, _, _ = compute_per_example_gradients(
-        model, tf.ones([2, 4]), tf.zeros([2, 2]), tf.ones([2]), per_example_loss("mse"), "auto"
-    )
-    assert grads.sq_norms().shape == (2,)
+    # The vectorized path's gradients (LayerNorm's gamma and beta included) are
+    # the one-example-at-a-time reference, in norms and in a weighted sum.
+    rng = np.random.default_rng(0)
+    x = tf.constant(rng.normal(size=(5, 4)).astype(np.float32))
+    y = tf.constant(rng.normal(size=(5, 2)).astype(np.float32))
+    loss_fn = per_example_loss("mse")
+    grads, _, _ = compute_per_example_gradients(model, x, y, tf.ones([5]), loss_fn, "auto")
+    expected = reference_gradients(model, x, y, np.ones(5), loss_fn)
+    flat = np.concatenate([w.reshape(5, -1) for w in expected], axis=1)
+    np.testing.assert_allclose(grads.sq_norms().numpy(), (flat**2).sum(1), rtol=1e-4)
+    factors = np.array([0.5, -1.0, 2.0, 0.0, 1.5], np.float32)
+    for got, want in zip(grads.weighted_sum(tf.constant(factors)), expected):
+        np.testing.assert_allclose(got.numpy(), np.tensordot(factors, want, axes=1), rtol=1e-4, atol=1e-6)
 
 
 def test_batch_normalization_is_refused():
