@@ -7,8 +7,8 @@ Example:
 
 >>> from tfdp import recipes
 >>> model = recipes.build_model("digits")
->>> model.count_params()
-2410
+>>> model.count_params()  # 2,410 weights and DPModel's step counter
+2411
 """
 
 import keras

@@ -7,11 +7,15 @@ derandomized so the suite is reproducible and its run time stable.
 
 import json
 import math
+import re
+import sys
 
 import dp_accounting
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
+
+from tfdp.accounting._engine import pld_discretization
 
 from tfdp.accounting import (
     PrivacyLedger,
@@ -92,6 +96,38 @@ def test_valid_epsilon_is_dp_accountings_and_monotone(sigma, q, steps, delta):
     assert compute_epsilon(2 * sigma, q, steps, delta) <= epsilon
 
 
+# Every positive float, subnormals and the largest double included.
+any_noise = st.floats(min_value=5e-324, max_value=sys.float_info.max)
+WIDE = settings(max_examples=12, deadline=None, derandomize=True, database=None)
+
+
+@WIDE
+@given(a=any_noise, b=any_noise, q=st.sampled_from([1.0, 0.01]), steps=st.sampled_from([1, 1000, 2**53]),
+       conversion=st.sampled_from(["tight", "classic"]))
+def test_epsilon_never_increases_with_noise_over_the_whole_float_range(a, b, q, steps, conversion):
+    """More noise never gives a larger epsilon, from 5e-324 to 1.8e308 (dp_accounting's
+    float arithmetic overflows past sigma ~1e154; that once turned 0.0 into inf)."""
+    low, high = sorted((a, b))
+    more_noise = compute_epsilon(high, q, steps, 1e-5, conversion=conversion)
+    less_noise = compute_epsilon(low, q, steps, 1e-5, conversion=conversion)
+    is_epsilon(more_noise)
+    assert more_noise <= less_noise
+
+
+@pytest.mark.parametrize("accountant", ["rdp", "pld"])
+@pytest.mark.parametrize("q", [1.0, 0.01])
+def test_huge_noise_gives_the_limit_of_no_information(accountant, q):
+    """Past dp_accounting's overflow (sigma > ~1e154) epsilon stays the limit reached
+    before it: 0.0 (tight conversion), never inf or an error."""
+    limit = compute_epsilon(1e150, q, 1000, 1e-5, accountant=accountant)
+    assert limit == 0.0
+    for sigma in (1e155, 1e200, 1e308, sys.float_info.max):
+        assert compute_epsilon(sigma, q, 1000, 1e-5, accountant=accountant) == limit
+    classic = compute_epsilon(1e150, q, 1000, 1e-5, conversion="classic")
+    assert classic == pytest.approx(math.log(1e5) / 63)  # rdp 0 at order 64
+    assert compute_epsilon(1e308, q, 1000, 1e-5, conversion="classic") == classic
+
+
 @FAST
 @given(n=maybe(st.integers(1, 10**6)), batch=maybe(st.integers(1, 10**4)), sigma=sigmas,
        epochs=maybe(st.floats(0, 100)), delta=deltas)
@@ -106,7 +142,12 @@ def test_compute_dpsgd_epsilon(n, batch, sigma, epochs, delta):
 @FAST
 @given(sigma=sigmas, q=probabilities)
 def test_dpsgd_event(sigma, q):
-    clear_error_or(lambda: dpsgd_event(sigma, q), ["noise_multiplier", "sampling_probability"], lambda e: None)
+    def check(event):
+        gaussian = dp_accounting.GaussianDpEvent(float(sigma))
+        expected = gaussian if q == 1 else dp_accounting.PoissonSampledDpEvent(float(q), gaussian)
+        assert event == expected
+
+    clear_error_or(lambda: dpsgd_event(sigma, q), ["noise_multiplier", "sampling_probability"], check)
 
 
 @FAST
@@ -155,20 +196,53 @@ def test_calibration(target, delta, q, steps):
 
 
 @SLOW
-@given(sigma=st.floats(0.5, 50.0), q=st.floats(1e-3, 1.0), steps=st.integers(0, 1000))
-def test_pld_is_an_epsilon_and_close_to_rdp(sigma, q, steps):
+@given(sigma=st.floats(0.5, 50.0), q=st.floats(1e-3, 1.0), steps=st.integers(1, 1000))
+def test_pld_is_dp_accountings_pld_and_below_rdp(sigma, q, steps):
+    """Two-sided: tfdp's PLD epsilon is PLDAccountant's (at the interval tfdp picks)."""
     pld = compute_epsilon(sigma, q, steps, 1e-5, accountant="pld")
     is_epsilon(pld)
+    event = dpsgd_event(sigma, q)
+    accountant = dp_accounting.pld.PLDAccountant(
+        value_discretization_interval=pld_discretization([(event, steps)]))
+    accountant.compose(event, steps)
+    assert pld == pytest.approx(max(0.0, accountant.get_epsilon(1e-5)), rel=1e-9, abs=1e-12)
     rdp = compute_epsilon(sigma, q, steps, 1e-5)
     # Both are upper bounds; PLD is the tighter (up to its discretization).
     assert pld <= rdp * 1.01 + 1e-3
 
 
+def check_statement(epsilon, delta, steps):
+    """The statement states epsilon, e^epsilon and delta rounded up (never
+    promising more than the ledger holds), to 3 significant digits, and the steps."""
+
+    def check(text):
+        epsilon_value, delta_value, steps_value = float(epsilon), float(delta), int(steps)
+        if math.isinf(epsilon_value):
+            assert text.startswith("This model has NO finite") and f"({steps_value} private" in text
+            return
+        match = re.match(r"This model was trained with \(epsilon=(\S+), delta=(\S+)\)-differential "
+                         r"privacy at the record level, over (\d+) private training steps\.", text)
+        assert match, text
+        stated_epsilon, stated_delta = float(match.group(1)), float(match.group(2))
+        assert epsilon_value <= stated_epsilon <= epsilon_value * (1 + 1e-2)
+        assert delta_value <= stated_delta <= delta_value * (1 + 1e-2)
+        assert int(match.group(3)) == steps_value
+        factor = re.search(r"by at most a factor e\^epsilon = (.+?), except with probability at most "
+                           r"delta = (\S+)\.\n", text)
+        assert factor, text
+        assert float(factor.group(2)) == stated_delta
+        if factor.group(1) != "more than 1e300":
+            assert math.exp(epsilon_value) <= float(factor.group(1)) <= math.exp(epsilon_value) * (1 + 1e-2)
+
+    return check
+
+
 @FAST
 @given(epsilon=epsilons, delta=maybe(st.floats(0.0, 0.99)), steps=step_counts)
+@example(epsilon=0.7242, delta=1.2345e-5, steps=6000)  # delta once shown rounded down: 1.23e-05
 def test_privacy_statement(epsilon, delta, steps):
     clear_error_or(lambda: privacy_statement(epsilon, delta, steps), ["epsilon", "delta", "steps"],
-                   lambda text: text.startswith("This model"))
+                   check_statement(epsilon, delta, steps))
 
 
 json_values = st.recursive(

@@ -11,12 +11,6 @@ import pytest
 from tfdp.data import datasets, load_dataset, load_digits, load_fashion_mnist
 
 DEBIAN_DIR = "/usr/share/datasets/fashion-mnist"
-HAS_DEBIAN = all(
-    os.path.isfile(os.path.join(DEBIAN_DIR, f"{split}-{kind}-ubyte.gz"))
-    for split in ("train", "t10k")
-    for kind in ("images-idx3", "labels-idx1")
-)
-
 
 # digits --------------------------------------------------------------------------
 
@@ -52,8 +46,28 @@ def test_digits_deterministic():
     np.testing.assert_array_equal(ta, tb)
     (c, _), _ = load_digits(seed=4)
     assert not np.array_equal(a, c)
-    # Train and test are disjoint and together make the whole dataset.
-    assert len(a) + len(ta) == 1797
+
+
+def rows_with_labels(x, y):
+    """Rows (features then label), sorted: a multiset that can be compared."""
+    table = np.concatenate([x.reshape(len(x), -1), y[:, None].astype(x.dtype)], axis=1)
+    return table[np.lexsort(table.T[::-1])]
+
+
+def test_digits_train_and_test_split_the_whole_dataset():
+    """Train and test are disjoint and together make the whole dataset: as
+    multisets of (image, label) rows they add up to scikit-learn's 1797 exactly."""
+    from sklearn import datasets as sklearn_datasets  # pylint: disable=import-outside-toplevel
+
+    full = sklearn_datasets.load_digits()
+    everything = rows_with_labels((full.data / 16.0).astype(np.float32), full.target)
+    (x_train, y_train), (x_test, y_test) = load_digits(seed=3)
+    split = rows_with_labels(np.concatenate([x_train, x_test]), np.concatenate([y_train, y_test]))
+    np.testing.assert_array_equal(split, everything)
+    # Negative control: a split that repeats one training record in test is caught.
+    leaky = rows_with_labels(np.concatenate([x_train, x_test[:-1], x_train[:1]]),
+                             np.concatenate([y_train, y_test[:-1], y_train[:1]]))
+    assert not np.array_equal(leaky, everything)
 
 
 @pytest.mark.parametrize("fraction", [0, 1, -0.1, 1.5, "0.2", True])
@@ -140,8 +154,9 @@ def test_truncated_and_mismatched_idx_raise(tmp_path):
         load_fashion_mnist(data_dir=tmp_path)
 
 
-@pytest.mark.skipif(not HAS_DEBIAN, reason=f"Debian Fashion-MNIST not in {DEBIAN_DIR}")
-def test_fashion_mnist_debian():
+def test_fashion_mnist_debian(installed):
+    for name in ("train-images-idx3", "train-labels-idx1", "t10k-images-idx3", "t10k-labels-idx1"):
+        installed(os.path.join(DEBIAN_DIR, f"{name}-ubyte.gz"), "apt-get install dataset-fashion-mnist")
     (x_train, y_train), (x_test, y_test) = load_fashion_mnist()
     assert x_train.shape == (60000, 28, 28, 1) and x_test.shape == (10000, 28, 28, 1)
     assert y_train.shape == (60000,) and y_test.shape == (10000,)
@@ -150,6 +165,15 @@ def test_fashion_mnist_debian():
     assert set(np.unique(y_train)) == set(range(10))
     assert set(np.unique(y_test)) == set(range(10))
     assert np.all(np.bincount(y_train) == 6000)
+
+
+@pytest.mark.parametrize("ci", ["true", ""])
+def test_a_missing_install_fails_under_ci_and_skips_otherwise(tmp_path, monkeypatch, ci, installed):
+    monkeypatch.setenv("CI", ci)
+    outcome = pytest.fail.Exception if ci else pytest.skip.Exception
+    with pytest.raises(outcome, match="apt-get install dataset-fashion-mnist"):
+        installed(str(tmp_path / "absent"), "apt-get install dataset-fashion-mnist")
+    installed(str(tmp_path), "nothing")  # present: neither
 
 
 def test_fashion_mnist_without_files_or_tfds(tmp_path, monkeypatch):

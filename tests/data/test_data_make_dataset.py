@@ -74,9 +74,13 @@ def test_single_array():
     sampler = PoissonSampler(N, 30, seed=1)
     dataset = make_dataset(sampler, x)
     assert dataset.element_spec[0].shape.as_list() == [None, 3, 2]
+    first_draw = PoissonSampler(N, 30, seed=1).sample_indices()  # the same seed's first draw
     batch, mask = next(iter(dataset))
-    rows = batch.numpy()[mask.numpy() == 1, 0, 0]
-    assert len(rows) == int(mask.numpy().sum())
+    batch, real = batch.numpy(), mask.numpy() == 1
+    rows = batch[real, 0, 0].astype(np.int64)
+    np.testing.assert_array_equal(np.sort(rows), np.sort(first_draw))
+    np.testing.assert_array_equal(batch[real], x[rows])  # whole records gathered
+    assert np.all(batch[~real] == 0)  # padding is record 0, masked out
 
 
 def test_oversized_draw_passes_through(monkeypatch):
@@ -129,12 +133,16 @@ def test_keras_fit_consumes_it():
     sampler = PoissonSampler(N, 50, seed=0)
     dataset = make_dataset(sampler, (x, y)).map(lambda xy, mask: (xy[0], xy[1], mask))
     model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
-    model.compile(
-        optimizer="sgd",
-        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-    )
-    history = model.fit(dataset, epochs=2, verbose=0, shuffle=False)
-    assert len(history.history["loss"]) == 2
+    steps = []
+    counter = keras.callbacks.LambdaCallback(on_epoch_end=lambda epoch, logs: steps.append(counter.seen),
+                                             on_train_batch_end=lambda batch, logs: setattr(counter, "seen", batch + 1))
+    model.compile(optimizer=keras.optimizers.SGD(0.5),
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True), metrics=["accuracy"])
+    history = model.fit(dataset, epochs=4, verbose=0, shuffle=False, callbacks=[counter])
+    assert steps == [sampler.steps_per_epoch] * 4  # one fresh Poisson step per element
+    losses = history.history["loss"]
+    assert losses[-1] < 0.7 * losses[0]  # it learns y = [x0 > 0] from the gathered rows
+    assert history.history["accuracy"][-1] > 0.9
 
 
 def test_one_fashion_mnist_sized_epoch_is_fast():

@@ -102,37 +102,88 @@ def indicator_matrix(sampler, draws):
     return x
 
 
-def test_every_record_included_with_probability_q():
-    n, b, draws = 50, 5, 40000
-    q = b / n
-    counts = indicator_matrix(PoissonSampler(n, b, seed=7), draws).sum(axis=0)
-    z = (counts - draws * q) / math.sqrt(draws * q * (1 - q))
-    assert np.abs(z).max() < 4.5, z  # first and last record included
-    assert chi_square_pvalue(float((z**2).sum()), n) > 1e-3
-    # Negative control: a sampler that favours record 0 by 20% is caught.
-    biased = counts.copy()
-    biased[0] = draws * q * 1.2
-    z_biased = (biased - draws * q) / math.sqrt(draws * q * (1 - q))
-    assert np.abs(z_biased).max() > 4.5
+class FavouringSampler:
+    """Negative control: Poisson sampling that includes record 0 with 1.2 q."""
+
+    def __init__(self, num_examples, batch_size, seed):
+        self.num_examples, self.q = num_examples, batch_size / num_examples
+        self.rng = np.random.default_rng(seed)
+
+    def sample_indices(self):
+        q = np.full(self.num_examples, self.q)
+        q[0] *= 1.2
+        return np.flatnonzero(self.rng.random(self.num_examples) < q)
 
 
-def test_draws_independent_across_steps_and_records():
-    n, b, draws = 100, 10, 20000
-    q = b / n
-    x = indicator_matrix(PoissonSampler(n, b, seed=11), draws)
-    # Across steps: batch sizes and per-record indicators are uncorrelated.
+class StickySampler(FavouringSampler):
+    """Negative control: right marginals, but repeats the last draw 30% of the time."""
+
+    last = None
+
+    def sample_indices(self):
+        if self.last is None or self.rng.random() >= 0.3:
+            self.last = np.flatnonzero(self.rng.random(self.num_examples) < self.q)
+        return self.last
+
+
+class PairedSampler(FavouringSampler):
+    """Negative control: right marginals, but record 2k+1 comes with record 2k."""
+
+    def sample_indices(self):
+        pairs = np.flatnonzero(self.rng.random(self.num_examples // 2) < self.q)
+        return np.sort(np.concatenate([2 * pairs, 2 * pairs + 1]))
+
+
+def inclusion_is_uniform(x, q):
+    """Every record's inclusion count is Binomial(draws, q) (z within 4.5, chi-square)."""
+    draws, n = x.shape
+    z = (x.sum(axis=0) - draws * q) / math.sqrt(draws * q * (1 - q))
+    return bool(np.abs(z).max() < 4.5 and chi_square_pvalue(float((z**2).sum()), n) > 1e-3)
+
+
+def across_steps_independent(x, q):
+    """Batch sizes and per-record indicators are uncorrelated from one step to the next."""
+    draws, n = x.shape
     sizes = x.sum(axis=1)
     r_sizes = np.corrcoef(sizes[:-1], sizes[1:])[0, 1]
-    assert abs(r_sizes) < 4 / math.sqrt(draws)
     centred = x - q
     lag1 = (centred[:-1] * centred[1:]).mean() / (q * (1 - q))
-    assert abs(lag1) < 4 / math.sqrt(draws * n)
-    # Within a step: neighbouring records are included independently.
+    return bool(abs(r_sizes) < 4 / math.sqrt(draws) and abs(lag1) < 4 / math.sqrt(draws * n))
+
+
+def within_step_independent(x, q):
+    """Records of one step are included independently (neighbours and every pair)."""
+    draws, n = x.shape
     both = (x[:, :-1] * x[:, 1:]).mean()
-    assert abs(both - q * q) < 6 * math.sqrt(q * q / (draws * (n - 1)))
     corr = np.corrcoef(x.T)
     off_diagonal = corr[~np.eye(n, dtype=bool)]
-    assert np.abs(off_diagonal).max() < 5.5 / math.sqrt(draws)
+    return bool(abs(both - q * q) < 6 * math.sqrt(q * q / (draws * (n - 1)))
+                and np.abs(off_diagonal).max() < 5.5 / math.sqrt(draws))
+
+
+def test_every_record_included_with_probability_q():
+    n, b, draws = 50, 5, 40000
+    assert inclusion_is_uniform(indicator_matrix(PoissonSampler(n, b, seed=7), draws), b / n)
+    # Negative control: a sampler that favours record 0 by 20% is caught.
+    assert not inclusion_is_uniform(indicator_matrix(FavouringSampler(n, b, seed=7), draws), b / n)
+
+
+@pytest.fixture(scope="module")
+def independence_draws():
+    return indicator_matrix(PoissonSampler(100, 10, seed=11), 20000)
+
+
+def test_draws_independent_across_steps_and_records(independence_draws):
+    assert across_steps_independent(independence_draws, 0.1)
+    assert within_step_independent(independence_draws, 0.1)
+
+
+@pytest.mark.parametrize("sampler, across, within", [(StickySampler, False, True), (PairedSampler, True, False)])
+def test_negative_control_dependent_samplers_are_caught(sampler, across, within):
+    """Samplers with the right inclusion probability but dependent draws."""
+    x = indicator_matrix(sampler(100, 10, seed=11), 20000)
+    assert across_steps_independent(x, 0.1) == across
+    assert within_step_independent(x, 0.1) == within
 
 
 def test_epoch_shapes_and_padding():

@@ -1,6 +1,7 @@
 """Resumed runs draw fresh noise; corrupted or mismatched checkpoints are refused."""
 
 import shutil
+import zipfile
 
 import h5py
 import keras
@@ -55,8 +56,17 @@ def test_two_resumes_from_one_checkpoint_draw_different_noise(checkpoint):
         [v.numpy().ravel() for v in keras.models.load_model(folder / "model.keras").trainable_variables]
     )
     assert not np.allclose(first, second)
-    # Only the noise differs: both moved the same distance in expectation.
-    assert np.linalg.norm(first - start) > 0 and np.linalg.norm(second - start) > 0
+    # Only the noise differs, and each resume adds all of it: the same full-batch
+    # step without noise is the common centre, and each resume lies at the noise's
+    # expected distance lr sigma C sqrt(d) / b from it (chi with d = 43: +-11% per
+    # sigma, so 40% is ~3.7 sigma; a resume with no or half noise is caught).
+    quiet = keras.models.load_model(folder / "model.keras")
+    quiet.compile(optimizer=tfdp.optimizers.DPSGD(0.1, l2_norm_clip=1.0, noise_multiplier=1e-9), loss=LOSS)
+    centre = one_full_batch_step(quiet)
+    assert np.linalg.norm(centre - start) > 0
+    expected = 0.1 * 1.0 * 1.0 * np.sqrt(first.size) / 32
+    for resumed in (first, second):
+        assert np.linalg.norm(resumed - centre) == pytest.approx(expected, rel=0.4)
 
 
 def test_negative_control_a_user_seed_reproduces_the_noise(tmp_path):
@@ -148,6 +158,24 @@ def test_a_corrupted_or_mismatched_ledger_is_refused(checkpoint, tmp_path, trans
     model.build((None, 4))
     with pytest.raises(ValueError, match=message):
         model.load_weights(path)
+
+
+def test_a_corrupted_ledger_inside_a_keras_file_is_refused_by_tfdp(checkpoint, tmp_path):
+    """A .keras archive whose zip is intact (valid CRCs) but whose ledger is cut:
+    keras loads the archive and tfdp's own check refuses the ledger."""
+    folder, _ = checkpoint
+    inner = tmp_path / "model.weights.h5"
+    with zipfile.ZipFile(folder / "model.keras") as source, \
+            zipfile.ZipFile(tmp_path / "bad.keras", "w") as target:
+        for item in source.infolist():
+            content = source.read(item)
+            if item.filename == "model.weights.h5":
+                inner.write_bytes(content)
+                rewrite_ledger(inner, lambda t: t[: len(t) // 2])
+                content = inner.read_bytes()
+            target.writestr(item, content)
+    with pytest.raises(ValueError, match="Corrupt privacy ledger: invalid JSON"):
+        keras.models.load_model(tmp_path / "bad.keras")
 
 
 def test_weights_and_ledger_from_two_checkpoints_are_refused(checkpoint, tmp_path):

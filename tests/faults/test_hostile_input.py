@@ -93,15 +93,25 @@ def test_tfdp_calibrate_on_hostile_arguments(field, value):
 
 
 @pytest.mark.parametrize(
-    "argv",
-    [[], ["nonsense"], ["epsilon"], ["epsilon", "--num-examples", "10", "--batch-size", "20",
-                                     "--noise-multiplier", "1", "--epochs", "1"],
-     ["train", "--dataset", "nope"], ["train", "--epochs", "-3"], ["train", "--epsilon", "1", "--noise-multiplier", "1"],
-     ["train", "--momentum", "1"], ["train", "--momentum", "-0.1"]],
+    "argv, names",
+    [([], "required: command"), (["nonsense"], "invalid choice: 'nonsense'"),
+     (["epsilon"], "required: --num-examples, --batch-size, --epochs, --noise-multiplier"),
+     (["epsilon", "--num-examples", "10", "--batch-size", "20", "--noise-multiplier", "1", "--epochs", "1"],
+      "Received: batch_size=20"),
+     (["train", "--dataset", "nope"], "argument --dataset: invalid choice: 'nope'"),
+     (["train", "--epochs", "-3"], "argument --epochs: expected an integer >= 1, got '-3'"),
+     (["train", "--epsilon", "1", "--noise-multiplier", "1"], "--noise-multiplier: not allowed with argument --epsilon"),
+     (["train", "--momentum", "1"], "argument --momentum: expected a number in [0, 1), got '1'"),
+     (["train", "--momentum", "-0.1"], "argument --momentum: expected a number in [0, 1), got '-0.1'")],
 )
-def test_tfdp_usage_errors_are_one_line(argv):
+def test_tfdp_usage_errors_are_one_line(argv, names):
+    """Exit 2, no traceback, and the error is one last line naming what was wrong."""
     code, out, err = run_cli(argv)
-    assert code == 2 and "Traceback" not in err and "error:" in err
+    assert code == 2 and "Traceback" not in err and out == ""
+    lines = err.rstrip("\n").split("\n")
+    errors = [line for line in lines if "error:" in line]
+    assert errors == [lines[-1]], err
+    assert lines[-1].startswith("tfdp") and names in lines[-1], err
 
 
 def test_the_installed_command_prints_no_traceback():
@@ -146,14 +156,19 @@ def test_calibrated_noise_reaches_its_target(target, q, steps):
     assert accounting.compute_epsilon(sigma, q, steps, 1e-5) <= target * (1 + 1e-9)
 
 
-@pytest.mark.parametrize("sigma", [1e308, 1e-300, 5e-324])
-def test_extreme_noise_gives_a_valid_bound_or_a_clear_error(sigma):
-    epsilon = accounting.compute_epsilon(sigma, 0.01, 100, 1e-5)
-    assert epsilon == math.inf or epsilon >= 0  # inf is a valid (if useless) upper bound
-    if sigma < 1:
-        assert epsilon == math.inf
+@pytest.mark.parametrize("sigma", [1e-300, 5e-324])
+def test_vanishing_noise_gives_inf_or_a_clear_error(sigma):
+    assert accounting.compute_epsilon(sigma, 0.01, 100, 1e-5) == math.inf  # valid, if useless
     with pytest.raises(ValueError, match="accountant='rdp'"):
         accounting.compute_epsilon(sigma, 0.01, 100, 1e-5, accountant="pld")
+
+
+@pytest.mark.parametrize("accountant", ["rdp", "pld"])
+def test_huge_noise_gives_the_same_epsilon_as_less_noise(accountant):
+    """1e308 once gave inf (dp_accounting overflows) while 1e154 gave 0.0."""
+    less = accounting.compute_epsilon(1e154, 0.01, 100, 1e-5, accountant=accountant)
+    assert less == 0.0
+    assert accounting.compute_epsilon(1e308, 0.01, 100, 1e-5, accountant=accountant) == less
 
 
 # -- training data with NaN / Inf rows ---------------------------------------------------------

@@ -200,6 +200,25 @@ def test_one_examples_gradient_does_not_move_with_another_example():
         np.testing.assert_allclose(a.numpy()[0], b.numpy()[0], rtol=1e-6, atol=1e-6)
 
 
+def test_vectorized_path_matches_the_reference_with_layer_normalization():
+    # The vectorized path's gradients (LayerNorm's gamma and beta included) are
+    # the one-example-at-a-time reference, in norms and in a weighted sum.
+    model = keras.Sequential(
+        [keras.Input((4,)), keras.layers.Dense(3), keras.layers.LayerNormalization(), keras.layers.Dense(2)]
+    )
+    rng = np.random.default_rng(0)
+    x = tf.constant(rng.normal(size=(5, 4)).astype(np.float32))
+    y = tf.constant(rng.normal(size=(5, 2)).astype(np.float32))
+    loss_fn = per_example_loss("mse")
+    grads, _, _ = compute_per_example_gradients(model, x, y, tf.ones([5]), loss_fn, "vectorized")
+    expected = reference_gradients(model, x, y, np.ones(5), loss_fn)
+    flat = np.concatenate([w.reshape(5, -1) for w in expected], axis=1)
+    np.testing.assert_allclose(grads.sq_norms().numpy(), (flat**2).sum(1), rtol=1e-4)
+    factors = np.array([0.5, -1.0, 2.0, 0.0, 1.5], np.float32)
+    for got, want in zip(grads.weighted_sum(tf.constant(factors)), expected):
+        np.testing.assert_allclose(got.numpy(), np.tensordot(factors, want, axes=1), rtol=1e-4, atol=1e-6)
+
+
 def test_batch_normalization_is_refused():
     model = keras.Sequential([keras.Input((4,)), keras.layers.BatchNormalization(), keras.layers.Dense(2)])
     with pytest.raises(ValueError, match="BatchNormalization"):

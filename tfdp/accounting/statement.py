@@ -42,7 +42,9 @@ def _round_up(value, digits=3):
 
 
 def _format_delta(delta):
-    return f"{delta:.3g}"
+    """`delta` to 3 significant digits, rounded up (1.2345e-05 -> 1.24e-05)."""
+    text = f"{delta:.3g}"
+    return text if float(text) >= delta else _round_up(delta)
 
 
 def privacy_statement(

@@ -145,7 +145,7 @@ class DPTrainingMixin:
         )
         self._dp_steps.assign_add(1)
         self._nonfinite_counter.update_state(stats["nonfinite_examples"])
-        finite = tf.math.is_finite(losses)
+        finite = tf.math.is_finite(losses) & tf.math.is_finite(weights)  # a NaN weight drops its row
         loss_weights = tf.where(finite, weights, tf.zeros_like(weights))
         safe_losses = tf.where(finite, losses, tf.zeros_like(losses))
         self._loss_tracker.update_state(
