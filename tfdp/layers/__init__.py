@@ -1,0 +1,11 @@
+"""Keras layers for private learning: fixed feature transforms (no weights,
+so no privacy cost).
+
+>>> from tfdp.layers import Scattering2D
+>>> Scattering2D(J=2, L=8).get_config()["J"]
+2
+"""
+
+from tfdp.layers.scattering import Scattering2D
+
+__all__ = ["Scattering2D"]
