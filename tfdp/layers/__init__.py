@@ -6,6 +6,7 @@ so no privacy cost).
 2
 """
 
+from tfdp.layers.features import compute_features
 from tfdp.layers.scattering import Scattering2D
 
-__all__ = ["Scattering2D"]
+__all__ = ["Scattering2D", "compute_features"]

@@ -38,19 +38,20 @@ def padded_size(size, J):
 
 
 def _subsample_fourier(x, k):
-    """Spectrum of the signal subsampled by k in both spatial axes (the mean
-    of the k x k aliased copies of the spectrum)."""
+    """Spectrum of the signal subsampled by k in both spatial axes: the mean
+    of the k x k aliased blocks of the spectrum (summed as slices, which on CPU
+    is about twice as fast as a complex reduce_mean over a reshape)."""
     if k == 1:
         return x
-    m, n = x.shape[-2], x.shape[-1]
-    shape = tf.concat([tf.shape(x)[:-2], [k, m // k, k, n // k]], axis=0)
-    return tf.reduce_mean(tf.reshape(x, shape), axis=[-4, -2])
+    m, n = x.shape[-2] // k, x.shape[-1] // k
+    rows = tf.add_n([x[..., a * m:(a + 1) * m, :] for a in range(k)])
+    folded = tf.add_n([rows[..., b * n:(b + 1) * n] for b in range(k)])
+    return folded / (k * k)
 
 
 def _modulus_spectrum(spectrum):
     """FFT of |IFFT(spectrum)|: the modulus non-linearity, in Fourier."""
-    modulus = tf.abs(tf.signal.ifft2d(spectrum))
-    return tf.signal.fft2d(tf.complex(modulus, tf.zeros_like(modulus)))
+    return tf.signal.fft2d(tf.cast(tf.abs(tf.signal.ifft2d(spectrum)), tf.complex64))
 
 
 @keras.saving.register_keras_serializable(package="tfdp")
