@@ -7,6 +7,7 @@ so no privacy cost).
 """
 
 from tfdp.layers.features import compute_features
+from tfdp.layers.private_normalization import ChannelStatistics, private_channel_statistics
 from tfdp.layers.scattering import Scattering2D
 
-__all__ = ["Scattering2D", "compute_features"]
+__all__ = ["ChannelStatistics", "Scattering2D", "compute_features", "private_channel_statistics"]
