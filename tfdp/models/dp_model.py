@@ -9,6 +9,7 @@ checkpoints. Prediction, evaluation, saving and export are plain Keras.
 """
 
 import json
+import logging
 
 import keras
 import numpy as np
@@ -18,11 +19,14 @@ from keras.src.utils.tracking import no_automatic_dependency_tracking
 from tfdp import distribute
 from tfdp.accounting import PrivacyLedger
 from tfdp.models.losses import per_example_loss
-from tfdp.models.per_example import (
+from tfdp.per_example import (
     METHODS,
     check_per_example_support,
     compute_per_example_gradients,
+    plan_for,
 )
+
+logger = logging.getLogger("tfdp")
 
 _LEDGER_KEY = "privacy_ledger"
 DEFAULT_DELTA = 1e-5
@@ -63,6 +67,20 @@ class DPTrainingMixin:
         # Untracked: a training-data statistic, kept out of evaluate(),
         # saved files and exports. Counts over the model's life in memory.
         self._nonfinite_counter = keras.metrics.Sum(name="nonfinite_examples")
+
+    @property
+    def per_example_path(self):
+        """Which per-example gradient path `fit` takes, in one line.
+
+        "batched pass with per-layer rules" (naming any layer that takes the
+        per-layer vjp fallback) or "whole-model vectorized_map (why)". Also
+        logged once (logger "tfdp", INFO) when the training step is traced.
+
+        Example: `print(model.per_example_path)`.
+        """
+        if self.per_example_gradients == "vectorized":
+            return "per-example gradients: whole-model vectorized_map (requested)"
+        return plan_for(self).describe()
 
     def _read_dp_steps(self):
         return int(self._dp_steps.numpy())
@@ -119,6 +137,7 @@ class DPTrainingMixin:
         per_example, y_pred, losses = compute_per_example_gradients(
             self, x, y, weights, self._per_example_loss, self.per_example_gradients
         )
+        logger.info("%s: %s", self.name, self.per_example_path)
         grads, stats = self.optimizer.privatize(per_example, step_info)
         logs = self.optimizer.apply_private_gradients(
             grads, self.trainable_variables, model=self
@@ -237,7 +256,9 @@ class DPTrainingMixin:
                 f"DP training needs inputs and labels. Received: x={type(x).__name__}, "
                 f"y={type(y).__name__}"
             )
-        x = tf.nest.map_structure(np.asarray, x)
+        # tf.data cannot carry lists: a multi-input model's x=[a, b] travels
+        # as a tuple (Keras takes either).
+        x = tf.nest.map_structure(np.asarray, _lists_to_tuples(x))
         y = np.asarray(y)
         num_examples = _first_dim(x)
         if num_examples == 0:
@@ -332,6 +353,14 @@ class DPTrainingMixin:
         return config
 
 
+def _lists_to_tuples(structure):
+    if isinstance(structure, (list, tuple)):
+        return tuple(_lists_to_tuples(item) for item in structure)
+    if isinstance(structure, dict):
+        return {key: _lists_to_tuples(value) for key, value in structure.items()}
+    return structure
+
+
 def _split_validation(x, y, sample_weight, validation_split):
     if not 0.0 < validation_split < 1.0:
         raise ValueError(
@@ -359,9 +388,11 @@ class DPModel(DPTrainingMixin, keras.Model):
 
     Args:
         inputs, outputs: as `keras.Model(inputs, outputs)`.
-        per_example_gradients: "auto" (default: the fast book-keeping path
-            when every trainable layer is Dense or Conv2D, else
-            tf.vectorized_map), "fast" or "vectorized".
+        per_example_gradients: "auto" (default: one batched pass with a
+            rule per layer, `tfdp.per_example`, wherever every layer keeps
+            examples independent, else the whole-model tf.vectorized_map),
+            "batched" (refuse a model it cannot run; "fast" is an alias) or
+            "vectorized". `model.per_example_path` says which one runs.
         **kwargs: passed to `keras.Model` (name, ...).
 
     Example:

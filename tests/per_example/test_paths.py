@@ -7,10 +7,10 @@ import pytest
 import tensorflow as tf
 
 from tfdp.models.losses import per_example_loss
-from tfdp.models.per_example import (
+from tfdp.per_example import (
     check_per_example_support,
     compute_per_example_gradients,
-    fast_path_available,
+    plan_for,
 )
 
 
@@ -144,23 +144,28 @@ def test_nan_rows_with_zero_weight_do_not_poison_the_sum():
         assert all(np.all(np.isfinite(s.numpy())) for s in sums)
 
 
-def test_fast_path_survives_an_explicit_build():
+def test_batched_path_survives_an_explicit_build_and_shared_layers():
     # `build` calls a Sequential's layers outside its graph once more; that
-    # extra call must not send the model to the slow vectorized path.
+    # extra call must not send the model to the slow vectorized path. A layer
+    # called twice is one rule over both calls' rows.
     model = tanh_cnn()
     model.build((None, 12, 12, 1))
-    assert fast_path_available(model)
+    assert plan_for(model).path == "batched"
     shared = keras.layers.Dense(4)
     inputs = keras.Input((4,))
     twice = keras.Model(inputs, shared(shared(inputs)))
-    assert not fast_path_available(twice)
+    assert plan_for(twice).path == "batched"
 
 
-def test_auto_falls_back_for_unsupported_trainable_layers():
+def test_a_layer_that_mixes_examples_takes_the_vectorized_path():
+    # A weightless Lambda subtracting the batch mean: in a batched pass every
+    # example's gradient would depend on the others (sensitivity above C).
     model = keras.Sequential(
-        [keras.Input((4,)), keras.layers.Dense(3), keras.layers.LayerNormalization(), keras.layers.Dense(2)]
+        [keras.Input((4,)), keras.layers.Dense(3),
+         keras.layers.Lambda(lambda t: t - keras.ops.mean(t, axis=0)), keras.layers.Dense(2)]
     )
-    assert not fast_path_available(model)
+    plan = plan_for(model)
+    assert plan.path == "vectorized" and "Lambda" in plan.reason
     with pytest.raises(ValueError, match="per_example_gradients='fast'"):
         compute_per_example_gradients(
             model, tf.ones([2, 4]), tf.zeros([2, 2]), tf.ones([2]), per_example_loss("mse"), "fast"
@@ -168,7 +173,29 @@ def test_auto_falls_back_for_unsupported_trainable_layers():
     grads, _, _ = compute_per_example_gradients(
         model, tf.ones([2, 4]), tf.zeros([2, 2]), tf.ones([2]), per_example_loss("mse"), "auto"
     )
-    assert grads.sq_norms().shape == (2,)
+    assert grads.path == "vectorized"
+
+
+def test_one_examples_gradient_does_not_move_with_another_example():
+    # The review's attack: an outlier substituted for example 1 moved the
+    # batched update far beyond 2C/b. Example 0's per-example gradient must
+    # not depend on example 1 at all, whichever path "auto" picks.
+    keras.utils.set_random_seed(3)
+    model = keras.Sequential(
+        [keras.Input((4,)), keras.layers.Dense(3),
+         keras.layers.Lambda(lambda t: t - keras.ops.mean(t, axis=0)), keras.layers.Dense(2)]
+    )
+    loss_fn = per_example_loss("mse")
+    x = np.ones([2, 4], np.float32)
+    outlier = x.copy()
+    outlier[1] = 1e3
+    first = [
+        compute_per_example_gradients(model, tf.constant(batch), tf.zeros([2, 2]), tf.ones([2]), loss_fn)[0]
+        .materialize()
+        for batch in (x, outlier)
+    ]
+    for a, b in zip(*first):
+        np.testing.assert_allclose(a.numpy()[0], b.numpy()[0], rtol=1e-6, atol=1e-6)
 
 
 def test_batch_normalization_is_refused():

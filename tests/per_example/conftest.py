@@ -1,0 +1,59 @@
+"""Shared reference for the per-example gradient tests: one example at a time."""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+
+def _reference_gradients(model, x, y, weights, loss_fn):
+    """Per-example gradients by a Python loop of batch-of-1 backward passes."""
+    per_example = []
+    batch = len(weights)
+    for i in range(batch):
+        x_i = tf.nest.map_structure(lambda t: t[i : i + 1], x)
+        with tf.GradientTape() as tape:
+            loss = loss_fn(y[i : i + 1], model(x_i, training=False)) * weights[i]
+        grads = tape.gradient(loss, model.trainable_variables, unconnected_gradients="zero")
+        per_example.append(grads)
+    return [np.stack([tf.convert_to_tensor(g[j]).numpy() for g in per_example]) for j in range(len(model.trainable_variables))]
+
+
+def _assert_matches_reference(grads, reference, rtol=1e-5):
+    """Materialized gradients, norms and a weighted sum agree with the loop.
+
+    Relative to the largest entry of the reference, so that entries that are
+    zero in exact arithmetic (a key bias under softmax) do not fail on float32
+    round-off.
+    """
+    materialized = [g.numpy() for g in grads.materialize()]
+    scale = max(max(np.abs(r).max() for r in reference), 1e-12)
+    for got, want in zip(materialized, reference):
+        np.testing.assert_allclose(got / scale, want / scale, atol=rtol * 10, rtol=rtol)
+    batch = reference[0].shape[0]
+    want_norms = sum(np.sum(np.square(r.reshape(batch, -1)), 1) for r in reference)
+    np.testing.assert_allclose(grads.sq_norms().numpy(), want_norms, rtol=1e-4, atol=1e-9)
+    weights = np.linspace(0.5, 1.5, batch).astype(np.float32)
+    sums = grads.weighted_sum(tf.constant(weights))
+    for got, want in zip(sums, reference):
+        expected = np.tensordot(weights, want, axes=1)
+        np.testing.assert_allclose(got.numpy() / scale, expected / scale, atol=1e-4)
+    rng = np.random.default_rng(7)
+    vectors = [rng.normal(size=r.shape[1:]).astype(np.float32) for r in reference]
+    want_dots = sum(r.reshape(batch, -1) @ v.reshape(-1) for r, v in zip(reference, vectors))
+    got_dots = grads.dots([tf.constant(v) for v in vectors]).numpy()
+    np.testing.assert_allclose(got_dots / scale, want_dots / scale, atol=1e-4)
+
+
+@pytest.fixture
+def mse():
+    return lambda y, p: tf.reduce_mean(tf.square(tf.reshape(y, [tf.shape(y)[0], -1]) - tf.reshape(p, [tf.shape(p)[0], -1])), -1)
+
+
+@pytest.fixture
+def reference_gradients():
+    return _reference_gradients
+
+
+@pytest.fixture
+def assert_matches_reference():
+    return _assert_matches_reference

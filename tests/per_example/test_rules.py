@@ -1,0 +1,109 @@
+"""Every layer rule: per-example gradients equal those of the same example run
+alone (batch of 1), as Opacus tests its grad samplers."""
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from tfdp.per_example import compute_per_example_gradients, plan_for
+
+L = keras.layers
+
+
+def _seq(input_shape, *layers):
+    return keras.Sequential([keras.Input(input_shape)] + list(layers))
+
+
+MODELS = {
+    "dense_3d": lambda: _seq((5, 4), L.Dense(6, activation="tanh"), L.Flatten(), L.Dense(2)),
+    "conv1d_causal_dilated": lambda: _seq((12, 3), L.Conv1D(4, 3, padding="causal", dilation_rate=2, activation="tanh"), L.Flatten(), L.Dense(2)),
+    "conv1d_strided_same": lambda: _seq((11, 9), L.Conv1D(4, 3, strides=2, padding="same"), L.GlobalAveragePooling1D(), L.Dense(2)),
+    "conv2d_groups": lambda: _seq((7, 7, 4), L.Conv2D(6, 3, groups=2, padding="same", activation="relu"), L.Flatten(), L.Dense(2)),
+    "conv2d_multichannel": lambda: _seq((7, 7, 9), L.Conv2D(5, 3, strides=2, padding="same"), L.Flatten(), L.Dense(2)),
+    "conv3d": lambda: _seq((5, 5, 5, 2), L.Conv3D(3, 2, strides=(1, 2, 1)), L.Flatten(), L.Dense(2)),
+    "depthwise2d": lambda: _seq((6, 6, 3), L.DepthwiseConv2D(3, depth_multiplier=2, padding="same"), L.Flatten(), L.Dense(2)),
+    "depthwise1d": lambda: _seq((9, 3), L.DepthwiseConv1D(3, depth_multiplier=2, strides=2), L.Flatten(), L.Dense(2)),
+    "separable2d": lambda: _seq((6, 6, 3), L.SeparableConv2D(4, 3, depth_multiplier=2, padding="same"), L.Flatten(), L.Dense(2)),
+    "separable1d": lambda: _seq((9, 3), L.SeparableConv1D(4, 3, strides=2), L.Flatten(), L.Dense(2)),
+    "conv2d_transpose": lambda: _seq((4, 4, 3), L.Conv2DTranspose(2, 3, strides=2, padding="same"), L.Flatten(), L.Dense(2)),
+    "conv1d_transpose_valid": lambda: _seq((5, 3), L.Conv1DTranspose(2, 3, strides=2), L.Flatten(), L.Dense(2)),
+    "layer_norm": lambda: _seq((5, 4), L.Dense(6), L.LayerNormalization(), L.Flatten(), L.Dense(2)),
+    "layer_norm_rms": lambda: _seq((5, 4), L.Dense(6), L.LayerNormalization(rms_scaling=True), L.Flatten(), L.Dense(2)),
+    "group_norm": lambda: _seq((6, 6, 4), L.Conv2D(6, 3), L.GroupNormalization(3), L.Flatten(), L.Dense(2)),
+    "rms_norm": lambda: _seq((5, 4), L.Dense(6), L.RMSNormalization(), L.Flatten(), L.Dense(2)),
+    "einsum_dense": lambda: _seq((5, 4), L.EinsumDense("abc,cde->abde", output_shape=(5, 2, 3), bias_axes="de"), L.Flatten(), L.Dense(2)),
+    "prelu_fallback": lambda: _seq((5,), L.Dense(4), L.PReLU(), L.Dense(2)),
+}
+
+
+def _embedding_model(mask_zero):
+    inputs = keras.Input((7,), dtype="int32")
+    h = L.Embedding(11, 4, mask_zero=mask_zero)(inputs)
+    h = L.GlobalAveragePooling1D()(h)
+    return keras.Model(inputs, L.Dense(2)(h))
+
+
+def _attention_model():
+    inputs = keras.Input((6, 8))
+    attended = L.MultiHeadAttention(num_heads=2, key_dim=4)(inputs, inputs)
+    h = L.LayerNormalization()(inputs + attended)
+    return keras.Model(inputs, L.Dense(2)(h[:, 0]))
+
+
+def _shared_dense_model():
+    inputs = keras.Input((4,))
+    shared = L.Dense(4, activation="tanh")
+    return keras.Model(inputs, L.Dense(2)(shared(shared(inputs))))
+
+
+def _multi_input_model():
+    numeric = keras.Input((3,))
+    categorical = keras.Input((2,), dtype="int32")
+    embedded = L.Flatten()(L.Embedding(5, 2)(categorical))
+    h = L.Concatenate()([L.Dense(3)(numeric), embedded])
+    return keras.Model([numeric, categorical], L.Dense(2)(h))
+
+
+def _inputs(model, batch, rng):
+    def one(tensor):
+        shape = (batch,) + tuple(tensor.shape[1:])
+        if "int" in str(tensor.dtype):
+            return tf.constant(rng.integers(0, 5, shape), tf.int32)
+        return tf.constant(rng.normal(size=shape), tf.float32)
+
+    specs = model.inputs
+    return one(specs[0]) if len(specs) == 1 else [one(s) for s in specs]
+
+
+CASES = dict(MODELS)
+CASES.update(
+    embedding=lambda: _embedding_model(False),
+    embedding_mask_zero=lambda: _embedding_model(True),
+    multi_head_attention=_attention_model,
+    shared_layer=_shared_dense_model,
+    multi_input=_multi_input_model,
+)
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_batched_rules_match_one_example_at_a_time(
+    name, mse, reference_gradients, assert_matches_reference
+):
+    keras.utils.set_random_seed(1)
+    model = CASES[name]()
+    plan = plan_for(model)
+    assert plan.path == "batched", plan.reason
+    rng = np.random.default_rng(0)
+    batch = 5
+    x = _inputs(model, batch, rng)
+    y = tf.constant(rng.normal(size=(batch, 2)), tf.float32)
+    weights = tf.constant([1.0, 0.5, 2.0, 1.0, 0.0])
+    grads, _, _ = compute_per_example_gradients(model, x, y, weights, mse, "batched", training=False)
+    assert grads.path == "batched"
+    assert_matches_reference(grads, reference_gradients(model, x, y, weights.numpy(), mse))
+
+
+def test_prelu_takes_the_per_layer_fallback():
+    plan = plan_for(MODELS["prelu_fallback"]())
+    assert plan.fallback_layers and "p_re_lu" in plan.fallback_layers[0]

@@ -1,0 +1,125 @@
+"""Per-example gradients of a Keras model: the cost of DP, paid once a batch.
+
+DP needs each example's gradient (to clip it) but rarely the gradients
+themselves: DP-SGD needs per-example norms and a reweighted sum.
+`compute_per_example_gradients` returns both through one interface
+(`PerExampleGradients`), by one of two paths:
+
+* "batched" (default where it applies): ONE forward and backward pass over
+  the batch records, for each layer with weights, its inputs and the gradient
+  at its outputs; a rule per layer family (`tfdp.per_example.rules`: Dense,
+  EinsumDense, Embedding, convolutions, normalizations, recurrent layers)
+  turns them into per-example norms and sums, factored ("ghost") where
+  cheaper. A layer with weights and no rule falls back to its own vjp,
+  vectorized over examples (`fallback`).
+* "vectorized": `tf.vectorized_map` of the whole model's backward pass, one
+  example at a time: for subclassed models and models with a layer that is
+  not known to keep examples independent (`registry`; declare a custom
+  per-example layer with `declare_per_example`).
+
+`per_example_gradients="auto"` on `DPModel` takes the batched path where it
+applies and logs the path once; "batched" (alias "fast") insists on it.
+Layers that mix examples within a batch (BatchNormalization) have no
+per-example gradient and are refused.
+
+Example:
+
+>>> import keras, tensorflow as tf
+>>> model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
+>>> loss = lambda y, p: tf.reduce_sum(tf.square(y - p), -1)
+>>> grads, y_pred, losses = compute_per_example_gradients(
+...     model, tf.ones([4, 3]), tf.zeros([4, 2]), tf.ones([4]), loss)
+>>> grads.sq_norms().shape, grads.path
+(TensorShape([4]), 'batched')
+"""
+
+import logging
+
+import keras
+
+from tfdp.per_example.batched import batched_gradients
+from tfdp.per_example.grads import LinearGrads, MaterializedGrads, PerExampleGradients
+from tfdp.per_example.plan import plan_for
+from tfdp.per_example.registry import declare_per_example, register_rule
+from tfdp.per_example.vectorized import vectorized_gradients
+
+__all__ = [
+    "METHODS",
+    "LinearGrads",
+    "MaterializedGrads",
+    "PerExampleGradients",
+    "check_per_example_support",
+    "compute_per_example_gradients",
+    "declare_per_example",
+    "plan_for",
+    "register_rule",
+]
+
+METHODS = ("auto", "batched", "fast", "vectorized")
+
+_MIXING_LAYERS = (keras.layers.BatchNormalization,)
+
+logger = logging.getLogger("tfdp")
+
+
+def check_per_example_support(model):
+    """Raises a clear error if a layer cannot have per-example gradients.
+
+    Raises:
+        ValueError: for BatchNormalization (its batch statistics make every
+            example's output depend on the others, so per-example gradients,
+            and so clipping, are undefined), and for a layer that computes in
+            another dtype than float32 (mixed precision is not supported).
+    """
+    for layer in model._flatten_layers(include_self=False):
+        if isinstance(layer, _MIXING_LAYERS):
+            raise ValueError(
+                f"Layer '{layer.name}' ({type(layer).__name__}) mixes examples "
+                "within a batch, so per-example gradients (and DP clipping) are "
+                "undefined. Use keras.layers.LayerNormalization or "
+                "GroupNormalization instead. Received: layer="
+                f"{type(layer).__name__}"
+            )
+        if layer.trainable_variables and getattr(layer, "compute_dtype", "float32") != "float32":
+            raise ValueError(
+                f"Layer '{layer.name}' computes in {layer.compute_dtype}: tfdp "
+                "computes per-example gradients in float32 only (mixed precision "
+                "is not supported). Use keras.config.set_dtype_policy('float32'). "
+                f"Received: dtype_policy={layer.dtype_policy.name}"
+            )
+
+
+def compute_per_example_gradients(
+    model, x, y, weights, loss_fn, method="auto", training=True
+):
+    """Per-example gradients of `weights_i * loss_fn(y_i, model(x_i))`.
+
+    Args:
+        model: a built Keras model (single output).
+        x: model inputs, batch first (a tensor, or a list/tuple/dict of them).
+        y: targets, batch first.
+        weights: float tensor [B]: sample weight times padding mask.
+        loss_fn: callable(y_true, y_pred) -> per-example losses [B].
+        method: "auto", "batched" ("fast" is an alias) or "vectorized" (see
+            the module docstring).
+        training: passed to layers (Dropout and the like).
+
+    Returns:
+        (PerExampleGradients, y_pred, per-example losses [B]); the
+        gradients' `path` says which path ran.
+    """
+    if method not in METHODS:
+        raise ValueError(f"Expected `method` in {METHODS}. Received: method={method!r}")
+    if method == "vectorized":
+        return vectorized_gradients(model, x, y, weights, loss_fn, training)
+    plan = plan_for(model)
+    if plan.path == "vectorized" and method in ("batched", "fast"):
+        raise ValueError(
+            "The batched per-example path cannot run this model: "
+            f"{plan.reason}. Use per_example_gradients='auto' or 'vectorized', or "
+            "declare a custom layer that keeps examples independent with "
+            f"tfdp.per_example.declare_per_example. Received: per_example_gradients={method!r}"
+        )
+    if plan.path == "vectorized":
+        return vectorized_gradients(model, x, y, weights, loss_fn, training)
+    return batched_gradients(model, plan, x, y, weights, loss_fn, training)

@@ -1,0 +1,48 @@
+"""The batched path: one forward and backward pass, then the layer rules.
+
+Example:
+
+>>> import keras, tensorflow as tf
+>>> from tfdp.per_example.plan import plan_for
+>>> model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
+>>> grads, _, _ = batched_gradients(
+...     model, plan_for(model), tf.ones([4, 3]), tf.zeros([4, 2]), tf.ones([4]),
+...     lambda y, p: tf.reduce_sum(tf.square(y - p), -1), training=True)
+>>> grads.path
+'batched'
+"""
+
+import tensorflow as tf
+
+from tfdp.per_example.grads import PerExampleGradients
+from tfdp.per_example.recorder import Recorder
+
+
+def batched_gradients(model, plan, x, y, weights, loss_fn, training):
+    """(PerExampleGradients, y_pred, losses) from one batched pass.
+
+    Args:
+        model: a Keras model whose `plan.path` is "batched".
+        plan: `tfdp.per_example.plan.Plan`.
+        x, y, weights: the batch, its targets and per-example loss weights.
+        loss_fn: callable(y_true, y_pred) -> per-example losses [B].
+        training: passed to the model's layers.
+    """
+    with tf.GradientTape(watch_accessed_variables=False) as tape:
+        recorder = Recorder(tape)
+        with recorder.hooked(plan.handlers):
+            y_pred = model(x, training=training)
+        losses = loss_fn(y, y_pred)
+        total = tf.reduce_sum(losses * weights)
+    recorder.compute_gradients(total)
+    parts = []
+    for layer, handler in plan.handlers:
+        records = recorder.records_of(layer)
+        if not records:
+            raise ValueError(
+                f"Layer '{layer.name}' has trainable weights but did not run in the "
+                "model's forward pass; tfdp cannot compute its per-example gradients. "
+                "Set layer.trainable = False or use per_example_gradients='vectorized'."
+            )
+        parts.extend(handler.parts(layer, records))
+    return PerExampleGradients(model.trainable_variables, parts, path="batched"), y_pred, losses

@@ -1,0 +1,135 @@
+"""Which per-example path a model takes, and which handler runs each layer.
+
+The batched path (one forward and backward pass, `recorder`) needs a model
+whose graph can be walked (Functional or Sequential, nested ones included)
+and whose every layer and operation keeps examples independent
+(`registry`). Each layer that owns trainable weights is then run by its rule,
+or by the per-layer fallback when it has none; a layer without weights of its
+own is looked into (MultiHeadAttention's projections, Bidirectional's two
+RNNs, a nested model). Anything else takes the whole-model vectorized path,
+and `Plan.reason` says why.
+
+Example:
+
+>>> import keras
+>>> model = keras.Sequential([keras.Input((3,)), keras.layers.Lambda(lambda t: t),
+...                           keras.layers.Dense(2)])
+>>> plan_for(model).path, plan_for(model).reason
+('vectorized', "layer 'lambda' (Lambda) is not known to keep examples independent")
+"""
+
+from tfdp.per_example import rules  # noqa: F401  (registers the rules)
+from tfdp.per_example.fallback import LayerFallback
+from tfdp.per_example.registry import (
+    _DECLARED,
+    is_graph_model,
+    is_per_example,
+    node_is_per_example,
+    rule_for,
+)
+
+FALLBACK = LayerFallback()
+
+
+class Plan:
+    """A model's per-example path.
+
+    Attributes:
+        path: "batched" or "vectorized".
+        handlers: for "batched", list of (layer, rule or FALLBACK).
+        reason: for "vectorized", why the batched path does not apply.
+        fallback_layers: names of layers run by the per-layer fallback.
+    """
+
+    def __init__(self, path, handlers=(), reason=None):
+        self.path = path
+        self.handlers = list(handlers)
+        self.reason = reason
+        self.fallback_layers = [l.name for l, h in self.handlers if h is FALLBACK]
+
+    def describe(self):
+        """One line naming the path and what forced a fallback."""
+        if self.path == "vectorized":
+            return f"per-example gradients: whole-model vectorized_map ({self.reason})"
+        line = "per-example gradients: batched pass with per-layer rules"
+        if self.fallback_layers:
+            line += "; per-layer vjp fallback for " + ", ".join(self.fallback_layers)
+        return line
+
+
+def _graph_nodes(model):
+    graph = getattr(model, "_functional", None) if hasattr(model, "_functional") else model
+    if graph is None:
+        return None
+    return [node for depth in graph._nodes_by_depth.values() for node in depth]
+
+
+def _describe(layer, why):
+    return f"layer '{layer.name}' ({type(layer).__name__}) {why}"
+
+
+def _check_layer(layer):
+    """None if `layer` (and every sublayer) keeps examples independent."""
+    if is_graph_model(layer):
+        return _check_graph(layer)
+    if not is_per_example(layer):
+        return _describe(layer, "is not known to keep examples independent")
+    if type(layer) in _DECLARED:
+        return None
+    for sub in layer._flatten_layers(include_self=False, recursive=False):
+        problem = _check_layer(sub)
+        if problem:
+            return problem
+    return None
+
+
+def _check_graph(model):
+    nodes = _graph_nodes(model)
+    if nodes is None:
+        return f"model '{model.name}' has no graph to walk"
+    for node in nodes:
+        operation = node.operation
+        if not node_is_per_example(node):
+            return _describe(operation, "is not known to keep examples independent")
+        if hasattr(operation, "_flatten_layers") and operation is not model:
+            problem = _check_layer(operation)
+            if problem:
+                return problem
+    return None
+
+
+def _own_trainable_variables(layer):
+    inner = {id(v) for sub in layer._flatten_layers(include_self=False)
+             for v in sub.trainable_variables}
+    return [v for v in layer.trainable_variables if id(v) not in inner]
+
+
+def _assign_handlers(layer, handlers, seen):
+    if id(layer) in seen or not layer.trainable_variables:
+        return
+    seen.add(id(layer))
+    rule = rule_for(layer)
+    if rule is not None:
+        handlers.append((layer, rule))
+    elif _own_trainable_variables(layer):
+        handlers.append((layer, FALLBACK))
+    else:
+        for sub in layer._flatten_layers(include_self=False, recursive=False):
+            _assign_handlers(sub, handlers, seen)
+
+
+def plan_for(model):
+    """The `Plan` for a built Keras model."""
+    if not is_graph_model(model):
+        return Plan("vectorized", reason=f"model '{model.name}' is subclassed (no graph)")
+    problem = _check_graph(model)
+    if problem:
+        return Plan("vectorized", reason=problem)
+    handlers, seen = [], set()
+    for layer in model._flatten_layers(include_self=False, recursive=False):
+        _assign_handlers(layer, handlers, seen)
+    covered = [id(v) for layer, _ in handlers for v in layer.trainable_variables]
+    expected = [id(v) for v in model.trainable_variables]
+    if sorted(covered) != sorted(expected):
+        return Plan("vectorized", reason="some trainable variables belong to no layer it can run")
+    return Plan("batched", handlers)

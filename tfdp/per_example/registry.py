@@ -1,0 +1,162 @@
+"""Which layers keep examples independent, and which have per-example rules.
+
+The batched per-example pass (one forward and backward pass over the whole
+batch) is exact only if every example's output depends on that example
+alone. `ALLOWED` lists the Keras layers known to keep examples independent;
+any other layer (a Lambda, a custom subclass) sends the model to the
+whole-model vectorized path unless the user declares it:
+
+>>> import keras, tfdp
+>>> @tfdp.per_example.declare_per_example
+... class Scale(keras.layers.Layer):
+...     def call(self, x):
+...         return 2.0 * x
+>>> is_per_example(Scale())
+True
+
+A declared layer with weights and no rule gets its per-example gradients
+from the per-layer fallback (`tfdp.per_example.fallback`). Rules map a layer
+class to the module that computes its per-example gradients from the batched
+pass (`register_rule`).
+"""
+
+import keras
+
+_L = keras.layers
+
+# Layers whose output for one example depends only on that example's inputs
+# (and on randomness that is not data, such as a Dropout mask).
+ALLOWED = {
+    # Layers with weights (each has a rule, or falls back per layer).
+    _L.Dense, _L.EinsumDense, _L.Embedding,
+    _L.Conv1D, _L.Conv2D, _L.Conv3D, _L.DepthwiseConv1D, _L.DepthwiseConv2D,
+    _L.SeparableConv1D, _L.SeparableConv2D, _L.Conv1DTranspose, _L.Conv2DTranspose,
+    _L.Conv3DTranspose,
+    _L.LayerNormalization, _L.GroupNormalization, _L.UnitNormalization,
+    _L.PReLU,
+    _L.LSTM, _L.GRU, _L.SimpleRNN, _L.RNN, _L.Bidirectional, _L.TimeDistributed,
+    _L.LSTMCell, _L.GRUCell, _L.SimpleRNNCell,
+    _L.MultiHeadAttention, _L.Attention, _L.AdditiveAttention,
+    # Weightless reshaping, pooling and merging.
+    _L.InputLayer, _L.Flatten, _L.Reshape, _L.Permute, _L.RepeatVector, _L.Identity,
+    _L.Cropping1D, _L.Cropping2D, _L.Cropping3D,
+    _L.ZeroPadding1D, _L.ZeroPadding2D, _L.ZeroPadding3D,
+    _L.UpSampling1D, _L.UpSampling2D, _L.UpSampling3D,
+    _L.MaxPooling1D, _L.MaxPooling2D, _L.MaxPooling3D,
+    _L.AveragePooling1D, _L.AveragePooling2D, _L.AveragePooling3D,
+    _L.GlobalMaxPooling1D, _L.GlobalMaxPooling2D, _L.GlobalMaxPooling3D,
+    _L.GlobalAveragePooling1D, _L.GlobalAveragePooling2D, _L.GlobalAveragePooling3D,
+    _L.Add, _L.Subtract, _L.Multiply, _L.Average, _L.Maximum, _L.Minimum,
+    _L.Concatenate, _L.Dot,
+    _L.Activation, _L.ReLU, _L.LeakyReLU, _L.ELU, _L.Softmax,
+    _L.Dropout, _L.SpatialDropout1D, _L.SpatialDropout2D, _L.SpatialDropout3D,
+    _L.GaussianNoise, _L.GaussianDropout, _L.AlphaDropout,
+    _L.Masking, _L.Rescaling,
+}
+for _name in ("RMSNormalization", "GroupQueryAttention"):
+    if hasattr(_L, _name):
+        ALLOWED.add(getattr(_L, _name))
+
+# Weightless Keras operations that may appear as nodes of a Functional graph
+# (`x + y`, `keras.ops.tanh(x)`): elementwise, so examples stay independent.
+ALLOWED_OPERATIONS = {
+    "Add", "Subtract", "Multiply", "Divide", "TrueDivide", "Negative", "Abs",
+    "Square", "Sqrt", "Exp", "Log", "Tanh", "Sigmoid", "Relu", "Relu6", "Gelu",
+    "Silu", "Elu", "Selu", "Softplus", "Maximum", "Minimum", "Power", "Cast",
+    "Equal", "NotEqual", "Greater", "GreaterEqual", "Less", "LessEqual",
+    "LogicalAnd", "LogicalOr", "LogicalNot", "Where", "Any", "All",
+}
+
+_DECLARED = set()
+RULES = {}
+
+
+def declare_per_example(layer_class):
+    """Declares that `layer_class` keeps examples independent.
+
+    Use it (as a function or a class decorator) for a custom layer whose
+    output for each example depends only on that example: the model then takes
+    the fast batched path. Declaring a layer that mixes examples (a batch
+    mean) would let one record move every other example's clipped gradient,
+    voiding the privacy guarantee; do not declare such a layer.
+
+    Returns:
+        `layer_class`, unchanged.
+    """
+    if not (isinstance(layer_class, type) and issubclass(layer_class, keras.layers.Layer)):
+        raise TypeError(
+            "Expected a keras.layers.Layer subclass. Received: "
+            f"layer_class={layer_class!r}"
+        )
+    _DECLARED.add(layer_class)
+    return layer_class
+
+
+def register_rule(*layer_classes):
+    """Class decorator registering a rule for exactly these layer classes.
+
+    A rule has `supports(layer) -> bool`, `call(layer, recorder, call,
+    *args, **kwargs)` (runs the layer in the batched pass, adding probes
+    through `recorder`) and `parts(layer, records)` (per-example gradient
+    parts from the recorded tensors). Subclasses of a registered class do not
+    inherit its rule: they may compute something else.
+    """
+
+    def register(rule_class):
+        rule = rule_class()
+        for layer_class in layer_classes:
+            RULES[layer_class] = rule
+        return rule_class
+
+    return register
+
+
+def rule_for(layer):
+    """The rule registered for `layer`'s exact class if it supports `layer`."""
+    rule = RULES.get(type(layer))
+    if rule is not None and rule.supports(layer):
+        return rule
+    return None
+
+
+def is_per_example(layer):
+    """True if `layer` is known (or declared) to keep examples independent."""
+    return type(layer) in ALLOWED or type(layer) in _DECLARED
+
+
+def node_is_per_example(node):
+    """True if a Functional graph node keeps examples independent.
+
+    Layers are checked by class. A weightless operation is allowed when it is
+    elementwise, a reduction that keeps the batch axis, or `x[:, ...]`.
+    """
+    operation = node.operation
+    if isinstance(operation, keras.layers.Layer):
+        return is_per_example(operation) or is_graph_model(operation)
+    name = type(operation).__name__
+    if name in ALLOWED_OPERATIONS:
+        return True
+    args = node.arguments.args
+    if name == "GetItem":
+        key = args[1] if len(args) > 1 else None
+        key = key if isinstance(key, tuple) else (key,)
+        return key[0] == slice(None) or key[0] is Ellipsis and len(key) == 1
+    if name in _REDUCTIONS:
+        axis = getattr(operation, "axis", None)
+        rank = len(args[0].shape) if args and hasattr(args[0], "shape") else None
+        if axis is None or rank is None:
+            return False
+        return all(a % rank != 0 for a in axis)
+    return False
+
+
+_REDUCTIONS = {"Mean", "Sum", "Max", "Min"}
+
+
+def is_graph_model(layer):
+    """True for a Sequential or Functional model running its own graph."""
+    from keras.src.models.functional import Functional
+
+    if isinstance(layer, keras.Sequential):
+        return type(layer).call is keras.Sequential.call
+    return isinstance(layer, Functional) and type(layer).call is Functional.call

@@ -1,0 +1,65 @@
+"""Helpers the layer rules share.
+
+Example:
+
+>>> import keras, tensorflow as tf
+>>> layer = keras.layers.Dense(1, activation="relu", kernel_initializer="ones")
+>>> layer.build((None, 1))
+>>> call_pre_activation(layer, layer.call, tf.constant([[-2.0]])).numpy()
+array([[-2.]], dtype=float32)
+"""
+
+import tensorflow as tf
+
+
+def call_pre_activation(layer, call, *args, **kwargs):
+    """`call(*args, **kwargs)` with `layer.activation` switched off.
+
+    Keras's Dense, EinsumDense and convolution layers compute
+    `activation(op(inputs, kernel) + bias)`: running their own `call` without
+    the activation gives the pre-activation exactly as Keras computes it.
+    """
+    activation = layer.activation
+    object.__setattr__(layer, "activation", None)
+    try:
+        return call(*args, **kwargs)
+    finally:
+        object.__setattr__(layer, "activation", activation)
+
+
+def apply_activation(layer, outputs):
+    """`layer.activation(outputs)`, or `outputs` for a layer without one."""
+    if layer.activation is None:
+        return outputs
+    return layer.activation(outputs)
+
+
+def is_float32(layer):
+    """True when the layer computes and stores its weights in float32."""
+    return getattr(layer, "compute_dtype", None) == "float32" and all(
+        v.dtype == "float32" for v in layer.trainable_variables
+    )
+
+
+def plain_weights(layer):
+    """True for a float32 layer without LoRA or quantization (whose `call`
+    reads other weights than the ones a rule differentiates)."""
+    return (
+        is_float32(layer)
+        and getattr(layer, "quantization_mode", None) is None
+        and not getattr(layer, "lora_enabled", False)
+    )
+
+
+def concat_positions(tensors):
+    """Joins [B, S_k, C] tensors of several calls along the position axis.
+
+    One layer called several times (shared weights) has the gradient
+    sum_k X_k^T G_k, the gradient of a single call on the joined rows.
+    """
+    return tensors[0] if len(tensors) == 1 else tf.concat(tensors, axis=1)
+
+
+def sum_per_example(tensors):
+    """Sums per-example gradients of several calls ([B, ...] each)."""
+    return tensors[0] if len(tensors) == 1 else tf.add_n(tensors)

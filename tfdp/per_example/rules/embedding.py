@@ -1,0 +1,108 @@
+"""Rule for Embedding: gradient rows only at each example's token ids.
+
+Example i's gradient of the table is sum_t e_{id_t} G_{i,t}^T: rows at its
+token ids, never a dense vocabulary x dim tensor per example. Its squared
+norm is sum over distinct ids u of ||sum_{t: id_t = u} G_{i,t}||^2 (tokens
+that repeat add before squaring); the weighted sum over examples scatters
+weighted rows into one dense [vocabulary, dim] tensor (dense, because DP
+noise goes on every row: a sparse update would reveal which tokens occurred).
+
+Example:
+
+>>> import tensorflow as tf
+>>> table = tf.Variable(tf.zeros([5, 2]))
+>>> ids = tf.constant([[1, 1, 3]])
+>>> g = tf.constant([[[1.0, 0.0], [1.0, 0.0], [0.0, 2.0]]])
+>>> EmbeddingGrads(ids, g, table).sq_norms().numpy()   # |(2, 0)|^2 + |(0, 2)|^2
+array([8.], dtype=float32)
+"""
+
+import keras
+import tensorflow as tf
+
+from tfdp.per_example.grads import masked, scaled_to_unit_max
+from tfdp.per_example.registry import register_rule
+from tfdp.per_example.rules.common import concat_positions, plain_weights
+
+
+class EmbeddingGrads:
+    """Per-example gradients of an embedding table from ids and row gradients.
+
+    Args:
+        ids: int tensor [B, T], the token ids each example looked up.
+        g: float tensor [B, T, D], the loss gradient at each looked-up row.
+        table: the embedding variable [V, D].
+    """
+
+    def __init__(self, ids, g, table):
+        self.ids = tf.cast(ids, tf.int32)
+        self.g = g
+        self.variables = [table]
+        self._table = table
+
+    def _merged_rows(self, g):
+        """[B, T, D]: at the first position of each distinct id of an example
+        the sum of that id's row gradients, elsewhere zero."""
+        same = tf.equal(self.ids[:, :, None], self.ids[:, None, :])  # [B, T, T]
+        first = tf.argmax(tf.cast(same, tf.int32), axis=2, output_type=tf.int32)  # [B, T]
+        batch, length = tf.shape(g)[0], tf.shape(g)[1]
+        segments = tf.reshape(first + length * tf.range(batch)[:, None], [-1])
+        rows = tf.math.unsorted_segment_sum(
+            tf.reshape(g, [-1, g.shape[-1]]), segments, batch * length
+        )
+        return tf.reshape(rows, tf.shape(g))
+
+    def sq_norms(self):
+        g, scale = scaled_to_unit_max(self.g)
+        merged = self._merged_rows(g)
+        return tf.reduce_sum(tf.square(merged), [1, 2]) * tf.square(scale)
+
+    def dots(self, vectors):
+        rows = tf.gather(vectors[0], self.ids)  # [B, T, D]
+        return tf.reduce_sum(rows * self.g, [1, 2])
+
+    def weighted_sum(self, weights):
+        keep = tf.not_equal(weights, 0.0)
+        g = masked(self.g, keep) * weights[:, None, None]
+        table = tf.math.unsorted_segment_sum(
+            tf.reshape(g, [-1, g.shape[-1]]),
+            tf.reshape(self.ids, [-1]),
+            self._table.shape[0],
+        )
+        return [table]
+
+    def materialize(self):
+        """[B, V, D] per-example tables (batch x vocabulary x dim floats)."""
+        batch, length = tf.shape(self.g)[0], tf.shape(self.g)[1]
+        example = tf.repeat(tf.range(batch), length)
+        index = tf.stack([example, tf.reshape(self.ids, [-1])], axis=1)
+        return [
+            tf.scatter_nd(
+                index,
+                tf.reshape(self.g, [-1, self.g.shape[-1]]),
+                tf.concat([[batch], tf.shape(self._table)], 0),
+            )
+        ]
+
+
+@register_rule(keras.layers.Embedding)
+class EmbeddingRule:
+    """Embedding lookups of ids of any shape [B, ...]."""
+
+    def supports(self, layer):
+        return plain_weights(layer)
+
+    def call(self, layer, recorder, call, inputs, **kwargs):
+        inputs = tf.convert_to_tensor(inputs)
+        record = recorder.record(layer, ids=inputs)
+        return record.probe("rows", call(inputs, **kwargs))
+
+    def parts(self, layer, records):
+        ids = concat_positions(
+            [tf.reshape(tf.cast(r.ids, tf.int32), [tf.shape(r.ids)[0], -1]) for r in records]
+        )
+        dim = layer.embeddings.shape[-1]
+        g = concat_positions(
+            [tf.reshape(r.grads["rows"], [tf.shape(r.ids)[0], -1, dim]) for r in records]
+        )
+        return [EmbeddingGrads(ids, g, layer.embeddings)]

@@ -1,0 +1,104 @@
+"""Rules for LayerNormalization, GroupNormalization and RMSNormalization.
+
+Each computes y = n(x) * gamma + beta with n(x) normalized within one example
+and gamma, beta broadcast along the normalized (parameter) axes, so example
+i's gradients are sum(G_i * n(x_i)) and sum(G_i) over the other axes: small
+[B, *gamma.shape] tensors, materialized.
+
+Example:
+
+>>> import keras
+>>> layer = keras.layers.LayerNormalization()
+>>> layer.build((None, 3, 4))
+>>> NormalizationRule().supports(layer)
+True
+"""
+
+import keras
+import tensorflow as tf
+
+from tfdp.per_example.grads import MaterializedGrads
+from tfdp.per_example.registry import register_rule
+from tfdp.per_example.rules.common import is_float32, sum_per_example
+
+_L = keras.layers
+_RMS = getattr(_L, "RMSNormalization", None)
+
+
+def _axes(layer, rank):
+    axis = layer.axis if isinstance(layer.axis, (list, tuple)) else [layer.axis]
+    return sorted(a % rank for a in axis)
+
+
+def _normalized(layer, x):
+    """n(x): the layer's normalization without its scale and offset."""
+    rank = x.shape.rank
+    axes = _axes(layer, rank)
+    if isinstance(layer, _L.GroupNormalization):
+        channel = axes[0]
+        shape = tf.unstack(tf.shape(x))
+        grouped = shape[:channel] + [layer.groups, x.shape[channel] // layer.groups] + shape[channel + 1:]
+        reshaped = tf.reshape(x, tf.stack(grouped))
+        reduce = [a for a in range(1, rank + 1) if a != channel]
+        mean, variance = tf.nn.moments(reshaped, reduce, keepdims=True)
+        normalized = (reshaped - mean) * tf.math.rsqrt(variance + layer.epsilon)
+        return tf.reshape(normalized, tf.shape(x))
+    if _RMS is not None and isinstance(layer, _RMS):
+        return keras.ops.rms_normalization(x, scale=None, axis=axes, epsilon=layer.epsilon)
+    return keras.ops.layer_normalization(
+        x, None, None, axes, layer.epsilon, rms_scaling=layer.rms_scaling
+    )
+
+
+def _scale_and_offset(layer):
+    if _RMS is not None and isinstance(layer, _RMS):
+        return layer.scale, None
+    return layer.gamma, layer.beta
+
+
+def _broadcast(param, axes, rank):
+    shape = [1] * rank
+    for axis, size in zip(axes, param.shape):
+        shape[axis] = size
+    return tf.reshape(param, shape)
+
+
+@register_rule(*[c for c in (_L.LayerNormalization, _L.GroupNormalization, _RMS) if c])
+class NormalizationRule:
+    """Scale and offset of a per-example normalization."""
+
+    def supports(self, layer):
+        return is_float32(layer)
+
+    def call(self, layer, recorder, call, inputs, **kwargs):
+        inputs = tf.convert_to_tensor(inputs)
+        normalized = _normalized(layer, inputs)
+        record = recorder.record(layer, normalized=normalized)
+        rank = inputs.shape.rank
+        axes = _axes(layer, rank)
+        scale, offset = _scale_and_offset(layer)
+        outputs = normalized
+        if scale is not None:
+            outputs = outputs * _broadcast(scale, axes, rank)
+        if offset is not None:
+            outputs = outputs + _broadcast(offset, axes, rank)
+        return record.probe("y", outputs)
+
+    def parts(self, layer, records):
+        scale, offset = _scale_and_offset(layer)
+        variables, grads = [], []
+        for param, with_input in ((scale, True), (offset, False)):
+            if param is None or not param.trainable:
+                continue
+            per_call = []
+            for r in records:
+                g = r.grads["y"]
+                rank = g.shape.rank
+                if with_input:
+                    g = g * r.normalized
+                keep = _axes(layer, rank)
+                summed = tf.reduce_sum(g, [a for a in range(1, rank) if a not in keep])
+                per_call.append(tf.reshape(summed, tf.concat([[tf.shape(g)[0]], param.shape], 0)))
+            variables.append(param)
+            grads.append(sum_per_example(per_call))
+        return [MaterializedGrads(variables, grads)]
