@@ -20,6 +20,7 @@ import keras
 import tensorflow as tf
 
 from tfdp.layers.scattering_filters import filter_bank
+from tfdp.per_example import declare_per_example
 
 
 def num_coefficients(J, L, max_order=2):
@@ -54,6 +55,7 @@ def _modulus_spectrum(spectrum):
     return tf.signal.fft2d(tf.cast(tf.abs(tf.signal.ifft2d(spectrum)), tf.complex64))
 
 
+@declare_per_example  # each image's features depend on that image alone
 @keras.saving.register_keras_serializable(package="tfdp")
 class Scattering2D(keras.layers.Layer):
     """2D scattering transform of images (kymatio's `Scattering2D`, in Keras).
