@@ -87,6 +87,8 @@ def build_parser():
     train.add_argument("--mechanism", choices=MECHANISMS, default="dpsgd")
     train.add_argument("--dataset", choices=DATASETS, default="digits")
     train.add_argument("--data-dir", default=None, help="Fashion-MNIST IDX files (default: Debian's)")
+    train.add_argument("--features", choices=("none", "scatternet", "scatternet_cnn"), default="none",
+                       help="fashion_mnist: train on ScatterNet features (+ linear or CNN)")
     train.add_argument("--epochs", type=_positive_int)
     train.add_argument("--batch-size", type=_positive_int)
     train.add_argument("--learning-rate", type=_positive_float)

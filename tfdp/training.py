@@ -134,10 +134,13 @@ def train(
     data_dir=None,
     output=None,
     verbose=2,
+    features="none",
 ):
     """Trains the built-in model of `dataset` privately and evaluates it.
 
-    Unset settings take `tfdp.recipes.DEFAULTS[dataset]`. With `epsilon`
+    Unset settings take `tfdp.recipes.defaults(dataset, features)`; with
+    features="scatternet" (or "scatternet_cnn") the model trains on the
+    ScatterNet features of the images, computed once. With `epsilon`
     (the default) the noise multiplier is calibrated so that the planned
     epochs spend at most epsilon; `PrivacyBudget` also stops training there.
     Training data are the training split minus a held-out 10% used for
@@ -149,7 +152,7 @@ def train(
         dict with test accuracy, epsilon spent, delta and the settings used.
     """
     check_output_path(output)
-    defaults = recipes.DEFAULTS[dataset]
+    defaults = recipes.defaults(dataset, features)
     epochs = epochs or defaults["epochs"]
     if mechanism == "adadp":  # RMSprop-style step: its own learning rate (and batch)
         batch_size = batch_size or optimizers.adadp.RECIPE_DEFAULTS[dataset]["batch_size"]
@@ -165,6 +168,7 @@ def train(
     l2_norm_clip = l2_norm_clip or defaults["l2_norm_clip"]
     delta = delta or defaults["delta"]
     (x_train, y_train), (x_test, y_test) = load_dataset(dataset, data_dir=data_dir)
+    x_train, x_test = recipes.prepare_inputs(dataset, features, x_train, x_test)
     public_energy_data = None
     if mechanism == "sadpsgd":
         # SA-DPSGD's energy set: the first half of the (public) test split;
@@ -188,7 +192,7 @@ def train(
         )
     if seed is not None:
         keras.utils.set_random_seed(seed)
-    model = recipes.build_model(dataset)
+    model = recipes.build_model(dataset, features=features)
     model.compile(
         optimizer=make_optimizer(mechanism, learning_rate, l2_norm_clip, noise_multiplier,
                                  momentum=momentum, seed=seed,
@@ -209,6 +213,7 @@ def train(
     spent = model.privacy.epsilon(delta)
     result = {
         "dataset": dataset,
+        "features": features,
         "mechanism": mechanism,
         "test_accuracy": round(float(test_accuracy), 4),
         "epsilon": round(spent, 4) if math.isfinite(spent) else spent,
