@@ -212,7 +212,8 @@ class NoiselessDPSGD(tfdp.optimizers.DPSGD):
 def test_whitened_l2_with_uniform_s_is_dpsgd_with_clip_beta_c(noise):
     """Adaptive phase, s uniform: c_j = beta C / sqrt(d), the ellipsoid is
     DP-SGD's ball of radius beta C and the noise sigma* beta C, so ADAN's
-    releases and weights equal DP-SGD's (clip beta C, SGD) step by step."""
+    releases and weights equal DP-SGD's (clip beta C, SGD with momentum 0.9)
+    step by step."""
     rng = np.random.default_rng(7)
     beta, clip, sigma = 1.2, 0.5, 1.3
     ada_class, sgd_class = (
@@ -223,9 +224,9 @@ def test_whitened_l2_with_uniform_s_is_dpsgd_with_clip_beta_c(noise):
     for name, make in (
         ("adadp", lambda: ada_class(learning_rate=0.05, l2_norm_clip=clip, noise_multiplier=sigma,
                                     local_clip_factor=beta, adaptive_learning_rate=False,
-                                    gamma_prime=0.0, seed=9)),
+                                    momentum=0.9, gamma_prime=0.0, seed=9)),
         ("dpsgd", lambda: sgd_class(learning_rate=0.05, l2_norm_clip=beta * clip,
-                                    noise_multiplier=sigma, seed=9)),
+                                    noise_multiplier=sigma, momentum=0.9, seed=9)),
         ("box", lambda: ada_class(learning_rate=0.05, l2_norm_clip=clip, noise_multiplier=sigma,
                                   local_clip_factor=beta, adaptive_learning_rate=False,
                                   gamma_prime=0.0, local_clipping="coordinate", seed=9)),
@@ -447,6 +448,8 @@ def test_public_shape_refresh_schedule_and_refusals(tmp_path):
         (dict(epsilon=-1e-7), "Received: epsilon=-1e-07"),
         (dict(local_clipping="l1"), "Received: local_clipping='l1'"),
         (dict(noise_shape="raw"), "Received: noise_shape='raw'"),
+        (dict(momentum=0.9), "momentum=0.9 and adaptive_learning_rate=True"),
+        (dict(momentum=1.0, adaptive_learning_rate=False), "Received: momentum=1.0"),
         (dict(public_refresh_steps=0), "Received: public_refresh_steps=0"),
         (dict(public_data=(np.zeros((2, 4)), np.zeros(2))), "noise_shape='released' and public_data"),
         (dict(noise_shape="public", adaptive_noise=False), "adaptive_noise=False"),
@@ -466,13 +469,14 @@ def test_config_round_trip_of_every_option():
         l2_norm_clip=2.0, noise_multiplier=3.0, gamma=0.2, gamma_prime=0.8,
         local_clip_threshold=1e-8, local_clip_factor=1.5, epsilon=1e-6,
         local_clipping="coordinate", noise_shape="public", public_data=(np.zeros((2, 4)), np.zeros(2)),
-        public_refresh_steps=7, adaptive_learning_rate=False, adaptive_noise=True,
+        public_refresh_steps=7, adaptive_learning_rate=False, adaptive_noise=True, momentum=0.5,
         weight_decay=0.01, seed=5,
     )
     config = keras.saving.serialize_keras_object(opt)
     again = keras.saving.deserialize_keras_object(config)
     assert again.get_config()["local_clipping"] == "coordinate"
-    assert (again.noise_shape, again.public_refresh_steps) == ("public", 7)
+    assert (again.noise_shape, again.public_refresh_steps, again.momentum) == ("public", 7, 0.5)
+    assert again.inner_optimizer.momentum == 0.5
     assert keras.saving.serialize_keras_object(again) == config
 
 

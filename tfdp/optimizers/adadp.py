@@ -201,6 +201,10 @@ class AdaDP(DPOptimizer):
             computations of the public s.
         adaptive_learning_rate: bool (default True); False gives ADAN.
         adaptive_noise: bool (default True); False gives ADAL.
+        momentum: SGD momentum in [0, 1) of ADAN's step (default 0; only
+            with adaptive_learning_rate=False). With momentum 0.9,
+            local_clip_factor=1 and a uniform s, ADAN with whitened-L2
+            clipping is DP-SGD with momentum 0.9 and clip C.
         weight_decay, weight_decay_placement, seed, name: see `DPOptimizer`.
 
     Example:
@@ -230,6 +234,7 @@ class AdaDP(DPOptimizer):
         public_refresh_steps=10,
         adaptive_learning_rate=True,
         adaptive_noise=True,
+        momentum=0.0,
         weight_decay=0.0,
         weight_decay_placement="before_clip",
         seed=None,
@@ -275,12 +280,19 @@ class AdaDP(DPOptimizer):
                 "ADAL (adaptive_noise=False) adds DP-SGD's noise and has no noise "
                 "shape. Received: noise_shape='public' and adaptive_noise=False"
             )
+        momentum = _check_fraction("momentum", momentum, low_open=False, high_open=True)
+        if momentum and adaptive_learning_rate:
+            raise ValueError(
+                "`momentum` is for the SGD step of adaptive_learning_rate=False (ADAN); "
+                "the adaptive learning rate is RMSprop's. Received: momentum="
+                f"{momentum} and adaptive_learning_rate=True"
+            )
         if adaptive_learning_rate:
             inner = keras.optimizers.RMSprop(
                 learning_rate=learning_rate, rho=1.0 - gamma, epsilon=epsilon
             )
         else:
-            inner = keras.optimizers.SGD(learning_rate=learning_rate)
+            inner = keras.optimizers.SGD(learning_rate=learning_rate, momentum=momentum)
         super().__init__(
             inner,
             l2_norm_clip=l2_norm_clip,
@@ -301,6 +313,7 @@ class AdaDP(DPOptimizer):
         self.public_refresh_steps = int(public_refresh_steps)
         self.adaptive_learning_rate = adaptive_learning_rate
         self.adaptive_noise = adaptive_noise_on
+        self.momentum = momentum
         self._public = None  # (x, y, number of examples, row hashes)
         self._public_fn = None
         self._next_refresh = None  # iteration of the next public refresh
@@ -631,6 +644,7 @@ class AdaDP(DPOptimizer):
             public_refresh_steps=self.public_refresh_steps,
             adaptive_learning_rate=self.adaptive_learning_rate,
             adaptive_noise=self.adaptive_noise,
+            momentum=self.momentum,
         )
         return config
 
