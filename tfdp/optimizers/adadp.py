@@ -149,8 +149,10 @@ class AdaDP(DPOptimizer):
       sharing examples with the training data). Cost: one per-example
       gradient pass over the public set (in chunks of 256, materialized:
       256 x d floats) per refresh, i.e. about n_public / (batch_size x
-      public_refresh_steps) of the training's gradient work, plus one hash
-      per training example per `fit`. Runs on one replica.
+      public_refresh_steps) of the training's gradient work (Fashion-MNIST
+      with 5,000 public examples, batch 2048, every 10 steps: about 24%
+      more), plus one hash per training example per `fit`. Runs on one
+      replica.
 
     Both statistics are optimizer variables, saved with `model.save` and
     restored (the public arrays are not: call `set_public_data` again).
