@@ -47,7 +47,7 @@ def train(train_data, eval_data, args, batch_size, learning_rate, seed, public=N
         learning_rate=learning_rate, l2_norm_clip=args.l2_norm_clip,
         noise_multiplier=sigma, local_clipping=args.local_clipping,
         adaptive_noise=args.variant != "adal", adaptive_learning_rate=args.variant != "adan",
-        seed=seed, **shape,
+        gamma_prime=args.gamma_prime, seed=seed, **shape,
     )
     model.compile(optimizer=optimizer,
                   loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
@@ -68,16 +68,22 @@ def tune(args, train_data):
     validation = (x[order[cut:]], y[order[cut:]])
     print(f"Tuning on a validation split of the training data: {cut} training, "
           f"{len(x) - cut} validation records (the test split is not read); "
-          f"{args.variant}, {args.local_clipping}, epsilon {args.epsilon}, {args.epochs} epochs, "
+          f"{args.variant}, {args.local_clipping}, {args.noise_shape} shape, gamma' {args.gamma_prime}, "
+          f"epsilon {args.epsilon}, {args.epochs} epochs, "
           f"seeds {args.seeds}\n")
-    print("| batch size | learning rate | validation accuracy (mean over seeds) | per seed |")
-    print("|---|---|---|---|", flush=True)
+    print("| batch size | learning rate | validation accuracy (mean over seeds) | per seed "
+          "| last step's noise std spread / mean |")
+    print("|---|---|---|---|---|", flush=True)
     for batch_size in [int(b) for b in args.batch_sizes.split(",")]:
         for learning_rate in [float(r) for r in args.learning_rates.split(",")]:
-            scores = [train(fit_part, validation, args, batch_size, learning_rate, seed)[3]
-                      for seed in range(args.seeds)]
+            runs = [train(fit_part, validation, args, batch_size, learning_rate, seed)
+                    for seed in range(args.seeds)]
+            scores = [r[3] for r in runs]
+            ratios = [r[1].history["adadp_noise_std_spread"][-1] / r[1].history["adadp_noise_std_mean"][-1]
+                      for r in runs]
             print(f"| {batch_size} | {learning_rate:g} | {statistics.mean(scores):.4f} | "
-                  f"{', '.join(f'{s:.4f}' for s in scores)} |", flush=True)
+                  f"{', '.join(f'{s:.4f}' for s in scores)} | {statistics.mean(ratios):.2f} |",
+                  flush=True)
 
 
 def main():
@@ -91,6 +97,7 @@ def main():
     parser.add_argument("--l2-norm-clip", type=float, default=1.0)
     parser.add_argument("--local-clipping", default="whitened_l2", choices=("whitened_l2", "coordinate"))
     parser.add_argument("--noise-shape", default="released", choices=("released", "public"))
+    parser.add_argument("--gamma-prime", type=float, default=0.9, help="EMA weight of the old s")
     parser.add_argument("--variant", default="adadp", choices=("adadp", "adal", "adan"))
     parser.add_argument("--seed", type=int, default=None, help="reproducible noise (not private)")
     parser.add_argument("--tune", action="store_true", help="grid search on a validation split")
