@@ -44,7 +44,7 @@ D = 15 + 3 + 16
 def test_every_clipped_example_lies_in_the_whitened_unit_ball(mode):
     rng = np.random.default_rng(0)
     moments = heterogeneous_moments(rng, SHAPES)
-    bounds = ada.clip_bounds(moments, local_clip_factor=1.2)
+    bounds = ada.clip_bounds(moments, local_clip_factor=1.2, l2_norm_clip=0.5)
     grads = heavy_tailed_grads(rng, 64, SHAPES)
     if mode == "coordinate":
         clipped = ada.clip_coordinates(grads, bounds)
@@ -67,7 +67,7 @@ def test_every_clipped_example_lies_in_the_whitened_unit_ball(mode):
 def test_one_example_moves_the_whitened_sum_by_at_most_one():
     rng = np.random.default_rng(1)
     moments = heterogeneous_moments(rng, SHAPES)
-    bounds = ada.clip_bounds(moments, 1.2)
+    bounds = ada.clip_bounds(moments, 1.2, 0.5)
     grads = heavy_tailed_grads(rng, 9, SHAPES)
     for mode in ("coordinate", "whitened_l2"):
         full, _ = ada.local_clipped_sum(grads, bounds, D, mode=mode)
@@ -130,7 +130,7 @@ def test_local_clipped_sum_matches_numpy_and_drops_nan_and_padding():
     mask = np.array([1, 1, 1, 1, 1, 0], np.float32)
     c = np.array([0.5, 1.0, 2.0, 0.1], np.float32)
     sums, nonfinite = ada.local_clipped_sum(
-        [tf.constant(g)], [tf.constant(c)], 4, weights=tf.constant(mask)
+        [tf.constant(g)], [tf.constant(c)], 4, weights=tf.constant(mask), mode="coordinate"
     )
     keep = [0, 1, 4]
     np.testing.assert_allclose(sums[0].numpy(), np.clip(g[keep], -c, c).sum(0), rtol=1e-6)
@@ -145,6 +145,26 @@ def test_local_clipped_sum_matches_numpy_and_drops_nan_and_padding():
         ada.local_clipped_sum([tf.constant(g)], [tf.constant(c)], 4, mode="box")
 
 
+@pytest.mark.parametrize("scale", [1e-24, 1e-12, 1.0, 1e12, 1e30])
+def test_bounds_have_cs_scale_whatever_the_scale_of_s(scale):
+    """sum_j c_j^2 = beta^2 C^2 exactly (after the floor), the bounds do not
+    depend on the scale of s, and no bound is 0."""
+    rng = np.random.default_rng(4)
+    shape = heterogeneous_moments(rng, SHAPES)  # six decades, with zeros
+    moments = [m * scale for m in shape]
+    bounds = ada.clip_bounds(moments, 1.2, 0.1)
+    flat = np.concatenate([b.numpy().ravel() for b in bounds]).astype(np.float64)
+    assert np.sum(flat**2) == pytest.approx((1.2 * 0.1) ** 2, rel=1e-5)
+    # The floor: a zero s_j gets sqrt(1e-3 mean(s) / sum s') of beta C, not 0.
+    raw = np.concatenate([m.numpy().ravel() for m in shape]).astype(np.float64)
+    floored = np.maximum(raw, 1e-3 * raw.mean())
+    np.testing.assert_allclose(flat, 0.12 * np.sqrt(floored / floored.sum()), rtol=1e-5)
+    assert flat.min() > 0
+    # Negative control: the first version's bounds beta sqrt(s) follow s's scale.
+    first = 1.2 * np.sqrt(np.maximum(raw * scale, 1e-6 * raw.mean() * scale))
+    assert not np.sum(first**2) == pytest.approx((1.2 * 0.1) ** 2, rel=1e-5)
+
+
 def test_statistics_phase_and_bounds_concrete_numbers():
     (s,) = ada.update_second_moments([tf.constant([1.0, 0.0])], [tf.constant([2.0, -3.0])], 0.9)
     np.testing.assert_allclose(s.numpy(), [0.9 + 0.4, 0.9], rtol=1e-6)
@@ -153,14 +173,19 @@ def test_statistics_phase_and_bounds_concrete_numbers():
     assert bool(ada.is_adaptive_phase([tf.constant([0.0, 4.0])], 0.99))
     assert not bool(ada.is_adaptive_phase([tf.constant([0.0, 4.0])], 1.0))
     assert not bool(ada.is_adaptive_phase([tf.fill([5], 3.0)], 1e-6))
-    (b,) = ada.clip_bounds([tf.constant([4.0, 0.0, 1e6])], 1.5, max_bound=100.0)
-    mean = (4.0 + 1e6) / 3
-    np.testing.assert_allclose(b.numpy(), [3.0, 1.5 * math.sqrt(1e-6 * mean), 100.0], rtol=1e-5)
-    assert float(tf.reduce_min(ada.clip_bounds([tf.zeros([3])], 1.2)[0])) > 0.0
+    # c_j = beta C sqrt(s'_j / sum s'), s' = max(s, 1e-3 mean(s)).
+    (b,) = ada.clip_bounds([tf.constant([4.0, 0.0, 1.0, 3.0])], 1.5, 2.0)
+    floored = np.array([4.0, 1e-3 * 2.0, 1.0, 3.0])
+    np.testing.assert_allclose(b.numpy(), 3.0 * np.sqrt(floored / floored.sum()), rtol=1e-6)
+    (u,) = ada.clip_bounds([tf.zeros([4])], 1.2, 1.0)  # no statistic yet: uniform
+    np.testing.assert_allclose(u.numpy(), np.full(4, 1.2 / 2.0), rtol=1e-6)
     (sd,) = ada.noise_stddevs([tf.constant([1.0, 0.5])], 2.0, 4)
     np.testing.assert_allclose(sd.numpy(), [4.0, 2.0])
-    mean, spread = ada.noise_std_summary([tf.constant([1.0, 4.0])], 1.0, 1.0, 4)
-    np.testing.assert_allclose([float(mean), float(spread)], [3.0, 1.0], rtol=1e-6)
+    # s = [1, 4]: c = [1, 2] / sqrt(5) (beta C = 1), sigma_j = 1 * sqrt(4) * c_j.
+    mean, spread = ada.noise_std_summary([tf.constant([1.0, 4.0])], 1.0, 1.0, 1.0, 4)
+    np.testing.assert_allclose(
+        [float(mean), float(spread)], [3.0 / math.sqrt(5), 1.0 / math.sqrt(5)], rtol=1e-6
+    )
 
 
 # -- the paper's accounting (reproduction) -----------------------------------

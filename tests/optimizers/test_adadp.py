@@ -153,28 +153,130 @@ def test_rmsprop_step_and_adan_step_concrete_numbers():
         adan.velocities(vs)
 
 
-def test_adaptive_phase_clips_locally_and_noises_per_coordinate():
+def bounds_of(s, beta, clip):
+    """The bounds AdaDP must use for s: beta C sqrt(s' / sum s'), numpy."""
+    flat = np.concatenate([np.ravel(x) for x in s]).astype(np.float64)
+    floor = max(1e-3 * flat.mean(), 1e-35)  # an all-zero s gives uniform bounds
+    return [beta * clip * np.sqrt(np.maximum(x, floor) / np.maximum(flat, floor).sum()) for x in s]
+
+
+@pytest.mark.parametrize("mode", ["coordinate", "whitened_l2"])
+def test_adaptive_phase_clips_locally_and_noises_per_coordinate(mode):
     vs = [tf.Variable(tf.zeros([4]))]
-    opt = NoiselessAdaDP(learning_rate=0.1, l2_norm_clip=10.0, noise_multiplier=1.0,
-                         local_clip_factor=1.0)
+    s = np.array([4.0, 1.0, 0.25, 0.0], np.float32)
+    opt = NoiselessAdaDP(learning_rate=0.1, l2_norm_clip=3.0, noise_multiplier=1.0,
+                         local_clip_factor=1.0, local_clipping=mode)
     opt.build(vs)
-    opt.second_moments(vs)[0].assign([4.0, 1.0, 0.25, 0.0])
-    grads = np.array([[5.0, -5.0, 0.1, 3.0], [1.0, 0.5, -5.0, 0.0]], np.float32)
+    opt.second_moments(vs)[0].assign(s)
+    grads = np.array([[5.0, -5.0, 0.1, 3.0], [0.1, 0.05, -0.02, 0.0]], np.float32)
     info = {"mask": tf.constant([1.0, 1.0]), "expected_batch_size": tf.constant(2.0)}
     (released,), logs = step(opt, vs, [grads], info)
-    floor = math.sqrt(1e-6 * 5.25 / 4)
-    clipped = np.clip(grads, -np.array([2, 1, 0.5, floor]), [2, 1, 0.5, floor])
+    (c,) = bounds_of([s], 1.0, 3.0)
+    assert np.sum(c**2) == pytest.approx(9.0)
+    if mode == "coordinate":
+        clipped = np.clip(grads, -c, c)
+    else:  # the ellipsoid sum_j g_j^2 / (d c_j^2) <= 1
+        norms = np.linalg.norm(grads / (2.0 * c), axis=1)
+        clipped = grads * np.minimum(1.0, 1.0 / norms)[:, None]
+        assert norms[0] > 1 > norms[1]  # one example clipped, one kept
     np.testing.assert_allclose(released, clipped.sum(0) / 2.0, rtol=1e-5)
     assert logs["adadp_phase"] == 1.0
     # Real noise: sigma_j = sigma* sqrt(d) c_j.
-    real = tfdp.optimizers.AdaDP(learning_rate=0.1, l2_norm_clip=10.0, noise_multiplier=1.0,
-                                 local_clip_factor=1.0, seed=3)
+    real = tfdp.optimizers.AdaDP(learning_rate=0.1, l2_norm_clip=3.0, noise_multiplier=1.0,
+                                 local_clip_factor=1.0, local_clipping=mode, seed=3)
     real.build(vs)
-    real.second_moments(vs)[0].assign([4.0, 1.0, 0.25, 0.0])
+    real.second_moments(vs)[0].assign(s)
     _, logs = step(real, vs, [grads], info)
-    stds = 2.0 * np.array([2, 1, 0.5, floor])
+    stds = 2.0 * c
     assert logs["adadp_noise_std_mean"] == pytest.approx(stds.mean(), rel=1e-5)
     assert logs["adadp_noise_std_spread"] == pytest.approx(stds.std(), rel=1e-5)
+
+
+class AlwaysAdaptiveAdaDP(tfdp.optimizers.AdaDP):
+    """Test double: the adaptive phase on every step, even with a uniform s."""
+
+    def in_adaptive_phase(self, moments):
+        return tf.constant(True)
+
+
+class NoiselessAlwaysAdaptiveAdaDP(AlwaysAdaptiveAdaDP, NoiselessAdaDP):
+    pass
+
+
+class NoiselessDPSGD(tfdp.optimizers.DPSGD):
+    def noise_stddev(self):
+        return 0.0
+
+
+@pytest.mark.parametrize("noise", ["off", "seeded"])
+def test_whitened_l2_with_uniform_s_is_dpsgd_with_clip_beta_c(noise):
+    """Adaptive phase, s uniform: c_j = beta C / sqrt(d), the ellipsoid is
+    DP-SGD's ball of radius beta C and the noise sigma* beta C, so ADAN's
+    releases and weights equal DP-SGD's (clip beta C, SGD with momentum 0.9)
+    step by step."""
+    rng = np.random.default_rng(7)
+    beta, clip, sigma = 1.2, 0.5, 1.3
+    ada_class, sgd_class = (
+        (NoiselessAlwaysAdaptiveAdaDP, NoiselessDPSGD) if noise == "off"
+        else (AlwaysAdaptiveAdaDP, tfdp.optimizers.DPSGD)
+    )
+    runs = {}
+    for name, make in (
+        ("adadp", lambda: ada_class(learning_rate=0.05, l2_norm_clip=clip, noise_multiplier=sigma,
+                                    local_clip_factor=beta, adaptive_learning_rate=False,
+                                    momentum=0.9, gamma_prime=0.0, seed=9)),
+        ("dpsgd", lambda: sgd_class(learning_rate=0.05, l2_norm_clip=beta * clip,
+                                    noise_multiplier=sigma, momentum=0.9, seed=9)),
+        ("box", lambda: ada_class(learning_rate=0.05, l2_norm_clip=clip, noise_multiplier=sigma,
+                                  local_clip_factor=beta, adaptive_learning_rate=False,
+                                  gamma_prime=0.0, local_clipping="coordinate", seed=9)),
+    ):
+        vs, opt = variables(), make()
+        opt.build(vs)
+        runs[name] = (vs, opt, [])
+    for t in range(4):
+        grads = random_grads(rng, scale=[0.02, 0.3, 3.0, 0.3][t])  # inside and outside the ball
+        for name, (vs, opt, released) in runs.items():
+            if name != "dpsgd":  # uniform s on every step, at a different level each time
+                for slot in opt.second_moments(vs):
+                    slot.assign(tf.fill(slot.shape, 10.0 ** (t - 2)))
+            released.append(step(opt, vs, grads)[0])
+    for got, want in zip(runs["adadp"][2], runs["dpsgd"][2]):
+        for a, b in zip(got, want):
+            np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
+    for a, b in zip(runs["adadp"][0], runs["dpsgd"][0]):
+        np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=1e-5, atol=1e-7)
+    # Negative control: the paper's box (inscribed in the ball) is not DP-SGD.
+    assert not np.allclose(runs["box"][2][2][0], runs["dpsgd"][2][2][0], rtol=1e-3)
+
+
+def test_bounds_square_sum_is_beta_c_squared_on_every_step():
+    """s (fed by the optimizer's own released gradients, gamma' = 0) shrinks
+    by 100x a step for 4 steps, then grows back: the bounds every step uses
+    have sum_j c_j^2 = beta^2 C^2 and the logged noise is sigma* sqrt(d) c_j."""
+    rng = np.random.default_rng(3)
+    vs = variables()
+    beta, clip, sigma, d = 1.2, 0.5, 1e-6, 15
+    opt = tfdp.optimizers.AdaDP(learning_rate=0.01, l2_norm_clip=clip, noise_multiplier=sigma,
+                                local_clip_factor=beta, local_clip_threshold=0.0,
+                                gamma_prime=0.0, seed=2)
+    opt.build(vs)
+    totals = []
+    for scale in [1e-1, 1e-2, 1e-3, 1e-4, 1e-5, 1e-4, 1e-3, 1e-2, 1e-1, 1.0]:
+        s = [m.numpy() for m in opt.second_moments(vs)]
+        totals.append(sum(float(np.sum(x)) for x in s))
+        bounds = [b.numpy().astype(np.float64) for b in opt.clip_bounds([tf.constant(x) for x in s])]
+        assert sum(float(np.sum(b**2)) for b in bounds) == pytest.approx((beta * clip) ** 2, rel=1e-5)
+        for b, want in zip(bounds, bounds_of(s, beta, clip)):
+            np.testing.assert_allclose(b, want, rtol=1e-5)
+        _, logs = step(opt, vs, random_grads(rng, scale=scale))
+        if totals[-1] > 0:  # after the first (warm-up) step
+            assert logs["adadp_phase"] == 1.0
+            stds = sigma * math.sqrt(d) * np.concatenate([b.ravel() for b in bounds])
+            assert logs["adadp_noise_std_mean"] == pytest.approx(stds.mean(), rel=1e-4)
+    # s really shrank (by > 1e6) and grew back (by > 1e6).
+    low = min(totals[1:])
+    assert totals[1] / low > 1e6 and totals[-1] / low > 1e6, totals
 
 
 class HalfNoiseAdaDP(tfdp.optimizers.AdaDP):
@@ -186,22 +288,25 @@ class HalfNoiseAdaDP(tfdp.optimizers.AdaDP):
 
 @pytest.mark.parametrize("optimizer_class, caught", [(tfdp.optimizers.AdaDP, False),
                                                     (HalfNoiseAdaDP, True)])
-def test_optimizer_adds_whitened_noise_of_std_sigma_star(optimizer_class, caught):
+@pytest.mark.parametrize("mode", ["whitened_l2", "coordinate"])
+def test_optimizer_adds_whitened_noise_of_std_sigma_star(optimizer_class, caught, mode):
     """Through the optimizer's adaptive phase, not the helper: with zero
-    gradients the release is noise/b; whitened by b / (beta sqrt(d s_j)) it
-    must be N(0, sigma*^2) on every coordinate group (4 x 1024 coordinates,
-    a sample std's own std is about 2%)."""
-    d, sigma, batch = 4096, 1.3, 2
+    gradients the release is noise/b; whitened by b / (sqrt(d) c_j),
+    c_j = beta C sqrt(s_j / sum s), it must be N(0, sigma*^2) on every
+    coordinate group (4 x 1024 coordinates, a sample std's own std is
+    about 2%)."""
+    d, sigma, batch, beta, clip = 4096, 1.3, 2, 1.2, 0.7
     shape = np.repeat(np.array([4.0, 1.0, 0.25, 0.01], np.float32), d // 4)
     vs = [tf.Variable(tf.zeros([d]))]
-    opt = optimizer_class(learning_rate=0.1, l2_norm_clip=100.0, noise_multiplier=sigma,
-                          local_clip_factor=1.0, seed=5)
+    opt = optimizer_class(learning_rate=0.1, l2_norm_clip=clip, noise_multiplier=sigma,
+                          local_clip_factor=beta, local_clipping=mode, seed=5)
     opt.build(vs)
     opt.second_moments(vs)[0].assign(shape)
     info = {"mask": tf.ones([batch]), "expected_batch_size": tf.constant(float(batch))}
     (released,), logs = step(opt, vs, [np.zeros((batch, d), np.float32)], info)
     assert logs["adadp_phase"] == 1.0
-    whitened = released * batch / (np.sqrt(d) * np.sqrt(shape))
+    c = beta * clip * np.sqrt(shape / shape.sum())
+    whitened = released * batch / (np.sqrt(d) * c)
     group_stds = whitened.reshape(4, -1).std(axis=1)
     within = np.all(np.abs(group_stds / sigma - 1.0) < 0.08) and abs(whitened.mean()) < 0.1
     assert within != caught, group_stds
@@ -248,6 +353,91 @@ def test_fit_logs_ledger_save_and_restore(tmp_path):
     assert loaded.privacy.steps == 7
 
 
+def independent_public_statistic(model, x, y):
+    """Mean over (x, y) of squared per-example gradients, one tape per example."""
+    total = [np.zeros(v.shape) for v in model.trainable_variables]
+    for i in range(len(x)):
+        with tf.GradientTape() as tape:
+            loss = LOSS(y[i : i + 1], model(x[i : i + 1], training=False))
+        grads = tape.gradient(loss, model.trainable_variables)
+        total = [t + g.numpy() ** 2 for t, g in zip(total, grads)]
+    return [t / len(x) for t in total]
+
+
+def fit_shape(noise_shape, x, y, public, steps=3, learning_rate=0.0, **kwargs):
+    keras.utils.set_random_seed(0)
+    model = small_model()
+    extra = dict(public_data=public) if noise_shape == "public" else {}
+    opt = tfdp.optimizers.AdaDP(learning_rate=learning_rate, l2_norm_clip=1.0,
+                                noise_multiplier=1.1, local_clip_threshold=0.0,
+                                noise_shape=noise_shape, seed=4, **extra, **kwargs)
+    model.compile(optimizer=opt, loss=LOSS)
+    model.fit(x, y, batch_size=10, epochs=1, steps_per_epoch=steps, verbose=0)
+    return model, [m.numpy() for m in opt.second_moments(model.trainable_variables)]
+
+
+def test_public_shape_never_reads_training_data():
+    """Learning rate 0 (the weights stay put): trained on two different
+    training sets, the public s is identical, and equals the mean squared
+    per-example gradient on the public set computed independently. The
+    released shape (negative control) differs between the two sets."""
+    public = small_data(20, seed=1)
+    train_a, train_b = small_data(60, seed=2), small_data(60, seed=3)
+    train_b = (train_b[0] * 5.0, train_b[1])
+    model, s_a = fit_shape("public", *train_a, public, public_refresh_steps=1)
+    _, s_b = fit_shape("public", *train_b, public, public_refresh_steps=1)
+    for a, b, want in zip(s_a, s_b, independent_public_statistic(model, *public)):
+        np.testing.assert_array_equal(a, b)
+        np.testing.assert_allclose(a, want, rtol=1e-4, atol=1e-9)
+    # The ledger holds DP-SGD's event for every step, as for the released shape.
+    want = accounting.compute_epsilon(1.1, 10 / 60, 3, 1e-5)
+    assert model.privacy.epsilon(1e-5) == pytest.approx(want, rel=1e-9)
+    _, r_a = fit_shape("released", *train_a, None)
+    _, r_b = fit_shape("released", *train_b, None)
+    assert not np.allclose(r_a[0], r_b[0], rtol=0.1)
+
+
+class CountingAdaDP(tfdp.optimizers.AdaDP):
+    """Counts public refreshes and the step each happened before."""
+
+    def public_second_moments(self, model):
+        self.refreshed_at = getattr(self, "refreshed_at", []) + [int(self.iterations.numpy())]
+        return super().public_second_moments(model)
+
+
+def test_public_shape_refresh_schedule_and_refusals(tmp_path):
+    x, y = small_data(60, seed=2)
+    public = small_data(20, seed=1)
+    keras.utils.set_random_seed(0)
+    model = small_model()
+    opt = CountingAdaDP(learning_rate=0.01, l2_norm_clip=1.0, noise_multiplier=1.1,
+                        noise_shape="public", public_data=public, public_refresh_steps=3, seed=4)
+    model.compile(optimizer=opt, loss=LOSS)
+    model.fit(x, y, batch_size=10, epochs=1, steps_per_epoch=7, verbose=0)
+    assert opt.refreshed_at == [0, 3, 6]
+    model.fit(x, y, batch_size=10, epochs=1, steps_per_epoch=2, verbose=0)
+    assert opt.refreshed_at == [0, 3, 6, 7]  # every fit starts with a fresh s
+    # s holds the statistic of the last refresh (weights of step 7 -> 8 moved since).
+    assert all(float(np.sum(m.numpy())) > 0 for m in opt.second_moments(model.trainable_variables))
+    # Training data in the public set is refused before any step.
+    leaky = (np.concatenate([public[0], x[:5]]), np.concatenate([public[1], y[:5]]))
+    opt.set_public_data(leaky)
+    steps = model.privacy.steps
+    with pytest.raises(ValueError, match="5 of the 25 examples of `public_data`"):
+        model.fit(x, y, batch_size=10, epochs=1, steps_per_epoch=1, verbose=0)
+    assert model.privacy.steps == steps
+    # A loaded model has no public arrays until they are set again.
+    opt.set_public_data(public)
+    path = str(tmp_path / "public.keras")
+    model.save(path)
+    loaded = keras.models.load_model(path, custom_objects={"CountingAdaDP": CountingAdaDP})
+    assert loaded.optimizer.noise_shape == "public"
+    with pytest.raises(ValueError, match="set_public_data"):
+        loaded.fit(x, y, batch_size=10, epochs=1, steps_per_epoch=1, verbose=0)
+    loaded.optimizer.set_public_data(public)
+    loaded.fit(x, y, batch_size=10, epochs=1, steps_per_epoch=1, verbose=0)
+
+
 @pytest.mark.parametrize(
     "kwargs, message",
     [
@@ -257,6 +447,13 @@ def test_fit_logs_ledger_save_and_restore(tmp_path):
         (dict(local_clip_factor=0.0), "Received: local_clip_factor=0.0"),
         (dict(epsilon=-1e-7), "Received: epsilon=-1e-07"),
         (dict(local_clipping="l1"), "Received: local_clipping='l1'"),
+        (dict(noise_shape="raw"), "Received: noise_shape='raw'"),
+        (dict(momentum=0.9), "momentum=0.9 and adaptive_learning_rate=True"),
+        (dict(momentum=1.0, adaptive_learning_rate=False), "Received: momentum=1.0"),
+        (dict(public_refresh_steps=0), "Received: public_refresh_steps=0"),
+        (dict(public_data=(np.zeros((2, 4)), np.zeros(2))), "noise_shape='released' and public_data"),
+        (dict(noise_shape="public", adaptive_noise=False), "adaptive_noise=False"),
+        (dict(noise_shape="public", public_data=(np.zeros((2, 4)), np.zeros(3))), "y of shape"),
         (dict(adaptive_noise="yes"), "Received: adaptive_noise='yes'"),
         (dict(noise_multiplier=0.0), "Received: noise_multiplier=0.0"),
     ],
@@ -271,12 +468,15 @@ def test_config_round_trip_of_every_option():
         learning_rate=keras.optimizers.schedules.ExponentialDecay(0.01, 100, 0.9),
         l2_norm_clip=2.0, noise_multiplier=3.0, gamma=0.2, gamma_prime=0.8,
         local_clip_threshold=1e-8, local_clip_factor=1.5, epsilon=1e-6,
-        local_clipping="whitened_l2", adaptive_learning_rate=False, adaptive_noise=True,
+        local_clipping="coordinate", noise_shape="public", public_data=(np.zeros((2, 4)), np.zeros(2)),
+        public_refresh_steps=7, adaptive_learning_rate=False, adaptive_noise=True, momentum=0.5,
         weight_decay=0.01, seed=5,
     )
     config = keras.saving.serialize_keras_object(opt)
     again = keras.saving.deserialize_keras_object(config)
-    assert again.get_config()["local_clipping"] == "whitened_l2"
+    assert again.get_config()["local_clipping"] == "coordinate"
+    assert (again.noise_shape, again.public_refresh_steps, again.momentum) == ("public", 7, 0.5)
+    assert again.inner_optimizer.momentum == 0.5
     assert keras.saving.serialize_keras_object(again) == config
 
 

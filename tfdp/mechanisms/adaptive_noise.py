@@ -1,30 +1,41 @@
 """AdaDP's adaptive noise (Xu et al., seed 004, Algorithm 1) as TF functions.
 
-AdaDP keeps, per parameter coordinate j, an exponential moving average of
-squared NOISY gradients (MECHANISMS.md section 5; the paper's line 23 reads
-the raw gradient, an unaccounted release, so tfdp only ever feeds released
-values):
+AdaDP keeps, per parameter coordinate j, a statistic s_j of squared
+gradients that sets the SHAPE of its per-coordinate clip bounds
+(MECHANISMS.md sections 5 and 5.1). s is post-processing of released or
+public values only: the EMA of squared NOISY gradients
 
     s_j <- gamma' s_j + (1 - gamma') g~_j^2
 
+(the paper's line 23 reads the raw gradient, an unaccounted release), or the
+mean squared per-example gradient on a data set the user declares public
+(`public_second_moments`).
+
 While the spread Var_j(sqrt(s_j)) <= G (warm-up) a step is plain DP-SGD.
-Afterwards every per-example gradient is clipped per coordinate to
-[-c_j, c_j] with c_j = beta * sqrt(s_j), and the sum gets noise
+Afterwards the bounds are
+
+    c_j = beta * C * sqrt(s'_j / sum_k s'_k),   s'_j = max(s_j, f * mean(s))
+
+so s sets their shape and beta * C their scale: sum_j c_j^2 = beta^2 C^2
+exactly, whatever the scale of s (`clip_bounds`; the floor f =
+`RELATIVE_FLOOR` keeps every bound > 0, and the sum is taken over the
+floored s', so flooring renormalises the other bounds slightly instead of
+breaking the equality). Every per-example gradient is clipped to the
+ellipsoid sum_j g_j^2 / (d c_j^2) <= 1 ("whitened_l2", the default) or to
+the box [-c_j, c_j] ("coordinate", the paper's), and the sum gets noise
 N(0, sigma_j^2) with sigma_j = sigma* * sqrt(d) * c_j (d = number of
 parameters). Why that is private: dividing coordinate j by sqrt(d) * c_j
 ("whitening") maps every clipped per-example gradient into the L2 ball of
-radius 1 (each of its d coordinates is at most 1/sqrt(d) in absolute value)
-and the noise to N(0, sigma*^2 I). In the whitened space the step is DP-SGD
-with clip 1 and noise multiplier sigma*; un-whitening is post-processing with
-a scale that depends only on released values. So the step's dp_accounting
-event is DP-SGD's, PoissonSampledDpEvent(q, GaussianDpEvent(sigma*)).
+radius 1 and the noise to N(0, sigma*^2 I). In the whitened space the step
+is DP-SGD with clip 1 and noise multiplier sigma*; un-whitening is
+post-processing with a scale that depends only on released or public values.
+So the step's dp_accounting event is DP-SGD's,
+PoissonSampledDpEvent(q, GaussianDpEvent(sigma*)).
 
-`local_clipped_sum(..., mode="whitened_l2")` clips the whitened gradient by
-its L2 norm instead of per coordinate: the same ball, so the same privacy,
-and an example's direction is kept.
-
-A floor keeps every c_j > 0 (s_j = 0 would clip the coordinate to nothing
-and divide by zero when whitening).
+With a uniform s, c_j = beta C / sqrt(d): "whitened_l2" is then exactly
+DP-SGD with clip beta * C (the ball of radius beta C, noise sigma* beta C),
+so AdaDP differs from DP-SGD only through the shape it learns; "coordinate"
+is the box inscribed in that ball.
 
 The end of this module reproduces the paper's Theorem 1 accounting (the
 Wang-Balle-Kasiviswanathan bound with the classic RDP conversion). It is not
@@ -33,9 +44,9 @@ tfdp's guarantee; see `paper_theorem1_epsilon`.
 Example:
 
 >>> import tensorflow as tf
->>> s = [tf.constant([4.0, 1.0, 0.0])]
->>> [b.numpy() for b in clip_bounds(s, local_clip_factor=1.0)][0][:2]
-array([2., 1.], dtype=float32)
+>>> s = [tf.constant([3.0, 1.0])]
+>>> [b.numpy() for b in clip_bounds(s, local_clip_factor=1.0, l2_norm_clip=2.0)][0]
+array([1.7320508, 1.       ], dtype=float32)
 """
 
 import functools
@@ -45,12 +56,14 @@ import tensorflow as tf
 
 from tfdp.mechanisms import dpsgd
 
-LOCAL_CLIPPING_MODES = ("coordinate", "whitened_l2")
+LOCAL_CLIPPING_MODES = ("whitened_l2", "coordinate")
 
 # Floor on s_j when it sets a clip bound: a fraction of the mean of s (scale
-# free), plus an absolute minimum for an all-zero s.
-RELATIVE_FLOOR = 1e-6
-ABSOLUTE_FLOOR = 1e-30
+# free), plus an absolute minimum for an all-zero s (which gives uniform
+# bounds). A coordinate at the floor keeps a bound of sqrt(RELATIVE_FLOOR)
+# times the root-mean-square bound.
+RELATIVE_FLOOR = 1e-3
+ABSOLUTE_FLOOR = 1e-35
 
 
 def num_parameters(tensors):
@@ -127,32 +140,43 @@ def is_adaptive_phase(moments, threshold):
     return sqrt_spread(moments) > tf.cast(threshold, tf.float32)
 
 
-def clip_bounds(moments, local_clip_factor, max_bound=None):
-    """Per-coordinate clip bounds c_j = min(beta * sqrt(max(s_j, floor)), cap).
+def clip_bounds(moments, local_clip_factor, l2_norm_clip):
+    """Per-coordinate clip bounds c_j = beta C sqrt(s'_j / sum_k s'_k).
 
-    The floor is `RELATIVE_FLOOR` times the mean of s over all coordinates
-    (and at least `ABSOLUTE_FLOOR`), so no bound is 0. The cap `max_bound`
-    (AdaDP passes its global clip C, which also bounds any coordinate of a
-    globally clipped gradient) keeps s finite: s is fed by noise whose scale
-    grows with s, and without a cap it grows without bound whenever
-    beta^2 sigma*^2 d / b^2 > 1. Both depend only on released values, so the
-    privacy argument is unchanged.
+    s'_j = max(s_j, floor), the floor being `RELATIVE_FLOOR` times the mean
+    of s over all coordinates (and at least `ABSOLUTE_FLOOR`), so no bound is
+    0. The normalising sum is over the floored s', so
+
+        sum_j c_j^2 = beta^2 C^2
+
+    holds exactly (up to float rounding) whatever s is: s sets the shape of
+    the bounds, beta and C their scale, as C does for DP-SGD. Raising a
+    coordinate to the floor takes its share from the others (at most a
+    fraction RELATIVE_FLOOR of the total). An all-zero s gives the uniform
+    bounds beta C / sqrt(d). Depends only on s, so the privacy argument
+    holds for any s computed from released or public values.
 
     Args:
         moments: list of tensors, the statistic s.
         local_clip_factor: beta > 0.
-        max_bound: optional cap on every bound (a positive float).
+        l2_norm_clip: C > 0.
 
     Returns:
         List of positive tensors shaped like `moments`.
+
+    Example:
+
+    >>> bounds = clip_bounds([tf.constant([4.0, 0.0]), tf.constant([1.0])], 1.0, 1.0)
+    >>> round(sum(float(tf.reduce_sum(b**2)) for b in bounds), 6)
+    1.0
     """
-    total = tf.add_n([tf.reduce_sum(m) for m in moments])
     count = float(num_parameters(moments))
+    total = tf.add_n([tf.reduce_sum(tf.maximum(m, 0.0)) for m in moments])
     floor = tf.maximum(RELATIVE_FLOOR * total / count, ABSOLUTE_FLOOR)
-    bounds = [local_clip_factor * tf.sqrt(tf.maximum(m, floor)) for m in moments]
-    if max_bound is not None:
-        bounds = [tf.minimum(b, max_bound) for b in bounds]
-    return bounds
+    floored = [tf.maximum(m, floor) for m in moments]
+    floored_total = tf.add_n([tf.reduce_sum(f) for f in floored])
+    scale = local_clip_factor * l2_norm_clip * tf.math.rsqrt(floored_total)
+    return [scale * tf.sqrt(f) for f in floored]
 
 
 def whitening_scales(bounds, num_params):
@@ -222,7 +246,7 @@ def whitened_l2_factors(per_example, bounds, num_params):
     return dpsgd.clip_factors(sq, 1.0)
 
 
-def local_clipped_sum(per_example, bounds, num_params, weights=None, mode="coordinate"):
+def local_clipped_sum(per_example, bounds, num_params, weights=None, mode="whitened_l2"):
     """Sum over examples of locally clipped gradients.
 
     Every clipped example, whitened, has L2 norm <= 1, so one example changes
@@ -233,8 +257,9 @@ def local_clipped_sum(per_example, bounds, num_params, weights=None, mode="coord
         bounds: list of clip bounds c [*shape] (see `clip_bounds`).
         num_params: d, the total number of coordinates.
         weights: optional [B] 0/1 mask (0 on padding rows).
-        mode: "coordinate" (the paper: clip each coordinate to [-c_j, c_j])
-            or "whitened_l2" (scale the whitened gradient to norm <= 1).
+        mode: "whitened_l2" (default: scale the whitened gradient to norm
+            <= 1, keeping its direction) or "coordinate" (the paper: clip
+            each coordinate to [-c_j, c_j]).
 
     Returns:
         (list of sums [*shape], number of kept rows with a non-finite
@@ -243,7 +268,7 @@ def local_clipped_sum(per_example, bounds, num_params, weights=None, mode="coord
     Example:
 
     >>> g = [tf.constant([[3.0, -0.5], [0.1, 0.2]])]
-    >>> sums, _ = local_clipped_sum(g, [tf.constant([1.0, 1.0])], 2)
+    >>> sums, _ = local_clipped_sum(g, [tf.constant([1.0, 1.0])], 2, mode="coordinate")
     >>> sums[0].numpy()
     array([ 1.1, -0.3], dtype=float32)
     """
@@ -292,9 +317,9 @@ def adaptive_noisy_mean(sums, bounds, num_params, noise_multiplier, expected_bat
     ]
 
 
-def noise_std_summary(moments, local_clip_factor, noise_multiplier, num_params, max_bound=None):
+def noise_std_summary(moments, local_clip_factor, l2_norm_clip, noise_multiplier, num_params):
     """(mean, std) over coordinates of the adaptive-phase sigma_j (scalars)."""
-    bounds = clip_bounds(moments, local_clip_factor, max_bound)
+    bounds = clip_bounds(moments, local_clip_factor, l2_norm_clip)
     stds = noise_stddevs(bounds, noise_multiplier, num_params)
     flat = tf.concat([tf.reshape(s, [-1]) for s in stds], 0)
     mean = tf.reduce_mean(flat)

@@ -1,10 +1,11 @@
 """`AdaDP` (Xu et al., seed 004): adaptive learning rate and adaptive noise.
 
-See MECHANISMS.md section 5 and `tfdp.mechanisms.adaptive_noise` for the
-math and why it is private.
+See MECHANISMS.md sections 5 and 5.1 and `tfdp.mechanisms.adaptive_noise`
+for the math and why it is private.
 """
 
 import math
+import numbers
 
 import keras
 import numpy as np
@@ -12,15 +13,30 @@ import tensorflow as tf
 
 from tfdp import accounting, distribute
 from tfdp.mechanisms import adaptive_noise as ada
+from tfdp.models.per_example import compute_per_example_gradients
 from tfdp.optimizers.dp_optimizer import DPOptimizer, check_positive
+from tfdp.optimizers.sadpsgd import _row_hashes
 
 PAPER_BOUNDS = ("theorem1", "poisson_rdp")
+NOISE_SHAPES = ("released", "public")
+# Public examples per per-example gradient pass of the public statistic
+# (memory: PUBLIC_CHUNK x d floats).
+PUBLIC_CHUNK = 256
+
+MISSING_PUBLIC_DATA = (
+    "AdaDP(noise_shape='public') has no public data set. Call "
+    "`optimizer.set_public_data((x_public, y_public))` with data that is NOT "
+    "training data (a held-out split you may release, for example); a model "
+    "loaded from a file needs this too, since arrays are not saved with the "
+    "optimizer's configuration. Training was not started."
+)
 
 # `tfdp train --mechanism adadp` settings per built-in dataset (RMSprop-sized
-# learning rates; a large batch on digits keeps beta^2 sigma*^2 d / b^2 < 1,
-# see the class docstring). Measured by examples/adadp_*.py.
+# learning rates). digits: chosen by `examples/adadp_digits.py --tune` on a
+# validation split carved from the training data (batch sizes 64-512, learning
+# rates 0.005-0.05, two seeds each; the test split was not read).
 RECIPE_DEFAULTS = {
-    "digits": dict(batch_size=512, learning_rate=0.05),
+    "digits": dict(batch_size=64, learning_rate=0.02),
     "fashion_mnist": dict(batch_size=2048, learning_rate=0.002),
 }
 
@@ -43,51 +59,110 @@ def _check_bool(name, value):
     return bool(value)
 
 
+def _public_arrays(public_data):
+    """(x, y, number of examples) from a public (x, y) pair, checked."""
+    if not isinstance(public_data, (tuple, list)) or len(public_data) != 2:
+        raise ValueError(
+            "Expected `public_data` to be a pair (x, y) of public arrays. "
+            f"Received: public_data of type {type(public_data).__name__}"
+        )
+    x, y = public_data
+    if isinstance(x, tf.data.Dataset) or isinstance(y, tf.data.Dataset):
+        raise ValueError(
+            "Expected `public_data` to hold arrays, not a tf.data.Dataset. "
+            "Received: public_data=(Dataset, ...)"
+        )
+    x = tf.nest.map_structure(np.asarray, x)
+    y = np.asarray(y)
+    leaves = tf.nest.flatten(x)
+    num = len(leaves[0]) if leaves and leaves[0].ndim else 0
+    if num == 0:
+        raise ValueError("Received empty `public_data`: x has 0 examples.")
+    for name, arr in [("x", a) for a in leaves] + [("y", y)]:
+        if arr.ndim == 0 or len(arr) != num:
+            raise ValueError(
+                f"Expected every array of `public_data` to have {num} rows. "
+                f"Received: {name} of shape {arr.shape}"
+            )
+        if np.issubdtype(arr.dtype, np.floating) and not np.all(np.isfinite(arr)):
+            raise ValueError(
+                "Expected finite `public_data` (a NaN or Inf makes the noise "
+                f"shape NaN). Received: {name} with non-finite values"
+            )
+    return x, y, num
+
+
+class _PublicShapeRefresher(keras.callbacks.Callback):
+    """Recomputes AdaDP's public noise shape before the steps that need it."""
+
+    def __init__(self, optimizer):
+        super().__init__()
+        self._optimizer = optimizer
+
+    def on_train_batch_begin(self, batch, logs=None):
+        self._optimizer._maybe_refresh_public_shape(self.model)
+
+
 @keras.saving.register_keras_serializable(package="tfdp")
 class AdaDP(DPOptimizer):
     """AdaDP: DP training with an adaptive learning rate and adaptive noise.
 
-    Per parameter coordinate j it keeps two statistics of the released noisy
-    gradient g~ (never of raw gradients, MECHANISMS.md section 5):
+    Adaptive learning rate: v_j <- (1 - gamma) v_j + gamma g~_j^2 on the
+    released noisy gradient g~, and theta <- theta - learning_rate * g~ /
+    sqrt(v + epsilon), which is exactly
+    `keras.optimizers.RMSprop(rho=1 - gamma, epsilon=epsilon)`: AdaDP runs
+    one as its inner optimizer, and v is its "velocity" slot.
 
-    * v_j <- (1 - gamma) v_j + gamma g~_j^2 (adaptive learning rate); the step
-      is theta <- theta - learning_rate * g~ / sqrt(v + epsilon), which is
-      exactly `keras.optimizers.RMSprop(rho=1 - gamma, epsilon=epsilon)`:
-      AdaDP runs one as its inner optimizer, and v is its "velocity" slot.
-    * s_j <- gamma_prime s_j + (1 - gamma_prime) g~_j^2 (noise shape), an
-      optimizer variable of AdaDP ("noise_second_moment").
+    Adaptive noise (MECHANISMS.md sections 5 and 5.1): a statistic s
+    ("noise_second_moment", one slot per variable) sets the SHAPE of
+    per-coordinate clip bounds whose SCALE is C's:
 
-    Both are optimizer variables, saved with `model.save` and restored.
+        c_j = local_clip_factor * l2_norm_clip * sqrt(s'_j / sum_k s'_k),
 
-    Noise: while Var_j(sqrt(s_j)) <= `local_clip_threshold` (G; warm-up) a
-    step is DP-SGD (global L2 clipping to `l2_norm_clip`, noise
-    N(0, (noise_multiplier * l2_norm_clip)^2)). After that (adaptive phase)
-    every per-example gradient is clipped per coordinate to
-    [-c_j, c_j], c_j = min(local_clip_factor * sqrt(s_j), l2_norm_clip) (s_j
-    floored at 1e-6 x its mean, so c_j > 0), and the sum gets
-    N(0, sigma_j^2), sigma_j = noise_multiplier * sqrt(d) * c_j (d = number of
-    trainable parameters). The phase is decided each step inside the compiled
-    step (`tf.cond`) from the noisy statistic s alone. G is in
-    squared-gradient units: the paper's 1e-6 suits its C = 4, lot 600; with
-    small C or large batches Var(sqrt(s)) can stay below it and AdaDP never
-    leaves warm-up (it is then ADAL).
+    s'_j = max(s_j, 1e-3 * mean(s)) (no zero bound; the sum is over s', so
+    sum_j c_j^2 = (local_clip_factor * l2_norm_clip)^2 exactly, whatever the
+    scale of s). While Var_j(sqrt(s_j)) <= `local_clip_threshold` (G,
+    warm-up) a step is DP-SGD (clip C, noise N(0, (sigma* C)^2)). After that
+    (adaptive phase) each per-example gradient is clipped to the ellipsoid
+    sum_j g_j^2 / (d c_j^2) <= 1 (`local_clipping="whitened_l2"`, default)
+    or to the box [-c_j, c_j] ("coordinate", the paper's), and coordinate j
+    of the sum gets N(0, sigma_j^2), sigma_j = sigma* sqrt(d) c_j (d the
+    number of trainable parameters). With a uniform s, whitened-L2 AdaDP is
+    exactly DP-SGD with clip beta * C: it differs from DP-SGD only through
+    the shape it learns. The phase is decided each step inside the compiled
+    step (`tf.cond`) from s alone. G is in squared-gradient units: the
+    paper's 1e-6 suits its C = 4, lot 600; with small C or large batches
+    Var(sqrt(s)) can stay below it and AdaDP never leaves warm-up (it is
+    then ADAL).
 
-    Behaviour of this sound version (fed by released gradients only): the
-    released gradient's scale is set by the bounds themselves, so on average
-    s_j <- s_j (gamma' + (1 - gamma') (beta^2 a_j^2 + kappa)), where a_j is
-    the examples' sign agreement on coordinate j and
-    kappa = beta^2 noise_multiplier^2 d / b^2 (b the expected batch size).
-    s has no scale of its own: it shrinks geometrically on coordinates with
-    beta^2 a_j^2 + kappa < 1 and grows (up to the cap C) when kappa > 1, where
-    the noise feeds on itself. The cap keeps it finite; the shrinkage slows
-    training (README, "AdaDP", has measurements).
+    Where s comes from (`noise_shape`), both sound:
+
+    * "released" (default): s_j <- gamma_prime s_j + (1 - gamma_prime)
+      g~_j^2, an EMA of the released noisy gradients (the paper reads raw
+      gradients, an unaccounted release). Free.
+    * "public": s_j = mean over `public_data`, a data set you declare
+      public, of squared per-example gradients at the current weights,
+      recomputed before the first step of every `fit` and then every
+      `public_refresh_steps` steps (by a callback, between compiled steps).
+      Immune to the noise floor of released gradients. Never pass training
+      data: s steers every step without noise (`fit` refuses a public set
+      sharing examples with the training data). Cost: one per-example
+      gradient pass over the public set (in chunks of 256, materialized:
+      256 x d floats) per refresh, i.e. about n_public / (batch_size x
+      public_refresh_steps) of the training's gradient work (Fashion-MNIST
+      with 5,000 public examples, batch 2048, every 10 steps: about 24%
+      more), plus one hash per training example per `fit`. Runs on one
+      replica.
+
+    Both statistics are optimizer variables, saved with `model.save` and
+    restored (the public arrays are not: call `set_public_data` again).
 
     Privacy: in the whitened space (coordinate j divided by sqrt(d) c_j) every
     clipped example has L2 norm <= 1 and the noise is
-    N(0, noise_multiplier^2 I), so each step, in either phase, is the event
-    `dpsgd_event(noise_multiplier, q)` that the ledger charges (tight Poisson
-    sampled-Gaussian RDP). `paper_epsilon` reproduces the paper's own
-    accounting and is not the guarantee.
+    N(0, noise_multiplier^2 I), so each step, in either phase and with either
+    noise shape, is the event `dpsgd_event(noise_multiplier, q)` that the
+    ledger charges (tight Poisson sampled-Gaussian RDP). `paper_epsilon`
+    reproduces the paper's own accounting and is not the guarantee.
 
     Memory: the adaptive phase materializes per-example gradients, a
     [B, *shape] tensor per variable: B x d floats for padded batch size B
@@ -99,24 +174,40 @@ class AdaDP(DPOptimizer):
     (DP-SGD noise with the RMSprop step); `adaptive_learning_rate=False` is
     ADAN (adaptive noise with a plain SGD step, theta -= learning_rate * g~).
 
+    Logs: "adadp_phase" (0 warm-up, 1 adaptive), "adadp_noise_std_mean" and
+    "adadp_noise_std_spread" (mean and standard deviation over coordinates
+    of the noise std sigma_j on the clipped sum).
+
     Args:
         learning_rate: float or schedule (default 0.002, the paper's MNIST
             setting; ADAN needs a larger one, the paper used 0.1).
-        l2_norm_clip: C > 0, the warm-up's global clipping bound.
+        l2_norm_clip: C > 0: the warm-up's global clipping bound, and the
+            scale of the adaptive bounds (sum_j c_j^2 = beta^2 C^2).
         noise_multiplier: sigma* > 0, the noise multiplier in both phases.
         gamma: weight of the new g~^2 in v, in (0, 1] (default 0.1).
-        gamma_prime: weight of the OLD value in s, in [0, 1) (default 0.9).
+        gamma_prime: weight of the OLD value in s, in [0, 1) (default 0.9;
+            used by noise_shape="released").
         local_clip_threshold: G >= 0 (default 1e-6); local clipping starts
             once Var(sqrt(s)) > G.
         local_clip_factor: beta > 0 (default 1.2).
         epsilon: the RMSprop smoothing term epsilon_0 > 0 (default 1e-7, as
             Keras; not a privacy parameter).
-        local_clipping: "coordinate" (default, the paper: clip each
-            coordinate to [-c_j, c_j]) or "whitened_l2" (scale each example so
-            that its whitened L2 norm is <= 1: the same privacy, keeps each
-            example's direction).
+        local_clipping: "whitened_l2" (default: scale each example so that
+            its whitened L2 norm is <= 1, keeping its direction) or
+            "coordinate" (the paper: clip each coordinate to [-c_j, c_j]).
+            Same privacy.
+        noise_shape: "released" (default) or "public" (see above).
+        public_data: with noise_shape="public", a pair (x, y) of PUBLIC
+            arrays (not training data); `None` defers it to
+            `set_public_data` (as `from_config` does).
+        public_refresh_steps: int >= 1 (default 10): steps between two
+            computations of the public s.
         adaptive_learning_rate: bool (default True); False gives ADAN.
         adaptive_noise: bool (default True); False gives ADAL.
+        momentum: SGD momentum in [0, 1) of ADAN's step (default 0; only
+            with adaptive_learning_rate=False). With momentum 0.9,
+            local_clip_factor=1 and a uniform s, ADAN with whitened-L2
+            clipping is DP-SGD with momentum 0.9 and clip C.
         weight_decay, weight_decay_placement, seed, name: see `DPOptimizer`.
 
     Example:
@@ -124,8 +215,8 @@ class AdaDP(DPOptimizer):
     >>> import tfdp
     >>> opt = tfdp.optimizers.AdaDP(learning_rate=0.002, l2_norm_clip=4.0,
     ...                             noise_multiplier=3.0)
-    >>> opt.local_clip_factor, opt.gamma_prime
-    (1.2, 0.9)
+    >>> opt.local_clip_factor, opt.gamma_prime, opt.local_clipping
+    (1.2, 0.9, 'whitened_l2')
     >>> round(opt.paper_epsilon(1e-5, sampling_probability=0.01, steps=1800), 3)
     1.465
     """
@@ -145,9 +236,13 @@ class AdaDP(DPOptimizer):
         local_clip_threshold=1e-6,
         local_clip_factor=1.2,
         epsilon=1e-7,
-        local_clipping="coordinate",
+        local_clipping="whitened_l2",
+        noise_shape="released",
+        public_data=None,
+        public_refresh_steps=10,
         adaptive_learning_rate=True,
         adaptive_noise=True,
+        momentum=0.0,
         weight_decay=0.0,
         weight_decay_placement="before_clip",
         seed=None,
@@ -170,14 +265,42 @@ class AdaDP(DPOptimizer):
                 f"Expected `local_clipping` in {ada.LOCAL_CLIPPING_MODES}. "
                 f"Received: local_clipping={local_clipping!r}"
             )
+        if noise_shape not in NOISE_SHAPES:
+            raise ValueError(
+                f"Expected `noise_shape` in {NOISE_SHAPES}. Received: noise_shape={noise_shape!r}"
+            )
+        if isinstance(public_refresh_steps, bool) or not isinstance(
+            public_refresh_steps, numbers.Integral
+        ) or public_refresh_steps < 1:
+            raise ValueError(
+                "Expected `public_refresh_steps` to be an int >= 1. "
+                f"Received: public_refresh_steps={public_refresh_steps!r}"
+            )
         adaptive_learning_rate = _check_bool("adaptive_learning_rate", adaptive_learning_rate)
         adaptive_noise_on = _check_bool("adaptive_noise", adaptive_noise)
+        if noise_shape == "released" and public_data is not None:
+            raise ValueError(
+                "`public_data` sets the public noise shape: pass noise_shape='public' "
+                "with it. Received: noise_shape='released' and public_data"
+            )
+        if noise_shape == "public" and not adaptive_noise_on:
+            raise ValueError(
+                "ADAL (adaptive_noise=False) adds DP-SGD's noise and has no noise "
+                "shape. Received: noise_shape='public' and adaptive_noise=False"
+            )
+        momentum = _check_fraction("momentum", momentum, low_open=False, high_open=True)
+        if momentum and adaptive_learning_rate:
+            raise ValueError(
+                "`momentum` is for the SGD step of adaptive_learning_rate=False (ADAN); "
+                "the adaptive learning rate is RMSprop's. Received: momentum="
+                f"{momentum} and adaptive_learning_rate=True"
+            )
         if adaptive_learning_rate:
             inner = keras.optimizers.RMSprop(
                 learning_rate=learning_rate, rho=1.0 - gamma, epsilon=epsilon
             )
         else:
-            inner = keras.optimizers.SGD(learning_rate=learning_rate)
+            inner = keras.optimizers.SGD(learning_rate=learning_rate, momentum=momentum)
         super().__init__(
             inner,
             l2_norm_clip=l2_norm_clip,
@@ -194,8 +317,16 @@ class AdaDP(DPOptimizer):
         self.local_clip_factor = local_clip_factor
         self.epsilon = epsilon
         self.local_clipping = local_clipping
+        self.noise_shape = noise_shape
+        self.public_refresh_steps = int(public_refresh_steps)
         self.adaptive_learning_rate = adaptive_learning_rate
         self.adaptive_noise = adaptive_noise_on
+        self.momentum = momentum
+        self._public = None  # (x, y, number of examples, row hashes)
+        self._public_fn = None
+        self._next_refresh = None  # iteration of the next public refresh
+        if public_data is not None:
+            self.set_public_data(public_data)
 
     # -- state ----------------------------------------------------------------
 
@@ -203,7 +334,7 @@ class AdaDP(DPOptimizer):
         if self.built:
             return
         super().build(var_list)
-        # s of the paper (E'[g~^2]): one slot per trainable variable.
+        # s (the paper's E'[g~^2], or the public statistic): one slot per variable.
         self._second_moments = self.add_optimizer_variables(var_list, "noise_second_moment")
 
     def second_moments(self, variables):
@@ -220,11 +351,142 @@ class AdaDP(DPOptimizer):
         inner = self.inner_optimizer
         return [inner._velocities[inner._get_variable_index(v)] for v in variables]
 
-    # -- noise scales (overridden by test doubles only) -----------------------
+    # -- the public noise shape -----------------------------------------------
+
+    def set_public_data(self, public_data):
+        """Sets (or replaces) the PUBLIC data set of noise_shape="public".
+
+        Call it on a loaded model before training again: arrays are not saved
+        with the optimizer. s is recomputed on it before the next step.
+        Never pass training data: s steers every step without noise.
+
+        Args:
+            public_data: (x, y), x an array (or nest of arrays for a
+                multi-input model) and y the labels, as the compiled loss
+                expects them.
+        """
+        if self.noise_shape != "public":
+            raise ValueError(
+                "`public_data` sets the public noise shape: construct AdaDP with "
+                f"noise_shape='public'. Received: noise_shape={self.noise_shape!r}"
+            )
+        x, y, num = _public_arrays(public_data)
+        self._public = (x, y, num, _row_hashes(x))
+        self._next_refresh = None
+
+    def public_second_moments(self, model):
+        """s on the public set at the model's current weights (a list).
+
+        s_j = mean over the public examples of the squared per-example
+        gradient of the compiled loss (plus weight_decay * theta with
+        weight_decay_placement="before_clip", as the clipped gradients),
+        computed with `training=False`. Reads the public arrays and the
+        weights only.
+        """
+        if self._public is None:
+            raise ValueError(MISSING_PUBLIC_DATA)
+        x, y, num, _ = self._public
+        if self._public_fn is None or self._public_fn[0] is not model:
+            self._public_fn = (model, self._make_public_fn(model))
+        fn = self._public_fn[1]
+        chunk = min(num, PUBLIC_CHUNK)
+        totals = None
+        for start in range(0, num, chunk):
+            size = min(chunk, num - start)
+            pad = chunk - size  # pad to one shape: the function is traced once
+
+            def rows(array, start=start, size=size, pad=pad):
+                part = array[start : start + size]
+                if pad:
+                    part = np.concatenate([part, np.repeat(part[:1], pad, 0)], 0)
+                return part
+
+            weights = np.concatenate([np.ones(size, np.float32), np.zeros(pad, np.float32)])
+            sums = fn(tf.nest.map_structure(rows, x), rows(y), weights)
+            totals = sums if totals is None else [t + u for t, u in zip(totals, sums)]
+        return [t / float(num) for t in totals]
+
+    def _make_public_fn(self, model):
+        variables = model.trainable_variables
+
+        @tf.function
+        def squared_sums(x, y, weights):
+            per_example, _, _ = compute_per_example_gradients(
+                model, x, y, weights, model._per_example_loss, model.per_example_gradients,
+                training=False,
+            )
+            grads = per_example.materialize()
+            if self.weight_decay and self.weight_decay_placement == "before_clip":
+                grads = [g + o[None] for g, o in zip(grads, self._decay_offsets(variables))]
+            keep = tf.cast(weights, grads[0].dtype)
+            return [tf.tensordot(keep, tf.square(g), axes=1) for g in grads]
+
+        return squared_sums
+
+    def _maybe_refresh_public_shape(self, model):
+        """Assigns the public s when a refresh is due (called between steps)."""
+        step = int(self.iterations.numpy())
+        if self._next_refresh is not None and step < self._next_refresh:
+            return
+        values = self.public_second_moments(model)
+        for slot, value in zip(self.second_moments(model.trainable_variables), values):
+            slot.assign(value)
+        self._next_refresh = step + self.public_refresh_steps
+
+    def training_callbacks(self):
+        """The public shape's refresher (noise_shape="public"), else none."""
+        if self.noise_shape == "public":
+            return [_PublicShapeRefresher(self)]
+        return []
+
+    def make_training_data(self, model, arrays, batch_size, steps_per_epoch=None):
+        """DP-SGD's Poisson-sampled data; with the public shape, checks first.
+
+        noise_shape="public" refuses to start without public data, with
+        public data sharing examples (identical inputs) with the training
+        data, or under several replicas; s is recomputed before the first
+        step of every `fit` (the weights may have changed).
+        """
+        if self.noise_shape == "public":
+            if self._public is None:
+                raise ValueError(MISSING_PUBLIC_DATA)
+            replicas = model.distribute_strategy.num_replicas_in_sync
+            if replicas > 1:
+                raise ValueError(
+                    "AdaDP(noise_shape='public') computes its public statistic on one "
+                    f"replica: train it on one device. Received: {replicas} replicas"
+                )
+            train = set(_row_hashes(arrays[0]))
+            hashes = self._public[3]
+            shared = sum(h in train for h in hashes)
+            if shared:
+                raise ValueError(
+                    f"{shared} of the {len(hashes)} examples of `public_data` also "
+                    "appear in the training data. The public noise shape steers "
+                    "every step without noise, so reading training records there "
+                    "would be an unaccounted release. Pass a public set disjoint "
+                    f"from the training data. Received: {shared} shared examples"
+                )
+            self._next_refresh = None
+            if not self.built:
+                self.build(model.trainable_variables)
+        return super().make_training_data(
+            model, arrays, batch_size, steps_per_epoch=steps_per_epoch
+        )
+
+    # -- noise scales and phase (overridden by test doubles only) -------------
 
     def whitened_noise_multiplier(self):
         """Noise std in the whitened space, sigma* (adaptive phase)."""
         return self.noise_multiplier
+
+    def in_adaptive_phase(self, moments):
+        """Bool tensor: Var(sqrt(s)) > G, i.e. local clipping this step."""
+        return ada.is_adaptive_phase(moments, self.local_clip_threshold)
+
+    def clip_bounds(self, moments):
+        """The adaptive phase's bounds c from s (see the class docstring)."""
+        return ada.clip_bounds(moments, self.local_clip_factor, self.l2_norm_clip)
 
     # -- the private step -----------------------------------------------------
 
@@ -232,14 +494,13 @@ class AdaDP(DPOptimizer):
         """Warm-up: DP-SGD. Adaptive phase: local clipping and adaptive noise.
 
         The adaptive branch materializes per-example gradients (memory
-        B x d, see the class docstring). The phase is a `tf.cond` on the
-        noisy statistic s.
+        B x d, see the class docstring). The phase is a `tf.cond` on s.
         """
         if not self.adaptive_noise:
             return super().privatize(per_example, step_info)
         variables = per_example.variables
         moments = [tf.convert_to_tensor(m) for m in self.second_moments(variables)]
-        adaptive = ada.is_adaptive_phase(moments, self.local_clip_threshold)
+        adaptive = self.in_adaptive_phase(moments)
         # Materialized outside the cond: per-example gradient objects may cache
         # tensors, and a tensor made inside one branch cannot be used by the
         # other. Warm-up steps (a handful) pay for it too.
@@ -260,7 +521,7 @@ class AdaDP(DPOptimizer):
             offsets = self._decay_offsets(variables)
             materialized = [g + o[None] for g, o in zip(materialized, offsets)]
         d = ada.num_parameters(variables)
-        bounds = ada.clip_bounds(moments, self.local_clip_factor, self.l2_norm_clip)
+        bounds = self.clip_bounds(moments)
         sums, nonfinite = ada.local_clipped_sum(
             materialized, bounds, d, weights=step_info["mask"], mode=self.local_clipping
         )
@@ -275,13 +536,11 @@ class AdaDP(DPOptimizer):
         return grads, nonfinite
 
     def apply_private_gradients(self, grads, trainable_variables, model=None):
-        """Logs this step's phase and noise, updates s from g~, steps.
+        """Logs this step's phase and noise, updates s from g~ (released
+        shape), steps.
 
         Logs (computed from s before the update, i.e. the values this step's
-        `privatize` used): "adadp_phase" (0 warm-up, 1 adaptive),
-        "adadp_noise_std_mean" and "adadp_noise_std_spread" (mean and
-        standard deviation over coordinates of the noise std sigma_j on the
-        clipped sum).
+        `privatize` used): see the class docstring.
         """
         if not self.adaptive_noise:
             constant = tf.constant(self.noise_stddev(), tf.float32)
@@ -294,21 +553,22 @@ class AdaDP(DPOptimizer):
             return logs
         slots = self.second_moments(trainable_variables)
         moments = [tf.convert_to_tensor(m) for m in slots]
-        adaptive = ada.is_adaptive_phase(moments, self.local_clip_threshold)
+        adaptive = self.in_adaptive_phase(moments)
         mean, spread = ada.noise_std_summary(
-            moments, self.local_clip_factor, self.whitened_noise_multiplier(),
-            ada.num_parameters(trainable_variables), self.l2_norm_clip,
+            moments, self.local_clip_factor, self.l2_norm_clip,
+            self.whitened_noise_multiplier(), ada.num_parameters(trainable_variables),
         )
         logs = {
             "adadp_phase": tf.cast(adaptive, tf.float32),
             "adadp_noise_std_mean": tf.where(adaptive, mean, float(self.noise_stddev())),
             "adadp_noise_std_spread": tf.where(adaptive, spread, 0.0),
         }
-        # s reads the global g~ (one replica's part has too little noise).
-        global_grads = distribute.sum_over_replicas(grads)
-        updated = ada.update_second_moments(moments, global_grads, self.gamma_prime)
-        for slot, value in zip(slots, updated):
-            slot.assign(value)
+        if self.noise_shape == "released":
+            # s reads the global g~ (one replica's part has too little noise).
+            global_grads = distribute.sum_over_replicas(grads)
+            updated = ada.update_second_moments(moments, global_grads, self.gamma_prime)
+            for slot, value in zip(slots, updated):
+                slot.assign(value)
         self.inner_optimizer.apply(grads, trainable_variables)
         return logs
 
@@ -388,7 +648,18 @@ class AdaDP(DPOptimizer):
             local_clip_factor=self.local_clip_factor,
             epsilon=self.epsilon,
             local_clipping=self.local_clipping,
+            noise_shape=self.noise_shape,
+            public_refresh_steps=self.public_refresh_steps,
             adaptive_learning_rate=self.adaptive_learning_rate,
             adaptive_noise=self.adaptive_noise,
+            momentum=self.momentum,
         )
         return config
+
+    @classmethod
+    def from_config(cls, config, custom_objects=None):
+        """Rebuilds the optimizer without its public data (arrays are not
+        configuration): with noise_shape="public" call `set_public_data`
+        before training."""
+        config = {"public_data": None, **config}
+        return super().from_config(config, custom_objects=custom_objects)
