@@ -95,10 +95,31 @@ def test_recurrent_rules_match_one_example_at_a_time(
     assert_matches_reference(grads, reference_gradients(model, x, y, weights.numpy(), mse))
 
 
-def test_bidirectional_sublayers_take_the_rule():
+def test_bidirectional_takes_its_rule():
     model = CASES["bidirectional_gru"]()
     rules = {layer.name: type(handler).__name__ for layer, handler in plan_for(model).handlers}
-    assert sorted(rules.values()) == ["DenseRule", "RecurrentRule", "RecurrentRule"]
+    assert sorted(rules.values()) == ["BidirectionalRule", "DenseRule"]
+
+
+def test_bidirectional_fused_gpu_path_is_not_taken_in_the_batched_pass(
+    monkeypatch, mse, reference_gradients, assert_matches_reference
+):
+    """On a GPU Keras may run both directions as one fused cuDNN call that
+    never calls the two GRUs (so their rule would record nothing)."""
+    keras.utils.set_random_seed(1)
+    model = CASES["bidirectional_gru"]()
+    x = tf.random.normal([4, 5, 3])
+    y = tf.random.normal([4, 2])
+    weights = tf.ones([4])
+    reference = reference_gradients(model, x, y, weights.numpy(), mse)
+
+    def fused(self, sequences, initial_state=None):
+        raise AssertionError("the fused path bypasses the per-example rules")
+
+    monkeypatch.setattr(L.Bidirectional, "_can_attempt_fused_gru", lambda self, *a, **k: True)
+    monkeypatch.setattr(L.Bidirectional, "_call_fused_gru", fused)
+    grads, _, _ = compute_per_example_gradients(model, x, y, weights, mse, "batched", training=False)
+    assert_matches_reference(grads, reference)
 
 
 def test_stateful_layers_are_not_taken_by_the_rule():

@@ -298,3 +298,44 @@ class RecurrentRule:
             ]
             parts.append(MaterializedGrads([cell.bias], [sum_per_example(biases)]))
         return parts
+
+
+@register_rule(_L.Bidirectional)
+class BidirectionalRule:
+    """Bidirectional of two layers the recurrent rule supports.
+
+    Keras's Bidirectional may run both directions as one fused cuDNN call
+    (on a GPU, without a mask) that never calls its two layers; this rule
+    turns that dispatch off for the batched pass and runs each direction
+    through `RecurrentRule`.
+    """
+
+    _DIRECTION = RecurrentRule()
+
+    def supports(self, layer):
+        return all(
+            self._DIRECTION.supports(sub) and type(sub) in (_L.LSTM, _L.GRU, _L.SimpleRNN, _L.RNN)
+            for sub in (layer.forward_layer, layer.backward_layer)
+        )
+
+    def call(self, layer, recorder, call, *args, **kwargs):
+        recorder.record(layer, recorder=recorder)
+        no_fusion = lambda *a, **k: False  # noqa: E731
+        names = ("_can_attempt_fused_lstm", "_can_attempt_fused_gru")
+        for name in names:
+            object.__setattr__(layer, name, no_fusion)
+        directions = [(layer.forward_layer, self._DIRECTION), (layer.backward_layer, self._DIRECTION)]
+        try:
+            with recorder.hooked(directions):
+                return call(*args, **kwargs)
+        finally:
+            for name in names:
+                object.__delattr__(layer, name)
+
+    def parts(self, layer, records):
+        recorder = records[0].recorder
+        return [
+            part
+            for sub in (layer.forward_layer, layer.backward_layer)
+            for part in self._DIRECTION.parts(sub, recorder.records_of(sub))
+        ]
