@@ -86,12 +86,14 @@ def test_budget_used_up_by_the_last_planned_step_is_not_a_budget_stop():
     assert budget.stopped_for_budget is False  # before: True
 
 
-def test_budget_stop_mid_epoch_tells_the_truth(capsys):
+@pytest.mark.parametrize("own_bar", [True, False])
+def test_budget_stop_mid_epoch_tells_the_truth(capsys, own_bar):
+    # With or without the user passing tfdp's bar: DPModel.fit uses it.
     x, y = small_data(40)
     model = compiled_model()
     budget = exact_budget(6, 1.0, 0.25)  # 3 epochs of 4 steps planned; room for 6
-    history = model.fit(x, y, batch_size=10, epochs=3, verbose=2,
-                        callbacks=[budget, tfdp.callbacks.ProgbarLogger()])
+    bar = [tfdp.callbacks.ProgbarLogger()] if own_bar else []
+    history = model.fit(x, y, batch_size=10, epochs=3, verbose=2, callbacks=[budget] + bar)
     assert model.privacy.steps == 6 and len(history.epoch) == 2
     assert budget.stopped_for_budget is True
     counts = re.findall(r"^(\d+/\d+) - ", capsys.readouterr().out, flags=re.M)

@@ -193,7 +193,7 @@ class DPTrainingMixin:
         Everything else is as in Keras. Epsilon appears in the logs; add
         `tfdp.callbacks.PrivacyBudget` to set delta or stop at a budget.
         """
-        from tfdp.callbacks import PrivacyBudget
+        from tfdp.callbacks import PrivacyBudget, ProgbarLogger
 
         if self.optimizer is None or self._per_example_loss is None:
             raise ValueError("Compile the model with a tfdp optimizer before calling fit().")
@@ -226,6 +226,9 @@ class DPTrainingMixin:
         # The mechanism's own callbacks write the ledger (per-epoch releases),
         # so they run before its readers.
         callbacks = list(self.optimizer.training_callbacks()) + callbacks
+        if verbose != 0 and not any(isinstance(c, keras.callbacks.ProgbarLogger) for c in callbacks):
+            # Keras's own bar ends an epoch cut by the budget at "28/28".
+            callbacks.append(ProgbarLogger())
         for callback in callbacks:
             if isinstance(callback, PrivacyBudget):
                 callback.check_can_start(self.privacy)
