@@ -70,13 +70,26 @@ def test_two_resumes_from_one_checkpoint_draw_different_noise(checkpoint):
 
 
 def test_negative_control_a_user_seed_reproduces_the_noise(tmp_path):
-    """With a seed (tests only), resumes are identical: the comparison above can see equality."""
+    """With a seed (tests only), resumes are identical: the comparison above can see equality.
+
+    The seed is never saved, so each resume compiles a new optimizer with it.
+    """
     x, y = data()
     model = build(seed=5)
     model.fit(x, y, batch_size=8, epochs=1, steps_per_epoch=2, verbose=0)
     model.save(tmp_path / "seeded.keras")
-    first = one_full_batch_step(keras.models.load_model(tmp_path / "seeded.keras"))
-    second = one_full_batch_step(keras.models.load_model(tmp_path / "seeded.keras"))
+
+    def reseeded():
+        loaded = keras.models.load_model(tmp_path / "seeded.keras")
+        assert loaded.optimizer.seed is None
+        loaded.compile(
+            optimizer=tfdp.optimizers.DPSGD(0.1, l2_norm_clip=1.0, noise_multiplier=1.0, seed=5),
+            loss=LOSS,
+        )
+        return loaded
+
+    first = one_full_batch_step(reseeded())
+    second = one_full_batch_step(reseeded())
     np.testing.assert_array_equal(first, second)
 
 
