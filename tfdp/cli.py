@@ -62,7 +62,7 @@ def _momentum(text):
 def _add_dpsgd_settings(parser, noise=True):
     parser.add_argument("--num-examples", type=_positive_int, required=True, help="training set size N")
     parser.add_argument("--batch-size", type=_positive_int, required=True, help="expected (Poisson) batch size")
-    parser.add_argument("--epochs", type=_positive_float, required=True, help="epochs (steps = ceil(epochs * N / batch))")
+    parser.add_argument("--epochs", type=_positive_float, required=True, help="epochs (steps = ceil(epochs * max(1, round(N / batch))), as fit runs them)")
     parser.add_argument("--delta", type=_probability, default=1e-5, help="target delta (default 1e-5)")
     parser.add_argument("--accountant", choices=("rdp", "pld"), default="rdp")
     if noise:
