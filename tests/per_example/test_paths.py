@@ -297,3 +297,12 @@ def test_mixed_precision_is_refused_at_compile():
     with pytest.raises(ValueError, match="mixed precision"):
         model.compile(optimizer=tfdp.optimizers.DPSGD(0.1, l2_norm_clip=1.0, noise_multiplier=1.0),
                       loss="mse")
+
+
+def test_a_stateful_recurrent_layer_is_refused_at_compile():
+    model = tfdp.DPSequential(
+        [keras.Input((5, 3), batch_size=4), keras.layers.LSTM(2, stateful=True), keras.layers.Dense(2)]
+    )
+    with pytest.raises(ValueError, match="stateful"):
+        model.compile(optimizer=tfdp.optimizers.DPSGD(0.1, l2_norm_clip=1.0, noise_multiplier=1.0),
+                      loss="mse")

@@ -68,8 +68,9 @@ def check_per_example_support(model):
     Raises:
         ValueError: for BatchNormalization (its batch statistics make every
             example's output depend on the others, so per-example gradients,
-            and so clipping, are undefined), and for a layer that computes in
-            another dtype than float32 (mixed precision is not supported).
+            and so clipping, are undefined), for a stateful recurrent layer
+            (its state carries other batches' examples into later steps), and
+            for a layer that computes in another dtype than float32 (mixed precision is not supported).
     """
     for layer in model._flatten_layers(include_self=False):
         if isinstance(layer, _MIXING_LAYERS):
@@ -79,6 +80,13 @@ def check_per_example_support(model):
                 "undefined. Use keras.layers.LayerNormalization or "
                 "GroupNormalization instead. Received: layer="
                 f"{type(layer).__name__}"
+            )
+        if getattr(layer, "stateful", False):
+            raise ValueError(
+                f"Layer '{layer.name}' ({type(layer).__name__}) is stateful: its state "
+                "carries earlier batches' examples into later steps, so one record "
+                "would influence steps it was not sampled for and the privacy "
+                "accounting would not hold. Use stateful=False. Received: stateful=True"
             )
         if layer.trainable_variables and getattr(layer, "compute_dtype", "float32") != "float32":
             raise ValueError(
