@@ -27,6 +27,21 @@ def call_pre_activation(layer, call, *args, **kwargs):
         object.__setattr__(layer, "activation", activation)
 
 
+class PreActivationRule:
+    """Base of rules for layers computing activation(op(x, kernel) + bias):
+    records the input `x` and probes the pre-activation `z` of the layer's own
+    call. Subclasses give `supports` and `parts`."""
+
+    def supports(self, layer):
+        return plain_weights(layer)
+
+    def call(self, layer, recorder, call, inputs, **kwargs):
+        inputs = tf.convert_to_tensor(inputs)
+        record = recorder.record(layer, x=inputs)
+        outputs = record.probe("z", call_pre_activation(layer, call, inputs, **kwargs))
+        return apply_activation(layer, outputs)
+
+
 def apply_activation(layer, outputs):
     """`layer.activation(outputs)`, or `outputs` for a layer without one."""
     if layer.activation is None:

@@ -28,8 +28,8 @@ from tfdp.per_example.grads import LinearGrads, MaterializedGrads
 from tfdp.per_example.patches import as_rows, channels_last, extract_patches
 from tfdp.per_example.registry import register_rule
 from tfdp.per_example.rules.common import (
+    PreActivationRule,
     apply_activation,
-    call_pre_activation,
     concat_positions,
     plain_weights,
     sum_per_example,
@@ -58,14 +58,8 @@ def _bias_part(layer, records, name="z"):
     return MaterializedGrads([layer.bias], [sum_per_example(sums)])
 
 
-class _PreActivationRule:
-    """Records the input and probes the pre-activation of the layer's own call."""
-
-    def call(self, layer, recorder, call, inputs, **kwargs):
-        inputs = tf.convert_to_tensor(inputs)
-        record = recorder.record(layer, x=inputs)
-        outputs = record.probe("z", call_pre_activation(layer, call, inputs, **kwargs))
-        return apply_activation(layer, outputs)
+class _ConvolutionRule(PreActivationRule):
+    """A pre-activation rule reading inputs and gradients channels-last."""
 
     def _xg(self, layer, record):
         return (
@@ -75,11 +69,8 @@ class _PreActivationRule:
 
 
 @register_rule(_L.Conv1D, _L.Conv2D, _L.Conv3D)
-class ConvRule(_PreActivationRule):
+class ConvRule(_ConvolutionRule):
     """Conv1D/2D/3D: patches @ kernel, per group."""
-
-    def supports(self, layer):
-        return plain_weights(layer)
 
     def parts(self, layer, records):
         groups = layer.groups
@@ -121,11 +112,8 @@ def _depthwise_kernel_grads(layer, x, g, kernel, strides_layer=None):
 
 
 @register_rule(_L.DepthwiseConv1D, _L.DepthwiseConv2D)
-class DepthwiseConvRule(_PreActivationRule):
+class DepthwiseConvRule(_ConvolutionRule):
     """Depthwise: input channel c feeds outputs c * multiplier + m."""
-
-    def supports(self, layer):
-        return plain_weights(layer)
 
     def parts(self, layer, records):
         kernels = []
@@ -182,7 +170,7 @@ class SeparableConvRule:
 
 
 @register_rule(_L.Conv1DTranspose, _L.Conv2DTranspose, _L.Conv3DTranspose)
-class ConvTransposeRule(_PreActivationRule):
+class ConvTransposeRule(_ConvolutionRule):
     """Transposed conv: patches of the output gradient times the input."""
 
     def supports(self, layer):

@@ -23,8 +23,7 @@ from tfdp.per_example.grads import LinearGrads, MaterializedGrads
 from tfdp.per_example.patches import as_rows
 from tfdp.per_example.registry import register_rule
 from tfdp.per_example.rules.common import (
-    apply_activation,
-    call_pre_activation,
+    PreActivationRule,
     concat_positions,
     plain_weights,
     sum_per_example,
@@ -32,17 +31,8 @@ from tfdp.per_example.rules.common import (
 
 
 @register_rule(keras.layers.Dense)
-class DenseRule:
+class DenseRule(PreActivationRule):
     """Dense on inputs of any rank: positions are all axes but batch and last."""
-
-    def supports(self, layer):
-        return plain_weights(layer)
-
-    def call(self, layer, recorder, call, inputs, **kwargs):
-        inputs = tf.convert_to_tensor(inputs)
-        record = recorder.record(layer, x=inputs)
-        outputs = record.probe("z", call_pre_activation(layer, call, inputs, **kwargs))
-        return apply_activation(layer, outputs)
 
     def parts(self, layer, records):
         x = concat_positions([as_rows(r.x) for r in records])
@@ -82,17 +72,11 @@ def _einsum_matrix_form(equation):
 
 
 @register_rule(keras.layers.EinsumDense)
-class EinsumDenseRule:
+class EinsumDenseRule(PreActivationRule):
     """EinsumDense as rows @ matrix; its bias gets its own (small) part."""
 
     def supports(self, layer):
         return plain_weights(layer) and _einsum_matrix_form(layer.equation) is not None
-
-    def call(self, layer, recorder, call, inputs, **kwargs):
-        inputs = tf.convert_to_tensor(inputs)
-        record = recorder.record(layer, x=inputs)
-        outputs = record.probe("z", call_pre_activation(layer, call, inputs, **kwargs))
-        return apply_activation(layer, outputs)
 
     def parts(self, layer, records):
         x_perm, _, n_contracted, w_perm, out_perm = _einsum_matrix_form(layer.equation)
