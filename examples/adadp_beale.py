@@ -10,10 +10,12 @@ paper reports 0.90 for DP-SGD and 0.21 for AdaDP (gamma 0.1, gamma' 0.9,
 beta 1.5, G 1e-6, 150 steps; learning rates, start, C and sigma are not
 given, the ones here are this script's choice: both twins reach the
 minimum's neighbourhood in 150 steps). Measured with the defaults
-(sigma 0.3, 5 seeds): D(DP-SGD) = 0.059, D(AdaDP) = 0.183; at sigma 1.0:
-0.202 and 0.580. The paper's ordering is not reproduced here: tfdp's AdaDP
-reads only noisy statistics, and with one example in d = 2 its per-coordinate
-noise is beta * sqrt(2) * sigma times its clip bound.
+(`--seeds 5`, sigma 0.3): D(DP-SGD) = 0.059, D(AdaDP) = 0.156; at sigma 1.0
+(`--seeds 5 --noise-multiplier 1.0`): 0.202 and 0.634. The paper's ordering
+is not reproduced here: tfdp's AdaDP reads only noisy statistics, its bounds
+have C's scale (sum_j c_j^2 = beta^2 C^2, so its noise is beta = 1.5 times
+DP-SGD's in norm), and with one example in d = 2 its per-coordinate noise is
+sigma * sqrt(2) times its clip bound.
 
     python examples/adadp_beale.py
     python examples/adadp_beale.py --noise-multiplier 0.5 --seeds 20

@@ -15,7 +15,7 @@ The adaptive phase materializes per-example gradients (2200 x 26010 floats,
 about 230 MB per step).
 
     python examples/adadp_fashion_mnist.py --epochs 5        # ~20 s/epoch on 2 CPU cores
-    python examples/adadp_fashion_mnist.py --local-clipping whitened_l2
+    python examples/adadp_fashion_mnist.py --local-clipping coordinate   # the paper's box
     python examples/adadp_fashion_mnist.py --variant adal
 """
 
@@ -41,7 +41,7 @@ def main():
     parser.add_argument("--learning-rate", type=float, default=0.002)
     parser.add_argument("--l2-norm-clip", type=float, default=0.1)
     parser.add_argument("--local-clip-threshold", type=float, default=1e-14)
-    parser.add_argument("--local-clipping", default="coordinate", choices=("coordinate", "whitened_l2"))
+    parser.add_argument("--local-clipping", default="whitened_l2", choices=("whitened_l2", "coordinate"))
     parser.add_argument("--variant", default="adadp", choices=("adadp", "adal", "adan"))
     parser.add_argument("--data-dir", default=None)
     parser.add_argument("--seed", type=int, default=None, help="reproducible noise (not private)")
