@@ -130,8 +130,11 @@ def exact_model():
 
 
 def train_exact(name, replicas):
-    """8 seeded Poisson steps; returns (weights, steps, epsilon, first-epoch loss)."""
+    """8 seeded Poisson steps; returns (weights, steps, epsilon, first-epoch
+    [loss, nonfinite_examples])."""
     x, y, sample_weight = exact_data()
+    # Three non-finite rows: dropped and counted, the same way on every replica count.
+    x[[5, 40, 77]] = [[np.nan] * 6, [np.inf] + [0.0] * 5, [0.0] * 5 + [-np.inf]]
     with scope(replicas):
         model = exact_model()
         model.compile(optimizer=EXACT_OPTIMIZERS[name](), loss=LOSS)
@@ -139,7 +142,8 @@ def train_exact(name, replicas):
         x, y, sample_weight=sample_weight, batch_size=24, epochs=2, verbose=0
     )
     weights = np.concatenate([v.numpy().ravel() for v in model.trainable_variables])
-    return weights, model.privacy.steps, model.privacy.epsilon(1e-5), history.history["loss"][0]
+    logs = np.array([history.history["loss"][0], history.history["nonfinite_examples"][0]])
+    return weights, model.privacy.steps, model.privacy.epsilon(1e-5), logs
 
 
 # -- 2. the global update's noise -------------------------------------------
@@ -326,7 +330,7 @@ def mirrored(out):
             results[f"exact_{name}_{r}"] = w
             results[f"steps_{name}_{r}"] = steps
             results[f"epsilon_{name}_{r}"] = eps
-            results[f"loss_{name}_{r}"] = loss
+            results[f"logs_{name}_{r}"] = loss
     with timed("noise"):
         results["noise_1"] = global_noise(1)
         results["noise"] = global_noise(replicas)

@@ -92,6 +92,20 @@ def test_ledger_counts_global_steps_with_the_single_device_epsilon(runs, replica
         assert float(run[f"epsilon_{name}_{replicas}"]) == float(run[f"epsilon_{name}_1"])
 
 
+@pytest.mark.parametrize("replicas", REPLICAS)
+def test_logged_loss_and_nonfinite_count_are_the_single_device_ones(runs, replicas):
+    """The first epoch's logged training loss (sample weights, Poisson batches
+    split over replicas) and count of dropped NaN/Inf rows (3 in the data) are
+    what a single device logs for the same steps: counted once, not per replica."""
+    run = runs[replicas]
+    names = ["dpsgd", "adam", "adadp"] if replicas == 2 else ["dpsgd"]
+    for name in names:
+        (loss_1, count_1), (loss_r, count_r) = run[f"logs_{name}_1"], run[f"logs_{name}_{replicas}"]
+        assert np.isfinite(loss_1) and loss_1 > 0
+        assert loss_r == pytest.approx(loss_1, rel=1e-5)
+        assert count_1 >= 1 and count_r == count_1
+
+
 def test_unseeded_fits_draw_fresh_global_batches(runs):
     draws = runs[2]["draws"]  # [fits, steps, N], -1 after the sampled indices
     sizes = (draws >= 0).sum(-1)

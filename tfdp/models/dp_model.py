@@ -156,6 +156,14 @@ class DPTrainingMixin:
         )
         metrics = self.compute_metrics(x, y, y_pred, sample_weight=loss_weights)
         logs = {**metrics, **logs, "nonfinite_examples": self._nonfinite_counter.result()}
+        if not isinstance(tf.distribute.get_strategy(), tf.distribute.MultiWorkerMirroredStrategy):
+            # Global values on every replica: Keras averages the replicas' step logs.
+            # (Not yet across workers: the all-reduce fails there inside Keras's step.)
+            total, count, nonfinite = distribute.sum_over_replicas(
+                [tf.convert_to_tensor(v) for v in (self._loss_tracker.total, self._loss_tracker.count)]
+                + [logs["nonfinite_examples"]]
+            )
+            logs.update(loss=tf.math.divide_no_nan(total, count), nonfinite_examples=nonfinite)
         return distribute.logs_for_keras(logs)
 
     def test_step(self, data):
