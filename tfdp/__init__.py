@@ -27,8 +27,8 @@ __all__ = ["DPModel", "DPSequential", "accounting", "callbacks", "optimizers"]
 # Public names and the module each is read from, imported on first access.
 _MODELS = ("DPModel", "DPSequential")
 _SUBMODULES = (
-    "accounting", "auditing", "callbacks", "cli", "data", "distribute", "mechanisms",
-    "models", "optimizers", "recipes", "training",
+    "accounting", "auditing", "callbacks", "cli", "data", "distribute", "layers",
+    "mechanisms", "models", "optimizers", "per_example", "recipes", "training",
 )
 
 

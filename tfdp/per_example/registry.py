@@ -51,7 +51,7 @@ ALLOWED = {
     _L.Activation, _L.ReLU, _L.LeakyReLU, _L.ELU, _L.Softmax,
     _L.Dropout, _L.SpatialDropout1D, _L.SpatialDropout2D, _L.SpatialDropout3D,
     _L.GaussianNoise, _L.GaussianDropout, _L.AlphaDropout,
-    _L.Masking, _L.Rescaling,
+    _L.Masking, _L.Rescaling, _L.Normalization,
 }
 for _name in ("RMSNormalization", "GroupQueryAttention"):
     if hasattr(_L, _name):
