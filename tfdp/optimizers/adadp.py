@@ -439,7 +439,7 @@ class AdaDP(DPOptimizer):
             return [_PublicShapeRefresher(self)]
         return []
 
-    def make_training_data(self, model, arrays, batch_size, steps_per_epoch=None):
+    def make_training_data(self, model, arrays, batch_size, steps_per_epoch=None, budgets=()):
         """DP-SGD's Poisson-sampled data; with the public shape, checks first.
 
         noise_shape="public" refuses to start without public data, with
@@ -471,7 +471,7 @@ class AdaDP(DPOptimizer):
             if not self.built:
                 self.build(model.trainable_variables)
         return super().make_training_data(
-            model, arrays, batch_size, steps_per_epoch=steps_per_epoch
+            model, arrays, batch_size, steps_per_epoch=steps_per_epoch, budgets=budgets
         )
 
     # -- noise scales and phase (overridden by test doubles only) -------------
