@@ -12,10 +12,10 @@ and `Plan.reason` says why.
 Example:
 
 >>> import keras
->>> model = keras.Sequential([keras.Input((3,)), keras.layers.Lambda(lambda t: t),
+>>> model = keras.Sequential([keras.Input((3,)), keras.layers.Lambda(lambda t: t, name="doubt"),
 ...                           keras.layers.Dense(2)])
 >>> plan_for(model).path, plan_for(model).reason
-('vectorized', "layer 'lambda' (Lambda) is not known to keep examples independent")
+('vectorized', "layer 'doubt' (Lambda) is not known to keep examples independent")
 """
 
 from tfdp.per_example import rules  # noqa: F401  (registers the rules)
