@@ -6,6 +6,7 @@ import os
 import numpy as np
 import pytest
 
+from tfdp.data import public
 from tfdp.optimizers import sadpsgd
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -19,12 +20,12 @@ def test_the_check_catches_exact_duplicates_only_and_says_so():
     train = rng.normal(size=(50, 4)).astype(np.float32)
     copied = train[:3].copy()
     with pytest.raises(ValueError, match="3 of the 3 examples"):
-        sadpsgd.check_disjoint_from_training_data(sadpsgd._row_hashes(copied), train)
+        public.check_disjoint_from_training_data(public.row_hashes(copied), train, "x", "It steers")
     # One float32 rounding step away: the same record for any practical
     # purpose, and the check does not see it.
     nudged = np.nextafter(copied, np.float32(np.inf))
-    sadpsgd.check_disjoint_from_training_data(sadpsgd._row_hashes(nudged), train)
-    assert "EXACT duplicates only" in sadpsgd.check_disjoint_from_training_data.__doc__
+    public.check_disjoint_from_training_data(public.row_hashes(nudged), train, "x", "It steers")
+    assert "EXACT duplicates only" in public.check_disjoint_from_training_data.__doc__
     assert "only exact duplicates" in sadpsgd.SADPSGD.__doc__
     with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as readme:
         assert "detects exact duplicates only" in readme.read()

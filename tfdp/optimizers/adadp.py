@@ -12,10 +12,10 @@ import numpy as np
 import tensorflow as tf
 
 from tfdp import accounting, distribute
+from tfdp.data import public
 from tfdp.mechanisms import adaptive_noise as ada
-from tfdp.models.per_example import compute_per_example_gradients
+from tfdp.per_example import compute_per_example_gradients
 from tfdp.optimizers.dp_optimizer import DPOptimizer, check_positive
-from tfdp.optimizers.sadpsgd import _row_hashes
 
 PAPER_BOUNDS = ("theorem1", "poisson_rdp")
 NOISE_SHAPES = ("released", "public")
@@ -57,39 +57,6 @@ def _check_bool(name, value):
     if not isinstance(value, (bool, np.bool_)):
         raise TypeError(f"Expected `{name}` to be a bool. Received: {name}={value!r}")
     return bool(value)
-
-
-def _public_arrays(public_data):
-    """(x, y, number of examples) from a public (x, y) pair, checked."""
-    if not isinstance(public_data, (tuple, list)) or len(public_data) != 2:
-        raise ValueError(
-            "Expected `public_data` to be a pair (x, y) of public arrays. "
-            f"Received: public_data of type {type(public_data).__name__}"
-        )
-    x, y = public_data
-    if isinstance(x, tf.data.Dataset) or isinstance(y, tf.data.Dataset):
-        raise ValueError(
-            "Expected `public_data` to hold arrays, not a tf.data.Dataset. "
-            "Received: public_data=(Dataset, ...)"
-        )
-    x = tf.nest.map_structure(np.asarray, x)
-    y = np.asarray(y)
-    leaves = tf.nest.flatten(x)
-    num = len(leaves[0]) if leaves and leaves[0].ndim else 0
-    if num == 0:
-        raise ValueError("Received empty `public_data`: x has 0 examples.")
-    for name, arr in [("x", a) for a in leaves] + [("y", y)]:
-        if arr.ndim == 0 or len(arr) != num:
-            raise ValueError(
-                f"Expected every array of `public_data` to have {num} rows. "
-                f"Received: {name} of shape {arr.shape}"
-            )
-        if np.issubdtype(arr.dtype, np.floating) and not np.all(np.isfinite(arr)):
-            raise ValueError(
-                "Expected finite `public_data` (a NaN or Inf makes the noise "
-                f"shape NaN). Received: {name} with non-finite values"
-            )
-    return x, y, num
 
 
 class _PublicShapeRefresher(keras.callbacks.Callback):
@@ -370,8 +337,8 @@ class AdaDP(DPOptimizer):
                 "`public_data` sets the public noise shape: construct AdaDP with "
                 f"noise_shape='public'. Received: noise_shape={self.noise_shape!r}"
             )
-        x, y, num = _public_arrays(public_data)
-        self._public = (x, y, num, _row_hashes(x))
+        x, y, num = public.public_arrays(public_data, "public_data")
+        self._public = (x, y, num, public.row_hashes(x))
         self._next_refresh = None
 
     def public_second_moments(self, model):
@@ -456,17 +423,10 @@ class AdaDP(DPOptimizer):
                     "AdaDP(noise_shape='public') computes its public statistic on one "
                     f"replica: train it on one device. Received: {replicas} replicas"
                 )
-            train = set(_row_hashes(arrays[0]))
-            hashes = self._public[3]
-            shared = sum(h in train for h in hashes)
-            if shared:
-                raise ValueError(
-                    f"{shared} of the {len(hashes)} examples of `public_data` also "
-                    "appear in the training data. The public noise shape steers "
-                    "every step without noise, so reading training records there "
-                    "would be an unaccounted release. Pass a public set disjoint "
-                    f"from the training data. Received: {shared} shared examples"
-                )
+            public.check_disjoint_from_training_data(
+                self._public[3], arrays[0], "public_data",
+                "The public noise shape steers every step",
+            )
             self._next_refresh = None
             if not self.built:
                 self.build(model.trainable_variables)

@@ -17,6 +17,7 @@ import numpy as np
 import tensorflow as tf
 
 from tfdp import accounting
+from tfdp.data import public
 from tfdp.mechanisms import annealing
 from tfdp.optimizers.dp_optimizer import DPOptimizer, check_positive
 
@@ -40,84 +41,6 @@ def _check_energy_batch_size(energy_batch_size):
     return int(energy_batch_size)
 
 
-def _as_arrays(public_energy_data):
-    if not isinstance(public_energy_data, (tuple, list)) or len(public_energy_data) != 2:
-        raise ValueError(
-            "Expected `public_energy_data` to be a pair (x, y) of public arrays. "
-            f"Received: public_energy_data of type {type(public_energy_data).__name__}"
-            + (f" with {len(public_energy_data)} items" if isinstance(public_energy_data, (tuple, list)) else "")
-        )
-    x, y = public_energy_data
-    if isinstance(x, tf.data.Dataset) or isinstance(y, tf.data.Dataset):
-        raise ValueError(
-            "Expected `public_energy_data` to hold arrays, not a tf.data.Dataset. "
-            "Received: public_energy_data=(Dataset, ...)"
-        )
-    x = tf.nest.map_structure(np.asarray, x)
-    y = np.asarray(y)
-    leaves = tf.nest.flatten(x)
-    num = len(leaves[0]) if leaves and leaves[0].ndim else 0
-    if num == 0:
-        raise ValueError("Received empty `public_energy_data`: x has 0 examples.")
-    for name, arr in [("x", a) for a in leaves] + [("y", y)]:
-        if arr.ndim == 0 or len(arr) != num:
-            raise ValueError(
-                f"Expected every array of `public_energy_data` to have {num} rows. "
-                f"Received: {name} of shape {arr.shape}"
-            )
-        if not (np.issubdtype(arr.dtype, np.number) or arr.dtype == bool):
-            raise ValueError(
-                f"Expected numeric `public_energy_data`. Received: {name} of dtype {arr.dtype}"
-            )
-        if np.issubdtype(arr.dtype, np.floating) and not np.all(np.isfinite(arr)):
-            raise ValueError(
-                "Expected finite `public_energy_data` (a NaN or Inf makes every "
-                f"energy NaN). Received: {name} with non-finite values"
-            )
-    return x, y, num
-
-
-def _row_hashes(x, chunk=4096):
-    """One hash per example of x (all inputs together), on float32 values."""
-    leaves = [np.asarray(leaf) for leaf in tf.nest.flatten(x)]
-    num = len(leaves[0])
-    columns = []
-    for leaf in leaves:
-        hashes = []
-        for start in range(0, num, chunk):
-            block = np.ascontiguousarray(leaf[start : start + chunk], dtype=np.float32)
-            hashes.extend(hash(row.tobytes()) for row in block.reshape(len(block), -1))
-        columns.append(hashes)
-    return list(zip(*columns))
-
-
-def check_disjoint_from_training_data(energy_hashes, train_x):
-    """Raises ValueError if an energy example (by `_row_hashes`) is in `train_x`.
-
-    The energy steers every accept decision without noise, so it may only
-    read public data (MECHANISMS.md section 3). Identical inputs in both sets
-    are taken as the energy set reading training records. Cost: one hash per
-    training example, once per `fit`.
-
-    It catches EXACT duplicates only (inputs equal as float32 bytes): a
-    training record that was rescaled, cropped, augmented, re-encoded or
-    shifted by one rounding step passes, and so does a different record of
-    the same person. Passing the check does not make a set public; that is
-    the user's declaration.
-    """
-    train = set(_row_hashes(train_x))
-    shared = sum(h in train for h in energy_hashes)
-    if shared:
-        total = len(energy_hashes)
-        raise ValueError(
-            f"{shared} of the {total} examples of `public_energy_data` also appear "
-            "in the training data. The energy set steers every accept decision "
-            "without noise, so reading training records there would be an "
-            "unaccounted release. Pass a public set disjoint from the training "
-            f"data (drop those {shared} examples). Received: {shared} shared examples"
-        )
-
-
 class _PublicEnergySet:
     """The energy set in (untracked) variables: read by the compiled step,
     replaceable without retracing, never saved with the model."""
@@ -131,7 +54,7 @@ class _PublicEnergySet:
         self.x = tf.nest.map_structure(variable, x)
         self.y = variable(y)
         self.num_examples = num_examples
-        self.row_hashes = _row_hashes(x)
+        self.row_hashes = public.row_hashes(x)
         self.ready = tf.Variable(False, trainable=False)
 
     def replace(self, x, y, num_examples):
@@ -152,7 +75,7 @@ class _PublicEnergySet:
         for variable, array in zip(flat_vars, tf.nest.flatten((x, y))):
             variable.assign(np.asarray(array, dtype=variable.dtype.as_numpy_dtype))
         self.num_examples = num_examples
-        self.row_hashes = _row_hashes(x)
+        self.row_hashes = public.row_hashes(x)
         self.ready.assign(False)
 
 
@@ -317,7 +240,7 @@ class SADPSGD(DPOptimizer):
                 multi-input model) and y the labels, as the compiled loss
                 expects them.
         """
-        x, y, num = _as_arrays(public_energy_data)
+        x, y, num = public.public_arrays(public_energy_data, "public_energy_data")
         if self.energy_batch_size is not None and self.energy_batch_size > num:
             raise ValueError(
                 f"Expected `energy_batch_size` <= the size of the energy set ({num}). "
@@ -478,7 +401,10 @@ class SADPSGD(DPOptimizer):
         the first step of every `fit` (the weights may have been changed).
         """
         energy_set = self._require_energy_set()
-        check_disjoint_from_training_data(energy_set.row_hashes, arrays[0])
+        public.check_disjoint_from_training_data(
+            energy_set.row_hashes, arrays[0], "public_energy_data",
+            "The energy set steers every accept decision",
+        )
         dataset, steps = super().make_training_data(
             model, arrays, batch_size, steps_per_epoch=steps_per_epoch, budgets=budgets
         )
