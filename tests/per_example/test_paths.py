@@ -306,3 +306,20 @@ def test_a_stateful_recurrent_layer_is_refused_at_compile():
     with pytest.raises(ValueError, match="stateful"):
         model.compile(optimizer=tfdp.optimizers.DPSGD(0.1, l2_norm_clip=1.0, noise_multiplier=1.0),
                       loss="mse")
+
+
+@pytest.mark.parametrize(
+    "op,batched",
+    [
+        (lambda t: keras.ops.mean(t, axis=-1, keepdims=True) + t, True),
+        (lambda t: t[:, :2], True),
+        (lambda t: t - keras.ops.mean(t, axis=0), False),
+        (lambda t: keras.ops.where(keras.ops.any(t > 0), t, -t), False),
+        (lambda t: keras.ops.max(t, axis=0, keepdims=True) + t, False),
+    ],
+)
+def test_graph_operations_keep_the_batched_path_only_when_per_example(op, batched):
+    inputs = keras.Input((4,))
+    hidden = op(keras.layers.Dense(4)(inputs))
+    model = keras.Model(inputs, keras.layers.Dense(2)(hidden))
+    assert (plan_for(model).path == "batched") is batched

@@ -64,7 +64,7 @@ ALLOWED_OPERATIONS = {
     "Square", "Sqrt", "Exp", "Log", "Tanh", "Sigmoid", "Relu", "Relu6", "Gelu",
     "Silu", "Elu", "Selu", "Softplus", "Maximum", "Minimum", "Power", "Cast",
     "Equal", "NotEqual", "Greater", "GreaterEqual", "Less", "LessEqual",
-    "LogicalAnd", "LogicalOr", "LogicalNot", "Where", "Any", "All",
+    "LogicalAnd", "LogicalOr", "LogicalNot", "Where",
 }
 
 _DECLARED = set()
@@ -150,7 +150,7 @@ def node_is_per_example(node):
     return False
 
 
-_REDUCTIONS = {"Mean", "Sum", "Max", "Min"}
+_REDUCTIONS = {"Mean", "Sum", "Max", "Min", "Any", "All"}
 
 
 def is_graph_model(layer):
