@@ -44,9 +44,33 @@ def _assert_matches_reference(grads, reference, rtol=1e-5):
     np.testing.assert_allclose(got_dots / scale, want_dots / scale, atol=1e-4)
 
 
+def _mse(y, p):
+    return tf.reduce_mean(tf.square(tf.reshape(y, [tf.shape(y)[0], -1]) - tf.reshape(p, [tf.shape(p)[0], -1])), -1)
+
+
+def _check_batched_pass(model, x, rng):
+    """The batched pass on a 5-example batch `x` (weights 1, 0.5, 2, 1, 0)
+    against the one-example-at-a-time reference; returns (plan, y_pred)."""
+    from tfdp.per_example import compute_per_example_gradients, plan_for
+
+    plan = plan_for(model)
+    assert plan.path == "batched", plan.reason
+    y = tf.constant(rng.normal(size=(5, 2)), tf.float32)
+    weights = tf.constant([1.0, 0.5, 2.0, 1.0, 0.0])
+    grads, y_pred, _ = compute_per_example_gradients(model, x, y, weights, _mse, "batched", training=False)
+    assert grads.path == "batched"
+    _assert_matches_reference(grads, _reference_gradients(model, x, y, weights.numpy(), _mse))
+    return plan, y_pred
+
+
 @pytest.fixture
 def mse():
-    return lambda y, p: tf.reduce_mean(tf.square(tf.reshape(y, [tf.shape(y)[0], -1]) - tf.reshape(p, [tf.shape(p)[0], -1])), -1)
+    return _mse
+
+
+@pytest.fixture
+def check_batched_pass():
+    return _check_batched_pass
 
 
 @pytest.fixture

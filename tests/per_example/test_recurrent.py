@@ -77,22 +77,14 @@ def _inputs(model, batch, rng):
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
-def test_recurrent_rules_match_one_example_at_a_time(
-    name, mse, reference_gradients, assert_matches_reference
-):
+def test_recurrent_rules_match_one_example_at_a_time(name, check_batched_pass):
     keras.utils.set_random_seed(1)
     model = CASES[name]()
-    plan = plan_for(model)
-    assert plan.path == "batched", plan.reason
-    assert not plan.fallback_layers
     rng = np.random.default_rng(0)
-    batch = 5
-    x = _inputs(model, batch, rng)
-    y = tf.constant(rng.normal(size=(batch, 2)), tf.float32)
-    weights = tf.constant([1.0, 0.5, 2.0, 1.0, 0.0])
-    grads, y_pred, _ = compute_per_example_gradients(model, x, y, weights, mse, "batched", training=False)
+    x = _inputs(model, 5, rng)
+    plan, y_pred = check_batched_pass(model, x, rng)
+    assert not plan.fallback_layers
     np.testing.assert_allclose(y_pred.numpy(), model(x).numpy(), rtol=1e-5, atol=1e-6)
-    assert_matches_reference(grads, reference_gradients(model, x, y, weights.numpy(), mse))
 
 
 def test_bidirectional_takes_its_rule():

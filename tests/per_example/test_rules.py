@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from tfdp.per_example import compute_per_example_gradients, plan_for
+from tfdp.per_example import plan_for
 
 L = keras.layers
 
@@ -87,21 +87,11 @@ CASES.update(
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
-def test_batched_rules_match_one_example_at_a_time(
-    name, mse, reference_gradients, assert_matches_reference
-):
+def test_batched_rules_match_one_example_at_a_time(name, check_batched_pass):
     keras.utils.set_random_seed(1)
     model = CASES[name]()
-    plan = plan_for(model)
-    assert plan.path == "batched", plan.reason
     rng = np.random.default_rng(0)
-    batch = 5
-    x = _inputs(model, batch, rng)
-    y = tf.constant(rng.normal(size=(batch, 2)), tf.float32)
-    weights = tf.constant([1.0, 0.5, 2.0, 1.0, 0.0])
-    grads, _, _ = compute_per_example_gradients(model, x, y, weights, mse, "batched", training=False)
-    assert grads.path == "batched"
-    assert_matches_reference(grads, reference_gradients(model, x, y, weights.numpy(), mse))
+    check_batched_pass(model, _inputs(model, 5, rng), rng)
 
 
 def test_prelu_takes_the_per_layer_fallback():
