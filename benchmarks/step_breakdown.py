@@ -22,7 +22,7 @@ import tensorflow as tf  # noqa: E402
 import tfdp  # noqa: E402
 from tfdp import recipes  # noqa: E402
 from tfdp.mechanisms import dpsgd  # noqa: E402
-from tfdp.models.per_example import compute_per_example_gradients  # noqa: E402
+from tfdp.per_example import compute_per_example_gradients  # noqa: E402
 
 
 def milliseconds(function, repeats):

@@ -30,7 +30,7 @@ import numpy as np
 import tensorflow as tf
 
 import tfdp
-from tfdp.models.per_example import MaterializedGrads, PerExampleGradients
+from tfdp.per_example import MaterializedGrads, PerExampleGradients
 
 START = (1.0, 1.0)
 

@@ -39,7 +39,7 @@ import keras  # noqa: E402
 import tfdp  # noqa: E402
 from tfdp import distribute  # noqa: E402
 from tfdp.mechanisms import adaptive_noise as ada  # noqa: E402
-from tfdp.models.per_example import compute_per_example_gradients  # noqa: E402
+from tfdp.per_example import compute_per_example_gradients  # noqa: E402
 
 absl.logging.set_verbosity("error")
 

@@ -12,7 +12,7 @@ import tensorflow as tf
 
 import tfdp
 from tfdp import accounting
-from tfdp.models.per_example import MaterializedGrads, PerExampleGradients
+from tfdp.per_example import MaterializedGrads, PerExampleGradients
 
 LOSS = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

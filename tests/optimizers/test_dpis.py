@@ -9,7 +9,7 @@ import tensorflow as tf
 import tfdp
 from tfdp.mechanisms import importance_sampling as isp
 from tfdp.models.losses import per_example_loss
-from tfdp.models.per_example import compute_per_example_gradients
+from tfdp.per_example import compute_per_example_gradients
 
 LOSS = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
 N, B = 240, 16

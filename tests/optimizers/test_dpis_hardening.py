@@ -13,7 +13,7 @@ import tensorflow as tf
 import tfdp
 from tfdp.accounting import PrivacyLedger
 from tfdp.mechanisms import importance_sampling as isp
-from tfdp.models.per_example import MaterializedGrads, PerExampleGradients
+from tfdp.per_example import MaterializedGrads, PerExampleGradients
 
 LOSS = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
 N, B, DELTA = 240, 16, 1e-5

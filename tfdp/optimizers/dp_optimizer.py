@@ -269,7 +269,7 @@ class DPOptimizer(keras.optimizers.Optimizer):
         """Clip, sum, noise and average per-example gradients.
 
         Args:
-            per_example: `tfdp.models.per_example.PerExampleGradients`.
+            per_example: `tfdp.per_example.PerExampleGradients`.
             step_info: dict with "mask" (float [B], 0 on padding rows) and
                 "expected_batch_size" (scalar).
 

@@ -41,7 +41,7 @@ from tfdp.accounting import PrivacyLedger
 from tfdp.data.importance import ImportanceSampler, make_importance_dataset
 from tfdp.mechanisms import dpsgd
 from tfdp.mechanisms import importance_sampling as isp
-from tfdp.models.per_example import compute_per_example_gradients
+from tfdp.per_example import compute_per_example_gradients
 from tfdp.mechanisms.importance_sampling import _check_real
 from tfdp.optimizers.dp_optimizer import DPOptimizer, check_positive
 
