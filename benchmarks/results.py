@@ -16,13 +16,20 @@ the full-test-set accuracy is recorded too where the mechanism never read it.
     python benchmarks/results.py run --mechanism dpsgd --epsilon 3 --seed 0 --momentum 0.9
     python benchmarks/results.py run --mechanism sadpsgd --epsilon 3 --seed 0 --epochs 2  # a quick look
     python benchmarks/results.py run --mechanism dpsgd --epsilon 3 --seed 0 --features scatternet
+    python benchmarks/results.py run --mechanism dpis --epsilon 3 --seed 0 --features scatternet
+    python benchmarks/results.py run --mechanism sadpsgd --paper-mode --epsilon 3 --seed 0 --momentum 0.9
     python benchmarks/results.py report
 
 `--features scatternet` (or scatternet_cnn) trains Tramer and Boneh's model on
 ScatterNet features with their settings (`tfdp.recipes.SCATTERNET_DEFAULTS`:
 linear, batch 8192, lr 16, momentum 0.9, clip 0.1, 40 epochs); the features
 are computed once and cached under runs/ (the transform has no weights: same
-mechanism, same accounting as the transform inside the model).
+mechanism, same accounting as the transform inside the model). DPIS takes the
+same settings with `--features` (its paper followed Tramer and Boneh's).
+
+`--paper-mode` runs SA-DPSGD as its paper did: noise multiplier 2.15, trained
+until its paper-style epsilon (accepted steps only) reaches `--epsilon`; the
+row reports the sound epsilon of every candidate step beside it.
 """
 
 import argparse
