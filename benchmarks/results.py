@@ -155,9 +155,11 @@ def build_optimizer(mechanism, epsilon, seed, epochs, num_examples, energy, mome
             target_epsilon=epsilon, target_delta=s["delta"], epochs=epochs,
             sigma_n=0.02 * num_examples, k=5, epoch_divider=1.0, seed=seed,
         ), None
-    sigma = noise_multiplier or tfdp.accounting.calibrate_noise_multiplier(
-        epsilon, s["delta"], s["batch_size"] / num_examples, steps
-    )
+    sigma = noise_multiplier
+    if sigma is None:
+        sigma = tfdp.accounting.calibrate_noise_multiplier(
+            epsilon, s["delta"], s["batch_size"] / num_examples, steps
+        )
     common = dict(l2_norm_clip=s["l2_norm_clip"], noise_multiplier=sigma, seed=seed)
     if mechanism == "dpsgd":
         return tfdp.optimizers.DPSGD(learning_rate=s["learning_rate"], momentum=momentum, **common), sigma
@@ -335,7 +337,8 @@ def _final_acceptance(groups, mechanism, momentum, epsilon):
 
 
 def report(args):
-    results = [r for r in load_results() if r["epochs"] == args.epochs]
+    everything = load_results()
+    results = [r for r in everything if r["epochs"] == args.epochs]
     groups = {}
     for r in results:
         key = (label(r["mechanism"], 0.0, r.get("features", "none")), r.get("momentum", 0.0),
@@ -432,7 +435,7 @@ def report(args):
         "s/epoch is the median epoch time on the machine of that run; sessions ran on different",
         "machines (the JSON files record the CPU where known), so compare times within a session.",
     ]
-    lines += paper_mode_table()
+    lines += paper_mode_table(everything)
     plots = plot(groups)
     if plots:
         lines += [""] + [f"![{title}]({path})" for title, path in plots]
@@ -441,9 +444,9 @@ def report(args):
     print("\n".join(lines))
 
 
-def paper_mode_table():
-    """RESULTS.md lines for SA-DPSGD run as its paper did (`--paper-mode`)."""
-    rows = [r for r in load_results() if r.get("paper_mode")]
+def paper_mode_table(results):
+    """RESULTS.md lines for the `--paper-mode` runs among `results`."""
+    rows = [r for r in results if r.get("paper_mode")]
     lines = [
         "",
         "SA-DPSGD as its paper ran it (`--paper-mode`): noise multiplier 2.15 (its Table 2), trained",
