@@ -479,14 +479,17 @@ def plot(groups):
         print("matplotlib is not installed (pip install -e '.[examples]'): no plots", file=sys.stderr)
         return []
     made = []
-    fig, ax = plt.subplots(figsize=(5, 3.5))
-    for line in sorted({key[:2] for key in groups}):
+    fig, ax = plt.subplots(figsize=(8, 4))
+    lines = sorted({key[:2] for key in groups})
+    colors = plt.get_cmap("tab20")  # tab10 repeats past ten lines
+    for index, line in enumerate(lines):
         points = sorted((e, statistics.mean(r["test_accuracy_held_out_half"] for r in rows))
                         for (m, momentum, e), rows in groups.items() if (m, momentum) == line)
-        ax.plot([p[0] for p in points], [100 * p[1] for p in points], "o-", label=label(*line))
+        ax.plot([p[0] for p in points], [100 * p[1] for p in points], "o-", label=label(*line),
+                color=colors(index % colors.N))
     if ax.lines:
         ax.set(xlabel="epsilon (delta = 1e-5)", ylabel="test accuracy (%)", title="Privacy-utility frontier")
-        ax.legend()
+        ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5))  # outside: the lines stay visible
         fig.tight_layout()
         fig.savefig(os.path.join(HERE, "results", "frontier.png"), dpi=100)
         made.append(("accuracy against epsilon", "benchmarks/results/frontier.png"))
