@@ -338,7 +338,8 @@ def _final_acceptance(groups, mechanism, momentum, epsilon):
 
 def report(args):
     everything = load_results()
-    results = [r for r in everything if r["epochs"] == args.epochs]
+    # Paper-mode runs have their own table (their epoch count is only a cap).
+    results = [r for r in everything if r["epochs"] == args.epochs and not r.get("paper_mode")]
     groups = {}
     for r in results:
         key = (label(r["mechanism"], 0.0, r.get("features", "none")), r.get("momentum", 0.0),
