@@ -1,12 +1,14 @@
 """Where a DP-SGD step's time goes, against the plain Keras step.
 
-Times, on one fixed batch of the tanh CNN (no input pipeline, no XLA):
+Times, on one fixed batch of the tanh CNN or the MLP 784-512-256-10 (no
+input pipeline, no XLA):
 per-example gradients with clipping and the clipped sum; `privatize`
 (adds the noise); `privatize` plus the update; the whole DP `train_step`;
 and Keras's own `train_step` on the same model. For work on throughput
 (benchmarks/throughput.py gives the end-to-end figures).
 
     python benchmarks/step_breakdown.py --batch 256
+    python benchmarks/step_breakdown.py --model mlp --batch 256
 """
 
 import argparse
@@ -35,17 +37,31 @@ def milliseconds(function, repeats):
     return (time.perf_counter() - start) / repeats * 1e3
 
 
+def layers(name):
+    """Fresh layers of the model `name` ("tanh_cnn" or "mlp")."""
+    if name == "tanh_cnn":
+        return recipes.tanh_cnn()
+    return [
+        keras.Input((28, 28, 1)),
+        keras.layers.Flatten(),
+        keras.layers.Dense(512, activation="relu"),
+        keras.layers.Dense(256, activation="relu"),
+        keras.layers.Dense(10),
+    ]
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--batch", type=int, default=256)
     parser.add_argument("--repeats", type=int, default=30)
+    parser.add_argument("--model", choices=("tanh_cnn", "mlp"), default="tanh_cnn")
     args = parser.parse_args()
     batch = args.batch
     rng = np.random.default_rng(0)
     x = tf.constant(rng.random((batch, 28, 28, 1), dtype=np.float32))
     y = tf.constant(rng.integers(0, 10, batch))
     loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
-    model = tfdp.DPSequential(recipes.tanh_cnn())
+    model = tfdp.DPSequential(layers(args.model))
     optimizer = tfdp.optimizers.DPSGD(0.1, l2_norm_clip=1.0, noise_multiplier=1.0)
     model.compile(optimizer=optimizer, loss=loss)
     model.fit(x.numpy(), y.numpy(), batch_size=batch // 2, epochs=1, steps_per_epoch=1, verbose=0)
@@ -76,7 +92,7 @@ def main():
     def dp_train_step():
         return model.train_step(((x, y), info))
 
-    plain = keras.Sequential(recipes.tanh_cnn())
+    plain = keras.Sequential(layers(args.model))
     plain.compile(optimizer=keras.optimizers.SGD(0.1), loss=loss)
     plain.fit(x.numpy(), y.numpy(), batch_size=batch, epochs=1, verbose=0)
 

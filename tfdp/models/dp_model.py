@@ -18,6 +18,7 @@ from keras.src.utils.tracking import no_automatic_dependency_tracking
 
 from tfdp import distribute
 from tfdp.accounting import PrivacyLedger
+from tfdp.models.jit import resolve_jit_compile
 from tfdp.models.losses import per_example_loss
 from tfdp.per_example import (
     METHODS,
@@ -98,8 +99,9 @@ class DPTrainingMixin:
     def compile(self, optimizer=None, loss=None, metrics=None, **kwargs):
         """Keras `compile`, requiring a tfdp optimizer and one loss.
 
-        `jit_compile` defaults to False: on the 2-core CPU this was measured
-        on, the DP step ran faster without XLA (see benchmarks/throughput.py).
+        `jit_compile="auto"` (the default) is resolved by
+        `tfdp.models.jit.resolve_jit_compile`: False on CPU, where the DP step
+        measured faster without XLA, and on devices not yet measured.
         """
         from tfdp.optimizers import DPOptimizer
 
@@ -114,8 +116,7 @@ class DPTrainingMixin:
             )
         check_per_example_support(self)
         self._per_example_loss = per_example_loss(loss)
-        if kwargs.get("jit_compile", "auto") == "auto":
-            kwargs["jit_compile"] = False
+        kwargs["jit_compile"] = resolve_jit_compile(kwargs.get("jit_compile", "auto"))
         super().compile(optimizer=optimizer, loss=loss, metrics=metrics, **kwargs)
 
     def compile_from_config(self, config):
