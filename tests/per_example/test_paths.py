@@ -287,18 +287,6 @@ def test_the_model_names_its_path_and_warns_for_an_unknown_layer(caplog):
     assert any("Lambda" in r.getMessage() for r in caplog.records)
 
 
-def test_mixed_precision_is_refused_at_compile():
-    policy = keras.config.dtype_policy()
-    keras.config.set_dtype_policy("mixed_float16")
-    try:
-        model = tfdp.DPSequential([keras.Input((4,)), keras.layers.Dense(2)])
-    finally:
-        keras.config.set_dtype_policy(policy)
-    with pytest.raises(ValueError, match="mixed precision"):
-        model.compile(optimizer=tfdp.optimizers.DPSGD(0.1, l2_norm_clip=1.0, noise_multiplier=1.0),
-                      loss="mse")
-
-
 def test_a_stateful_recurrent_layer_is_refused_at_compile():
     model = tfdp.DPSequential(
         [keras.Input((5, 3), batch_size=4), keras.layers.LSTM(2, stateful=True), keras.layers.Dense(2)]

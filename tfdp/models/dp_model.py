@@ -99,6 +99,11 @@ class DPTrainingMixin:
     def compile(self, optimizer=None, loss=None, metrics=None, **kwargs):
         """Keras `compile`, requiring a tfdp optimizer and one loss.
 
+        Mixed precision policies ("mixed_bfloat16", "mixed_float16") are
+        supported: layers compute in the low precision, while the loss,
+        per-example norms, clipping, noise, accounting and the update are in
+        float32 (no loss scaling: `auto_scale_loss` is refused).
+
         `jit_compile="auto"` (the default) is resolved by
         `tfdp.models.jit.resolve_jit_compile`: False on CPU, where the DP step
         measured faster without XLA, and on devices not yet measured.
@@ -117,6 +122,13 @@ class DPTrainingMixin:
         check_per_example_support(self)
         self._per_example_loss = per_example_loss(loss)
         kwargs["jit_compile"] = resolve_jit_compile(kwargs.get("jit_compile", "auto"))
+        if kwargs.get("auto_scale_loss") and self.dtype_policy.name == "mixed_float16":
+            raise ValueError(
+                "A DP model computes its loss and per-example gradients in float32 "
+                "and cannot train through Keras's LossScaleOptimizer. Received: "
+                "auto_scale_loss=True"
+            )
+        kwargs["auto_scale_loss"] = False  # Keras would wrap the DP optimizer
         super().compile(optimizer=optimizer, loss=loss, metrics=metrics, **kwargs)
 
     def compile_from_config(self, config):

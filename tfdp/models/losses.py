@@ -11,6 +11,8 @@ array([1., 1.], dtype=float32)
 import keras
 import tensorflow as tf
 
+from tfdp.per_example.grads import as_float32
+
 
 def per_example_loss(loss):
     """Returns callable(y_true, y_pred) -> losses of shape [batch].
@@ -38,6 +40,9 @@ def per_example_loss(loss):
     unreduced = resolved.call if isinstance(resolved, keras.losses.Loss) else resolved
 
     def loss_fn(y_true, y_pred):
+        # Mixed precision: the model's output may be bfloat16/float16; the
+        # loss (and so every gradient's scale) is computed in float32.
+        y_pred = tf.nest.map_structure(as_float32, y_pred)
         values = tf.convert_to_tensor(unreduced(y_true, y_pred))
         if values.shape.rank is None or values.shape.rank == 0:
             raise ValueError(

@@ -70,7 +70,9 @@ def check_per_example_support(model):
             example's output depend on the others, so per-example gradients,
             and so clipping, are undefined), for a stateful recurrent layer
             (its state carries other batches' examples into later steps), and
-            for a layer that computes in another dtype than float32 (mixed precision is not supported).
+            and for a layer whose trainable weights are not float32 (noise,
+            clipping and the update need float32 weights; a mixed precision
+            policy such as "mixed_bfloat16" keeps them float32 and is fine).
     """
     for layer in model._flatten_layers(include_self=False):
         if isinstance(layer, _MIXING_LAYERS):
@@ -88,11 +90,13 @@ def check_per_example_support(model):
                 "would influence steps it was not sampled for and the privacy "
                 "accounting would not hold. Use stateful=False. Received: stateful=True"
             )
-        if layer.trainable_variables and getattr(layer, "compute_dtype", "float32") != "float32":
+        low = [v.name for v in layer.trainable_variables if v.dtype != "float32"]
+        if low:
             raise ValueError(
-                f"Layer '{layer.name}' computes in {layer.compute_dtype}: tfdp "
-                "computes per-example gradients in float32 only (mixed precision "
-                "is not supported). Use keras.config.set_dtype_policy('float32'). "
+                f"Layer '{layer.name}' keeps its trainable weights {low} in "
+                f"{layer.variable_dtype}: tfdp clips, noises and updates float32 weights. "
+                "Use a float32 or mixed precision policy ('mixed_bfloat16', "
+                "'mixed_float16'), whose weights stay float32. "
                 f"Received: dtype_policy={layer.dtype_policy.name}"
             )
 

@@ -73,7 +73,8 @@ class LayerFallback:
                 outputs = record.call(*args, **kwargs)
             floats = [t for t in tf.nest.flatten(outputs) if t.dtype.is_floating]
             return tape.gradient(
-                floats, variables, output_gradients=[g[None] for g in grads],
+                floats, variables,
+                output_gradients=[tf.cast(g[None], f.dtype) for g, f in zip(grads, floats)],
                 unconnected_gradients="zero",
             )
 

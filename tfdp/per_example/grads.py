@@ -11,6 +11,11 @@ covering some variables, with one interface:
   are skipped, so a NaN row cannot poison the sum);
 * `materialize()`: [B, *shape] per variable (memory: batch x parameters).
 
+Under mixed precision (layers computing in bfloat16 or float16, weights in
+float32) every part casts its inputs to float32 first (`as_float32`), so
+norms and the clipped sum come from the same float32 values: the clipping
+bound holds to float32 tolerance whatever the layers computed in.
+
 `LinearGrads` holds a linear map's gradient factored (X_i^T G_i),
 `MaterializedGrads` holds gradients in full. `PerExampleGradients` joins the
 parts of a whole model.
@@ -26,6 +31,24 @@ array([9., 4.], dtype=float32)
 """
 
 import tensorflow as tf
+
+
+def as_float32(tensor):
+    """`tensor` cast to float32 if it is a lower-precision float, else as is.
+
+    Example:
+
+    >>> as_float32(tf.constant([1.5], tf.bfloat16)).dtype
+    tf.float32
+    >>> as_float32(tf.constant([3])).dtype
+    tf.int32
+    """
+    if not isinstance(tensor, (tf.Tensor, tf.Variable)) and not hasattr(tensor, "dtype"):
+        tensor = tf.convert_to_tensor(tensor)
+    dtype = tf.as_dtype(tensor.dtype)
+    if dtype.is_floating and dtype.size < 4:
+        return tf.cast(tensor, tf.float32)
+    return tensor
 
 
 def masked(tensor, keep):
@@ -66,8 +89,8 @@ class LinearGrads:
     """
 
     def __init__(self, x, g, kernel, bias=None, kernel_perm=None):
-        self.x = x
-        self.g = g
+        self.x = as_float32(x)
+        self.g = as_float32(g)
         self.variables = [kernel] + ([bias] if bias is not None else [])
         self._kernel_shape = kernel.shape
         self._perm = kernel_perm
@@ -168,7 +191,7 @@ class MaterializedGrads:
 
     def __init__(self, variables, grads):
         self.variables = list(variables)
-        self.grads = list(grads)
+        self.grads = [as_float32(g) for g in grads]
 
     @staticmethod
     def _flat(tensor):

@@ -49,9 +49,14 @@ def apply_activation(layer, outputs):
     return layer.activation(outputs)
 
 
+MIXED_COMPUTE_DTYPES = ("float32", "bfloat16", "float16")
+
+
 def is_float32(layer):
-    """True when the layer computes and stores its weights in float32."""
-    return getattr(layer, "compute_dtype", None) == "float32" and all(
+    """True when the layer stores its weights in float32 and computes in
+    float32 or, under a mixed precision policy, in bfloat16 / float16 (the
+    per-example parts then work in float32, `tfdp.per_example.grads`)."""
+    return getattr(layer, "compute_dtype", None) in MIXED_COMPUTE_DTYPES and all(
         v.dtype == "float32" for v in layer.trainable_variables
     )
 

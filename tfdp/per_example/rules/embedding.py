@@ -20,7 +20,7 @@ array([8.], dtype=float32)
 import keras
 import tensorflow as tf
 
-from tfdp.per_example.grads import masked, scaled_to_unit_max
+from tfdp.per_example.grads import as_float32, masked, scaled_to_unit_max
 from tfdp.per_example.registry import register_rule
 from tfdp.per_example.rules.common import concat_positions, plain_weights
 
@@ -36,7 +36,7 @@ class EmbeddingGrads:
 
     def __init__(self, ids, g, table):
         self.ids = tf.cast(ids, tf.int32)
-        self.g = g
+        self.g = as_float32(g)
         self.variables = [table]
         self._table = table
 

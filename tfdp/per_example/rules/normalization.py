@@ -17,7 +17,7 @@ True
 import keras
 import tensorflow as tf
 
-from tfdp.per_example.grads import MaterializedGrads
+from tfdp.per_example.grads import MaterializedGrads, as_float32
 from tfdp.per_example.registry import register_rule
 from tfdp.per_example.rules.common import is_float32, sum_per_example
 
@@ -71,7 +71,8 @@ class NormalizationRule:
         return is_float32(layer)
 
     def call(self, layer, recorder, call, inputs, **kwargs):
-        inputs = tf.convert_to_tensor(inputs)
+        # In float32 like Keras's own call, also under mixed precision.
+        inputs = as_float32(tf.convert_to_tensor(inputs))
         normalized = _normalized(layer, inputs)
         record = recorder.record(layer, normalized=normalized)
         rank = inputs.shape.rank
@@ -79,10 +80,10 @@ class NormalizationRule:
         scale, offset = _scale_and_offset(layer)
         outputs = normalized
         if scale is not None:
-            outputs = outputs * _broadcast(scale, axes, rank)
+            outputs = outputs * _broadcast(tf.cast(scale, tf.float32), axes, rank)
         if offset is not None:
-            outputs = outputs + _broadcast(offset, axes, rank)
-        return record.probe("y", outputs)
+            outputs = outputs + _broadcast(tf.cast(offset, tf.float32), axes, rank)
+        return record.probe("y", tf.cast(outputs, layer.compute_dtype))
 
     def parts(self, layer, records):
         scale, offset = _scale_and_offset(layer)
@@ -92,7 +93,7 @@ class NormalizationRule:
                 continue
             per_call = []
             for r in records:
-                g = r.grads["y"]
+                g = as_float32(r.grads["y"])
                 rank = g.shape.rank
                 if with_input:
                     g = g * r.normalized
