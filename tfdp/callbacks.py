@@ -27,6 +27,12 @@ class PrivacyBudget(keras.callbacks.Callback):
     "epsilon": after every step (the live progress bar with verbose=1,
     TensorBoard with update_freq="batch") and every epoch. With
     accountant="pld" (about half a second a query) only epoch logs carry it.
+    `DPModel.fit` tells it whether any callback reads step logs
+    (`mark_step_log_readers`); when none does (verbose=0 or 2, no
+    TensorBoard or custom batch callback), no epsilon is computed per step,
+    and a budget without `epsilon` lets Keras run the step callbacks off the
+    training thread (`async_safe`). A budget with `epsilon` always checks
+    after every step on the training thread, so the stop is never late.
     It also keeps the training-data count "nonfinite_examples" out of the
     logs while it is 0 (it appears as soon as a row was non-finite).
 
@@ -59,8 +65,16 @@ class PrivacyBudget(keras.callbacks.Callback):
         self.delta = delta
         self.accountant = accountant
         self.stopped_for_budget = False
+        self.step_logs_read = True  # set by DPModel.fit (mark_step_log_readers)
         self._step_limit = None
         self._epoch = 0
+
+    @property
+    def async_safe(self):
+        """True when Keras may run this callback's step hooks off the training
+        thread: nothing it does there can change which steps run (no budget)
+        or what a step's logs show (nobody reads them)."""
+        return self.epsilon is None and not self.step_logs_read
 
     def _ledger(self):
         return self.model.privacy
@@ -116,7 +130,7 @@ class PrivacyBudget(keras.callbacks.Callback):
         ledger = self._ledger()
         if logs is not None:
             _hide_zero_count(logs)
-            if self.accountant == "rdp":
+            if self.accountant == "rdp" and self.step_logs_read:
                 logs["epsilon"] = ledger.epsilon(self.delta, accountant=self.accountant)
         if self._step_limit is not None and ledger.steps >= self._step_limit:
             if self._is_last_planned_step(batch):
@@ -128,6 +142,38 @@ class PrivacyBudget(keras.callbacks.Callback):
         if logs is not None:
             _hide_zero_count(logs)
             logs["epsilon"] = self._ledger().epsilon(self.delta, accountant=self.accountant)
+
+
+def mark_step_log_readers(callbacks, verbose):
+    """Tells every `PrivacyBudget` in `callbacks` whether anything reads step logs.
+
+    A reader is a callback other than a `PrivacyBudget` that overrides
+    `on_train_batch_end` or `on_batch_end` (TensorBoard, a user's callback),
+    except a progress bar, which reads them only with verbose=1 ("auto").
+    Called by `DPModel.fit` with its final callback list.
+
+    Example:
+
+    >>> budget = PrivacyBudget()
+    >>> mark_step_log_readers([budget, keras.callbacks.History()], verbose=0)
+    >>> budget.step_logs_read
+    False
+    """
+    from keras.src import utils
+
+    def reads(callback):
+        if isinstance(callback, PrivacyBudget):
+            return False
+        if isinstance(callback, keras.callbacks.ProgbarLogger):
+            return verbose in (1, "auto")
+        return not (
+            utils.is_default(callback.on_train_batch_end) and utils.is_default(callback.on_batch_end)
+        )
+
+    read = any(reads(callback) for callback in callbacks)
+    for callback in callbacks:
+        if isinstance(callback, PrivacyBudget):
+            callback.step_logs_read = read
 
 
 def _hide_zero_count(logs):

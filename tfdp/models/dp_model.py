@@ -214,7 +214,7 @@ class DPTrainingMixin:
         Everything else is as in Keras. Epsilon appears in the logs; add
         `tfdp.callbacks.PrivacyBudget` to set delta or stop at a budget.
         """
-        from tfdp.callbacks import PrivacyBudget, ProgbarLogger
+        from tfdp.callbacks import PrivacyBudget, ProgbarLogger, mark_step_log_readers
 
         if self.optimizer is None or self._per_example_loss is None:
             raise ValueError("Compile the model with a tfdp optimizer before calling fit().")
@@ -250,6 +250,7 @@ class DPTrainingMixin:
         if verbose != 0 and not any(isinstance(c, keras.callbacks.ProgbarLogger) for c in callbacks):
             # Keras's own bar ends an epoch cut by the budget at "28/28".
             callbacks.append(ProgbarLogger())
+        mark_step_log_readers(callbacks, verbose)  # no epsilon per step that nobody reads
         for callback in callbacks:
             if isinstance(callback, PrivacyBudget):
                 callback.check_can_start(self.privacy)
