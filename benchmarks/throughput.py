@@ -1,20 +1,25 @@
 """Training throughput on a model zoo: tfdp DP-SGD against plain Keras.
 
 For every zoo model, one child process builds the plain Keras model and the
-same model as a `tfdp.DPModel` (same weights), then fits each for one epoch
-of `steps` steps, alternating plain / DP for `--rounds` rounds after a
-warm-up round (tracing). Each row gives the median over rounds of examples/s
-measured two ways: inside `fit` (from the end of the 3rd step to the end of
-the last, the step's loss read at both ends) and over the whole `fit` call
-(input pipeline, callbacks and DP's epsilon included). Peak memory is
+same model as a `tfdp.DPModel` (same weights), for each `--dtypes` policy
+(float32 and/or mixed_bfloat16), then fits each for one epoch of `steps`
+steps, alternating all of them for `--rounds` rounds after a warm-up round
+(tracing). Each row gives the median over rounds of examples/s measured two
+ways, in two separate `fit` calls per round: the whole `fit` call with no
+callback of the benchmark's own (input pipeline, callbacks and DP's epsilon
+included: what a user with verbose=0 waits for), and inside `fit` (from the
+end of the 3rd step to the end of the last, the step's loss read at both
+ends by a callback). With two dtypes the last column gives bf16's whole-fit
+speed over float32's for the same kind (plain or DP). Peak memory is
 measured in separate child processes, one per model and kind, as the growth
 of the process's peak RSS during `fit` over its RSS just before. "noise ms"
 is the time to draw one step's Gaussian noise for every parameter, the
 floor DP adds whatever the per-example path (dense on every embedding row).
 Synthetic data; no XLA. Prints a Markdown table.
 
-    python benchmarks/throughput.py                 # whole zoo (~20 minutes on 2 cores)
-    python benchmarks/throughput.py --only tanh_cnn_256 text_pooling
+    python benchmarks/throughput.py                 # whole zoo (~25 minutes on 2 cores)
+    python benchmarks/throughput.py --only tanh_cnn_256 text_pooling --no-memory
+    python benchmarks/throughput.py --only mlp mlp_2048 --dtypes float32 mixed_bfloat16
 """
 
 import argparse
@@ -33,6 +38,7 @@ ZOO = {
     "tanh_cnn_256": (256, 30),
     "tanh_cnn_2048": (2048, 6),
     "mlp": (256, 30),
+    "mlp_2048": (2048, 6),
     "text_pooling": (256, 20),
     "embedding_lstm": (128, 8),
     "embedding_bigru": (128, 8),
@@ -61,10 +67,10 @@ def build(name):
         inputs = keras.Input((28, 28, 1))
         outputs = keras.Sequential(recipes.tanh_cnn()[1:])(inputs)
         x = rng.random((n, 28, 28, 1), dtype=np.float32)
-    elif name == "mlp":
+    elif name.startswith("mlp"):  # 784-512-256-10
         inputs = keras.Input((28, 28, 1))
-        h = L.Dense(256, activation="tanh")(L.Flatten()(inputs))
-        outputs = L.Dense(10)(h)
+        h = L.Dense(512, activation="relu")(L.Flatten()(inputs))
+        outputs = L.Dense(10)(L.Dense(256, activation="relu")(h))
         x = rng.random((n, 28, 28, 1), dtype=np.float32)
     elif name == "text_pooling":
         inputs = keras.Input((128,), dtype="int32")
@@ -137,13 +143,17 @@ class StepClock:
         return Clock()
 
 
-def make_models(name):
+def make_models(name, dtype="float32"):
     import keras
 
     import tfdp
 
     keras.utils.set_random_seed(0)
-    inputs, outputs, x, y = build(name)
+    keras.config.set_dtype_policy(dtype)
+    try:
+        inputs, outputs, x, y = build(name)
+    finally:
+        keras.config.set_dtype_policy("float32")
     plain = keras.Model(inputs, outputs)
     private = tfdp.DPModel(inputs, outputs)
     loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
@@ -158,11 +168,12 @@ def make_models(name):
 def fit_once(model, x, y, name):
     batch, steps = ZOO[name]
     skip = 2
-    clock = StepClock(skip, steps - 1)
     start = time.perf_counter()
+    model.fit(x, y, batch_size=batch, epochs=1, steps_per_epoch=steps, verbose=0)
+    wall = time.perf_counter() - start
+    clock = StepClock(skip, steps - 1)
     model.fit(x, y, batch_size=batch, epochs=1, steps_per_epoch=steps, verbose=0,
               callbacks=[clock])
-    wall = time.perf_counter() - start
     return {
         "step": batch * (steps - 1 - skip) / clock.seconds(),
         "epoch": batch * steps / wall,
@@ -170,14 +181,17 @@ def fit_once(model, x, y, name):
 
 
 def noise_ms(model):
-    """Milliseconds to draw N(0, 1) for every trainable parameter once."""
+    """Milliseconds to draw N(0, 1) for every trainable parameter once
+    (tfdp's generator, as the DP step draws it)."""
     import tensorflow as tf
+
+    from tfdp.mechanisms import dpsgd
 
     shapes = [v.shape for v in model.trainable_variables]
 
     @tf.function
     def draw(seed):
-        return [tf.random.stateless_normal(s, seed=seed) for s in shapes]
+        return dpsgd.gaussian_noise_like([tf.zeros(s) for s in shapes], 1.0, seed)
 
     draw(tf.constant([0, 0], tf.int64))
     times = []
@@ -188,20 +202,23 @@ def noise_ms(model):
     return 1000 * statistics.median(times)
 
 
-def speed_child(name, rounds):
-    plain, private, x, y = make_models(name)
-    results = {"plain": [], "dp": []}
+def speed_child(name, rounds, dtypes=("float32",)):
+    models = {}
+    for dtype in dtypes:
+        plain, private, x, y = make_models(name, dtype)
+        models[(dtype, "plain")], models[(dtype, "dp")] = plain, private
+    results = {key: [] for key in models}
     for round_index in range(rounds + 1):
-        for kind, model in (("plain", plain), ("dp", private)):
+        for key, model in models.items():
             result = fit_once(model, x, y, name)
             if round_index:  # round 0 traces the steps
-                results[kind].append(result)
+                results[key].append(result)
     median = {
-        kind: {key: statistics.median(r[key] for r in runs) for key in ("step", "epoch")}
-        for kind, runs in results.items()
+        f"{dtype}/{kind}": {k: statistics.median(r[k] for r in runs) for k in ("step", "epoch")}
+        for (dtype, kind), runs in results.items()
     }
     return {
-        **median,
+        "speeds": median,
         "path": private.per_example_path.split(": ", 1)[1],
         "params": int(sum(v.shape.num_elements() for v in private.trainable_variables)),
         "noise_ms": noise_ms(private),
@@ -230,6 +247,10 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--only", nargs="*", choices=sorted(ZOO))
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--dtypes", nargs="+", default=["float32"],
+                        choices=["float32", "mixed_bfloat16", "mixed_float16"],
+                        help="dtype policies to measure, interleaved in one process")
+    parser.add_argument("--no-memory", action="store_true", help="skip the peak-memory children")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
@@ -237,27 +258,35 @@ def main():
         result = speed_child(*rest) if kind == "speed" else memory_child(*rest)
         print(json.dumps(result))
         return
-    print("| model | batch | params | per-example path | Keras ex/s (step / epoch) "
-          "| tfdp ex/s (step / epoch) | DP/plain (step / epoch) | noise ms | "
-          "Keras peak +MiB | tfdp peak +MiB |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    compare = len(args.dtypes) > 1
+    print("| model | batch | dtype | params | per-example path | Keras ex/s (step / fit) "
+          "| tfdp ex/s (step / fit) | DP/plain (step / fit) | noise ms | "
+          "Keras peak +MiB | tfdp peak +MiB |" + (" fit vs float32 (Keras / tfdp) |" if compare else ""))
+    print("|---" * (11 + compare) + "|")
     for name in args.only or ZOO:
-        speed = run_child("speed", name, args.rounds)
-        memory = {kind: run_child("memory", name, kind) for kind in ("plain", "dp")}
+        speed = run_child("speed", name, args.rounds, args.dtypes)
+        memory = {} if args.no_memory else {
+            kind: run_child("memory", name, kind) for kind in ("plain", "dp")}
         batch = ZOO[name][0]
         if "error" in speed:
-            print(f"| {name} | {batch} | | fails: {speed['error']} | | | | | | |", flush=True)
+            print(f"| {name} | {batch} | | | fails: {speed['error']} |", flush=True)
             continue
-        plain, dp = speed["plain"], speed["dp"]
-        mib = [memory[k].get("peak_growth_mib") for k in ("plain", "dp")]
-        print(
-            f"| {name} | {batch} | {speed['params']:,} | {speed['path']} "
-            f"| {plain['step']:.0f} / {plain['epoch']:.0f} | {dp['step']:.0f} / {dp['epoch']:.0f} "
-            f"| {dp['step'] / plain['step']:.2f} / {dp['epoch'] / plain['epoch']:.2f} "
-            f"| {speed['noise_ms']:.1f} | "
-            + " | ".join("?" if m is None else f"{m:.0f}" for m in mib) + " |",
-            flush=True,
-        )
+        mib = [memory.get(k, {}).get("peak_growth_mib") for k in ("plain", "dp")]
+        for dtype in args.dtypes:
+            plain, dp = speed["speeds"][f"{dtype}/plain"], speed["speeds"][f"{dtype}/dp"]
+            row = (
+                f"| {name} | {batch} | {dtype} | {speed['params']:,} | {speed['path']} "
+                f"| {plain['step']:.0f} / {plain['epoch']:.0f} | {dp['step']:.0f} / {dp['epoch']:.0f} "
+                f"| {dp['step'] / plain['step']:.2f} / {dp['epoch'] / plain['epoch']:.2f} "
+                f"| {speed['noise_ms']:.1f} | "
+                + " | ".join("-" if m is None else f"{m:.0f}" for m in mib) + " |"
+            )
+            if compare:
+                base = speed["speeds"]
+                ratios = [base[f"{dtype}/{k}"]["epoch"] / base[f"float32/{k}"]["epoch"]
+                          for k in ("plain", "dp")] if "float32" in args.dtypes else None
+                row += (f" {ratios[0]:.2f} / {ratios[1]:.2f} |" if ratios else " |")
+            print(row, flush=True)
 
 
 if __name__ == "__main__":

@@ -15,6 +15,8 @@ array([0.5, 1. , 0. ], dtype=float32)
 
 import tensorflow as tf
 
+from tfdp.mechanisms.gaussian import standard_normal
+
 
 def clip_factors(sq_norms, l2_norm_clip, weights=None):
     """Per-example factors `min(1, C / ||g_i||)` that clip each gradient to C.
@@ -81,7 +83,8 @@ def gaussian_noise_like(tensors, stddev, seed):
         stddev: scalar standard deviation (a float, or a tensor broadcastable
             to each tensor for per-coordinate noise).
         seed: int64 tensor [2] (see `step_seed`); each tensor gets its own
-            stream, folded with its index.
+            stream, folded with its index, drawn by the vectorised
+            Box-Muller transform of `tfdp.mechanisms.gaussian`.
 
     Returns:
         List of noise tensors.
@@ -95,9 +98,7 @@ def gaussian_noise_like(tensors, stddev, seed):
     noise = []
     for index, tensor in enumerate(tensors):
         stream = tf.random.experimental.stateless_fold_in(seed, index)
-        unit = tf.random.stateless_normal(
-            tf.shape(tensor), seed=stream, dtype=tensor.dtype
-        )
+        unit = standard_normal(tf.shape(tensor), stream, dtype=tensor.dtype)
         noise.append(unit * tf.cast(stddev, tensor.dtype))
     return noise
 
