@@ -133,7 +133,8 @@ def torch_child(name, batch, steps, rounds, threads=None):
     import torch
 
     if threads:
-        torch.set_num_threads(threads)    from opacus import PrivacyEngine
+        torch.set_num_threads(threads)
+    from opacus import PrivacyEngine
     from torch import nn
     from torch.utils.data import DataLoader, TensorDataset
 
