@@ -95,6 +95,25 @@ class DPTrainingMixin:
 
     # -- compile -------------------------------------------------------------
 
+    def __setattr__(self, name, value):
+        # The traced step keeps the optimizer it was compiled with, while the
+        # ledger would charge the assigned one's noise: only compile swaps it.
+        if (
+            name == "optimizer"
+            and getattr(self, "compiled", False)
+            and not self.__dict__.get("_dp_compiling", False)
+            and value is not getattr(self, "optimizer", None)
+        ):
+            raise AttributeError(
+                f"The optimizer of a compiled {type(self).__name__} cannot be replaced "
+                "by assignment: the compiled train step keeps the optimizer it was "
+                "traced with, so the privacy ledger would charge a noise level the "
+                "step does not add. Call model.compile(optimizer=..., loss=...) with "
+                "the new optimizer instead (the ledger keeps counting). Received: "
+                f"optimizer={type(value).__name__}"
+            )
+        super().__setattr__(name, value)
+
     def compile(self, optimizer=None, loss=None, metrics=None, **kwargs):
         """Keras `compile`, requiring a tfdp optimizer and one loss.
 
@@ -116,7 +135,11 @@ class DPTrainingMixin:
         self._per_example_loss = per_example_loss(loss)
         if kwargs.get("jit_compile", "auto") == "auto":
             kwargs["jit_compile"] = False
-        super().compile(optimizer=optimizer, loss=loss, metrics=metrics, **kwargs)
+        self.__dict__["_dp_compiling"] = True
+        try:
+            super().compile(optimizer=optimizer, loss=loss, metrics=metrics, **kwargs)
+        finally:
+            self.__dict__["_dp_compiling"] = False
 
     def compile_from_config(self, config):
         """Recompiles a loaded model (Keras skips models with a custom compile)."""
