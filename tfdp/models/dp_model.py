@@ -19,6 +19,7 @@ from keras.src.utils.tracking import no_automatic_dependency_tracking
 from tfdp import distribute
 from tfdp.accounting import PrivacyLedger
 from tfdp.models.losses import per_example_loss
+from tfdp.models.restore import LedgerGuard, restore_backups
 from tfdp.per_example import (
     METHODS,
     check_per_example_support,
@@ -223,6 +224,9 @@ class DPTrainingMixin:
         cannot be Poisson-sampled. `shuffle` is ignored (sampling is random).
         Everything else is as in Keras. Epsilon appears in the logs; add
         `tfdp.callbacks.PrivacyBudget` to set delta or stop at a budget.
+        A `keras.callbacks.BackupAndRestore` is restored before any release
+        (`tfdp.models.restore`); another callback that loads weights in
+        `on_train_begin` is refused before the first step.
         """
         from tfdp.callbacks import PrivacyBudget, ProgbarLogger
 
@@ -244,7 +248,8 @@ class DPTrainingMixin:
             )
         arrays = (x, y) if sample_weight is None else (x, y, sample_weight)
         self._build_for(arrays)
-        callbacks = list(callbacks or [])
+        # Keras would restore a backup (weights, ledger) after the releases below.
+        callbacks = restore_backups(self, list(callbacks or []))
         dataset, steps = self.optimizer.make_training_data(
             self, arrays, batch_size, steps_per_epoch=steps_per_epoch,
             budgets=[c for c in callbacks if isinstance(c, PrivacyBudget)],
@@ -263,6 +268,7 @@ class DPTrainingMixin:
         for callback in callbacks:
             if isinstance(callback, PrivacyBudget):
                 callback.check_can_start(self.privacy)
+        callbacks.append(LedgerGuard(self.privacy, callbacks))
         return super().fit(
             dataset,
             epochs=epochs,

@@ -1,0 +1,156 @@
+"""Keras's BackupAndRestore with every mechanism (issue 25, item 3).
+
+Keras restores in `on_train_begin`, which replaces the model's weights,
+optimizer state and privacy ledger. Every release of a `fit` (the step
+event, DPIS's N~ and K~) must be made after that restore, into the ledger
+that is kept, with the values the steps then use. Each test resumes from a
+backup taken after one epoch and compares the resumed ledger, event by
+event, with a reference built from what each run's optimizer did.
+"""
+
+import keras
+import numpy as np
+import pytest
+
+import tfdp
+from tfdp.accounting import PrivacyLedger
+from tfdp.mechanisms import importance_sampling as isp
+
+N, BATCH, DELTA = 64, 16, 1e-5
+Q = BATCH / N
+LOSS = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+
+def data():
+    rng = np.random.default_rng(0)
+    return rng.normal(size=(N, 4)).astype(np.float32), rng.integers(0, 3, N)
+
+
+def public_data():
+    rng = np.random.default_rng(1)
+    return rng.normal(size=(8, 4)).astype(np.float32), rng.integers(0, 3, 8)
+
+
+MAKERS = {
+    "dpsgd": lambda sigma: tfdp.optimizers.DPSGD(0.1, l2_norm_clip=1.0, noise_multiplier=sigma, seed=1),
+    "dp_adam": lambda sigma: tfdp.optimizers.DPOptimizer(
+        keras.optimizers.Adam(1e-3), l2_norm_clip=1.0, noise_multiplier=sigma, seed=1
+    ),
+    "sadpsgd": lambda sigma: tfdp.optimizers.SADPSGD(
+        0.1, l2_norm_clip=1.0, noise_multiplier=sigma, seed=1, public_energy_data=public_data()
+    ),
+    "adadp": lambda sigma: tfdp.optimizers.AdaDP(0.01, l2_norm_clip=1.0, noise_multiplier=sigma, seed=1),
+}
+
+
+def build(optimizer):
+    keras.utils.set_random_seed(0)
+    model = tfdp.DPSequential(
+        [keras.Input((4,)), keras.layers.Dense(5, activation="tanh"), keras.layers.Dense(3)]
+    )
+    model.compile(optimizer=optimizer, loss=LOSS)
+    return model
+
+
+def fit(model, folder, epochs, extra=()):
+    x, y = data()
+    backup = keras.callbacks.BackupAndRestore(str(folder), delete_checkpoint=False)
+    model.fit(x, y, batch_size=BATCH, epochs=epochs, callbacks=[backup, *extra], verbose=0)
+
+
+@pytest.mark.parametrize("mechanism", sorted(MAKERS))
+def test_a_resumed_run_charges_the_noise_its_new_optimizer_adds(mechanism, tmp_path):
+    """Backup after epoch 1 with sigma = 1; resume with a new optimizer of
+    sigma = 3 for epoch 2. The ledger holds 4 steps of sigma 1 then 4 of
+    sigma 3, the events each optimizer's steps release.
+
+    Broken variant caught: the step event opened before Keras's restore (the
+    old code): the restored ledger kept charging sigma 1 for epoch 2.
+    """
+    first = build(MAKERS[mechanism](1.0))
+    fit(first, tmp_path, epochs=1)
+    second_optimizer = MAKERS[mechanism](3.0)
+    second = build(second_optimizer)
+    fit(second, tmp_path, epochs=2)
+
+    reference = PrivacyLedger()
+    reference.begin_steps(first.optimizer.step_event(Q))
+    reference.advance(first.privacy.steps)
+    reference.begin_steps(second_optimizer.step_event(Q))
+    reference.advance(second.privacy.steps - first.privacy.steps)
+    assert (first.privacy.steps, second.privacy.steps) == (4, 8)
+    assert second.privacy.composed_event() == reference.composed_event()
+    assert second.privacy.epsilon(DELTA) == pytest.approx(reference.epsilon(DELTA), rel=1e-12)
+
+
+def dpis(seed):
+    return tfdp.optimizers.DPIS(
+        0.1, l2_norm_clip=1.0, target_epsilon=8.0, epochs=3, sigma_n=4.0, sigma_k=5.0, seed=seed
+    )
+
+
+def test_a_resumed_dpis_run_holds_every_release_it_made(tmp_path):
+    """DPIS backed up after its first epoch, resumed by a new DPIS for the
+    other two: the ledger holds one N~, one K~ per epoch any run started and
+    each epoch's steps under the step event of the K~, N~, sigma_G and clip
+    that epoch's sampler used (the runs' epoch histories).
+
+    Broken variant caught: DPIS's releases made before Keras's restore (the
+    old code): the resumed run released a second N~ and a K~ that the restore
+    dropped from the ledger, sampled its first epoch with them, and the
+    ledger charged that epoch's steps under the first run's step event.
+    """
+    first = build(dpis(seed=1))
+    fit(first, tmp_path, epochs=1)
+    second_optimizer = dpis(seed=2)
+    second = build(second_optimizer)
+    fit(second, tmp_path, epochs=3)
+
+    history = first.optimizer.epoch_history + second_optimizer.epoch_history
+    assert len(history) == 3
+    n_tilde = history[0]["n_tilde"]
+    assert all(epoch["n_tilde"] == n_tilde for epoch in history), history
+    reference = PrivacyLedger()
+    reference.record(isp.count_event(4.0))
+    steps = 0
+    for epoch in history:
+        reference.record(isp.norm_sum_event(5.0, isp.norm_sum_sampling_probability(BATCH, n_tilde)))
+        reference.begin_steps(
+            isp.step_event(epoch["sigma_g"], epoch["clip_norm"], epoch["k_tilde"], n_tilde, BATCH)
+        )
+        reference.advance(4)
+        steps += 4
+    assert second.privacy.steps == steps
+    assert second.privacy.composed_event() == reference.composed_event()
+    assert second.privacy.epsilon(DELTA) == pytest.approx(reference.epsilon(DELTA), rel=1e-12)
+
+
+class ReloadAtTrainBegin(keras.callbacks.Callback):
+    """A callback of the user's that loads saved weights in on_train_begin."""
+
+    def __init__(self, path):
+        super().__init__()
+        self.path = path
+
+    def on_train_begin(self, logs=None):
+        self.model.load_weights(self.path)
+
+
+def test_another_callback_that_restores_at_train_begin_is_refused(tmp_path):
+    """A restore tfdp does not know of (here a user callback's load_weights)
+    is refused before the first step: it would replace the ledger holding this
+    fit's step event. Control: the same fit without it trains."""
+    model = build(MAKERS["dpsgd"](1.0))
+    x, y = data()
+    model.fit(x, y, batch_size=BATCH, epochs=1, verbose=0)
+    path = str(tmp_path / "saved.weights.h5")
+    model.save_weights(path)
+    resumed = build(MAKERS["dpsgd"](3.0))
+    with pytest.raises(ValueError, match="on_train_begin.*ReloadAtTrainBegin"):
+        resumed.fit(x, y, batch_size=BATCH, epochs=1, callbacks=[ReloadAtTrainBegin(path)], verbose=0)
+    assert resumed.privacy.steps == 4  # the reloaded count: no step ran after it
+    assert int(resumed._dp_steps.numpy()) == resumed.privacy.steps
+    resumed.load_weights(path)
+    before = resumed.privacy.steps
+    resumed.fit(x, y, batch_size=BATCH, epochs=1, verbose=0)
+    assert resumed.privacy.steps == before + 4
