@@ -8,6 +8,8 @@ backup taken after one epoch and compares the resumed ledger, event by
 event, with a reference built from what each run's optimizer did.
 """
 
+import warnings
+
 import keras
 import numpy as np
 import pytest
@@ -89,11 +91,32 @@ def dpis(seed):
     )
 
 
-def test_a_resumed_dpis_run_holds_every_release_it_made(tmp_path):
-    """DPIS backed up after its first epoch, resumed by a new DPIS for the
-    other two: the ledger holds one N~, one K~ per epoch any run started and
-    each epoch's steps under the step event of the K~, N~, sigma_G and clip
-    that epoch's sampler used (the runs' epoch histories).
+class Killed(Exception):
+    pass
+
+
+class KillAtEpochBegin(keras.callbacks.Callback):
+    """Stands for a kill after the backup of epoch `epoch - 1`."""
+
+    def __init__(self, epoch):
+        super().__init__()
+        self.epoch = epoch
+
+    def on_epoch_begin(self, epoch, logs=None):
+        if epoch == self.epoch:
+            raise Killed()
+
+
+@pytest.mark.parametrize("killed", [False, True], ids=["finished", "killed"])
+def test_a_resumed_dpis_run_holds_every_release_it_made(killed, tmp_path):
+    """DPIS backed up after its first epoch, resumed by a new DPIS: the
+    ledger holds one N~, one K~ per epoch any run started and each epoch's
+    steps under the step event of the K~, N~, sigma_G and clip that epoch's
+    sampler used (the runs' epoch histories). "finished": the first fit asked
+    for one epoch; "killed": it asked for three and was killed after the
+    backup of the first, which already holds the second epoch's K~ (released
+    at the first one's end; the resumed run starts a third and stops one
+    epoch early, as after any checkpoint).
 
     Broken variant caught: DPIS's releases made before Keras's restore (the
     old code): the resumed run released a second N~ and a K~ that the restore
@@ -101,26 +124,32 @@ def test_a_resumed_dpis_run_holds_every_release_it_made(tmp_path):
     ledger charged that epoch's steps under the first run's step event.
     """
     first = build(dpis(seed=1))
-    fit(first, tmp_path, epochs=1)
+    if killed:
+        with pytest.raises(Killed):
+            fit(first, tmp_path, epochs=3, extra=[KillAtEpochBegin(1)])
+    else:
+        fit(first, tmp_path, epochs=1)
     second_optimizer = dpis(seed=2)
     second = build(second_optimizer)
-    fit(second, tmp_path, epochs=3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "DPIS ran all its planned epochs" when killed
+        fit(second, tmp_path, epochs=3)
 
     history = first.optimizer.epoch_history + second_optimizer.epoch_history
     assert len(history) == 3
     n_tilde = history[0]["n_tilde"]
     assert all(epoch["n_tilde"] == n_tilde for epoch in history), history
+    # Killed: the second epoch was started (its K~ released) but ran no step.
+    steps_per_epoch = [4, 0, 4] if killed else [4, 4, 4]
     reference = PrivacyLedger()
     reference.record(isp.count_event(4.0))
-    steps = 0
-    for epoch in history:
+    for epoch, steps in zip(history, steps_per_epoch):
         reference.record(isp.norm_sum_event(5.0, isp.norm_sum_sampling_probability(BATCH, n_tilde)))
         reference.begin_steps(
             isp.step_event(epoch["sigma_g"], epoch["clip_norm"], epoch["k_tilde"], n_tilde, BATCH)
         )
-        reference.advance(4)
-        steps += 4
-    assert second.privacy.steps == steps
+        reference.advance(steps)
+    assert second.privacy.steps == sum(steps_per_epoch)
     assert second.privacy.composed_event() == reference.composed_event()
     assert second.privacy.epsilon(DELTA) == pytest.approx(reference.epsilon(DELTA), rel=1e-12)
 
