@@ -362,6 +362,14 @@ class DPTrainingMixin:
 
     # -- the ledger travels with the weights ------------------------------
 
+    def set_weights(self, weights):
+        """Keras `set_weights`, except that the private step counter keeps its
+        value: steps that ran stay counted when earlier weights are written
+        back (e.g. by `EarlyStopping(restore_best_weights=True)`)."""
+        steps = self._dp_steps.numpy()
+        super().set_weights(weights)
+        self._dp_steps.assign(steps)
+
     def save_own_variables(self, store):
         super().save_own_variables(store)
         text = self._privacy_ledger.to_json().encode("utf-8")
