@@ -183,3 +183,54 @@ def test_another_callback_that_restores_at_train_begin_is_refused(tmp_path):
     before = resumed.privacy.steps
     resumed.fit(x, y, batch_size=BATCH, epochs=1, verbose=0)
     assert resumed.privacy.steps == before + 4
+
+
+class KillAtStep(keras.callbacks.Callback):
+    """Stands for a kill mid-epoch, after `steps` steps in all."""
+
+    def __init__(self, steps):
+        super().__init__()
+        self.steps = steps
+
+    def on_train_batch_end(self, batch, logs=None):
+        if self.model.privacy.steps == self.steps:
+            raise Killed()
+
+
+def test_a_privacy_journal_charges_the_steps_after_the_backup_on_resume(tmp_path):
+    """Killed mid-epoch 2 (step 6), after the backup of epoch 1 (step 4):
+    steps 5 and 6 ran and are in the journal only. Resumed with the same
+    callbacks, fit charges them after restoring the backup (no other moment
+    exists to call `journal.recover`): 4 + 4 journaled + 4 resumed steps.
+
+    Broken variant caught: no recovery after the restore (the old code), where
+    the journal refused every resume ("records 8 steps, but this model's
+    ledger counts 4").
+    """
+    journal_path = str(tmp_path / "journal.jsonl")
+    first = build(MAKERS["dpsgd"](1.0))
+    with pytest.raises(Killed):
+        fit(first, tmp_path / "backup", epochs=2,
+            extra=[tfdp.callbacks.PrivacyJournal(journal_path), KillAtStep(6)])
+    assert first.privacy.steps == 6
+    second = build(MAKERS["dpsgd"](1.0))
+    fit(second, tmp_path / "backup", epochs=2, extra=[tfdp.callbacks.PrivacyJournal(journal_path)])
+    reference = PrivacyLedger()
+    reference.begin_steps(first.optimizer.step_event(Q))
+    reference.advance(12)
+    assert second.privacy.steps == 12
+    assert second.privacy.epsilon(DELTA) == pytest.approx(reference.epsilon(DELTA), rel=1e-12)
+
+
+def test_control_without_a_backup_the_journal_still_asks_for_recover(tmp_path):
+    """No backup was written (killed in epoch 1): nothing is restored, so
+    fit recovers nothing itself and the journal refuses the fresh model."""
+    journal_path = str(tmp_path / "journal.jsonl")
+    first = build(MAKERS["dpsgd"](1.0))
+    with pytest.raises(Killed):
+        fit(first, tmp_path / "backup", epochs=2,
+            extra=[tfdp.callbacks.PrivacyJournal(journal_path), KillAtStep(2)])
+    second = build(MAKERS["dpsgd"](1.0))
+    with pytest.raises(ValueError, match="recover"):
+        fit(second, tmp_path / "backup", epochs=2, extra=[tfdp.callbacks.PrivacyJournal(journal_path)])
+    assert second.privacy.steps == 0

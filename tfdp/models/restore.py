@@ -6,7 +6,8 @@ ledger. `DPModel.fit` opens the run's step event and makes a mechanism's
 releases (DPIS's N~, K~ and ghat table) before Keras starts the callbacks,
 so a restore there would keep charging the backup's step event and drop
 those releases from the ledger. `restore_backups` runs every such restore
-first, in `fit`, before anything is released, and hands Keras each callback
+first, in `fit`, before anything is released (then lets a `PrivacyJournal`
+charge the steps that ran after the backup), and hands Keras each callback
 without its `on_train_begin`. `LedgerGuard` refuses, before the first step,
 any other callback that replaces the ledger when training begins.
 
@@ -67,17 +68,31 @@ def restore_backups(model, callbacks):
         model: the built `DPModel` / `DPSequential` that `fit` trains.
         callbacks: the list of callbacks passed to `fit`.
 
+    When a backup was restored, every `tfdp.callbacks.PrivacyJournal` in
+    `callbacks` then charges the journaled steps that ran after the backup
+    (`PrivacyJournal.recover`): the restore happens inside `fit`, so there
+    is no other moment to recover.
+
     Returns:
         The list with each `BackupAndRestore` replaced by a forwarder that
         skips its `on_train_begin` (the restore it already made).
     """
+    from tfdp.callbacks import PrivacyJournal
+
     result = []
+    restored = False
     for callback in callbacks:
         if isinstance(callback, keras.callbacks.BackupAndRestore):
+            ledger = model.privacy
             callback.set_model(model)
             callback.on_train_begin()
+            restored = restored or model.privacy is not ledger
             callback = _Restored(callback)
         result.append(callback)
+    if restored:
+        for callback in callbacks:
+            if isinstance(callback, PrivacyJournal):
+                callback.recover(model)
     return result
 
 
