@@ -40,6 +40,7 @@ import numpy as np
 import tensorflow as tf
 
 from tfdp.data.poisson import PoissonSampler, gathered_batches
+from tfdp.data.sources import as_source
 
 __all__ = [
     "num_replicas_in_sync",
@@ -214,7 +215,10 @@ def distribute_poisson_batches(strategy, sampler, arrays, to_element):
         local = num_replicas // input_context.num_input_pipelines
         first = input_context.input_pipeline_id * local
         replica_ids = list(range(first, first + local))
-        tensors = tf.nest.map_structure(tf.convert_to_tensor, arrays)
+        # A source (or memmap) stays on disk: each worker reads only its shares.
+        tensors = arrays if as_source(arrays) is not None else tf.nest.map_structure(
+            tf.convert_to_tensor, arrays
+        )
         iterations = itertools.count()
 
         def generator():

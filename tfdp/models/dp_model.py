@@ -18,6 +18,7 @@ from keras.src.utils.tracking import no_automatic_dependency_tracking
 
 from tfdp import distribute
 from tfdp.accounting import PrivacyLedger
+from tfdp.data import sources
 from tfdp.models.losses import per_example_loss
 from tfdp.per_example import (
     METHODS,
@@ -38,6 +39,17 @@ def _first_dim(arrays):
 
 def _take(arrays, index):
     return tf.nest.map_structure(lambda a: a[index], arrays)
+
+
+_NOT_SAMPLEABLE = (
+    "DP training Poisson-samples every batch (the privacy accounting holds only "
+    "for Poisson sampling), which needs random access to the records; a tf.data "
+    "pipeline, PyDataset or generator cannot be sampled. Pass NumPy arrays "
+    "(memmaps too: np.load(path, mmap_mode='r') is read row by row) or a "
+    "tfdp.data.RecordSource (any object with len() and [i]), or convert the "
+    "pipeline once: tfdp.data.write_records(dataset, path), then "
+    "model.fit(tfdp.data.read_records(path), ...). Received: x of type {}"
+)
 
 
 class DPTrainingMixin:
@@ -212,6 +224,11 @@ class DPTrainingMixin:
             )
         num_examples = _first_dim(x)
         batch_size = 32 if batch_size is None else batch_size
+        if validation_split and isinstance(x, sources.RecordSource):
+            raise ValueError(
+                "validation_split cannot split a RecordSource; pass validation_data. "
+                f"Received: validation_split={validation_split}"
+            )
         if isinstance(batch_size, bool) or not isinstance(batch_size, (int, np.integer)) or batch_size < 1:
             raise ValueError(f"Expected `batch_size` to be an int >= 1. Received: batch_size={batch_size!r}")
         if batch_size > num_examples:
@@ -220,6 +237,8 @@ class DPTrainingMixin:
                 f"({num_examples}). Received: batch_size={batch_size}"
             )
         arrays = (x, y) if sample_weight is None else (x, y, sample_weight)
+        if isinstance(x, sources.RecordSource):
+            arrays = x
         self._build_for(arrays)
         callbacks = list(callbacks or [])
         dataset, steps = self.optimizer.make_training_data(
@@ -258,12 +277,23 @@ class DPTrainingMixin:
         if isinstance(x, (tf.data.Dataset, keras.utils.PyDataset)) or callable(
             getattr(x, "__next__", None)
         ):
-            raise ValueError(
-                "DP training needs the training data in memory (NumPy arrays or "
-                "tensors) to Poisson-sample each batch; the privacy accounting is "
-                "only valid for Poisson sampling. Received: x of type "
-                f"{type(x).__name__}"
-            )
+            raise ValueError(_NOT_SAMPLEABLE.format(type(x).__name__))
+        if isinstance(x, (sources.ArraySource, sources.RecordSource)):
+            if y is not None or sample_weight is not None:
+                raise ValueError(
+                    f"A {type(x).__name__} holds the labels (and weights): pass it as "
+                    f"x alone. Received: y={type(y).__name__}, "
+                    f"sample_weight={type(sample_weight).__name__}"
+                )
+        if isinstance(x, sources.ArraySource):  # its (memory-mapped) arrays
+            x, y, sample_weight = (tuple(x.arrays) + (None,))[:3]
+        elif isinstance(x, sources.RecordSource):
+            if class_weight is not None:
+                raise ValueError(
+                    "class_weight is not applied to a RecordSource: return a "
+                    "sample_weight from its transform. Received: class_weight given"
+                )
+            return x, None, None
         if x is None or y is None:
             raise ValueError(
                 f"DP training needs inputs and labels. Received: x={type(x).__name__}, "
@@ -311,7 +341,10 @@ class DPTrainingMixin:
 
     def _build_for(self, arrays):
         """Builds model, metrics and optimizer on a 1-example batch."""
-        sample = _take(arrays, slice(0, 1))
+        if isinstance(arrays, sources.RecordSource):
+            sample = tf.nest.map_structure(lambda a: a[None], arrays[0])
+        else:
+            sample = _take(arrays, slice(0, 1))
         data = tuple(sample) + ((None,) if len(sample) == 2 else ())
         strategy = self.distribute_strategy
         with strategy.scope():
