@@ -218,17 +218,17 @@ class DPTrainingMixin:
         if self.optimizer is None or self._per_example_loss is None:
             raise ValueError("Compile the model with a tfdp optimizer before calling fit().")
         x, y, sample_weight = self._check_training_arrays(x, y, sample_weight, class_weight)
+        if validation_split and isinstance(x, sources.RecordSource):
+            raise ValueError(
+                "validation_split cannot split a RecordSource; pass validation_data. "
+                f"Received: validation_split={validation_split}"
+            )
         if validation_split and validation_data is None:
             x, y, sample_weight, validation_data = _split_validation(
                 x, y, sample_weight, validation_split
             )
         num_examples = _first_dim(x)
         batch_size = 32 if batch_size is None else batch_size
-        if validation_split and isinstance(x, sources.RecordSource):
-            raise ValueError(
-                "validation_split cannot split a RecordSource; pass validation_data. "
-                f"Received: validation_split={validation_split}"
-            )
         if isinstance(batch_size, bool) or not isinstance(batch_size, (int, np.integer)) or batch_size < 1:
             raise ValueError(f"Expected `batch_size` to be an int >= 1. Received: batch_size={batch_size!r}")
         if batch_size > num_examples:
