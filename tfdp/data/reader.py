@@ -5,8 +5,8 @@ The sampler's `(indices, mask)` pairs come from Python; for each step a
 source (`tfdp.data.sources`) into one padded batch. tf.data runs several
 steps' reads at once (`num_parallel_calls`) and keeps their order, and
 `make_dataset` prefetches, so reading overlaps training. Padding rows are
-copies of the step's first record (record 0 for an empty draw), never read
-from the source again.
+record 0, as for in-memory arrays, read once (a `RecordSource` keeps it from
+reading its spec).
 
 Example:
 
@@ -41,20 +41,15 @@ def read_padded(source, indices, mask):
     >>> source = ArraySource(np.arange(10.0)[:, None], np.arange(10))
     >>> x, y = read_padded(source, np.array([4, 7, 0]), np.array([1, 1, 0], np.float32))
     >>> y
-    array([4, 7, 4])
+    array([4, 7, 0])
     """
     count = int(np.count_nonzero(mask))
-    length = len(indices)
-    out = source.empty_batch(length)
-    real = np.asarray(indices[:count], np.int64)
+    out = source.empty_batch(len(indices))
     if count:
-        source.read_batch(real, out)
-        for array in out:
-            array[count:] = array[0]
-    elif length:
-        source.read_batch(np.zeros(1, np.int64), out)
-        for array in out:
-            array[1:] = array[0]
+        source.read_batch(np.asarray(indices[:count], np.int64), out)
+    if count < len(indices):
+        for array, row in zip(out, source.padding_row()):
+            array[count:] = row
     return out
 
 

@@ -127,6 +127,12 @@ class _Source:
         """Reads the records at `indices` into rows 0.. of the flat `out`."""
         raise NotImplementedError
 
+    def padding_row(self):
+        """Record 0 as a flat list of arrays (read once), for padding rows."""
+        if getattr(self, "_padding", None) is None:
+            self._padding = [np.asarray(leaf) for leaf in tf.nest.flatten(self[0])]
+        return self._padding
+
 
 class RecordSource(_Source):
     """Random-access records read on demand, for Poisson-sampled `fit`.
@@ -178,6 +184,7 @@ class RecordSource(_Source):
         self.element_spec = tf.nest.map_structure(
             lambda v: _spec(v, "record 0"), first
         )
+        self._padding = [np.asarray(leaf) for leaf in tf.nest.flatten(first)]
         self._pool = None
 
     def __len__(self):
