@@ -185,6 +185,8 @@ class RecordSource(_Source):
             lambda v: _spec(v, "record 0"), first
         )
         self._padding = [np.asarray(leaf) for leaf in tf.nest.flatten(first)]
+        self._flat = len(self._paths) == len(first)
+        self._rows = [(a.shape, a.dtype) for a in self._padding]
         self._pool = None
 
     def __len__(self):
@@ -201,33 +203,52 @@ class RecordSource(_Source):
 
     def __getitem__(self, index):
         """Record `index` as a tuple of NumPy arrays, checked against record 0."""
-        example = self._example(index)
-        try:
-            leaves = tf.nest.flatten(example)
-            tf.nest.assert_same_structure(example, self.element_spec)
-        except (ValueError, TypeError) as error:
-            raise ValueError(
-                f"Record {index} does not have the structure of record 0: {error}"
-            ) from None
+        return tf.nest.pack_sequence_as(self.element_spec, self._leaves(index))
+
+    def _leaves(self, index, item=None):
+        """The checked flat arrays of record `index` (`item`: already read)."""
+        if item is None:
+            example = self._example(index)
+        else:
+            example = _as_example(item if self.transform is None else self.transform(item), index)
+        if self._flat and len(example) == len(self._paths) and not any(
+            isinstance(part, (tuple, list, dict)) for part in example
+        ):
+            leaves = example  # the common (x, y[, w]) of arrays, without tf.nest
+        else:
+            try:
+                tf.nest.assert_same_structure(example, self.element_spec)
+                leaves = tf.nest.flatten(example)
+            except (ValueError, TypeError) as error:
+                raise ValueError(
+                    f"Record {index} does not have the structure of record 0: {error}"
+                ) from None
         arrays = []
-        for path, leaf, spec in zip(self._paths, leaves, self._leaf_specs()):
+        for path, leaf, (shape, dtype) in zip(self._paths, leaves, self._rows):
             array = np.asarray(leaf)
-            if array.shape != tuple(spec.shape[1:]) or array.dtype != spec.dtype.as_numpy_dtype:
+            if array.shape != shape or array.dtype != dtype:
                 raise ValueError(
                     f"Record {index} does not match record 0 at {path}: expected shape "
-                    f"{tuple(spec.shape[1:])} and dtype {spec.dtype.name}. Received: "
-                    f"shape {array.shape} and dtype {array.dtype}"
+                    f"{shape} and dtype {dtype}. Received: shape {array.shape} and "
+                    f"dtype {array.dtype}"
                 )
             arrays.append(array)
-        return tf.nest.pack_sequence_as(self.element_spec, arrays)
+        return arrays
 
     def read_batch(self, indices, out):
-        if self._pool is None:
-            self._pool = concurrent.futures.ThreadPoolExecutor(
-                self.num_threads, thread_name_prefix="tfdp-records"
-            )
-        for row, example in enumerate(self._pool.map(self.__getitem__, indices)):
-            for target, leaf in zip(out, tf.nest.flatten(example)):
+        # A batch read where the records offer one (tfds and grain sources:
+        # `__getitems__`, parallel inside), else one read per record in threads.
+        if hasattr(self.records, "__getitems__"):
+            items = self.records.__getitems__([int(i) for i in indices])
+            rows = (self._leaves(i, item) for i, item in zip(indices, items))
+        else:
+            if self._pool is None:
+                self._pool = concurrent.futures.ThreadPoolExecutor(
+                    self.num_threads, thread_name_prefix="tfdp-records"
+                )
+            rows = self._pool.map(self._leaves, indices)
+        for row, leaves in enumerate(rows):
+            for target, leaf in zip(out, leaves):
                 target[row] = leaf
 
 
