@@ -187,6 +187,10 @@ def memory(args):
 
 
 def accuracy(args):
+    import inspect
+
+    if "physical_batch_size" not in inspect.signature(tfdp.DPSequential.fit).parameters:
+        raise SystemExit("accuracy needs fit(physical_batch_size=...) (issue 26 item 3)")
     (x, y), (x_test, y_test) = load_fashion_mnist()
     with tempfile.TemporaryDirectory(dir=args.dir) as folder:
         memmap, records = on_disk(folder, x, y)

@@ -186,6 +186,17 @@ def test_a_mismatched_record_is_an_error_naming_its_index():
         train(RecordSource(records * 3), seed=0)  # q = 50 / 63: one is read
 
 
+def test_a_missing_file_is_an_error_naming_the_record(data, tmp_path):
+    x, y = data
+    records = CountingRecords(tmp_path, x[:100], y[:100])
+    (tmp_path / "37.npy").unlink()
+    source = RecordSource(records)
+    with pytest.raises(FileNotFoundError, match="Reading record 37 of CountingRecords failed"):
+        source[37]
+    with pytest.raises(tf.errors.OpError, match="Reading record 37"):
+        train(RecordSource(records), steps_per_epoch=20)  # q = 1/2: 37 is read
+
+
 def test_bad_records_and_arguments_are_refused_clearly(data):
     x, y = data
     with pytest.raises(TypeError, match="records of type int"):

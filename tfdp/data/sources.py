@@ -196,9 +196,14 @@ class RecordSource(_Source):
         return f"RecordSource({type(self.records).__name__}, num_records={self._length})"
 
     def _example(self, index):
-        item = self.records[int(index)]
-        if self.transform is not None:
-            item = self.transform(item)
+        try:
+            item = self.records[int(index)]
+            if self.transform is not None:
+                item = self.transform(item)
+        except Exception as error:  # a missing file, a corrupt record: say which
+            raise type(error)(
+                f"Reading record {index} of {type(self.records).__name__} failed: {error}"
+            ) from error
         return _as_example(item, index)
 
     def __getitem__(self, index):
@@ -210,7 +215,11 @@ class RecordSource(_Source):
         if item is None:
             example = self._example(index)
         else:
-            example = _as_example(item if self.transform is None else self.transform(item), index)
+            try:
+                item = item if self.transform is None else self.transform(item)
+            except Exception as error:
+                raise type(error)(f"Transforming record {index} failed: {error}") from error
+            example = _as_example(item, index)
         if self._flat and len(example) == len(self._paths) and not any(
             isinstance(part, (tuple, list, dict)) for part in example
         ):
