@@ -171,12 +171,10 @@ def train_exact_source(replicas):
     shares_seen = []
     original = distribute.replica_shares
 
-    def recording(indices, mask, num_replicas):
+    def recording(indices, mask, num_replicas):  # this worker's local replicas
         shares = original(indices, mask, num_replicas)
-        for replica in range(num_replicas):
-            if replica % 2 == STRATEGY.cluster_resolver.task_id:  # one replica per worker
-                rows, mask_rows = shares[replica]
-                shares_seen.extend(int(i) for i in rows[mask_rows > 0])
+        for rows, mask_rows in shares:
+            shares_seen.extend(int(i) for i in rows[mask_rows > 0])
         return shares
 
     with scope(replicas):
@@ -313,15 +311,14 @@ def unseeded_draws(replicas, fits=2):
     """Records the global draws (indices, mask) and this process's shares."""
     x, y, _ = exact_data()
     records = []
-    original = distribute.replica_shares
+    original = distribute.worker_shard
 
-    def recording(indices, mask, num_replicas):
-        shares = original(indices, mask, num_replicas)
+    def recording(indices, mask, *args):  # the global draw, before the worker's shard
         records.append((np.asarray(indices).copy(), np.asarray(mask).copy()))
-        return shares
+        return original(indices, mask, *args)
 
     per_fit = []
-    with patched("replica_shares", recording):
+    with patched("worker_shard", recording):
         for _ in range(fits):
             with scope(replicas):
                 model = exact_model()

@@ -49,8 +49,11 @@ def test_noiseless_training_equals_single_device_training(workers):
         assert float(worker["epsilon"]) == float(worker["epsilon_single"])
 
 
-def test_a_record_source_trains_as_arrays_and_each_worker_reads_only_its_share(workers):
+def test_a_record_source_trains_as_arrays_and_each_worker_reads_only_its_shard(workers):
     for worker in workers:
+        # worker w samples and reads only its shard: records with index % 2 == w
+        assert np.all(worker["source_reads"] % 2 == int(worker["task"]))
+        assert np.all(worker["source_shares"] % 2 == int(worker["task"]))
         np.testing.assert_allclose(worker["source_dpsgd"], worker["exact_dpsgd"], rtol=0, atol=1e-6)
         assert int(worker["source_steps"]) == int(worker["steps"]) == 8
         assert float(worker["source_epsilon"]) == float(worker["epsilon"])
