@@ -208,8 +208,9 @@ class DPTrainingMixin:
         Each of `steps_per_epoch` steps (default: dataset size / batch_size)
         includes every training record independently with probability
         batch_size / N, so `batch_size` is the *expected* batch size. Data
-        must be in memory (NumPy arrays or tensors): a tf.data pipeline
-        cannot be Poisson-sampled. `shuffle` is ignored (sampling is random).
+        is NumPy arrays or tensors, memmaps (read row by row), or a
+        `tfdp.data.RecordSource` / `read_records` source as `x` alone: a
+        tf.data pipeline cannot be Poisson-sampled. `shuffle` is ignored (sampling is random).
         Everything else is as in Keras. Epsilon appears in the logs; add
         `tfdp.callbacks.PrivacyBudget` to set delta or stop at a budget.
         """
