@@ -42,6 +42,7 @@ import tensorflow as tf
 
 from tfdp.accounting import PrivacyLedger, event_from_dict
 from tfdp.data.importance import ImportanceSampler, make_importance_dataset
+from tfdp.data.sources import require_in_memory
 from tfdp.mechanisms import dpsgd
 from tfdp.mechanisms import importance_sampling as isp
 from tfdp.per_example import compute_per_example_gradients
@@ -408,6 +409,7 @@ class DPIS(DPOptimizer):
                 "DPIS with the epochs and budget you want to add (the ledger keeps "
                 f"counting). Received: epochs_begun={self.epochs_begun}"
             )
+        require_in_memory(arrays, "DPIS", "computes every record's gradient norm each epoch")
         num_examples = len(tf.nest.flatten(arrays)[0])
         self.bind_model_steps(model)
         sampler = ImportanceSampler(
