@@ -151,3 +151,24 @@ def test_mechanisms_that_cannot_split_refuse_clearly(optimizer):
     with pytest.raises(ValueError, match=rf"{name} cannot split.*physical_batch_size=None"):
         model.fit(x, y, batch_size=32, physical_batch_size=8, verbose=0)
     assert model.privacy.steps == 0
+
+
+def test_memmap_and_record_source_feed_the_chunked_step(tmp_path):
+    x, y, _ = data()
+    path = tmp_path / "x.npy"
+    np.save(path, x)
+    unsplit, logs = train_on(dpsgd(), x, y, None)
+    mapped = train_on(dpsgd(), np.load(path, mmap_mode="r"), y, 23)
+    records = tfdp.data.RecordSource(list(zip(x, y)))
+    from_records = train_on(dpsgd(), records, None, 23)
+    assert_same_run((unsplit, logs), mapped)
+    assert_same_run((unsplit, logs), from_records)
+
+
+def train_on(optimizer, x, y, physical_batch_size):
+    keras.utils.set_random_seed(0)
+    model = tfdp.DPSequential([keras.Input((6,)), keras.layers.Dense(3)])
+    model.compile(optimizer=optimizer, loss=LOSS, metrics=["accuracy"])
+    history = model.fit(x, y, batch_size=96, epochs=1, verbose=0,
+                        physical_batch_size=physical_batch_size)
+    return model, history.history
