@@ -18,8 +18,11 @@ from keras.src.utils.tracking import no_automatic_dependency_tracking
 
 from tfdp import distribute
 from tfdp.accounting import PrivacyLedger
+from tfdp.data import sources
+from tfdp.models import chunked_step
 from tfdp.models.jit import resolve_jit_compile
 from tfdp.models.losses import per_example_loss
+from tfdp.models.restore import LedgerGuard, restore_backups
 from tfdp.per_example import (
     METHODS,
     check_per_example_support,
@@ -39,6 +42,17 @@ def _first_dim(arrays):
 
 def _take(arrays, index):
     return tf.nest.map_structure(lambda a: a[index], arrays)
+
+
+_NOT_SAMPLEABLE = (
+    "DP training Poisson-samples every batch (the privacy accounting holds only "
+    "for Poisson sampling), which needs random access to the records; a tf.data "
+    "pipeline, PyDataset or generator cannot be sampled. Pass NumPy arrays "
+    "(memmaps too: np.load(path, mmap_mode='r') is read row by row) or a "
+    "tfdp.data.RecordSource (any object with len() and [i]), or convert the "
+    "pipeline once: tfdp.data.write_records(dataset, path), then "
+    "model.fit(tfdp.data.read_records(path), ...). Received: x of type {}"
+)
 
 
 class DPTrainingMixin:
@@ -61,6 +75,7 @@ class DPTrainingMixin:
         )
         self._privacy_ledger = PrivacyLedger(step_counter=self._read_dp_steps)
         self._per_example_loss = None
+        self._physical_batch_size = None
         self._add_nonfinite_counter()
 
     @no_automatic_dependency_tracking
@@ -96,6 +111,25 @@ class DPTrainingMixin:
 
     # -- compile -------------------------------------------------------------
 
+    def __setattr__(self, name, value):
+        # The traced step keeps the optimizer it was compiled with, while the
+        # ledger would charge the assigned one's noise: only compile swaps it.
+        if (
+            name == "optimizer"
+            and getattr(self, "compiled", False)
+            and not self.__dict__.get("_dp_compiling", False)
+            and value is not getattr(self, "optimizer", None)
+        ):
+            raise AttributeError(
+                f"The optimizer of a compiled {type(self).__name__} cannot be replaced "
+                "by assignment: the compiled train step keeps the optimizer it was "
+                "traced with, so the privacy ledger would charge a noise level the "
+                "step does not add. Call model.compile(optimizer=..., loss=...) with "
+                "the new optimizer instead (the ledger keeps counting). Received: "
+                f"optimizer={type(value).__name__}"
+            )
+        super().__setattr__(name, value)
+
     def compile(self, optimizer=None, loss=None, metrics=None, **kwargs):
         """Keras `compile`, requiring a tfdp optimizer and one loss.
 
@@ -129,7 +163,11 @@ class DPTrainingMixin:
                 "auto_scale_loss=True"
             )
         kwargs["auto_scale_loss"] = False  # Keras would wrap the DP optimizer
-        super().compile(optimizer=optimizer, loss=loss, metrics=metrics, **kwargs)
+        self.__dict__["_dp_compiling"] = True
+        try:
+            super().compile(optimizer=optimizer, loss=loss, metrics=metrics, **kwargs)
+        finally:
+            self.__dict__["_dp_compiling"] = False
 
     def compile_from_config(self, config):
         """Recompiles a loaded model (Keras skips models with a custom compile)."""
@@ -147,12 +185,17 @@ class DPTrainingMixin:
         weights = mask
         if len(arrays) > 2:
             weights = mask * tf.cast(tf.reshape(arrays[2], [-1]), tf.float32)
-        per_example, y_pred, losses = compute_per_example_gradients(
-            self, x, y, weights, self._per_example_loss, self.per_example_gradients
-        )
+        if self._physical_batch_size is None:
+            per_example, y_pred, losses = compute_per_example_gradients(
+                self, x, y, weights, self._per_example_loss, self.per_example_gradients
+            )
+            grads, stats = self.optimizer.privatize(per_example, step_info)
+        else:
+            grads, stats, y_pred, losses = chunked_step.chunked_private_gradients(
+                self, x, y, weights, step_info, self._physical_batch_size
+            )
         path = self.per_example_path
         (logger.warning if "vectorized_map (layer" in path else logger.info)("%s: %s", self.name, path)
-        grads, stats = self.optimizer.privatize(per_example, step_info)
         logs = self.optimizer.apply_private_gradients(
             grads, self.trainable_variables, model=self
         )
@@ -167,7 +210,13 @@ class DPTrainingMixin:
             ),
             sample_weight=tf.reduce_sum(loss_weights),
         )
-        metrics = self.compute_metrics(x, y, y_pred, sample_weight=loss_weights)
+        # Unweighted metrics (compile(metrics=...)) ignore sample weights:
+        # give them the drawn rows only, never the padding.
+        drawn = lambda t: tf.boolean_mask(t, mask > 0)  # noqa: E731
+        metrics = self.compute_metrics(
+            x, tf.nest.map_structure(drawn, y), tf.nest.map_structure(drawn, y_pred),
+            sample_weight=drawn(loss_weights),
+        )
         logs = {**metrics, **logs, "nonfinite_examples": self._nonfinite_counter.result()}
         if not isinstance(tf.distribute.get_strategy(), tf.distribute.MultiWorkerMirroredStrategy):
             # Global values on every replica: Keras averages the replicas' step logs.
@@ -203,22 +252,44 @@ class DPTrainingMixin:
         validation_steps=None,
         validation_batch_size=None,
         validation_freq=1,
+        physical_batch_size=None,
     ):
         """Keras `fit` on Poisson-sampled batches (MECHANISMS.md 0.2).
 
         Each of `steps_per_epoch` steps (default: dataset size / batch_size)
         includes every training record independently with probability
         batch_size / N, so `batch_size` is the *expected* batch size. Data
-        must be in memory (NumPy arrays or tensors): a tf.data pipeline
-        cannot be Poisson-sampled. `shuffle` is ignored (sampling is random).
+        is NumPy arrays or tensors, memmaps (read row by row), or a
+        `tfdp.data.RecordSource` / `read_records` source as `x` alone: a
+        tf.data pipeline cannot be Poisson-sampled. `shuffle` is ignored (sampling is random).
         Everything else is as in Keras. Epsilon appears in the logs; add
         `tfdp.callbacks.PrivacyBudget` to set delta or stop at a budget.
+        A `keras.callbacks.BackupAndRestore` is restored before any release
+        (`tfdp.models.restore`); another callback that loads weights in
+        `on_train_begin` is refused before the first step.
+
+        `physical_batch_size=k` (default None: all at once) computes each
+        logical batch's per-example gradients k examples at a time, summing
+        the clipped chunks and adding noise once per logical step: same
+        result and privacy, per-example memory bounded by k
+        (`tfdp.models.chunked_step`).
         """
         from tfdp.callbacks import PrivacyBudget, ProgbarLogger, mark_step_log_readers
 
         if self.optimizer is None or self._per_example_loss is None:
             raise ValueError("Compile the model with a tfdp optimizer before calling fit().")
+        physical_batch_size = chunked_step.check_physical_batch_size(
+            self.optimizer, physical_batch_size
+        )
+        if physical_batch_size != self._physical_batch_size:
+            self._physical_batch_size = physical_batch_size
+            self.train_function = None  # retrace the step with the new chunking
         x, y, sample_weight = self._check_training_arrays(x, y, sample_weight, class_weight)
+        if validation_split and isinstance(x, sources.RecordSource):
+            raise ValueError(
+                "validation_split cannot split a RecordSource; pass validation_data. "
+                f"Received: validation_split={validation_split}"
+            )
         if validation_split and validation_data is None:
             x, y, sample_weight, validation_data = _split_validation(
                 x, y, sample_weight, validation_split
@@ -233,8 +304,11 @@ class DPTrainingMixin:
                 f"({num_examples}). Received: batch_size={batch_size}"
             )
         arrays = (x, y) if sample_weight is None else (x, y, sample_weight)
+        if isinstance(x, sources.RecordSource):
+            arrays = x
         self._build_for(arrays)
-        callbacks = list(callbacks or [])
+        # Keras would restore a backup (weights, ledger) after the releases below.
+        callbacks = restore_backups(self, list(callbacks or []))
         dataset, steps = self.optimizer.make_training_data(
             self, arrays, batch_size, steps_per_epoch=steps_per_epoch,
             budgets=[c for c in callbacks if isinstance(c, PrivacyBudget)],
@@ -254,6 +328,7 @@ class DPTrainingMixin:
         for callback in callbacks:
             if isinstance(callback, PrivacyBudget):
                 callback.check_can_start(self.privacy)
+        callbacks.append(LedgerGuard(self.privacy, callbacks))
         return super().fit(
             dataset,
             epochs=epochs,
@@ -272,12 +347,23 @@ class DPTrainingMixin:
         if isinstance(x, (tf.data.Dataset, keras.utils.PyDataset)) or callable(
             getattr(x, "__next__", None)
         ):
-            raise ValueError(
-                "DP training needs the training data in memory (NumPy arrays or "
-                "tensors) to Poisson-sample each batch; the privacy accounting is "
-                "only valid for Poisson sampling. Received: x of type "
-                f"{type(x).__name__}"
-            )
+            raise ValueError(_NOT_SAMPLEABLE.format(type(x).__name__))
+        if isinstance(x, (sources.ArraySource, sources.RecordSource)):
+            if y is not None or sample_weight is not None:
+                raise ValueError(
+                    f"A {type(x).__name__} holds the labels (and weights): pass it as "
+                    f"x alone. Received: y={type(y).__name__}, "
+                    f"sample_weight={type(sample_weight).__name__}"
+                )
+        if isinstance(x, sources.ArraySource):  # its (memory-mapped) arrays
+            x, y, sample_weight = (tuple(x.arrays) + (None,))[:3]
+        elif isinstance(x, sources.RecordSource):
+            if class_weight is not None:
+                raise ValueError(
+                    "class_weight is not applied to a RecordSource: return a "
+                    "sample_weight from its transform. Received: class_weight given"
+                )
+            return x, None, None
         if x is None or y is None:
             raise ValueError(
                 f"DP training needs inputs and labels. Received: x={type(x).__name__}, "
@@ -325,7 +411,10 @@ class DPTrainingMixin:
 
     def _build_for(self, arrays):
         """Builds model, metrics and optimizer on a 1-example batch."""
-        sample = _take(arrays, slice(0, 1))
+        if isinstance(arrays, sources.RecordSource):
+            sample = tf.nest.map_structure(lambda a: a[None], arrays[0])
+        else:
+            sample = _take(arrays, slice(0, 1))
         data = tuple(sample) + ((None,) if len(sample) == 2 else ())
         strategy = self.distribute_strategy
         with strategy.scope():
@@ -346,6 +435,14 @@ class DPTrainingMixin:
         super()._maybe_symbolic_build(iterator=iterator, data_batch=data_batch)
 
     # -- the ledger travels with the weights ------------------------------
+
+    def set_weights(self, weights):
+        """Keras `set_weights`, except that the private step counter keeps its
+        value: steps that ran stay counted when earlier weights are written
+        back (e.g. by `EarlyStopping(restore_best_weights=True)`)."""
+        steps = self._dp_steps.numpy()
+        super().set_weights(weights)
+        self._dp_steps.assign(steps)
 
     def save_own_variables(self, store):
         super().save_own_variables(store)

@@ -13,6 +13,7 @@ import tensorflow as tf
 
 from tfdp import accounting, distribute
 from tfdp.data import public
+from tfdp.data.sources import require_in_memory
 from tfdp.mechanisms import adaptive_noise as ada
 from tfdp.per_example import compute_per_example_gradients
 from tfdp.optimizers.dp_optimizer import DPOptimizer, check_positive
@@ -191,6 +192,12 @@ class AdaDP(DPOptimizer):
     _fixed_settings = DPOptimizer._fixed_settings + (
         "gamma", "gamma_prime", "local_clip_threshold", "local_clip_factor", "epsilon",
         "local_clipping", "adaptive_learning_rate", "adaptive_noise",
+    )
+
+    physical_batches_unsupported = (
+        "its adaptive phase clips materialized per-example gradients "
+        "coordinate-wise inside one tf.cond over the whole batch, which it does "
+        "not split into chunks."
     )
 
     def __init__(
@@ -417,6 +424,10 @@ class AdaDP(DPOptimizer):
         if self.noise_shape == "public":
             if self._public is None:
                 raise ValueError(MISSING_PUBLIC_DATA)
+            require_in_memory(
+                arrays, "AdaDP(noise_shape='public')",
+                "compares every training record with the public data",
+            )
             replicas = model.distribute_strategy.num_replicas_in_sync
             if replicas > 1:
                 raise ValueError(
