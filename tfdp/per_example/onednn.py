@@ -12,7 +12,8 @@ front ([B, 1, S, H]) of every Dense / EinsumDense / attention matmul on a
 sequence. So transformer models (KerasHub's BERT and GPT-2 among them) on
 that path crashed inside `fit`.
 
-`check_vectorized_ops` reads the traced operations of the vectorized step and
+`vectorized_map` (used by both vectorized paths: the whole model's and
+the per-layer fallback's) reads the traced operations of the vectorized step and
 raises a `ValueError` naming the first such matmul, before any step runs.
 
 Example:
@@ -24,6 +25,7 @@ Example:
 ['BatchMatMulV2']
 """
 
+import tensorflow as tf
 from tensorflow.python.util import _pywrap_util_port
 
 _BATCH_MATMULS = ("BatchMatMul", "BatchMatMulV2", "BatchMatMulV3")
@@ -53,7 +55,21 @@ def hazardous_matmuls(operations):
     return [op for op in operations if op.type in _BATCH_MATMULS and _is_hazard(op)]
 
 
-def check_vectorized_ops(operations, model_name):
+def vectorized_map(fn, elems, name):
+    """`tf.vectorized_map(fn, elems)`, refused (ValueError naming the model
+    or layer `name`) before it runs if oneDNN would crash on its graph."""
+    if tf.executing_eagerly():
+        concrete = tf.function(lambda: tf.vectorized_map(fn, elems)).get_concrete_function()
+        check_vectorized_ops(concrete.graph.get_operations(), name)
+        return concrete()
+    graph = tf.compat.v1.get_default_graph()
+    known = len(graph.get_operations())
+    result = tf.vectorized_map(fn, elems)
+    check_vectorized_ops(graph.get_operations()[known:], name)
+    return result
+
+
+def check_vectorized_ops(operations, name):
     """Raises ValueError if oneDNN would crash on these traced operations."""
     if not onednn_enabled():
         return
@@ -63,11 +79,12 @@ def check_vectorized_ops(operations, model_name):
     op = hazards[0]
     shapes = " x ".join(str(t.shape) for t in op.inputs[:2])
     raise ValueError(
-        f"Model '{model_name}' takes the whole-model vectorized per-example path "
+        f"{name} takes a vectorized per-example path "
         f"(tf.vectorized_map), which here runs a batched matmul of shapes {shapes} "
         f"('{op.name}'); TensorFlow's oneDNN CPU kernel crashes the process on "
         "these shapes. Make the model take the batched path (every layer known to "
-        "keep examples independent: see model.per_example_path and "
+        "keep examples independent, and a rule for each layer with weights: see "
+        "model.per_example_path and "
         "tfdp.per_example.declare_per_example), or set the environment variable "
         "TF_ENABLE_ONEDNN_OPTS=0 before TensorFlow is imported. Received: "
         f"onednn_enabled=True, per_example_path='vectorized'"

@@ -18,7 +18,7 @@ Example:
 ('vectorized', "layer 'doubt' (Lambda) is not known to keep examples independent")
 """
 
-from tfdp.per_example import rules  # noqa: F401  (registers the rules)
+from tfdp.per_example import rules
 from tfdp.per_example.fallback import LayerFallback
 from tfdp.per_example.registry import (
     _DECLARED,
@@ -120,6 +120,7 @@ def _assign_handlers(layer, handlers, seen):
 
 def plan_for(model):
     """The `Plan` for a built Keras model."""
+    rules.load_optional()
     if not is_graph_model(model):
         return Plan("vectorized", reason=f"model '{model.name}' is subclassed (no graph)")
     problem = _check_graph(model)

@@ -21,7 +21,7 @@ TensorShape([4])
 import tensorflow as tf
 
 from tfdp.per_example.grads import MaterializedGrads, PerExampleGradients
-from tfdp.per_example.onednn import check_vectorized_ops
+from tfdp.per_example.onednn import vectorized_map
 
 
 def vectorized_gradients(model, x, y, weights, loss_fn, training):
@@ -37,17 +37,6 @@ def vectorized_gradients(model, x, y, weights, loss_fn, training):
         grads = tape.gradient(weighted, variables, unconnected_gradients="zero")
         return grads, tf.nest.map_structure(lambda p: p[0], pred), loss[0]
 
-    def run():
-        return tf.vectorized_map(one_example, (x, y, weights))
-
-    if tf.executing_eagerly():
-        concrete = tf.function(run).get_concrete_function()
-        check_vectorized_ops(concrete.graph.get_operations(), model.name)
-        grads, y_pred, losses = concrete()
-    else:
-        graph = tf.compat.v1.get_default_graph()
-        known = len(graph.get_operations())
-        grads, y_pred, losses = run()
-        check_vectorized_ops(graph.get_operations()[known:], model.name)
+    grads, y_pred, losses = vectorized_map(one_example, (x, y, weights), f"model '{model.name}'")
     parts = [MaterializedGrads(variables, grads)]
     return PerExampleGradients(variables, parts, path="vectorized"), y_pred, losses

@@ -48,7 +48,7 @@ def test_onednn_vectorized_transformer_is_refused_before_the_first_step():
     result = _run("1")
     assert result.returncode == 0, result.stderr[-2000:]
     assert "REFUSED:" in result.stdout and "TF_ENABLE_ONEDNN_OPTS=0" in result.stdout
-    assert "(None, 1, 8, 16)" in result.stdout
+    assert "(None, 1, 8, 16)" in result.stdout and "model '" in result.stdout
 
 
 @pytest.mark.parametrize("onednn", ["0"])
@@ -56,3 +56,29 @@ def test_without_onednn_the_same_model_trains(onednn):
     result = _run(onednn)
     assert result.returncode == 0, result.stderr[-2000:]
     assert "TRAINED" in result.stdout
+
+
+def test_onednn_per_layer_fallback_on_a_sequence_matmul_is_refused():
+    # A declared custom layer with weights and no rule takes the per-layer
+    # vectorized vjp: the same [B, 1, S, H] x [H, O] matmul, the same crash.
+    script = _SCRIPT.replace(
+        'h = keras.layers.Lambda(lambda t: t * 2.0, name="opaque")(inputs)',
+        'h = Projection(name="projection")(inputs)',
+    ).replace("keras.utils.set_random_seed(0)", textwrap.dedent("""
+        keras.utils.set_random_seed(0)
+
+        @tfdp.per_example.declare_per_example
+        class Projection(keras.layers.Layer):
+            def build(self, shape):
+                self.w = self.add_weight(shape=(shape[-1], shape[-1]))
+
+            def call(self, x):
+                hidden = keras.ops.tanh(keras.ops.einsum("abc,cd->abd", x, self.w))
+                return keras.ops.einsum("abc,cd->abd", hidden, self.w)
+        """))
+    env = dict(os.environ, TF_ENABLE_ONEDNN_OPTS="1", TF_CPP_MIN_LOG_LEVEL="3",
+               PYTHONPATH=os.pathsep.join([os.getcwd()] + sys.path))
+    result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
+                            text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "REFUSED:" in result.stdout and "'projection'" in result.stdout
