@@ -30,26 +30,35 @@ TASKS = {
 }
 
 
-def _task(name, lora=None):
+def _task(name):
     keras.utils.set_random_seed(4)
     if name == "layers":
         return _layers_model(tie_weights=True), _lm_loss
-    build, loss = TASKS[name]
-    task = build(keras_hub, lora=lora)
-    return tfdp.DPModel(task.inputs, task.outputs), loss
+    base, _, lora = name.partition("_")
+    build, loss = TASKS[base]
+    task = build(keras_hub, lora=4 if lora else None)
+    model = tfdp.DPModel(task.inputs, task.outputs)
+    for v in model.trainable_variables:
+        if "lora_kernel_b" in v.path:  # B starts at zero: A's gradient would be zero
+            v.assign(tf.random.normal(v.shape, stddev=0.3, seed=len(v.path)))
+    return model, loss
 
 
 def _targets(name, x, rng):
-    if name == "bert":
+    if name.startswith("bert"):
         return tf.constant(rng.integers(0, 2, len(x["token_ids"])), tf.int32)
     return tf.constant(np.roll(x["token_ids"], -1, axis=1), tf.int32)
 
 
-@pytest.mark.parametrize("name", sorted(TASKS))
+LORA = ["bert_lora", "gpt2_lora"]
+
+
+@pytest.mark.parametrize("name", sorted(TASKS) + LORA)
 def test_task_matches_one_example_at_a_time(name, reference_gradients, assert_matches_reference):
     model, loss = _task(name)
     plan = plan_for(model)
     assert plan.path == "batched", plan.reason
+    assert not plan.fallback_layers or name.startswith("gemma")
     rng = np.random.default_rng(0)
     x = hub_models.token_inputs(model, 5, rng)
     y = _targets(name, x, rng)
@@ -59,7 +68,7 @@ def test_task_matches_one_example_at_a_time(name, reference_gradients, assert_ma
     assert_matches_reference(grads, reference, rtol=1e-4)
 
 
-@pytest.mark.parametrize("name", sorted(TASKS) + ["layers"])
+@pytest.mark.parametrize("name", sorted(TASKS) + LORA + ["layers"])
 def test_outlier_leaves_other_examples_unchanged(name):
     model, loss = _task(name)
     rng = np.random.default_rng(1)

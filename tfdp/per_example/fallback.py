@@ -53,13 +53,13 @@ class LayerFallback:
         return tf.nest.pack_sequence_as(outputs, probed)
 
     def parts(self, layer, records):
-        variables = layer.trainable_variables
+        variables = [v for v in layer.variables if v.trainable]
         per_call = [self._per_example(layer, record) for record in records]
         return [MaterializedGrads(variables, [sum_per_example(list(g)) for g in zip(*per_call)])]
 
     @staticmethod
     def _per_example(layer, record):
-        variables = layer.trainable_variables
+        variables = [v for v in layer.variables if v.trainable]
         flat = tf.nest.flatten(record.inputs)
         batched = [i for i, v in enumerate(flat) if isinstance(v, tf.Tensor) and v.shape.rank]
         names = sorted(record.grads, key=int)

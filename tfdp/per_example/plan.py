@@ -98,14 +98,22 @@ def _check_graph(model):
     return None
 
 
+def _trainable(layer):
+    """The trainable variables in `layer`, also under a sublayer marked
+    trainable=False whose own sublayers were made trainable again (KerasHub's
+    `backbone.enable_lora` freezes the blocks, then adds trainable LoRA
+    weights inside them): Keras trains those, so tfdp must cover them."""
+    return [v for v in layer.variables if v.trainable]
+
+
 def _own_trainable_variables(layer):
     inner = {id(v) for sub in layer._flatten_layers(include_self=False)
-             for v in sub.trainable_variables}
-    return [v for v in layer.trainable_variables if id(v) not in inner]
+             for v in _trainable(sub)}
+    return [v for v in _trainable(layer) if id(v) not in inner]
 
 
 def _assign_handlers(layer, handlers, seen):
-    if id(layer) in seen or not layer.trainable_variables:
+    if id(layer) in seen or not _trainable(layer):
         return
     seen.add(id(layer))
     rule = rule_for(layer)
@@ -129,7 +137,7 @@ def plan_for(model):
     handlers, seen = [], set()
     for layer in model._flatten_layers(include_self=False, recursive=False):
         _assign_handlers(layer, handlers, seen)
-    covered = [id(v) for layer, _ in handlers for v in layer.trainable_variables]
+    covered = [id(v) for layer, _ in handlers for v in _trainable(layer)]
     expected = [id(v) for v in model.trainable_variables]
     if sorted(covered) != sorted(expected):
         return Plan("vectorized", reason="some trainable variables belong to no layer it can run")

@@ -8,6 +8,7 @@ from tfdp.per_example.rules import (  # noqa: F401
     conv,
     dense,
     embedding,
+    lora,
     normalization,
     recurrent,
     reversible_embedding,
