@@ -129,3 +129,35 @@ def test_gpt2_fits_privately_on_the_batched_path():
     assert "batched" in model.per_example_path
     history = model.fit(x, y, batch_size=8, epochs=1, verbose=0)
     assert np.isfinite(history.history["loss"]).all() and model.privacy.epsilon(1e-5) > 0
+
+
+def test_causal_lm_sequence_loss_ignores_padded_tokens():
+    from tfdp.models.sequence_loss import token_weighted_loss
+
+    model, _ = _task("gpt2")
+    rng = np.random.default_rng(6)
+    x = hub_models.token_inputs(model, 4, rng)
+    y = np.roll(x["token_ids"], -1, axis=1)
+    token_weights = x["padding_mask"].astype("float32")
+    loss_fn = token_weighted_loss(keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    other = np.where(token_weights > 0, y, (y + 7) % 40)  # labels changed at padding only
+    changed = np.where(token_weights > 0, (y + 7) % 40, y)  # control: changed at real tokens
+    grads = [
+        compute_per_example_gradients(model, x, (tf.constant(t), tf.constant(token_weights)),
+                                      tf.ones([4]), loss_fn, "batched", training=False)[0].sq_norms().numpy()
+        for t in (y, other, changed)
+    ]
+    np.testing.assert_allclose(grads[0], grads[1], rtol=1e-6)
+    assert np.abs(grads[0] - grads[2]).max() > 1e-4
+
+
+def test_causal_lm_fits_with_keras_hub_per_token_sample_weight():
+    model, _ = _task("gpt2_lora")
+    rng = np.random.default_rng(3)
+    x = hub_models.token_inputs(model, 32, rng)
+    y = np.roll(x["token_ids"], -1, axis=1)
+    model.compile(optimizer=tfdp.optimizers.DPSGD(l2_norm_clip=1.0, noise_multiplier=1.0, learning_rate=0.1),
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    history = model.fit(x, y, sample_weight=x["padding_mask"].astype("float32"), batch_size=8, epochs=1,
+                        verbose=0)
+    assert np.isfinite(history.history["loss"]).all() and model.privacy.epsilon(1e-5) > 0

@@ -19,6 +19,7 @@ from keras.src.utils.tracking import no_automatic_dependency_tracking
 from tfdp import distribute
 from tfdp.accounting import PrivacyLedger
 from tfdp.models.losses import per_example_loss
+from tfdp.models.sequence_loss import token_weighted_loss
 from tfdp.per_example import (
     METHODS,
     check_per_example_support,
@@ -114,6 +115,7 @@ class DPTrainingMixin:
             )
         check_per_example_support(self)
         self._per_example_loss = per_example_loss(loss)
+        self._per_token_loss = token_weighted_loss(loss)
         if kwargs.get("jit_compile", "auto") == "auto":
             kwargs["jit_compile"] = False
         super().compile(optimizer=optimizer, loss=loss, metrics=metrics, **kwargs)
@@ -131,11 +133,15 @@ class DPTrainingMixin:
         arrays, step_info = data
         x, y = arrays[0], arrays[1]
         mask = tf.cast(step_info["mask"], tf.float32)
-        weights = mask
-        if len(arrays) > 2:
+        weights, loss_fn, targets = mask, self._per_example_loss, y
+        if len(arrays) > 2 and arrays[2].shape.rank > 1:
+            # Per-token weights (a language model's padding mask): they weigh
+            # tokens inside each sequence's loss (tfdp.models.sequence_loss).
+            loss_fn, targets = self._per_token_loss, (y, arrays[2])
+        elif len(arrays) > 2:
             weights = mask * tf.cast(tf.reshape(arrays[2], [-1]), tf.float32)
         per_example, y_pred, losses = compute_per_example_gradients(
-            self, x, y, weights, self._per_example_loss, self.per_example_gradients
+            self, x, targets, weights, loss_fn, self.per_example_gradients
         )
         path = self.per_example_path
         (logger.warning if "vectorized_map (layer" in path else logger.info)("%s: %s", self.name, path)
