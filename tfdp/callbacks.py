@@ -176,6 +176,8 @@ class PrivacyJournal(keras.callbacks.Callback):
     records is refused before its first step (call `recover` first), and so
     is a journal that records fewer steps than the model has (it belongs to
     another run). Keep one journal per training run, next to its checkpoints.
+    With `keras.callbacks.BackupAndRestore` in the same `fit`, `fit` calls
+    `recover` itself right after restoring a backup.
 
     Args:
         path: the journal file (JSON lines; created if missing).

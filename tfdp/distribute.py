@@ -5,8 +5,11 @@ optimizer's `apply`). A DP step stays one DP-SGD release of the *global*
 Poisson batch when:
 
 - the global batch is drawn once over the global dataset (every worker draws
-  the same indices from a shared secret seed) and split into R shares, one
-  per replica (`distribute_poisson_batches`);
+  the same indices from a shared secret seed); with several workers, worker
+  w takes the sampled records of its shard (index % W == w: a Poisson sample
+  of its shard with the same q, and the shards' samples are exactly the
+  global one) and reads only those; a worker's records are split into
+  shares, one per local replica (`distribute_poisson_batches`);
 - each replica clips its share, divides by the global expected batch size b
   and adds independent noise N(0, sigma^2 C^2 / R): the R noises sum to
   exactly N(0, sigma^2 C^2) on the global sum, added once (`replica_share`);
@@ -39,12 +42,14 @@ import os
 import numpy as np
 import tensorflow as tf
 
-from tfdp.data.poisson import PoissonSampler, gathered_batches
+from tfdp.data.poisson import PoissonSampler, gathered_batches, padded_batch_size
+from tfdp.data.sources import as_source
 
 __all__ = [
     "num_replicas_in_sync",
     "replica_share",
     "replica_shares",
+    "worker_shard",
     "shared_sampling_seed",
     "distribute_poisson_batches",
     "noise_scale",
@@ -111,6 +116,44 @@ def replica_shares(indices, mask, num_replicas):
     return [(indices[r::num_replicas], mask[r::num_replicas]) for r in range(num_replicas)]
 
 
+def worker_shard(indices, mask, worker, num_workers, length):
+    """Worker `worker`'s records of a global Poisson draw, padded.
+
+    The shard of worker w is the records with index % num_workers == w.
+    Each record joins the global draw independently with probability q, so
+    the shard's sampled records are a Poisson sample of the shard with the
+    same q, and the workers' samples together are the global draw, each
+    record in exactly one.
+
+    Args:
+        indices, mask: a padded global draw (`PoissonSampler.pad`).
+        worker: int, this worker's index in [0, num_workers).
+        num_workers: int W >= 1; W = 1 returns the draw unchanged.
+        length: the padded length of a shard's draw; a longer draw is
+            padded to a multiple of it (never truncated).
+
+    Returns:
+        `(indices, mask)`: the shard's sampled indices first, then padding
+        (index 0, mask 0).
+
+    Example:
+
+    >>> idx, mask = worker_shard(np.array([3, 4, 8, 0]), np.array([1., 1., 1., 0.]), 0, 2, 4)
+    >>> idx.tolist(), mask.tolist()
+    ([4, 8, 0, 0], [1.0, 1.0, 0.0, 0.0])
+    """
+    if num_workers == 1:
+        return indices, mask
+    real = np.asarray(indices)[np.asarray(mask) > 0]
+    mine = real[real % num_workers == worker]
+    padded = max(length, -(-len(mine) // length) * length)
+    out = np.zeros(padded, np.int64)
+    out[: len(mine)] = mine
+    out_mask = np.zeros(padded, np.float32)
+    out_mask[: len(mine)] = 1.0
+    return out, out_mask
+
+
 def shared_sampling_seed(strategy, num_examples):
     """A secret sampling seed that every worker of `strategy` agrees on.
 
@@ -172,10 +215,12 @@ def distribute_poisson_batches(strategy, sampler, arrays, to_element):
     """A distributed dataset of global Poisson batches split over the replicas.
 
     Every worker runs the same `sampler` (same seed: `shared_sampling_seed`
-    or a user seed), so all draw the same global batch each step; each worker
-    gathers only its replicas' shares (`replica_shares`; replica ids
-    `pipeline * R_local + j`). The per-replica element is `to_element(batch,
-    mask)`. The dataset repeats with fresh draws: pass `steps_per_epoch`.
+    or a user seed), so all draw the same global batch each step; with
+    several workers each takes the sampled records of its shard
+    (`worker_shard`) and reads only those (arrays, memmaps or a source);
+    its local replicas get equal shares of them (`replica_shares`). The
+    per-replica element is `to_element(batch, mask)`. The dataset repeats
+    with fresh draws: pass `steps_per_epoch`.
 
     Workers read ahead (prefetch) by different amounts, so a shared random
     stream would put them out of step if the dataset were iterated again.
@@ -211,19 +256,25 @@ def distribute_poisson_batches(strategy, sampler, arrays, to_element):
     num_replicas = strategy.num_replicas_in_sync
 
     def dataset_fn(input_context):
-        local = num_replicas // input_context.num_input_pipelines
-        first = input_context.input_pipeline_id * local
-        replica_ids = list(range(first, first + local))
-        tensors = tf.nest.map_structure(tf.convert_to_tensor, arrays)
+        workers = input_context.num_input_pipelines
+        worker = input_context.input_pipeline_id
+        local = num_replicas // workers
+        shard_length = padded_batch_size(
+            -(-sampler.num_examples // workers), sampler.sampling_probability,
+            multiple=8 * local,
+        )
+        # A source (or memmap) stays on disk: each worker reads only its shares.
+        tensors = arrays if as_source(arrays) is not None else tf.nest.map_structure(
+            tf.convert_to_tensor, arrays
+        )
         iterations = itertools.count()
 
         def generator():
             source = _iteration_sampler(sampler, next(iterations))
             while True:  # every pass over the sampler draws fresh batches
                 for indices, mask in source.epoch():
-                    shares = replica_shares(indices, mask, num_replicas)
-                    for replica in replica_ids:
-                        yield shares[replica]
+                    indices, mask = worker_shard(indices, mask, worker, workers, shard_length)
+                    yield from replica_shares(indices, mask, local)
 
         # tf.data keeps the order (deterministic by default): consecutive
         # elements go to consecutive local replicas.

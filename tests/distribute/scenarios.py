@@ -146,6 +146,48 @@ def train_exact(name, replicas):
     return weights, model.privacy.steps, model.privacy.epsilon(1e-5), logs
 
 
+class CountingRecords:
+    """The exact data as records, logging every index read."""
+
+    def __init__(self, x, y, sample_weight):
+        self.rows = list(zip(x, y, sample_weight))
+        self.reads = []
+
+    def __len__(self):
+        return len(self.rows)
+
+    def __getitem__(self, index):
+        self.reads.append(int(index))
+        return self.rows[index]
+
+
+def train_exact_source(replicas):
+    """`train_exact("dpsgd")` from a RecordSource: (weights, steps, epsilon,
+    this worker's reads, this worker's shares of the drawn batches)."""
+    x, y, sample_weight = exact_data()
+    x[[5, 40, 77]] = [[np.nan] * 6, [np.inf] + [0.0] * 5, [0.0] * 5 + [-np.inf]]
+    records = CountingRecords(x, y, sample_weight)
+    source = tfdp.data.RecordSource(records)
+    shares_seen = []
+    original = distribute.replica_shares
+
+    def recording(indices, mask, num_replicas):  # this worker's local replicas
+        shares = original(indices, mask, num_replicas)
+        for rows, mask_rows in shares:
+            shares_seen.extend(int(i) for i in rows[mask_rows > 0])
+        return shares
+
+    with scope(replicas):
+        model = exact_model()
+        model.compile(optimizer=EXACT_OPTIMIZERS["dpsgd"](), loss=LOSS)
+    records.reads.clear()  # the spec read
+    with patched("replica_shares", recording):
+        model.fit(source, batch_size=24, epochs=2, verbose=0)
+    weights = np.concatenate([v.numpy().ravel() for v in model.trainable_variables])
+    reads = np.asarray(records.reads[1:], np.int64)  # after the build read of record 0
+    return weights, model.privacy.steps, model.privacy.epsilon(1e-5), reads, np.asarray(shares_seen)
+
+
 # -- 2. the global update's noise -------------------------------------------
 
 NOISE_BATCH = 8
@@ -269,15 +311,14 @@ def unseeded_draws(replicas, fits=2):
     """Records the global draws (indices, mask) and this process's shares."""
     x, y, _ = exact_data()
     records = []
-    original = distribute.replica_shares
+    original = distribute.worker_shard
 
-    def recording(indices, mask, num_replicas):
-        shares = original(indices, mask, num_replicas)
+    def recording(indices, mask, *args):  # the global draw, before the worker's shard
         records.append((np.asarray(indices).copy(), np.asarray(mask).copy()))
-        return shares
+        return original(indices, mask, *args)
 
     per_fit = []
-    with patched("replica_shares", recording):
+    with patched("worker_shard", recording):
         for _ in range(fits):
             with scope(replicas):
                 model = exact_model()
@@ -365,6 +406,10 @@ def worker(out):
     with timed("exact"):
         w, steps, eps, loss = train_exact("dpsgd", 2)
     results.update(exact_dpsgd=w, steps=steps, epsilon=eps)
+    with timed("source"):
+        w, steps, eps, reads, shares = train_exact_source(2)
+    results.update(source_dpsgd=w, source_steps=steps, source_epsilon=eps,
+                   source_reads=reads, source_shares=shares)
     with timed("noise"):
         results["noise"] = global_noise(2)
         with patched("noise_scale", lambda: 1.0):

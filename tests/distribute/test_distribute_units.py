@@ -25,6 +25,20 @@ def test_shares_partition_the_global_batch_evenly():
             assert max(counts) - min(counts) <= 1  # interleaved: balanced
 
 
+def test_worker_shards_partition_each_global_draw_by_index():
+    sampler = PoissonSampler(1000, 97, seed=3)
+    for indices, mask in sampler.epoch():
+        shards = [distribute.worker_shard(indices, mask, w, 3, 40) for w in range(3)]
+        for worker, (rows, rows_mask) in enumerate(shards):
+            real = rows[rows_mask > 0]
+            assert np.all(real % 3 == worker)  # only its own shard
+            assert np.all(rows_mask[: len(real)] == 1) and len(rows) % 40 == 0
+        together = np.concatenate([r[m > 0] for r, m in shards])
+        np.testing.assert_array_equal(np.sort(together), np.sort(indices[mask > 0]))
+    rows, rows_mask = distribute.worker_shard(np.arange(100), np.ones(100, np.float32), 1, 2, 8)
+    assert len(rows) == 56 and rows_mask.sum() == 50  # an oversized draw is never cut
+
+
 def test_one_replica_changes_nothing():
     assert distribute.num_replicas_in_sync() == 1
     assert distribute.replica_share() == 1.0 and distribute.noise_scale() == 1.0

@@ -49,6 +49,23 @@ def test_noiseless_training_equals_single_device_training(workers):
         assert float(worker["epsilon"]) == float(worker["epsilon_single"])
 
 
+def test_a_record_source_trains_as_arrays_and_each_worker_reads_only_its_shard(workers):
+    for worker in workers:
+        # worker w samples and reads only its shard: records with index % 2 == w
+        assert np.all(worker["source_reads"] % 2 == int(worker["task"]))
+        assert np.all(worker["source_shares"] % 2 == int(worker["task"]))
+        np.testing.assert_allclose(worker["source_dpsgd"], worker["exact_dpsgd"], rtol=0, atol=1e-6)
+        assert int(worker["source_steps"]) == int(worker["steps"]) == 8
+        assert float(worker["source_epsilon"]) == float(worker["epsilon"])
+        reads, shares = worker["source_reads"], worker["source_shares"]
+        # every read is a record of this worker's share (a multiset), nothing else
+        read_counts = np.bincount(reads, minlength=96)
+        assert np.all(read_counts <= np.bincount(shares, minlength=96)), "read beyond its share"
+        assert len(reads) > 0
+    # the two workers together read at least the 16 steps' expected ~24 records each
+    assert sum(len(w["source_reads"]) for w in workers) > 16 * 24 * 0.7
+
+
 def test_unseeded_workers_agree_on_every_global_batch(workers):
     """No user seed: the chief's secret seed is shared, so the batches match."""
     draws = [w["draws"] for w in workers]  # [fits, steps, N]

@@ -134,3 +134,25 @@ def test_every_setting_the_step_reads_is_refused_after_creation(mechanism):
         with pytest.raises(AttributeError, match=f"`{name}`.*(new optimizer|cannot be set)"):
             setattr(optimizer, name, 0.5)
         assert getattr(optimizer, name) == before, name
+
+
+def test_assigning_model_optimizer_after_a_fit_cannot_change_the_charged_noise():
+    """`model.optimizer = new` after a fit: the noise the step adds and the
+    noise the ledger charges stay equal, and the assignment is refused with
+    an error saying to compile again (issue 25, item 3).
+
+    Broken variant caught: an assignment Keras accepts (the old code), which
+    kept the traced step (measured std 1.0) while the ledger charged 50.
+    """
+    model = zero_gradient_model(MAKERS["dpsgd"]())
+    assert measured_noise_std(model) == pytest.approx(1.0, rel=0.05)
+    new = tfdp.optimizers.DPSGD(LEARNING_RATE, l2_norm_clip=1.0, noise_multiplier=50.0)
+    try:
+        model.optimizer = new
+        refusal = None
+    except AttributeError as error:
+        refusal = str(error)
+    measured = measured_noise_std(model)
+    claimed = ledger_noise_multiplier(model) * model.optimizer.l2_norm_clip
+    assert measured == pytest.approx(claimed, rel=0.05), (measured, claimed)
+    assert refusal is not None and "compile" in refusal and "DPSGD" in refusal, refusal

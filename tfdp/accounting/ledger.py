@@ -399,11 +399,17 @@ class PrivacyLedger:
 
         Holds the closed segments, the open segment, the one-off records and
         the step count at save time; `from_json` restores it.
+
+        Raises:
+            ValueError: if the step counter went back below a count the
+                ledger already saw (saving it would un-count steps that ran).
         """
+        now = self.steps
+        self._check_counter(now)
         data = {
             "format": _FORMAT,
             "version": _VERSION,
-            "steps": self.steps,
+            "steps": now,
             "segments": [
                 {"event": event_to_dict(event), "start": start, "end": end}
                 for event, start, end in self._segments

@@ -1,4 +1,4 @@
-"""Data pipelines for DP training: Poisson sampling and built-in datasets.
+"""Data pipelines for DP training: Poisson sampling, sources on disk, datasets.
 
 Example:
 
@@ -13,11 +13,17 @@ dataset = make_dataset(sampler, (x_train, y_train))
 
 from tfdp.data.datasets import load_dataset, load_digits, load_fashion_mnist
 from tfdp.data.poisson import PoissonSampler, make_dataset, padded_batch_size
+from tfdp.data.records import read_records, write_records
+from tfdp.data.sources import ArraySource, RecordSource
 
 __all__ = [
     "PoissonSampler",
     "padded_batch_size",
     "make_dataset",
+    "RecordSource",
+    "ArraySource",
+    "write_records",
+    "read_records",
     "load_digits",
     "load_fashion_mnist",
     "load_dataset",

@@ -30,6 +30,8 @@ import numpy as np
 import tensorflow as tf
 
 from tfdp.accounting.calibration import steps_per_epoch as default_steps_per_epoch
+from tfdp.data.reader import read_batches
+from tfdp.data.sources import as_source
 
 __all__ = ["PoissonSampler", "padded_batch_size", "make_dataset", "gathered_batches"]
 
@@ -433,13 +435,17 @@ def make_dataset(sampler, arrays):
     dimension in `element_spec` is None so that a rare oversized draw (padded
     to a multiple of `padded_size`) fits the same signature.
 
-    The arrays are converted to tensors once; only the index and mask arrays
-    come from Python, the gathering happens in TensorFlow.
+    In-memory arrays are converted to tensors once; only the index and mask
+    arrays come from Python, the gathering happens in TensorFlow. A source
+    (`tfdp.data.RecordSource`, `ArraySource`) or a tuple `(x, y[, w])`
+    holding a NumPy memmap is never loaded whole: each step reads only its
+    sampled records (`tfdp.data.reader`).
 
     Args:
         sampler: a `PoissonSampler`.
         arrays: a nested structure (tuple, list, dict) of numpy arrays or
-            tensors, all with first dimension `sampler.num_examples`.
+            tensors, all with first dimension `sampler.num_examples`, or a
+            source of `sampler.num_examples` records.
 
     Returns:
         A `tf.data.Dataset` with known cardinality `sampler.steps_per_epoch`.
@@ -458,6 +464,14 @@ def make_dataset(sampler, arrays):
             "Expected `sampler` to be a `PoissonSampler`. "
             f"Received: sampler={sampler!r} of type {type(sampler).__name__}"
         )
+    source = as_source(arrays)
+    if source is not None:
+        if len(source) != sampler.num_examples:
+            raise ValueError(
+                "Expected the source to hold the sampler's num_examples "
+                f"({sampler.num_examples}) records. Received: {len(source)} records"
+            )
+        return _finish(sampler, read_batches(sampler.epoch, source))
     leaves = tf.nest.flatten(arrays)
     paths = _leaf_paths(arrays)
     if len(paths) != len(leaves):
@@ -490,7 +504,10 @@ def make_dataset(sampler, arrays):
                 f"(first dimensions: {first_dims})"
             )
     structure = tf.nest.pack_sequence_as(arrays, tensors)
-    dataset = gathered_batches(sampler.epoch, structure)
+    return _finish(sampler, gathered_batches(sampler.epoch, structure))
+
+
+def _finish(sampler, dataset):
     dataset = dataset.apply(
         tf.data.experimental.assert_cardinality(sampler.steps_per_epoch)
     )
@@ -504,11 +521,12 @@ def gathered_batches(generator, tensors):
         generator: a callable returning an iterator of `(indices, mask)`
             (int64 and float32 1-D arrays of one length), e.g. a sampler's
             `epoch`.
-        tensors: a nested structure of tensors, gathered at `indices`.
+        tensors: a nested structure of tensors, gathered at `indices`, or
+            a source (`tfdp.data.sources.as_source`), read at `indices`.
 
     Returns:
         A `tf.data.Dataset` of `(batch, mask)`, batches gathered in
-        TensorFlow, in the generator's order.
+        TensorFlow (or read from the source), in the generator's order.
 
     Example:
 
@@ -517,6 +535,9 @@ def gathered_batches(generator, tensors):
     >>> batch.numpy()[:3], mask.numpy()[:3]
     (array([0, 2, 4], dtype=int32), array([1., 1., 1.], dtype=float32))
     """
+    source = as_source(tensors)
+    if source is not None:
+        return read_batches(generator, source)
     indices = tf.data.Dataset.from_generator(
         generator,
         output_signature=(

@@ -8,7 +8,9 @@ clipped sum gets N(0, (noise_multiplier * clip)^2) noise per channel and is
 divided by the data set size (treated as public, as DP-SGD's 1/(q N) scaling
 does). The two releases are recorded in the ledger as one
 ComposedDpEvent of two GaussianDpEvents(noise_multiplier) before the
-statistics are returned. Unlike the paper's code, the clip bounds are public
+statistics are returned. A record whose per-channel mean (or mean-square)
+vector has a NaN or Inf entry contributes nothing to that sum, so no record
+can make a released value non-finite. Unlike the paper's code, the clip bounds are public
 arguments (the paper took them from the data's median norms, unaccounted).
 
 Example:
@@ -55,7 +57,14 @@ class ChannelStatistics:
 
 
 def _clip_rows(vectors, bound):
-    norms = np.linalg.norm(vectors, axis=1, keepdims=True)
+    """Clips each row to L2 norm `bound`; a row with a NaN or Inf entry
+    becomes 0 (it contributes nothing, as a non-finite gradient in
+    `tfdp.mechanisms.dpsgd.clip_factors`)."""
+    finite = np.all(np.isfinite(vectors), axis=1, keepdims=True)
+    vectors = np.where(finite, vectors, 0.0)
+    # Norms of rows scaled to max |entry| 1, so huge finite rows do not overflow.
+    scale = np.maximum(np.max(np.abs(vectors), axis=1, keepdims=True), 1e-300)
+    norms = np.linalg.norm(vectors / scale, axis=1, keepdims=True) * scale
     return vectors * np.minimum(1.0, bound / np.maximum(norms, 1e-30))
 
 
@@ -66,7 +75,9 @@ def private_channel_statistics(
 
     Args:
         features: array [N, ..., K] (channels last), e.g. cached scattering
-            features [N, 7, 7, 81]. One example per row.
+            features [N, 7, 7, 81]. One example per row; an example whose
+            statistic is not finite (NaN, Inf, or a square that overflows)
+            counts as zeros in that statistic's sum.
         ledger: the `tfdp.accounting.PrivacyLedger` to charge (for a model,
             `model.privacy`); the release is recorded before returning.
         mean_clip: L2 bound on each example's per-channel mean vector.
@@ -94,8 +105,9 @@ def private_channel_statistics(
     )
     ledger.record(event)
     sums = []
-    for per_example, clip in ((flat.mean(axis=1), mean_clip),
-                              ((flat**2).mean(axis=1), square_clip)):
+    with np.errstate(over="ignore", invalid="ignore"):  # non-finite rows are dropped
+        statistics = ((flat.mean(axis=1), mean_clip), ((flat**2).mean(axis=1), square_clip))
+    for per_example, clip in statistics:
         noise = rng.normal(scale=noise_multiplier * clip, size=k)
         sums.append(_clip_rows(per_example, clip).sum(axis=0) + noise)
     mean, square = sums[0] / n, sums[1] / n

@@ -18,7 +18,9 @@ from keras.src.utils.tracking import no_automatic_dependency_tracking
 
 from tfdp import distribute
 from tfdp.accounting import PrivacyLedger
+from tfdp.data import sources
 from tfdp.models.losses import per_example_loss
+from tfdp.models.restore import LedgerGuard, restore_backups
 from tfdp.models.sequence_loss import token_weighted_loss
 from tfdp.per_example import (
     METHODS,
@@ -39,6 +41,17 @@ def _first_dim(arrays):
 
 def _take(arrays, index):
     return tf.nest.map_structure(lambda a: a[index], arrays)
+
+
+_NOT_SAMPLEABLE = (
+    "DP training Poisson-samples every batch (the privacy accounting holds only "
+    "for Poisson sampling), which needs random access to the records; a tf.data "
+    "pipeline, PyDataset or generator cannot be sampled. Pass NumPy arrays "
+    "(memmaps too: np.load(path, mmap_mode='r') is read row by row) or a "
+    "tfdp.data.RecordSource (any object with len() and [i]), or convert the "
+    "pipeline once: tfdp.data.write_records(dataset, path), then "
+    "model.fit(tfdp.data.read_records(path), ...). Received: x of type {}"
+)
 
 
 class DPTrainingMixin:
@@ -96,6 +109,25 @@ class DPTrainingMixin:
 
     # -- compile -------------------------------------------------------------
 
+    def __setattr__(self, name, value):
+        # The traced step keeps the optimizer it was compiled with, while the
+        # ledger would charge the assigned one's noise: only compile swaps it.
+        if (
+            name == "optimizer"
+            and getattr(self, "compiled", False)
+            and not self.__dict__.get("_dp_compiling", False)
+            and value is not getattr(self, "optimizer", None)
+        ):
+            raise AttributeError(
+                f"The optimizer of a compiled {type(self).__name__} cannot be replaced "
+                "by assignment: the compiled train step keeps the optimizer it was "
+                "traced with, so the privacy ledger would charge a noise level the "
+                "step does not add. Call model.compile(optimizer=..., loss=...) with "
+                "the new optimizer instead (the ledger keeps counting). Received: "
+                f"optimizer={type(value).__name__}"
+            )
+        super().__setattr__(name, value)
+
     def compile(self, optimizer=None, loss=None, metrics=None, **kwargs):
         """Keras `compile`, requiring a tfdp optimizer and one loss.
 
@@ -118,7 +150,11 @@ class DPTrainingMixin:
         self._per_token_loss = token_weighted_loss(loss)
         if kwargs.get("jit_compile", "auto") == "auto":
             kwargs["jit_compile"] = False
-        super().compile(optimizer=optimizer, loss=loss, metrics=metrics, **kwargs)
+        self.__dict__["_dp_compiling"] = True
+        try:
+            super().compile(optimizer=optimizer, loss=loss, metrics=metrics, **kwargs)
+        finally:
+            self.__dict__["_dp_compiling"] = False
 
     def compile_from_config(self, config):
         """Recompiles a loaded model (Keras skips models with a custom compile)."""
@@ -202,16 +238,25 @@ class DPTrainingMixin:
         Each of `steps_per_epoch` steps (default: dataset size / batch_size)
         includes every training record independently with probability
         batch_size / N, so `batch_size` is the *expected* batch size. Data
-        must be in memory (NumPy arrays or tensors): a tf.data pipeline
-        cannot be Poisson-sampled. `shuffle` is ignored (sampling is random).
+        is NumPy arrays or tensors, memmaps (read row by row), or a
+        `tfdp.data.RecordSource` / `read_records` source as `x` alone: a
+        tf.data pipeline cannot be Poisson-sampled. `shuffle` is ignored (sampling is random).
         Everything else is as in Keras. Epsilon appears in the logs; add
         `tfdp.callbacks.PrivacyBudget` to set delta or stop at a budget.
+        A `keras.callbacks.BackupAndRestore` is restored before any release
+        (`tfdp.models.restore`); another callback that loads weights in
+        `on_train_begin` is refused before the first step.
         """
         from tfdp.callbacks import PrivacyBudget, ProgbarLogger
 
         if self.optimizer is None or self._per_example_loss is None:
             raise ValueError("Compile the model with a tfdp optimizer before calling fit().")
         x, y, sample_weight = self._check_training_arrays(x, y, sample_weight, class_weight)
+        if validation_split and isinstance(x, sources.RecordSource):
+            raise ValueError(
+                "validation_split cannot split a RecordSource; pass validation_data. "
+                f"Received: validation_split={validation_split}"
+            )
         if validation_split and validation_data is None:
             x, y, sample_weight, validation_data = _split_validation(
                 x, y, sample_weight, validation_split
@@ -226,8 +271,11 @@ class DPTrainingMixin:
                 f"({num_examples}). Received: batch_size={batch_size}"
             )
         arrays = (x, y) if sample_weight is None else (x, y, sample_weight)
+        if isinstance(x, sources.RecordSource):
+            arrays = x
         self._build_for(arrays)
-        callbacks = list(callbacks or [])
+        # Keras would restore a backup (weights, ledger) after the releases below.
+        callbacks = restore_backups(self, list(callbacks or []))
         dataset, steps = self.optimizer.make_training_data(
             self, arrays, batch_size, steps_per_epoch=steps_per_epoch,
             budgets=[c for c in callbacks if isinstance(c, PrivacyBudget)],
@@ -246,6 +294,7 @@ class DPTrainingMixin:
         for callback in callbacks:
             if isinstance(callback, PrivacyBudget):
                 callback.check_can_start(self.privacy)
+        callbacks.append(LedgerGuard(self.privacy, callbacks))
         return super().fit(
             dataset,
             epochs=epochs,
@@ -264,12 +313,23 @@ class DPTrainingMixin:
         if isinstance(x, (tf.data.Dataset, keras.utils.PyDataset)) or callable(
             getattr(x, "__next__", None)
         ):
-            raise ValueError(
-                "DP training needs the training data in memory (NumPy arrays or "
-                "tensors) to Poisson-sample each batch; the privacy accounting is "
-                "only valid for Poisson sampling. Received: x of type "
-                f"{type(x).__name__}"
-            )
+            raise ValueError(_NOT_SAMPLEABLE.format(type(x).__name__))
+        if isinstance(x, (sources.ArraySource, sources.RecordSource)):
+            if y is not None or sample_weight is not None:
+                raise ValueError(
+                    f"A {type(x).__name__} holds the labels (and weights): pass it as "
+                    f"x alone. Received: y={type(y).__name__}, "
+                    f"sample_weight={type(sample_weight).__name__}"
+                )
+        if isinstance(x, sources.ArraySource):  # its (memory-mapped) arrays
+            x, y, sample_weight = (tuple(x.arrays) + (None,))[:3]
+        elif isinstance(x, sources.RecordSource):
+            if class_weight is not None:
+                raise ValueError(
+                    "class_weight is not applied to a RecordSource: return a "
+                    "sample_weight from its transform. Received: class_weight given"
+                )
+            return x, None, None
         if x is None or y is None:
             raise ValueError(
                 f"DP training needs inputs and labels. Received: x={type(x).__name__}, "
@@ -317,7 +377,10 @@ class DPTrainingMixin:
 
     def _build_for(self, arrays):
         """Builds model, metrics and optimizer on a 1-example batch."""
-        sample = _take(arrays, slice(0, 1))
+        if isinstance(arrays, sources.RecordSource):
+            sample = tf.nest.map_structure(lambda a: a[None], arrays[0])
+        else:
+            sample = _take(arrays, slice(0, 1))
         data = tuple(sample) + ((None,) if len(sample) == 2 else ())
         strategy = self.distribute_strategy
         with strategy.scope():
@@ -338,6 +401,14 @@ class DPTrainingMixin:
         super()._maybe_symbolic_build(iterator=iterator, data_batch=data_batch)
 
     # -- the ledger travels with the weights ------------------------------
+
+    def set_weights(self, weights):
+        """Keras `set_weights`, except that the private step counter keeps its
+        value: steps that ran stay counted when earlier weights are written
+        back (e.g. by `EarlyStopping(restore_best_weights=True)`)."""
+        steps = self._dp_steps.numpy()
+        super().set_weights(weights)
+        self._dp_steps.assign(steps)
 
     def save_own_variables(self, store):
         super().save_own_variables(store)

@@ -13,6 +13,7 @@ import tensorflow as tf
 
 from tfdp import accounting, distribute
 from tfdp.data import public
+from tfdp.data.sources import require_in_memory
 from tfdp.mechanisms import adaptive_noise as ada
 from tfdp.per_example import compute_per_example_gradients
 from tfdp.optimizers.dp_optimizer import DPOptimizer, check_positive
@@ -417,6 +418,10 @@ class AdaDP(DPOptimizer):
         if self.noise_shape == "public":
             if self._public is None:
                 raise ValueError(MISSING_PUBLIC_DATA)
+            require_in_memory(
+                arrays, "AdaDP(noise_shape='public')",
+                "compares every training record with the public data",
+            )
             replicas = model.distribute_strategy.num_replicas_in_sync
             if replicas > 1:
                 raise ValueError(

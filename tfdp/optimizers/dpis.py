@@ -26,10 +26,13 @@ and `tfdp.mechanisms.importance_sampling`; this module binds it to Keras:
 What a saved model keeps: N~, K~, C_e, sigma_G and the epoch count (optimizer
 variables) and the ledger. The ghat table is NOT saved: it holds each
 record's raw gradient norm, and a saved file is a release (MECHANISMS.md 0).
-Nothing is lost: a resumed `fit` starts a new DPIS epoch, which recomputes
-the whole table in its first pass anyway.
+Nothing is lost: a resumed `fit` recomputes the whole table in one pass,
+either for the epoch begun before the checkpoint (K~ released, no step run
+yet: it goes on with the released values, releasing nothing new) or for a
+new DPIS epoch.
 """
 
+import json
 import math
 import warnings
 
@@ -37,8 +40,9 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from tfdp.accounting import PrivacyLedger
+from tfdp.accounting import PrivacyLedger, event_from_dict
 from tfdp.data.importance import ImportanceSampler, make_importance_dataset
+from tfdp.data.sources import require_in_memory
 from tfdp.mechanisms import dpsgd
 from tfdp.mechanisms import importance_sampling as isp
 from tfdp.per_example import compute_per_example_gradients
@@ -382,6 +386,8 @@ class DPIS(DPOptimizer):
         Releases N~ (first time only), starts an epoch (norm pass, K~
         release, sigma_G allocation, step event) and returns `(dataset,
         steps_per_epoch)` whose elements carry the stage-1 draw in step_info.
+        An epoch begun before a checkpoint with no step run in it (the open
+        step event is its) goes on instead: a norm pass, no release.
 
         Raises ValueError, before the release, if a release would exceed one
         of `budgets` (the fit's `PrivacyBudget` callbacks), or if after them
@@ -395,13 +401,15 @@ class DPIS(DPOptimizer):
                 "not support tf.distribute strategies with several replicas. Received: "
                 f"{strategy.num_replicas_in_sync} replicas"
             )
-        if self.epochs_begun >= self.epochs:
+        resumable = self._begun_epoch_without_steps(model, batch_size)
+        if self.epochs_begun >= self.epochs and not resumable:
             raise ValueError(
                 f"DPIS(epochs={self.epochs}) has started all its planned epochs, so its "
                 f"budget target_epsilon={self.target_epsilon} is planned out. Compile a new "
                 "DPIS with the epochs and budget you want to add (the ledger keeps "
                 f"counting). Received: epochs_begun={self.epochs_begun}"
             )
+        require_in_memory(arrays, "DPIS", "computes every record's gradient norm each epoch")
         num_examples = len(tf.nest.flatten(arrays)[0])
         self.bind_model_steps(model)
         sampler = ImportanceSampler(
@@ -424,7 +432,10 @@ class DPIS(DPOptimizer):
             model, arrays, batch_size, sampler.steps_per_epoch, sampler,
             self._make_norm_fn(model), budgets,
         )
-        self._begin_epoch()
+        if resumable:
+            self._resume_epoch()
+        else:
+            self._begin_epoch()
         dataset = make_importance_dataset(sampler, arrays)
         return dataset, sampler.steps_per_epoch
 
@@ -548,10 +559,6 @@ class DPIS(DPOptimizer):
         k_prime = isp.noisy_norm_sum(clipped, clip, sigma_k, p_k, rng)
         ledger.record(release)
         k_tilde = isp.clamp_norm_sum(k_prime, b, clip, n_tilde)
-        ghat = isp.first_stage_bounds(
-            np.where(finite, clipped, np.nan), self.k, self.gradient_floor * clip, k_tilde, b
-        )
-        self._state.ghat.assign(ghat)
         worst = isp.uses_worst_case(epoch, self.epochs, self.epoch_divider)
         previous = self.noise_multiplier
         sigma_g, projected = isp.allocate_noise_multiplier(
@@ -573,16 +580,7 @@ class DPIS(DPOptimizer):
         self._k_tilde.assign(k_tilde)
         self._clip.assign(clip)
         ledger.begin_steps(isp.step_event(sigma_g, clip, k_tilde, n_tilde, b))
-        run.sampler.start_epoch(
-            k_tilde,
-            self._state.ghat.numpy,
-            epoch_index=epoch,
-            # The padded length is observable: sized from released values only.
-            expected_size=isp.released_first_stage_size(
-                self.k, self.gradient_floor * clip, k_tilde, n_tilde, b
-            ),
-            population=n_tilde,
-        )
+        self._start_sampling(epoch, norms, clip, k_tilde, n_tilde)
         self._state.history.append(
             {
                 "epoch": epoch,
@@ -595,7 +593,67 @@ class DPIS(DPOptimizer):
                 "padded_size": run.sampler.padded_size,
             }
         )
-        for budget in run.budgets:
+        self._check_room(epoch, sigma_g)
+
+    def _start_sampling(self, epoch, norms, clip, k_tilde, n_tilde):
+        """Fills the ghat table from the epoch's `norms` and starts the
+        sampler's epoch with the released K~ and N~."""
+        run = self._run
+        b = float(run.batch_size)
+        clipped = np.where(np.isfinite(norms), np.minimum(norms, clip), np.nan)
+        self._state.ghat.assign(
+            isp.first_stage_bounds(clipped, self.k, self.gradient_floor * clip, k_tilde, b)
+        )
+        run.sampler.start_epoch(
+            k_tilde,
+            self._state.ghat.numpy,
+            epoch_index=epoch,
+            # The padded length is observable: sized from released values only.
+            expected_size=isp.released_first_stage_size(
+                self.k, self.gradient_floor * clip, k_tilde, n_tilde, b
+            ),
+            population=n_tilde,
+        )
+
+    def _begun_epoch_without_steps(self, model, batch_size):
+        """Whether the ledger's open step event is this optimizer's current
+        epoch's, with no step run in it: an epoch begun (its K~ released)
+        right before a checkpoint, which a resumed `fit` goes on with."""
+        if self.k_tilde is None:
+            return False
+        ledger = model.privacy
+        opened = json.loads(ledger.to_json())["open"]
+        if opened is None or opened["start"] != ledger.steps:
+            return False
+        current = isp.step_event(
+            self.noise_multiplier, self.clip_norm, self.k_tilde, self.n_tilde, float(batch_size)
+        )
+        return event_from_dict(opened["event"]) == current
+
+    def _resume_epoch(self):
+        """Goes on with the begun epoch (see `_begun_epoch_without_steps`):
+        recomputes its ghat table with the current weights, as beginning it
+        did, and releases nothing."""
+        epoch = self.epochs_begun - 1
+        clip, k_tilde, n_tilde = self.clip_norm, self.k_tilde, self.n_tilde
+        self._start_sampling(epoch, self._all_norms(), clip, k_tilde, n_tilde)
+        self._state.history.append(
+            {
+                "epoch": epoch,
+                "sigma_g": self.noise_multiplier,
+                "k_tilde": k_tilde,
+                "clip_norm": clip,
+                "n_tilde": n_tilde,
+                "resumed": True,
+                "padded_size": self._run.sampler.padded_size,
+            }
+        )
+        self._check_room(epoch, self.noise_multiplier)
+
+    def _check_room(self, epoch, sigma_g):
+        """Raises `_OverBudget` unless one more step fits in every budget."""
+        ledger = self._run.model.privacy
+        for budget in self._run.budgets:
             if ledger.steps_within_budget(
                 budget.epsilon, budget.delta, accountant=budget.accountant, max_steps=1
             ) == 0:

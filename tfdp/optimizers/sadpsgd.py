@@ -18,6 +18,7 @@ import tensorflow as tf
 
 from tfdp import accounting
 from tfdp.data import public
+from tfdp.data.sources import require_in_memory
 from tfdp.mechanisms import annealing
 from tfdp.optimizers.dp_optimizer import DPOptimizer, check_positive
 
@@ -401,6 +402,7 @@ class SADPSGD(DPOptimizer):
         the first step of every `fit` (the weights may have been changed).
         """
         energy_set = self._require_energy_set()
+        require_in_memory(arrays, "SADPSGD", "compares every training record with the energy set")
         public.check_disjoint_from_training_data(
             energy_set.row_hashes, arrays[0], "public_energy_data",
             "The energy set steers every accept decision",

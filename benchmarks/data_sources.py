@@ -1,0 +1,235 @@
+"""Training from data on disk: throughput, memory, accuracy (issue 26).
+
+Three measurements, one sub-command each:
+
+throughput: Fashion-MNIST is written once to disk as a .npy memmap
+    (`tfdp.data.write_records`) and as one ArrayRecord file (28x28 uint8
+    pixels + label byte per record, decoded by a `RecordSource` transform),
+    then DP-SGD on the tanh CNN (README's model, batch 256) fits one epoch
+    of `--steps` steps from in-memory arrays, from the memmap and from the
+    RecordSource, interleaved for `--rounds` rounds after a warm-up round,
+    in one process. Examples/s are timed inside fit from the end of the 3rd
+    step to the end of the last; the table gives the median over rounds and
+    the ratio to in-memory arrays.
+memory: a synthetic float32 .npy larger than 4 GB (`--gigabytes`, written
+    in chunks, every row distinct) is opened with mmap_mode="r" and a Dense
+    model fits `--steps` DP steps of batch 256 from it; a thread samples
+    RssAnon (/proc/self/status) every 5 ms. Prints the file size and the
+    anonymous memory before fit and at its peak during fit.
+accuracy: DP-SGD, tanh CNN, batch 2048 with physical_batch_size 256 (needs
+    the chunked step of issue 26 item 3), clip 0.1, lr 4.0, 40 epochs,
+    epsilon 3, from a memmap or a RecordSource (`--source`), one seed per
+    run; prints test accuracy. Hours of CPU per seed.
+
+    python benchmarks/data_sources.py throughput --rounds 5 --steps 40
+    python benchmarks/data_sources.py memory --gigabytes 4.5
+    python benchmarks/data_sources.py accuracy --source memmap --seed 0
+"""
+
+import argparse
+import os
+import statistics
+import tempfile
+import threading
+import time
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+
+import tfdp  # noqa: E402
+from tfdp import recipes  # noqa: E402
+from tfdp.data import RecordSource, load_fashion_mnist, read_records, write_records  # noqa: E402
+
+LOSS = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+
+# -- on-disk copies of Fashion-MNIST --------------------------------------------
+
+
+def write_array_record(path, x, y):
+    """One record per example: 784 uint8 pixels then the label byte."""
+    from array_record.python.array_record_module import ArrayRecordWriter
+
+    writer = ArrayRecordWriter(path, "group_size:1")
+    pixels = np.round(x.reshape(len(x), -1) * 255).astype(np.uint8)
+    for row, label in zip(pixels, y):
+        writer.write(row.tobytes() + bytes([int(label)]))
+    writer.close()
+
+
+def decode(record):
+    data = np.frombuffer(record, np.uint8)
+    return (data[:784].astype(np.float32) / 255.0).reshape(28, 28, 1), np.int64(data[784])
+
+
+def array_record_source(path):
+    from array_record.python.array_record_data_source import ArrayRecordDataSource
+
+    return RecordSource(ArrayRecordDataSource([path]), transform=decode)
+
+
+def on_disk(folder, x, y):
+    """(memmap source, ArrayRecord source) of (x, y), written once into folder."""
+    write_records(((x[i:i + 4096], y[i:i + 4096]) for i in range(0, len(x), 4096)),
+                  os.path.join(folder, "npy"), batched=True)
+    write_array_record(os.path.join(folder, "train.array_record"), x, y)
+    return read_records(os.path.join(folder, "npy")), array_record_source(
+        os.path.join(folder, "train.array_record"))
+
+
+# -- throughput -------------------------------------------------------------------
+
+
+class StepClock(keras.callbacks.Callback):
+    def __init__(self):
+        super().__init__()
+        self.times = []
+
+    def on_train_batch_end(self, batch, logs=None):
+        float(logs["loss"])  # wait for the step
+        self.times.append(time.perf_counter())
+
+
+def dp_model(seed, input_layers):
+    keras.utils.set_random_seed(seed)
+    model = tfdp.DPSequential(input_layers)
+    model.compile(
+        optimizer=tfdp.optimizers.DPSGD(0.5, l2_norm_clip=1.0, noise_multiplier=1.0, seed=seed),
+        loss=LOSS,
+    )
+    return model
+
+
+def throughput(args):
+    (x, y), _ = load_fashion_mnist()
+    # the ArrayRecord copy stores uint8 pixels: train every kind on the same values
+    x = np.round(x * 255).astype(np.uint8).astype(np.float32) / 255.0
+    with tempfile.TemporaryDirectory(dir=args.dir) as folder:
+        started = time.perf_counter()
+        memmap, records = on_disk(folder, x, y)
+        print(f"wrote Fashion-MNIST to disk in {time.perf_counter() - started:.1f} s")
+        kinds = {"in-memory arrays": (x, y), "memmap (.npy)": (memmap,),
+                 "RecordSource (ArrayRecord)": (records,)}
+        models = {name: dp_model(0, recipes.tanh_cnn()) for name in kinds}
+        rates = {name: [] for name in kinds}
+        for round_number in range(args.rounds + 1):
+            for name, data in kinds.items():
+                clock = StepClock()
+                models[name].fit(*data, batch_size=args.batch_size, epochs=1,
+                                 steps_per_epoch=args.steps, verbose=0, callbacks=[clock])
+                steps = len(clock.times) - 3
+                rate = steps * args.batch_size / (clock.times[-1] - clock.times[2])
+                if round_number:  # round 0 traces the step
+                    rates[name].append(rate)
+    base = statistics.median(rates["in-memory arrays"])
+    print(f"DP-SGD, tanh CNN, batch {args.batch_size}, {args.steps} steps, "
+          f"median of {args.rounds} interleaved rounds")
+    print("| data | examples/s | vs in-memory |")
+    print("|---|---|---|")
+    for name, values in rates.items():
+        median = statistics.median(values)
+        print(f"| {name} | {median:,.0f} | {median / base:.2f}x |")
+
+
+# -- memory -----------------------------------------------------------------------
+
+
+def rss_anon_mb():
+    with open("/proc/self/status", encoding="ascii") as status:
+        for line in status:
+            if line.startswith("RssAnon:"):
+                return int(line.split()[1]) / 1024
+    raise RuntimeError("RssAnon not in /proc/self/status")
+
+
+class PeakSampler(threading.Thread):
+    def __init__(self):
+        super().__init__(daemon=True)
+        self.peak, self.running = rss_anon_mb(), True
+
+    def run(self):
+        while self.running:
+            self.peak = max(self.peak, rss_anon_mb())
+            time.sleep(0.005)
+
+
+def memory(args):
+    width = 1024
+    rows = int(args.gigabytes * 2**30 / (4 * width)) + 1
+    with tempfile.TemporaryDirectory(dir=args.dir) as folder:
+        path = os.path.join(folder, "x.npy")
+        mapped = np.lib.format.open_memmap(path, "w+", np.float32, (rows, width))
+        chunk = 65536
+        for start in range(0, rows, chunk):
+            stop = min(rows, start + chunk)
+            mapped[start:stop] = (np.arange(start, stop, dtype=np.float32)[:, None] % 97) / 97.0
+        mapped.flush()
+        del mapped
+        size_gb = os.path.getsize(path) / 2**30
+        x = np.load(path, mmap_mode="r")
+        y = np.arange(rows) % 10
+        model = dp_model(0, [keras.Input((width,)), keras.layers.Dense(64, activation="tanh"),
+                             keras.layers.Dense(10)])
+        before = rss_anon_mb()
+        sampler = PeakSampler()
+        sampler.start()
+        model.fit(x, y, batch_size=256, epochs=1, steps_per_epoch=args.steps, verbose=0)
+        sampler.running = False
+        sampler.join()
+    print(f"memmap of {size_gb:.2f} GiB ({rows:,} x {width} float32), {args.steps} DP steps "
+          f"of batch 256: RssAnon {before:,.0f} MiB before fit, peak {sampler.peak:,.0f} MiB "
+          f"during fit (+{sampler.peak - before:,.0f} MiB)")
+
+
+# -- accuracy ---------------------------------------------------------------------
+
+
+def accuracy(args):
+    import inspect
+
+    if "physical_batch_size" not in inspect.signature(tfdp.DPSequential.fit).parameters:
+        raise SystemExit("accuracy needs fit(physical_batch_size=...) (issue 26 item 3)")
+    (x, y), (x_test, y_test) = load_fashion_mnist()
+    with tempfile.TemporaryDirectory(dir=args.dir) as folder:
+        memmap, records = on_disk(folder, x, y)
+        source = memmap if args.source == "memmap" else records
+        keras.utils.set_random_seed(args.seed)
+        model = recipes.build_model("fashion_mnist")
+        sigma = tfdp.accounting.calibrate_noise_multiplier(
+            3.0, 1e-5, 2048 / len(x), args.epochs * round(len(x) / 2048))
+        model.compile(
+            optimizer=tfdp.optimizers.DPSGD(4.0, l2_norm_clip=0.1, noise_multiplier=sigma,
+                                            seed=args.seed),
+            loss=LOSS, metrics=["accuracy"],
+        )
+        model.fit(source, batch_size=2048, physical_batch_size=256, epochs=args.epochs,
+                  verbose=2)
+    test_accuracy = model.evaluate(x_test, y_test, verbose=0)[1]
+    print(f"source={args.source} seed={args.seed} epochs={args.epochs} "
+          f"test accuracy={test_accuracy:.4f} epsilon={model.privacy.epsilon(1e-5):.3f}")
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    commands = parser.add_subparsers(dest="command", required=True)
+    run = commands.add_parser("throughput")
+    run.add_argument("--rounds", type=int, default=5)
+    run.add_argument("--steps", type=int, default=40)
+    run.add_argument("--batch-size", type=int, default=256)
+    run = commands.add_parser("memory")
+    run.add_argument("--gigabytes", type=float, default=4.5)
+    run.add_argument("--steps", type=int, default=50)
+    run = commands.add_parser("accuracy")
+    run.add_argument("--source", choices=("memmap", "records"), default="memmap")
+    run.add_argument("--seed", type=int, default=0)
+    run.add_argument("--epochs", type=int, default=40)
+    for run in commands.choices.values():
+        run.add_argument("--dir", default=None, help="folder for the files (default: temp)")
+    args = parser.parse_args()
+    {"throughput": throughput, "memory": memory, "accuracy": accuracy}[args.command](args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,278 @@
+"""Training data on disk: memmaps, RecordSource, write_records / read_records."""
+
+import threading
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tfdp
+from tfdp.data import ArraySource, PoissonSampler, RecordSource, make_dataset
+from tfdp.data import read_records, write_records
+
+N, D, CLASSES = 600, 8, 3
+
+
+@pytest.fixture(scope="module")
+def data():
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(N, D)).astype(np.float32)
+    y = rng.integers(0, CLASSES, N)
+    return x, y
+
+
+def train(*data, seed=3, **fit_kwargs):
+    keras.utils.set_random_seed(1)
+    model = tfdp.DPSequential([keras.Input((D,)), keras.layers.Dense(CLASSES)])
+    model.compile(
+        optimizer=tfdp.optimizers.DPSGD(0.1, l2_norm_clip=1.0, noise_multiplier=1.0, seed=seed),
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+    )
+    model.fit(*data, batch_size=50, epochs=1, verbose=0, **fit_kwargs)
+    return model
+
+
+def weights(model):
+    return [w.numpy() for w in model.trainable_weights]
+
+
+class CountingRecords:
+    """Per-record .npy files, logging every index read."""
+
+    def __init__(self, folder, x, y):
+        self.folder, self.y, self.reads = folder, y, []
+        self.lock = threading.Lock()
+        for i, row in enumerate(x):
+            np.save(folder / f"{i}.npy", row)
+
+    def __len__(self):
+        return len(self.y)
+
+    def __getitem__(self, index):
+        with self.lock:
+            self.reads.append(index)
+        return np.load(self.folder / f"{index}.npy"), self.y[index]
+
+
+def rss_anon_mb():
+    with open("/proc/self/status", encoding="ascii") as status:
+        for line in status:
+            if line.startswith("RssAnon:"):
+                return int(line.split()[1]) / 1024
+    raise RuntimeError("no RssAnon")
+
+
+# -- memmaps ------------------------------------------------------------------
+
+
+def test_memmap_batches_equal_in_memory_batches(data, tmp_path):
+    x, y = data
+    np.save(tmp_path / "x.npy", x)
+    mapped = np.load(tmp_path / "x.npy", mmap_mode="r")
+    batches = [
+        [(b[0].numpy(), b[1].numpy(), m.numpy()) for b, m in make_dataset(
+            PoissonSampler(N, 50, seed=5), arrays)]
+        for arrays in [(x, y), (mapped, y)]
+    ]
+    for (xa, ya, ma), (xb, yb, mb) in zip(*batches):
+        real = ma == 1
+        np.testing.assert_array_equal(ma, mb)
+        np.testing.assert_array_equal(xa[real], xb[real])
+        np.testing.assert_array_equal(ya[real], yb[real])
+
+
+def test_fit_on_memmaps_reads_rows_not_the_file(tmp_path):
+    """A 256 MB memmap: anonymous memory grows far less than the file.
+
+    The old path (`tf.convert_to_tensor` on the whole array) grew it by
+    the file size or more; checked against it when this test was written.
+    """
+    rows, width = 2048, 32768  # 256 MB of float32
+    mapped = np.lib.format.open_memmap(tmp_path / "x.npy", "w+", np.float32, (rows, width))
+    mapped[::64] = 1.0
+    mapped.flush()
+    del mapped
+    x = np.load(tmp_path / "x.npy", mmap_mode="r")
+    y = np.zeros(rows, np.int64)
+    keras.utils.set_random_seed(1)
+    model = tfdp.DPSequential([keras.Input((width,)), keras.layers.Dense(2)])
+    model.compile(
+        optimizer=tfdp.optimizers.DPSGD(0.1, l2_norm_clip=1.0, noise_multiplier=1.0, seed=0),
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+    )
+    before = rss_anon_mb()
+    model.fit(x, y, batch_size=8, epochs=1, steps_per_epoch=4, verbose=0)
+    assert rss_anon_mb() - before < 100, rss_anon_mb() - before
+
+
+def test_fit_on_memmaps_equals_fit_on_arrays(data, tmp_path):
+    x, y = data
+    np.save(tmp_path / "x.npy", x)
+    mapped = np.memmap(tmp_path / "raw", np.float32, "w+", shape=x.shape)
+    mapped[:] = x
+    expected = weights(train(x, y))
+    for x_disk in (np.load(tmp_path / "x.npy", mmap_mode="r"), mapped):
+        for got, want in zip(weights(train(x_disk, y)), expected):
+            np.testing.assert_array_equal(got, want)
+    assert not np.array_equal(weights(train(x, y, seed=4))[0], expected[0])  # control
+
+
+# -- RecordSource ---------------------------------------------------------------
+
+
+def test_record_source_reads_only_the_sampled_records(data, tmp_path):
+    x, _ = data
+    records = CountingRecords(tmp_path, x, np.arange(N))  # label = record index
+    source = RecordSource(records, num_threads=4)
+    assert records.reads == [0]  # the spec comes from the first record
+    records.reads.clear()
+    sampled = []
+    for (xb, yb), mask in make_dataset(PoissonSampler(N, 50, seed=2), source):
+        real = mask.numpy() == 1
+        np.testing.assert_array_equal(xb.numpy()[real], x[yb.numpy()[real]])
+        sampled.extend(yb.numpy()[real].tolist())
+    assert len(sampled) > 0
+    assert sorted(records.reads) == sorted(sampled)  # nothing else was read
+
+
+def test_fit_on_a_file_reading_source_equals_fit_on_arrays(data, tmp_path):
+    x, y = data
+    records = CountingRecords(tmp_path, x, y)
+    got = weights(train(RecordSource(records)))
+    for a, b in zip(got, weights(train(x, y))):
+        np.testing.assert_array_equal(a, b)
+    # About one epoch of reads: N records expected, plus the spec and build reads.
+    assert 0.8 * N < len(records.reads) < 1.2 * N
+
+
+def test_fit_on_a_tfds_array_record_source(tmp_path):
+    tfds = pytest.importorskip("tensorflow_datasets")
+
+    class TinyRecords(tfds.core.GeneratorBasedBuilder):
+        VERSION = tfds.core.Version("1.0.0")
+
+        def _info(self):
+            return tfds.core.DatasetInfo(
+                builder=self,
+                features=tfds.features.FeaturesDict({
+                    "image": tfds.features.Tensor(shape=(D,), dtype=np.float32),
+                    "label": tfds.features.ClassLabel(num_classes=CLASSES),
+                }),
+            )
+
+        def _split_generators(self, dl_manager):
+            return {"train": self._generate_examples()}
+
+        def _generate_examples(self):
+            for i in range(200):
+                yield i, {"image": np.full(D, i / 200, np.float32), "label": i % CLASSES}
+
+    TinyRecords(data_dir=str(tmp_path), file_format="array_record").download_and_prepare()
+    records = tfds.data_source("tiny_records", data_dir=str(tmp_path), split="train")
+    source = RecordSource(records, transform=lambda item: (item["image"], item["label"]))
+    assert len(source) == 200
+    model = train(source)
+    assert model.privacy.steps == 4  # round(200 / 50) Poisson steps
+    assert np.isfinite(model.privacy.epsilon(1e-5))
+
+
+def test_a_mismatched_record_is_an_error_naming_its_index():
+    records = [(np.zeros(D, np.float32), 0)] * 20 + [(np.zeros(D + 1, np.float32), 0)]
+    source = RecordSource(records)
+    with pytest.raises(ValueError, match=r"Record 20 does not match record 0 at x"):
+        source[20]
+    with pytest.raises(tf.errors.OpError, match=r"Record (20|41|62) does not match"):
+        train(RecordSource(records * 3), seed=0)  # q = 50 / 63: one is read
+
+
+def test_a_missing_file_is_an_error_naming_the_record(data, tmp_path):
+    x, y = data
+    records = CountingRecords(tmp_path, x[:100], y[:100])
+    (tmp_path / "37.npy").unlink()
+    source = RecordSource(records)
+    with pytest.raises(FileNotFoundError, match="Reading record 37 of CountingRecords failed"):
+        source[37]
+    with pytest.raises(tf.errors.OpError, match="Reading record 37"):
+        train(RecordSource(records), steps_per_epoch=20)  # q = 1/2: 37 is read
+
+
+def test_bad_records_and_arguments_are_refused_clearly(data):
+    x, y = data
+    with pytest.raises(TypeError, match="records of type int"):
+        RecordSource(5)
+    with pytest.raises(ValueError, match="tfds dict"):
+        RecordSource([{"image": x[0], "label": 1}])
+    with pytest.raises(ValueError, match="pass it as x alone"):
+        train(RecordSource(list(zip(x, y))), y)
+    with pytest.raises(ValueError, match="validation_split"):
+        train(RecordSource(list(zip(x, y))), validation_split=0.1)
+
+
+def test_mechanisms_that_read_every_record_refuse_data_on_disk(data):
+    x, y = data
+    model = tfdp.DPSequential([keras.Input((D,)), keras.layers.Dense(CLASSES)])
+    model.compile(
+        optimizer=tfdp.optimizers.DPIS(0.1, target_epsilon=3.0, target_delta=1e-5, epochs=1, sigma_n=12.0),
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+    )
+    with pytest.raises(ValueError, match="DPIS .*RecordSource"):
+        model.fit(RecordSource(list(zip(x, y))), batch_size=50, verbose=0)
+
+
+# -- pipelines: refused, converted once -----------------------------------------
+
+
+@pytest.mark.parametrize("kind", ["dataset", "generator"])
+def test_pipelines_are_refused_with_the_way_to_convert(data, kind):
+    x, y = data
+    pipeline = tf.data.Dataset.from_tensor_slices((x, y)).batch(32)
+    if kind == "generator":
+        pipeline = (b for b in pipeline.as_numpy_iterator())
+    with pytest.raises(ValueError) as error:
+        train(pipeline)
+    for words in ("RecordSource", "mmap_mode", "tfdp.data.write_records", "read_records"):
+        assert words in str(error.value)
+
+
+def test_write_records_converts_a_pipeline_once(tmp_path):
+    rng = np.random.default_rng(1)
+    images = rng.integers(0, 255, (3000, 6, 6), np.uint8)
+    labels = rng.integers(0, CLASSES, 3000)
+    pipeline = tf.data.Dataset.from_tensor_slices((images, labels)).map(
+        lambda image, label: (tf.cast(image, tf.float32) / 255.0, label, 2.0)
+    )
+    assert write_records(pipeline.batch(128), tmp_path / "train", batched=True) == 3000
+    source = read_records(tmp_path / "train")
+    x, y, w = source.arrays
+    assert isinstance(x.base, np.memmap) or isinstance(x, np.memmap)
+    np.testing.assert_allclose(x, images / 255.0, rtol=1e-6)
+    np.testing.assert_array_equal(y, labels)
+    np.testing.assert_array_equal(w, np.full(3000, 2.0, np.float32))
+    with pytest.raises(ValueError, match="Records already exist"):
+        write_records(pipeline, tmp_path / "train")
+    assert write_records(pipeline.take(5), tmp_path / "unbatched") == 5
+    np.testing.assert_array_equal(read_records(tmp_path / "unbatched").arrays[1], labels[:5])
+
+    keras.utils.set_random_seed(1)
+    model = tfdp.DPSequential([keras.Input((6, 6)), keras.layers.Flatten(), keras.layers.Dense(3)])
+    model.compile(
+        optimizer=tfdp.optimizers.DPSGD(0.1, l2_norm_clip=1.0, noise_multiplier=1.0, seed=0),
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+    )
+    model.fit(source, batch_size=300, epochs=1, verbose=0)
+    assert model.privacy.steps == 10
+
+
+def test_write_records_names_a_mismatched_element(tmp_path):
+    examples = [(np.zeros(3, np.float32), 1)] * 4 + [(np.zeros(4, np.float32), 1)]
+    with pytest.raises(ValueError, match="Element 4 does not match element 0 at x"):
+        write_records(examples, tmp_path / "bad")
+    with pytest.raises(FileNotFoundError, match="write_records"):
+        read_records(tmp_path / "bad")  # an interrupted conversion is not readable
+
+
+def test_array_source_checks_lengths(data):
+    x, y = data
+    with pytest.raises(ValueError, match="same first dimension"):
+        ArraySource(x, y[:-1])

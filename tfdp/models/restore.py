@@ -1,0 +1,133 @@
+"""Restores a `keras.callbacks.BackupAndRestore` backup before `fit` releases.
+
+Keras's `BackupAndRestore` loads its backup in `on_train_begin`, which
+replaces the model's weights, its optimizer's variables and its privacy
+ledger. `DPModel.fit` opens the run's step event and makes a mechanism's
+releases (DPIS's N~, K~ and ghat table) before Keras starts the callbacks,
+so a restore there would keep charging the backup's step event and drop
+those releases from the ledger. `restore_backups` runs every such restore
+first, in `fit`, before anything is released (then lets a `PrivacyJournal`
+charge the steps that ran after the backup), and hands Keras each callback
+without its `on_train_begin`. `LedgerGuard` refuses, before the first step,
+any other callback that replaces the ledger when training begins.
+
+Example:
+
+```python
+backup = keras.callbacks.BackupAndRestore("run/backup")
+model.fit(x, y, epochs=40, callbacks=[backup])  # killed; rerun the same line:
+model.fit(x, y, epochs=40, callbacks=[backup])  # restores, then releases
+```
+"""
+
+import keras
+
+_HOOKS = tuple(
+    name
+    for name in dir(keras.callbacks.Callback)
+    if name.startswith("on_") and name != "on_train_begin"
+)
+
+
+class _Restored(keras.callbacks.Callback):
+    """A `BackupAndRestore` whose restore already ran: forwards every hook
+    except `on_train_begin` (which would restore, and replace the ledger,
+    again)."""
+
+    def __init__(self, backup):
+        super().__init__()
+        self.backup = backup
+
+    def set_model(self, model):
+        super().set_model(model)
+        self.backup.set_model(model)
+
+    def set_params(self, params):
+        super().set_params(params)
+        self.backup.set_params(params)
+
+
+def _forward(name):
+    def hook(self, *args, **kwargs):
+        return getattr(self.backup, name)(*args, **kwargs)
+
+    hook.__name__ = name
+    return hook
+
+
+for _name in _HOOKS:
+    setattr(_Restored, _name, _forward(_name))
+
+
+def restore_backups(model, callbacks):
+    """Restores every `BackupAndRestore` in `callbacks` into `model` now.
+
+    Call it after the model and optimizer are built and before any release.
+
+    Args:
+        model: the built `DPModel` / `DPSequential` that `fit` trains.
+        callbacks: the list of callbacks passed to `fit`.
+
+    When a backup was restored, every `tfdp.callbacks.PrivacyJournal` in
+    `callbacks` then charges the journaled steps that ran after the backup
+    (`PrivacyJournal.recover`): the restore happens inside `fit`, so there
+    is no other moment to recover.
+
+    Returns:
+        The list with each `BackupAndRestore` replaced by a forwarder that
+        skips its `on_train_begin` (the restore it already made).
+    """
+    from tfdp.callbacks import PrivacyJournal
+
+    result = []
+    restored = False
+    for callback in callbacks:
+        if isinstance(callback, keras.callbacks.BackupAndRestore):
+            ledger = model.privacy
+            callback.set_model(model)
+            callback.on_train_begin()
+            restored = restored or model.privacy is not ledger
+            callback = _Restored(callback)
+        result.append(callback)
+    if restored:
+        for callback in callbacks:
+            if isinstance(callback, PrivacyJournal):
+                callback.recover(model)
+    return result
+
+
+class LedgerGuard(keras.callbacks.Callback):
+    """Refuses a callback that replaced the privacy ledger as training began.
+
+    `fit` adds it last, after opening the step event in `ledger`; a callback
+    that loaded weights in `on_train_begin` replaced that ledger (and the
+    releases in it), so training stops before its first step.
+
+    Args:
+        ledger: the ledger `fit` opened the run's step event in.
+        callbacks: the fit's callbacks, named in the error.
+    """
+
+    def __init__(self, ledger, callbacks):
+        super().__init__()
+        self._ledger = ledger
+        self._names = sorted(
+            {
+                type(c).__name__
+                for c in callbacks
+                if type(c).on_train_begin is not keras.callbacks.Callback.on_train_begin
+                and not type(c).__module__.startswith(("tfdp.", "keras."))
+            }
+        )
+
+    def on_train_begin(self, logs=None):
+        if self.model.privacy is not self._ledger:
+            raise ValueError(
+                "A callback replaced the model's weights and privacy ledger in "
+                "on_train_begin (it loaded a checkpoint), after fit() had opened this "
+                "run's privacy event in the ledger it replaced: the steps would be "
+                "charged under the checkpoint's event. Load checkpoints before fit(), "
+                "or use keras.callbacks.BackupAndRestore (tfdp restores it first). "
+                "Training was not started. Received: callbacks with on_train_begin "
+                f"{self._names}"
+            )
