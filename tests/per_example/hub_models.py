@@ -57,3 +57,11 @@ def token_inputs(model, batch, rng, length=8):
         "padding_mask": mask,
     }
     return {n: values[n].astype("bool" if n == "padding_mask" else "int32") for n in names}
+
+
+def vit(keras_hub, lora=None):
+    backbone = keras_hub.models.ViTBackbone(
+        image_shape=(16, 16, 3), patch_size=4, num_layers=2, num_heads=2, hidden_dim=16, mlp_dim=32)
+    if lora:
+        backbone.enable_lora(lora)
+    return keras_hub.models.ViTImageClassifier(backbone=backbone, num_classes=2, preprocessor=None)

@@ -27,6 +27,7 @@ TASKS = {
     "bert": (hub_models.bert, _classifier_loss),
     "gpt2": (hub_models.gpt2, _lm_loss),
     "gemma": (hub_models.gemma, _lm_loss),
+    "vit": (hub_models.vit, _classifier_loss),
 }
 
 
@@ -44,7 +45,15 @@ def _task(name):
     return model, loss
 
 
+def _inputs(model, batch, rng):
+    if len(model.inputs) == 1:  # images
+        return tf.constant(rng.normal(size=(batch, 16, 16, 3)), tf.float32)
+    return hub_models.token_inputs(model, batch, rng)
+
+
 def _targets(name, x, rng):
+    if name.startswith("vit"):
+        return tf.constant(rng.integers(0, 2, len(x)), tf.int32)
     if name.startswith("bert"):
         return tf.constant(rng.integers(0, 2, len(x["token_ids"])), tf.int32)
     return tf.constant(np.roll(x["token_ids"], -1, axis=1), tf.int32)
@@ -58,9 +67,9 @@ def test_task_matches_one_example_at_a_time(name, reference_gradients, assert_ma
     model, loss = _task(name)
     plan = plan_for(model)
     assert plan.path == "batched", plan.reason
-    assert not plan.fallback_layers or name.startswith("gemma")
+    assert not plan.fallback_layers or name.startswith(("gemma", "vit"))
     rng = np.random.default_rng(0)
-    x = hub_models.token_inputs(model, 5, rng)
+    x = _inputs(model, 5, rng)
     y = _targets(name, x, rng)
     weights = tf.constant([1.0, 0.5, 2.0, 1.0, 0.0])
     grads, _, _ = compute_per_example_gradients(model, x, y, weights, loss, "batched", training=False)
@@ -72,11 +81,14 @@ def test_task_matches_one_example_at_a_time(name, reference_gradients, assert_ma
 def test_outlier_leaves_other_examples_unchanged(name):
     model, loss = _task(name)
     rng = np.random.default_rng(1)
-    x = hub_models.token_inputs(model, 3, rng)
+    x = _inputs(model, 3, rng)
     y = _targets(name, x, rng)
-    changed = {k: v.copy() for k, v in x.items()}
-    changed["token_ids"][1] = 39
-    changed["padding_mask"][1] = True
+    if isinstance(x, dict):
+        changed = {k: v.copy() for k, v in x.items()}
+        changed["token_ids"][1] = 39
+        changed["padding_mask"][1] = True
+    else:
+        changed = tf.tensor_scatter_nd_update(x, [[1]], [tf.fill(x.shape[1:], 50.0)])
     firsts = []
     for batch in (x, changed):
         grads, _, _ = compute_per_example_gradients(model, batch, y, tf.ones([3]), loss, "batched",

@@ -20,6 +20,10 @@ Allow-list entries are claims about each layer's `call`, read in keras-hub
 * RotaryEmbedding: rotation of each position by a fixed angle, no weights.
 * Gemma's decoder block, attention and RMSNormalization: the same claims
   (per-example masks, causal mask shared by all examples).
+* ViT: ViTPatchingAndEmbedding (a Conv2D on each image's patches, a class
+  token tiled over the batch, position rows added; its own class token sends
+  it to the per-layer fallback), ViTEncoderBlock and its MLP (LayerNorm,
+  MultiHeadAttention without masks, Dense), ViTEncoder (the blocks in turn).
 
 Example:
 
@@ -48,10 +52,17 @@ def _gemma_layers():
     return [CachedGemmaAttention, GemmaDecoderBlock, RMSNormalization]
 
 
+def _vit_layers():
+    from keras_hub.src.models.vit import vit_layers
+
+    return [vit_layers.ViTPatchingAndEmbedding, vit_layers.ViTEncoderBlock, vit_layers.MLP,
+            vit_layers.ViTEncoder]
+
+
 ALLOWED.update([
     _H.TransformerEncoder, _H.TransformerDecoder, _H.CachedMultiHeadAttention,
     _H.TokenAndPositionEmbedding, _H.PositionEmbedding, _H.ReversibleEmbedding,
-    _H.RMSNormalization, _H.RotaryEmbedding, *_gemma_layers(),
+    _H.RMSNormalization, _H.RotaryEmbedding, *_gemma_layers(), *_vit_layers(),
 ])
 
 register_rule(_H.ReversibleEmbedding)(ReversibleEmbeddingRule)
