@@ -38,13 +38,19 @@ def weights(model):
 
 
 class CountingRecords:
-    """Per-record .npy files, logging every index read."""
+    """Per-record raw float32 files, logging every index read.
+
+    Raw files, not .npy: np.load parses each header with ast, which on
+    CPython 3.11.7 can raise "AST constructor recursion depth mismatch"
+    when several threads parse at once (a CPython bug, not tfdp's).
+    """
 
     def __init__(self, folder, x, y):
         self.folder, self.y, self.reads = folder, y, []
         self.lock = threading.Lock()
         for i, row in enumerate(x):
-            np.save(folder / f"{i}.npy", row)
+            row.astype(np.float32).tofile(folder / f"{i}.f32")
+        self.shape = x.shape[1:]
 
     def __len__(self):
         return len(self.y)
@@ -52,7 +58,8 @@ class CountingRecords:
     def __getitem__(self, index):
         with self.lock:
             self.reads.append(index)
-        return np.load(self.folder / f"{index}.npy"), self.y[index]
+        row = np.fromfile(self.folder / f"{index}.f32", dtype=np.float32)
+        return row.reshape(self.shape), self.y[index]
 
 
 def rss_anon_mb():
@@ -189,7 +196,7 @@ def test_a_mismatched_record_is_an_error_naming_its_index():
 def test_a_missing_file_is_an_error_naming_the_record(data, tmp_path):
     x, y = data
     records = CountingRecords(tmp_path, x[:100], y[:100])
-    (tmp_path / "37.npy").unlink()
+    (tmp_path / "37.f32").unlink()
     source = RecordSource(records)
     with pytest.raises(FileNotFoundError, match="Reading record 37 of CountingRecords failed"):
         source[37]

@@ -129,7 +129,7 @@ def exact_model():
     return model
 
 
-def train_exact(name, replicas):
+def train_exact(name, replicas, physical_batch_size=None):
     """8 seeded Poisson steps; returns (weights, steps, epsilon, first-epoch
     [loss, nonfinite_examples])."""
     x, y, sample_weight = exact_data()
@@ -139,7 +139,8 @@ def train_exact(name, replicas):
         model = exact_model()
         model.compile(optimizer=EXACT_OPTIMIZERS[name](), loss=LOSS)
     history = model.fit(
-        x, y, sample_weight=sample_weight, batch_size=24, epochs=2, verbose=0
+        x, y, sample_weight=sample_weight, batch_size=24, epochs=2, verbose=0,
+        physical_batch_size=physical_batch_size,
     )
     weights = np.concatenate([v.numpy().ravel() for v in model.trainable_variables])
     logs = np.array([history.history["loss"][0], history.history["nonfinite_examples"][0]])
@@ -392,6 +393,9 @@ def mirrored(out):
                 results["exact_dpsgd_unshared_decay"] = train_exact("dpsgd", replicas)[0]
             with patched("sum_over_replicas", list):
                 results["exact_adadp_local_moments"] = train_exact("adadp", replicas)[0]
+        with timed("physical batches"):  # each replica's share in chunks of 5
+            chunked = train_exact("dpsgd", replicas, physical_batch_size=5)
+            results["exact_dpsgd_chunked_2"], _, _, results["logs_dpsgd_chunked_2"] = chunked
         with timed("refusals"):
             for name, message in refusal_messages(replicas).items():
                 results[f"refusal_{name}"] = message

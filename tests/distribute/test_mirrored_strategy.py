@@ -63,6 +63,12 @@ def test_noiseless_dpsgd_reproduces_single_device_training(runs, replicas):
     )
 
 
+def test_physical_batches_on_each_replica_reproduce_single_device_training(runs):
+    run = runs[2]
+    np.testing.assert_allclose(run["exact_dpsgd_chunked_2"], run["exact_dpsgd_1"], rtol=0, atol=1e-5)
+    np.testing.assert_allclose(run["logs_dpsgd_chunked_2"], run["logs_dpsgd_1"], rtol=1e-5)
+
+
 def test_decay_added_in_full_on_every_replica_is_caught(runs):
     # Negative control for the test above: without the 1/R share the
     # classic weight decay is applied R times per step.

@@ -163,7 +163,8 @@ def test_causal_lm_sequence_loss_ignores_padded_tokens():
     assert np.abs(grads[0] - grads[2]).max() > 1e-4
 
 
-def test_causal_lm_fits_with_keras_hub_per_token_sample_weight():
+@pytest.mark.parametrize("physical_batch_size", [None, 4])
+def test_causal_lm_fits_with_keras_hub_per_token_sample_weight(physical_batch_size):
     model, _ = _task("gpt2_lora")
     rng = np.random.default_rng(3)
     x = hub_models.token_inputs(model, 32, rng)
@@ -171,5 +172,5 @@ def test_causal_lm_fits_with_keras_hub_per_token_sample_weight():
     model.compile(optimizer=tfdp.optimizers.DPSGD(l2_norm_clip=1.0, noise_multiplier=1.0, learning_rate=0.1),
                   loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
     history = model.fit(x, y, sample_weight=x["padding_mask"].astype("float32"), batch_size=8, epochs=1,
-                        verbose=0)
+                        verbose=0, physical_batch_size=physical_batch_size)
     assert np.isfinite(history.history["loss"]).all() and model.privacy.epsilon(1e-5) > 0

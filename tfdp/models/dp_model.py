@@ -19,6 +19,7 @@ from keras.src.utils.tracking import no_automatic_dependency_tracking
 from tfdp import distribute
 from tfdp.accounting import PrivacyLedger
 from tfdp.data import sources
+from tfdp.models import chunked_step
 from tfdp.models.losses import per_example_loss
 from tfdp.models.restore import LedgerGuard, restore_backups
 from tfdp.models.sequence_loss import token_weighted_loss
@@ -74,6 +75,7 @@ class DPTrainingMixin:
         )
         self._privacy_ledger = PrivacyLedger(step_counter=self._read_dp_steps)
         self._per_example_loss = None
+        self._physical_batch_size = None
         self._add_nonfinite_counter()
 
     @no_automatic_dependency_tracking
@@ -176,12 +178,17 @@ class DPTrainingMixin:
             loss_fn, targets = self._per_token_loss, (y, arrays[2])
         elif len(arrays) > 2:
             weights = mask * tf.cast(tf.reshape(arrays[2], [-1]), tf.float32)
-        per_example, y_pred, losses = compute_per_example_gradients(
-            self, x, targets, weights, loss_fn, self.per_example_gradients
-        )
+        if self._physical_batch_size is None:
+            per_example, y_pred, losses = compute_per_example_gradients(
+                self, x, targets, weights, loss_fn, self.per_example_gradients
+            )
+            grads, stats = self.optimizer.privatize(per_example, step_info)
+        else:
+            grads, stats, y_pred, losses = chunked_step.chunked_private_gradients(
+                self, x, targets, weights, step_info, self._physical_batch_size, loss_fn
+            )
         path = self.per_example_path
         (logger.warning if "vectorized_map (layer" in path else logger.info)("%s: %s", self.name, path)
-        grads, stats = self.optimizer.privatize(per_example, step_info)
         logs = self.optimizer.apply_private_gradients(
             grads, self.trainable_variables, model=self
         )
@@ -196,7 +203,13 @@ class DPTrainingMixin:
             ),
             sample_weight=tf.reduce_sum(loss_weights),
         )
-        metrics = self.compute_metrics(x, y, y_pred, sample_weight=loss_weights)
+        # Unweighted metrics (compile(metrics=...)) ignore sample weights:
+        # give them the drawn rows only, never the padding.
+        drawn = lambda t: tf.boolean_mask(t, mask > 0)  # noqa: E731
+        metrics = self.compute_metrics(
+            x, tf.nest.map_structure(drawn, y), tf.nest.map_structure(drawn, y_pred),
+            sample_weight=drawn(loss_weights),
+        )
         logs = {**metrics, **logs, "nonfinite_examples": self._nonfinite_counter.result()}
         if not isinstance(tf.distribute.get_strategy(), tf.distribute.MultiWorkerMirroredStrategy):
             # Global values on every replica: Keras averages the replicas' step logs.
@@ -232,6 +245,7 @@ class DPTrainingMixin:
         validation_steps=None,
         validation_batch_size=None,
         validation_freq=1,
+        physical_batch_size=None,
     ):
         """Keras `fit` on Poisson-sampled batches (MECHANISMS.md 0.2).
 
@@ -246,11 +260,23 @@ class DPTrainingMixin:
         A `keras.callbacks.BackupAndRestore` is restored before any release
         (`tfdp.models.restore`); another callback that loads weights in
         `on_train_begin` is refused before the first step.
+
+        `physical_batch_size=k` (default None: all at once) computes each
+        logical batch's per-example gradients k examples at a time, summing
+        the clipped chunks and adding noise once per logical step: same
+        result and privacy, per-example memory bounded by k
+        (`tfdp.models.chunked_step`).
         """
         from tfdp.callbacks import PrivacyBudget, ProgbarLogger
 
         if self.optimizer is None or self._per_example_loss is None:
             raise ValueError("Compile the model with a tfdp optimizer before calling fit().")
+        physical_batch_size = chunked_step.check_physical_batch_size(
+            self.optimizer, physical_batch_size
+        )
+        if physical_batch_size != self._physical_batch_size:
+            self._physical_batch_size = physical_batch_size
+            self.train_function = None  # retrace the step with the new chunking
         x, y, sample_weight = self._check_training_arrays(x, y, sample_weight, class_weight)
         if validation_split and isinstance(x, sources.RecordSource):
             raise ValueError(

@@ -194,6 +194,12 @@ class AdaDP(DPOptimizer):
         "local_clipping", "adaptive_learning_rate", "adaptive_noise",
     )
 
+    physical_batches_unsupported = (
+        "its adaptive phase clips materialized per-example gradients "
+        "coordinate-wise inside one tf.cond over the whole batch, which it does "
+        "not split into chunks."
+    )
+
     def __init__(
         self,
         learning_rate=0.002,

@@ -282,12 +282,42 @@ class DPOptimizer(keras.optimizers.Optimizer):
             (noisy mean gradients aligned with `per_example.variables`,
             dict of per-step tensors for logging).
         """
-        variables = per_example.variables
+        sums, nonfinite = self.clipped_sum(per_example, step_info)
+        grads = self.noisy_gradients(sums, step_info, per_example.variables)
+        return grads, {"nonfinite_examples": nonfinite}
+
+    def clipped_sum(self, per_example, step_info):
+        """The first half of `privatize`: the sum of clipped gradients.
+
+        Each example's clipping factor depends on its own gradient only, so
+        the sums of several chunks of a batch add up to the batch's sum
+        (`DPModel.fit(physical_batch_size=...)` relies on it).
+
+        Returns:
+            (sums aligned with `per_example.variables`, number of drawn
+            examples whose gradient norm is not finite).
+        """
         if self.weight_decay and self.weight_decay_placement == "before_clip":
-            per_example = per_example.with_offsets(self._decay_offsets(variables))
+            per_example = per_example.with_offsets(self._decay_offsets(per_example.variables))
         sq_norms = per_example.sq_norms()
         factors = dpsgd.clip_factors(sq_norms, self.l2_norm_clip, step_info["mask"])
-        sums = per_example.weighted_sum(factors)
+        nonfinite = tf.reduce_sum(
+            tf.cast(~tf.math.is_finite(sq_norms), tf.float32) * step_info["mask"]
+        )
+        return per_example.weighted_sum(factors), nonfinite
+
+    def noisy_gradients(self, sums, step_info, variables):
+        """The second half of `privatize`: noise once, divide by b, decay.
+
+        Args:
+            sums: clipped sums from `clipped_sum` (of one batch, or added
+                over its chunks).
+            step_info: the step's dict ("expected_batch_size").
+            variables: the variables `sums` are aligned with.
+
+        Returns:
+            The noisy mean gradients.
+        """
         # Under tf.distribute Keras sums R replicas: each adds noise of
         # variance sigma^2 C^2 / R and 1/R of the decay (tfdp.distribute).
         grads = dpsgd.noisy_mean(
@@ -297,10 +327,11 @@ class DPOptimizer(keras.optimizers.Optimizer):
         if self.weight_decay and self.weight_decay_placement == "after_noise":
             share = distribute.replica_share()
             grads = [g + o * share for g, o in zip(grads, self._decay_offsets(variables))]
-        nonfinite = tf.reduce_sum(
-            tf.cast(~tf.math.is_finite(sq_norms), tf.float32) * step_info["mask"]
-        )
-        return grads, {"nonfinite_examples": nonfinite}
+        return grads
+
+    # Why a subclass cannot split a logical batch into physical chunks
+    # (None: it can, through `clipped_sum` and `noisy_gradients`).
+    physical_batches_unsupported = None
 
     def apply_private_gradients(self, grads, trainable_variables, model=None):
         """Hands the noisy gradients to the inner optimizer.

@@ -177,6 +177,12 @@ class DPIS(DPOptimizer):
         "clip_quantile", "accountant", "log_sampling_stats",
     )
 
+    physical_batches_unsupported = (
+        "its second-stage acceptance and the refresh of each drawn record's "
+        "gradient bound run over the whole drawn batch at once, which it does "
+        "not split into chunks."
+    )
+
     def __init__(
         self,
         learning_rate=None,

@@ -1,0 +1,174 @@
+"""fit(physical_batch_size=k): chunked per-example work, one noise per logical step."""
+
+import keras
+import numpy as np
+import pytest
+
+import tfdp
+from tfdp.models import chunked_step
+
+LOSS = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+
+def data(n=300, seed=0):
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(n, 6)).astype("float32")
+    y = rng.integers(0, 3, n)
+    weights = rng.uniform(0.5, 2.0, n).astype("float32")
+    return x, y, weights
+
+
+def train(optimizer, physical_batch_size, batch_size=96, epochs=2, sample_weight=True, n=300,
+          jit_compile=False):
+    keras.utils.set_random_seed(0)
+    model = tfdp.DPSequential([
+        keras.Input((6,)),
+        keras.layers.Dense(8, activation="tanh"),
+        keras.layers.Dense(3),
+    ])
+    model.compile(optimizer=optimizer, loss=LOSS, metrics=["accuracy"], jit_compile=jit_compile)
+    x, y, weights = data(n)
+    history = model.fit(
+        x, y, sample_weight=weights if sample_weight else None, batch_size=batch_size,
+        epochs=epochs, verbose=0, physical_batch_size=physical_batch_size,
+    )
+    return model, history.history
+
+
+def dpsgd(**kwargs):
+    return tfdp.optimizers.DPSGD(0.5, l2_norm_clip=0.3, noise_multiplier=1.0, seed=7, **kwargs)
+
+
+def adam(**kwargs):
+    return tfdp.optimizers.DPOptimizer(
+        keras.optimizers.Adam(0.05), l2_norm_clip=0.3, noise_multiplier=1.0, seed=7, **kwargs
+    )
+
+
+def sadpsgd():
+    x, y, _ = data(60, seed=1)
+    return tfdp.optimizers.SADPSGD(
+        0.5, l2_norm_clip=0.3, noise_multiplier=1.0, public_energy_data=(x, y),
+        initial_temperature=0.01, seed=7,
+    )
+
+
+def assert_same_run(unsplit, split):
+    (model_a, logs_a), (model_b, logs_b) = unsplit, split
+    for a, b in zip(model_a.get_weights(), model_b.get_weights()):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    assert model_a.privacy.steps == model_b.privacy.steps
+    assert model_a.privacy.epsilon(1e-5) == model_b.privacy.epsilon(1e-5)
+    assert logs_a.keys() == logs_b.keys()
+    for key in logs_a:
+        np.testing.assert_allclose(logs_a[key], logs_b[key], rtol=1e-5, err_msg=key)
+
+
+@pytest.mark.parametrize(
+    "make_optimizer",
+    [
+        dpsgd,
+        lambda: dpsgd(weight_decay=0.1),
+        lambda: dpsgd(weight_decay=0.1, weight_decay_placement="after_noise"),
+        adam,
+        lambda: adam(weight_decay=0.1),
+        sadpsgd,
+    ],
+    ids=["dpsgd", "dpsgd_decay_before_clip", "dpsgd_decay_after_noise", "adam",
+         "adam_decay_before_clip", "sadpsgd"],
+)
+def test_chunked_run_equals_the_unsplit_run(make_optimizer):
+    # 23 divides no padded batch: the last chunk of each step is partial.
+    assert_same_run(train(make_optimizer(), None), train(make_optimizer(), 23))
+
+
+def test_chunked_run_equals_the_unsplit_run_under_xla():
+    # XLA pads every batch to one fixed length: chunks of static shape.
+    unsplit = train(dpsgd(), None, epochs=1, jit_compile=True)
+    assert_same_run(unsplit, train(dpsgd(), 23, epochs=1, jit_compile=True))
+
+
+def test_noise_is_drawn_once_per_logical_step():
+    # Noise alone moves the weights (all gradients clipped to ~0 by a tiny
+    # clip): the chunked run must end where the unsplit one does, and a run
+    # with a different seed (negative control) must not.
+    def noisy(seed):
+        return tfdp.optimizers.DPSGD(1.0, l2_norm_clip=1e-6, noise_multiplier=1e7, seed=seed)
+
+    unsplit, _ = train(noisy(3), None, epochs=1)
+    split, _ = train(noisy(3), 16, epochs=1)
+    other, _ = train(noisy(4), 16, epochs=1)
+    a, b, c = (m.trainable_variables[0].numpy() for m in (unsplit, split, other))
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    assert np.abs(a - c).max() > 1e-2
+
+
+def test_empty_and_tiny_batches():
+    # Expected batch 1 of 60: many Poisson draws are empty (no chunk runs).
+    unsplit = train(dpsgd(), None, batch_size=1, epochs=1, n=60)
+    split = train(dpsgd(), 1, batch_size=1, epochs=1, n=60)
+    assert_same_run(unsplit, split)
+
+
+def test_per_example_work_sees_chunks_of_k_rows(monkeypatch):
+    seen = []
+    original = chunked_step.compute_per_example_gradients
+
+    def recording(model, x, *args, **kwargs):
+        seen.append(x.shape[0])
+        return original(model, x, *args, **kwargs)
+
+    monkeypatch.setattr(chunked_step, "compute_per_example_gradients", recording)
+    train(dpsgd(), 16, epochs=1)
+    assert seen and set(seen) == {16}
+
+
+@pytest.mark.parametrize("value", [0, -3, 2.5, True, "8"])
+def test_bad_physical_batch_size_is_refused_before_training(value):
+    model = tfdp.DPSequential([keras.Input((6,)), keras.layers.Dense(3)])
+    model.compile(optimizer=dpsgd(), loss=LOSS)
+    x, y, _ = data()
+    with pytest.raises(ValueError, match=r"physical_batch_size=" + repr(value).replace(".", r"\.")):
+        model.fit(x, y, batch_size=32, physical_batch_size=value, verbose=0)
+    assert model.privacy.steps == 0
+
+
+@pytest.mark.parametrize(
+    "optimizer",
+    [
+        tfdp.optimizers.DPIS(
+            learning_rate=0.5, l2_norm_clip=1.0, target_epsilon=4.0, epochs=3, sigma_n=5.0, seed=1
+        ),
+        tfdp.optimizers.AdaDP(learning_rate=0.01, l2_norm_clip=0.7, noise_multiplier=1.3, seed=1),
+    ],
+    ids=["dpis", "adadp"],
+)
+def test_mechanisms_that_cannot_split_refuse_clearly(optimizer):
+    model = tfdp.DPSequential([keras.Input((6,)), keras.layers.Dense(3)])
+    model.compile(optimizer=optimizer, loss=LOSS)
+    x, y, _ = data()
+    name = type(optimizer).__name__
+    with pytest.raises(ValueError, match=rf"{name} cannot split.*physical_batch_size=None"):
+        model.fit(x, y, batch_size=32, physical_batch_size=8, verbose=0)
+    assert model.privacy.steps == 0
+
+
+def test_memmap_and_record_source_feed_the_chunked_step(tmp_path):
+    x, y, _ = data()
+    path = tmp_path / "x.npy"
+    np.save(path, x)
+    unsplit, logs = train_on(dpsgd(), x, y, None)
+    mapped = train_on(dpsgd(), np.load(path, mmap_mode="r"), y, 23)
+    records = tfdp.data.RecordSource(list(zip(x, y)))
+    from_records = train_on(dpsgd(), records, None, 23)
+    assert_same_run((unsplit, logs), mapped)
+    assert_same_run((unsplit, logs), from_records)
+
+
+def train_on(optimizer, x, y, physical_batch_size):
+    keras.utils.set_random_seed(0)
+    model = tfdp.DPSequential([keras.Input((6,)), keras.layers.Dense(3)])
+    model.compile(optimizer=optimizer, loss=LOSS, metrics=["accuracy"])
+    history = model.fit(x, y, batch_size=96, epochs=1, verbose=0,
+                        physical_batch_size=physical_batch_size)
+    return model, history.history

@@ -1,0 +1,165 @@
+"""Physical batches: one logical Poisson batch's per-example work in chunks.
+
+DP needs large logical batches (the accounting sees `batch_size`), while
+per-example gradients must fit in memory. With `physical_batch_size=k` the
+train step walks the padded logical batch in chunks of k rows
+(`tf.while_loop`): each chunk's per-example gradients are computed, clipped
+and summed (`DPOptimizer.clipped_sum`), and only the running sum survives
+the chunk. Every example's clipping factor depends on its own gradient only,
+so the total equals the unsplit clipped sum; noise is then added once for
+the logical step (`DPOptimizer.noisy_gradients`, same noise key), and the
+ledger charges one Poisson step as before. Chunks holding only padding
+(those after the last drawn row) are skipped.
+
+Memory: the per-example work (activations, per-example gradients or their
+factors) scales with k; the logical batch's inputs, labels, predictions and
+losses ([B] rows each) are still held whole.
+
+Example:
+
+>>> import keras, numpy as np, tfdp
+>>> model = tfdp.DPSequential([keras.Input((4,)), keras.layers.Dense(2)])
+>>> model.compile(optimizer=tfdp.optimizers.DPSGD(0.1, noise_multiplier=1.0, seed=0),
+...               loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+>>> x, y = np.ones((64, 4), "float32"), np.zeros(64, "int64")
+>>> _ = model.fit(x, y, batch_size=32, physical_batch_size=8, verbose=0)
+"""
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+from tfdp.per_example import compute_per_example_gradients
+
+
+def check_physical_batch_size(optimizer, physical_batch_size):
+    """Validates `fit`'s `physical_batch_size` against `optimizer`.
+
+    Args:
+        optimizer: the model's tfdp optimizer.
+        physical_batch_size: None (the whole logical batch at once) or an
+            int >= 1.
+
+    Returns:
+        The value as a Python int, or None.
+
+    Raises:
+        ValueError: for a value that is not an int >= 1, or a mechanism that
+            cannot split its step (it says why and what to do instead).
+    """
+    from tfdp.optimizers import DPOptimizer
+
+    if physical_batch_size is None:
+        return None
+    if isinstance(physical_batch_size, bool) or not isinstance(
+        physical_batch_size, (int, np.integer)
+    ) or physical_batch_size < 1:
+        raise ValueError(
+            "Expected `physical_batch_size` to be an int >= 1 or None. "
+            f"Received: physical_batch_size={physical_batch_size!r}"
+        )
+    name = type(optimizer).__name__
+    reason = getattr(optimizer, "physical_batches_unsupported", None)
+    if reason is None and type(optimizer).privatize is not DPOptimizer.privatize:
+        reason = "it overrides privatize(), so its step is not a sum of clipped chunks."
+    if reason:
+        raise ValueError(
+            f"{name} cannot split a logical batch into physical batches: {reason} "
+            "Leave physical_batch_size=None (the whole logical batch at once) and "
+            "lower batch_size if memory is short, or train with DPSGD, "
+            f"DPOptimizer or SADPSGD. Received: physical_batch_size={physical_batch_size} "
+            f"with optimizer={name}"
+        )
+    return int(physical_batch_size)
+
+
+def chunked_private_gradients(model, x, y, weights, step_info, physical_batch_size,
+                              loss_fn=None):
+    """The private part of a train step, over chunks of the logical batch.
+
+    Args:
+        model: the compiled `DPModel` / `DPSequential`.
+        x, y: the logical batch's inputs and targets (B rows, padding included).
+        weights: float [B], sample weight times padding mask.
+        step_info: the step's dict ("mask", "expected_batch_size").
+        physical_batch_size: k, rows of per-example work at once.
+        loss_fn: per-example loss (default: the model's compiled one; a
+            language model's per-token weighted loss takes (y, token weights)
+            as `y`).
+
+    Returns:
+        (noisy gradients aligned with `model.trainable_variables`, stats
+        dict, y_pred [B, ...], per-example losses [B]); rows in skipped
+        all-padding chunks have prediction and loss 0 (their weight is 0).
+    """
+    optimizer = model.optimizer
+    variables = list(model.trainable_variables)
+    mask = tf.cast(step_info["mask"], tf.float32)
+    k = int(physical_batch_size)
+    rows = tf.shape(mask)[0]
+    # Padding rows sit after the drawn ones; chunks past the last drawn row hold none.
+    live_rows = tf.reduce_max(tf.where(mask > 0, tf.range(1, rows + 1), 0))
+    num_chunks = (live_rows + k - 1) // k
+    offsets = tf.range(k)
+
+    def chunk_of(start):
+        position = start + offsets
+        index = tf.minimum(position, rows - 1)  # static k rows; the tail repeats the last
+        inside = tf.cast(position < rows, tf.float32)
+        take = lambda a: tf.gather(a, index)  # noqa: E731
+        return (tf.nest.map_structure(take, x), tf.nest.map_structure(take, y),
+                take(weights) * inside, take(mask) * inside)
+
+    def body(i, sums, nonfinite, predictions, losses):
+        cx, cy, cweights, cmask = chunk_of(i * k)
+        per_example, y_pred, chunk_losses = compute_per_example_gradients(
+            model, cx, cy, cweights, loss_fn or model._per_example_loss,
+            model.per_example_gradients
+        )
+        if [id(v) for v in per_example.variables] != [id(v) for v in variables]:
+            raise ValueError("Per-example gradients must follow model.trainable_variables.")
+        chunk_sums, chunk_nonfinite = optimizer.clipped_sum(
+            per_example, dict(step_info, mask=cmask)
+        )
+        sums = [s + tf.cast(c, s.dtype) for s, c in zip(sums, chunk_sums)]
+        predictions = tf.nest.map_structure(
+            lambda ta, p: ta.write(i, p), predictions, y_pred
+        )
+        return (i + 1, sums, nonfinite + chunk_nonfinite, predictions,
+                losses.write(i, tf.cast(chunk_losses, tf.float32)))
+
+    def arrays_for(spec):
+        return tf.TensorArray(spec.dtype, size=num_chunks, element_shape=[k] + list(spec.shape[1:]))
+
+    specs = _prediction_specs(model, chunk_of(0))
+    start = (
+        tf.constant(0),
+        [tf.zeros(v.shape, tf.float32) for v in variables],
+        tf.constant(0.0),
+        tf.nest.map_structure(arrays_for, specs),
+        tf.TensorArray(tf.float32, size=num_chunks, element_shape=[k]),
+    )
+    _, sums, nonfinite, predictions, losses = tf.while_loop(
+        lambda i, *_: i < num_chunks, body, start, parallel_iterations=1
+    )
+    grads = optimizer.noisy_gradients(sums, step_info, variables)
+    y_pred = tf.nest.map_structure(lambda ta: _rows(ta, rows), predictions)
+    return grads, {"nonfinite_examples": nonfinite}, y_pred, _rows(losses, rows)
+
+
+def _prediction_specs(model, chunk):
+    """The model's output specs for one chunk (traced, not run)."""
+    symbolic = tf.nest.map_structure(lambda a: keras.KerasTensor(a.shape, a.dtype.name), chunk[0])
+    spec = model.compute_output_spec(symbolic)
+    if isinstance(spec, (list, tuple)) and len(spec) == 1:
+        spec = spec[0]  # a model built with outputs=[t] returns t when called
+    return tf.nest.map_structure(lambda s: tf.TensorSpec(s.shape, s.dtype), spec)
+
+
+def _rows(arrays, rows):
+    """Stacks a TensorArray of [k, ...] chunks into its first `rows` rows,
+    zero-filled past the last written chunk."""
+    stacked = arrays.concat()
+    missing = rows - tf.shape(stacked)[0]
+    padding = [[0, tf.maximum(missing, 0)]] + [[0, 0]] * (stacked.shape.rank - 1)
+    return tf.pad(stacked, padding)[:rows]
