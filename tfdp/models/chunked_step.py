@@ -73,7 +73,8 @@ def check_physical_batch_size(optimizer, physical_batch_size):
     return int(physical_batch_size)
 
 
-def chunked_private_gradients(model, x, y, weights, step_info, physical_batch_size):
+def chunked_private_gradients(model, x, y, weights, step_info, physical_batch_size,
+                              loss_fn=None):
     """The private part of a train step, over chunks of the logical batch.
 
     Args:
@@ -82,6 +83,9 @@ def chunked_private_gradients(model, x, y, weights, step_info, physical_batch_si
         weights: float [B], sample weight times padding mask.
         step_info: the step's dict ("mask", "expected_batch_size").
         physical_batch_size: k, rows of per-example work at once.
+        loss_fn: per-example loss (default: the model's compiled one; a
+            language model's per-token weighted loss takes (y, token weights)
+            as `y`).
 
     Returns:
         (noisy gradients aligned with `model.trainable_variables`, stats
@@ -109,7 +113,8 @@ def chunked_private_gradients(model, x, y, weights, step_info, physical_batch_si
     def body(i, sums, nonfinite, predictions, losses):
         cx, cy, cweights, cmask = chunk_of(i * k)
         per_example, y_pred, chunk_losses = compute_per_example_gradients(
-            model, cx, cy, cweights, model._per_example_loss, model.per_example_gradients
+            model, cx, cy, cweights, loss_fn or model._per_example_loss,
+            model.per_example_gradients
         )
         if [id(v) for v in per_example.variables] != [id(v) for v in variables]:
             raise ValueError("Per-example gradients must follow model.trainable_variables.")
@@ -145,9 +150,10 @@ def chunked_private_gradients(model, x, y, weights, step_info, physical_batch_si
 def _prediction_specs(model, chunk):
     """The model's output specs for one chunk (traced, not run)."""
     symbolic = tf.nest.map_structure(lambda a: keras.KerasTensor(a.shape, a.dtype.name), chunk[0])
-    return tf.nest.map_structure(
-        lambda s: tf.TensorSpec(s.shape, s.dtype), model.compute_output_spec(symbolic)
-    )
+    spec = model.compute_output_spec(symbolic)
+    if isinstance(spec, (list, tuple)) and len(spec) == 1:
+        spec = spec[0]  # a model built with outputs=[t] returns t when called
+    return tf.nest.map_structure(lambda s: tf.TensorSpec(s.shape, s.dtype), spec)
 
 
 def _rows(arrays, rows):

@@ -23,6 +23,7 @@ from tfdp.models import chunked_step
 from tfdp.models.jit import resolve_jit_compile
 from tfdp.models.losses import per_example_loss
 from tfdp.models.restore import LedgerGuard, restore_backups
+from tfdp.models.sequence_loss import token_weighted_loss
 from tfdp.per_example import (
     METHODS,
     check_per_example_support,
@@ -155,6 +156,7 @@ class DPTrainingMixin:
             )
         check_per_example_support(self)
         self._per_example_loss = per_example_loss(loss)
+        self._per_token_loss = token_weighted_loss(loss)
         kwargs["jit_compile"] = resolve_jit_compile(kwargs.get("jit_compile", "auto"))
         if kwargs.get("auto_scale_loss") and self.dtype_policy.name == "mixed_float16":
             raise ValueError(
@@ -182,17 +184,21 @@ class DPTrainingMixin:
         arrays, step_info = data
         x, y = arrays[0], arrays[1]
         mask = tf.cast(step_info["mask"], tf.float32)
-        weights = mask
-        if len(arrays) > 2:
+        weights, loss_fn, targets = mask, self._per_example_loss, y
+        if len(arrays) > 2 and arrays[2].shape.rank > 1:
+            # Per-token weights (a language model's padding mask): they weigh
+            # tokens inside each sequence's loss (tfdp.models.sequence_loss).
+            loss_fn, targets = self._per_token_loss, (y, arrays[2])
+        elif len(arrays) > 2:
             weights = mask * tf.cast(tf.reshape(arrays[2], [-1]), tf.float32)
         if self._physical_batch_size is None:
             per_example, y_pred, losses = compute_per_example_gradients(
-                self, x, y, weights, self._per_example_loss, self.per_example_gradients
+                self, x, targets, weights, loss_fn, self.per_example_gradients
             )
             grads, stats = self.optimizer.privatize(per_example, step_info)
         else:
             grads, stats, y_pred, losses = chunked_step.chunked_private_gradients(
-                self, x, y, weights, step_info, self._physical_batch_size
+                self, x, targets, weights, step_info, self._physical_batch_size, loss_fn
             )
         path = self.per_example_path
         (logger.warning if "vectorized_map (layer" in path else logger.info)("%s: %s", self.name, path)

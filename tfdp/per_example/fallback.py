@@ -28,6 +28,7 @@ import numpy as np
 import tensorflow as tf
 
 from tfdp.per_example.grads import MaterializedGrads
+from tfdp.per_example.onednn import vectorized_map
 from tfdp.per_example.rules.common import sum_per_example
 
 
@@ -52,12 +53,13 @@ class LayerFallback:
         return tf.nest.pack_sequence_as(outputs, probed)
 
     def parts(self, layer, records):
-        variables = layer.trainable_variables
-        per_call = [self._per_example(variables, record) for record in records]
+        variables = [v for v in layer.variables if v.trainable]
+        per_call = [self._per_example(layer, record) for record in records]
         return [MaterializedGrads(variables, [sum_per_example(list(g)) for g in zip(*per_call)])]
 
     @staticmethod
-    def _per_example(variables, record):
+    def _per_example(layer, record):
+        variables = [v for v in layer.variables if v.trainable]
         flat = tf.nest.flatten(record.inputs)
         batched = [i for i, v in enumerate(flat) if isinstance(v, tf.Tensor) and v.shape.rank]
         names = sorted(record.grads, key=int)
@@ -78,4 +80,5 @@ class LayerFallback:
                 unconnected_gradients="zero",
             )
 
-        return tf.vectorized_map(one_example, ([flat[i] for i in batched], output_grads))
+        return vectorized_map(one_example, ([flat[i] for i in batched], output_grads),
+                              f"layer '{layer.name}' ({type(layer).__name__}, per-layer fallback)")

@@ -18,7 +18,7 @@ Example:
 ('vectorized', "layer 'doubt' (Lambda) is not known to keep examples independent")
 """
 
-from tfdp.per_example import rules  # noqa: F401  (registers the rules)
+from tfdp.per_example import rules
 from tfdp.per_example.fallback import LayerFallback
 from tfdp.per_example.registry import (
     _DECLARED,
@@ -98,14 +98,22 @@ def _check_graph(model):
     return None
 
 
+def _trainable(layer):
+    """The trainable variables in `layer`, also under a sublayer marked
+    trainable=False whose own sublayers were made trainable again (KerasHub's
+    `backbone.enable_lora` freezes the blocks, then adds trainable LoRA
+    weights inside them): Keras trains those, so tfdp must cover them."""
+    return [v for v in layer.variables if v.trainable]
+
+
 def _own_trainable_variables(layer):
     inner = {id(v) for sub in layer._flatten_layers(include_self=False)
-             for v in sub.trainable_variables}
-    return [v for v in layer.trainable_variables if id(v) not in inner]
+             for v in _trainable(sub)}
+    return [v for v in _trainable(layer) if id(v) not in inner]
 
 
 def _assign_handlers(layer, handlers, seen):
-    if id(layer) in seen or not layer.trainable_variables:
+    if id(layer) in seen or not _trainable(layer):
         return
     seen.add(id(layer))
     rule = rule_for(layer)
@@ -120,6 +128,7 @@ def _assign_handlers(layer, handlers, seen):
 
 def plan_for(model):
     """The `Plan` for a built Keras model."""
+    rules.load_optional()
     if not is_graph_model(model):
         return Plan("vectorized", reason=f"model '{model.name}' is subclassed (no graph)")
     problem = _check_graph(model)
@@ -128,7 +137,7 @@ def plan_for(model):
     handlers, seen = [], set()
     for layer in model._flatten_layers(include_self=False, recursive=False):
         _assign_handlers(layer, handlers, seen)
-    covered = [id(v) for layer, _ in handlers for v in layer.trainable_variables]
+    covered = [id(v) for layer, _ in handlers for v in _trainable(layer)]
     expected = [id(v) for v in model.trainable_variables]
     if sorted(covered) != sorted(expected):
         return Plan("vectorized", reason="some trainable variables belong to no layer it can run")

@@ -99,23 +99,25 @@ def register_rule(*layer_classes):
     *args, **kwargs)` (runs the layer in the batched pass, adding probes
     through `recorder`) and `parts(layer, records)` (per-example gradient
     parts from the recorded tensors). Subclasses of a registered class do not
-    inherit its rule: they may compute something else.
+    inherit its rule: they may compute something else. A class may have
+    several rules (Dense with and without LoRA): the first registered one
+    that supports the layer runs it.
     """
 
     def register(rule_class):
         rule = rule_class()
         for layer_class in layer_classes:
-            RULES[layer_class] = rule
+            RULES.setdefault(layer_class, []).append(rule)
         return rule_class
 
     return register
 
 
 def rule_for(layer):
-    """The rule registered for `layer`'s exact class if it supports `layer`."""
-    rule = RULES.get(type(layer))
-    if rule is not None and rule.supports(layer):
-        return rule
+    """The first rule registered for `layer`'s exact class that supports it."""
+    for rule in RULES.get(type(layer), []):
+        if rule.supports(layer):
+            return rule
     return None
 
 

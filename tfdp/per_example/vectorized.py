@@ -4,6 +4,8 @@ Each example runs through the model alone (a batch of one), so its gradient
 cannot depend on other examples whatever the layers do: the safe last resort
 for models the batched pass cannot run (subclassed models, layers outside the
 allow-list). It is slower, and some layers do not vectorize (Keras LSTM/GRU).
+Its traced graph is checked before it runs: with oneDNN, sequence models
+would crash the process on it (`tfdp.per_example.onednn`).
 
 Example:
 
@@ -19,6 +21,7 @@ TensorShape([4])
 import tensorflow as tf
 
 from tfdp.per_example.grads import MaterializedGrads, PerExampleGradients
+from tfdp.per_example.onednn import vectorized_map
 
 
 def vectorized_gradients(model, x, y, weights, loss_fn, training):
@@ -34,6 +37,6 @@ def vectorized_gradients(model, x, y, weights, loss_fn, training):
         grads = tape.gradient(weighted, variables, unconnected_gradients="zero")
         return grads, tf.nest.map_structure(lambda p: p[0], pred), loss[0]
 
-    grads, y_pred, losses = tf.vectorized_map(one_example, (x, y, weights))
+    grads, y_pred, losses = vectorized_map(one_example, (x, y, weights), f"model '{model.name}'")
     parts = [MaterializedGrads(variables, grads)]
     return PerExampleGradients(variables, parts, path="vectorized"), y_pred, losses

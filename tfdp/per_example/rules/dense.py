@@ -79,25 +79,37 @@ class EinsumDenseRule(PreActivationRule):
         return plain_weights(layer) and _einsum_matrix_form(layer.equation) is not None
 
     def parts(self, layer, records):
-        x_perm, _, n_contracted, w_perm, out_perm = _einsum_matrix_form(layer.equation)
-        kernel_shape = [layer.kernel.shape[p] for p in w_perm]
-        fan_in = math.prod(kernel_shape[:n_contracted])
-        fan_out = math.prod(kernel_shape[n_contracted:])
-        xs, gs = [], []
-        for r in records:
-            x = tf.transpose(r.x, x_perm)
-            g = tf.transpose(r.grads["z"], out_perm)
-            xs.append(tf.reshape(x, [tf.shape(x)[0], -1, fan_in]))
-            gs.append(tf.reshape(g, [tf.shape(g)[0], -1, fan_out]))
-        parts = [LinearGrads(concat_positions(xs), concat_positions(gs), layer.kernel,
-                             kernel_perm=w_perm)]
+        parts = [einsum_linear_grads(layer.equation, [r.x for r in records],
+                                     [r.grads["z"] for r in records], layer.kernel)]
         if layer.bias is not None:
-            biases = [_sum_to_shape(r.grads["z"], layer.bias.shape) for r in records]
+            biases = [sum_to_shape(r.grads["z"], layer.bias.shape) for r in records]
             parts.append(MaterializedGrads([layer.bias], [sum_per_example(biases)]))
         return parts
 
 
-def _sum_to_shape(grad, shape):
+def einsum_linear_grads(equation, xs, gs, kernel):
+    """`LinearGrads` of Z = einsum(equation, X, kernel) over several calls.
+
+    Args:
+        equation: an EinsumDense equation with a matrix form.
+        xs: the inputs X of each call; gs: the gradients at each call's Z.
+        kernel: the variable the equation contracts X with.
+    """
+    x_perm, _, n_contracted, w_perm, out_perm = _einsum_matrix_form(equation)
+    kernel_shape = [kernel.shape[p] for p in w_perm]
+    fan_in = math.prod(kernel_shape[:n_contracted])
+    fan_out = math.prod(kernel_shape[n_contracted:])
+    rows_x, rows_g = [], []
+    for x, g in zip(xs, gs):
+        x = tf.transpose(x, x_perm)
+        g = tf.transpose(g, out_perm)
+        rows_x.append(tf.reshape(x, [tf.shape(x)[0], -1, fan_in]))
+        rows_g.append(tf.reshape(g, [tf.shape(g)[0], -1, fan_out]))
+    return LinearGrads(concat_positions(rows_x), concat_positions(rows_g), kernel,
+                       kernel_perm=w_perm)
+
+
+def sum_to_shape(grad, shape):
     """Per-example gradient [B, *shape] of a bias broadcast into `grad` [B, ...]."""
     shape = list(shape)
     rank = grad.shape.rank - 1

@@ -1,0 +1,178 @@
+"""DP fine-tuning of KerasHub models: tfdp against plain Keras, same model.
+
+Configs (random-init, the real KerasHub classes):
+* bert_small: BertTextClassifier, 4 layers, hidden 256, 4 heads,
+  intermediate 1024, vocabulary 30522, sequence 128;
+* gpt2_tiny: GPT2CausalLM, 2 layers, hidden 128, 2 heads, intermediate 512,
+  vocabulary 50257, sequence 128 (the tied output projection included).
+Each runs with LoRA (`backbone.enable_lora(4)`: only the LoRA factors of the
+attention's query/value projections and a classifier's head train) and as
+full fine-tuning. For each, one child process builds the model once as
+`keras.Model` and as `tfdp.DPModel` (the same layers and weights) and fits
+each for one epoch of `steps` steps, alternating plain / DP for `--rounds`
+rounds after a warm-up round; examples/s is the median over rounds, timed
+inside `fit` from the end of the 3rd step to the end of the last. Peak
+memory: separate child processes (one per config and kind), the growth of
+the process's peak RSS during `fit`. "path" counts the per-example handler
+each trainable layer took. Prints a Markdown table.
+
+    python benchmarks/finetune_throughput.py               # ~15 minutes on 2 cores
+    python benchmarks/finetune_throughput.py --only bert_small_lora --rounds 1
+"""
+
+import argparse
+import collections
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import time
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+
+# name: (batch size, steps per epoch)
+CONFIGS = {
+    "bert_small_lora": (32, 8),
+    "gpt2_tiny_lora": (8, 8),
+    "bert_small_full": (32, 8),
+    "gpt2_tiny_full": (8, 8),
+}
+LENGTH = 128
+
+
+def build(name):
+    """(keras inputs, outputs, x, y) for a config."""
+    import keras_hub
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    batch, steps = CONFIGS[name]
+    n = batch * (steps + 1)
+    mask = np.ones((n, LENGTH), bool)
+    if name.startswith("bert"):
+        backbone = keras_hub.models.BertBackbone(
+            vocabulary_size=30522, num_layers=4, num_heads=4, hidden_dim=256,
+            intermediate_dim=1024, max_sequence_length=LENGTH)
+        task = keras_hub.models.BertTextClassifier(backbone=backbone, num_classes=2, preprocessor=None)
+        x = {"token_ids": rng.integers(1, 30522, (n, LENGTH)).astype("int32"),
+             "segment_ids": np.zeros((n, LENGTH), "int32"), "padding_mask": mask}
+        y = rng.integers(0, 2, n)
+    else:
+        backbone = keras_hub.models.GPT2Backbone(
+            vocabulary_size=50257, num_layers=2, num_heads=2, hidden_dim=128,
+            intermediate_dim=512, max_sequence_length=LENGTH)
+        task = keras_hub.models.GPT2CausalLM(backbone=backbone, preprocessor=None)
+        tokens = rng.integers(1, 50257, (n, LENGTH + 1)).astype("int32")
+        x = {"token_ids": tokens[:, :-1], "padding_mask": mask}
+        y = tokens[:, 1:]
+    if name.endswith("lora"):
+        backbone.enable_lora(4)
+    return task.inputs, task.outputs, x, y
+
+
+def make_models(name):
+    import keras
+
+    import tfdp
+
+    keras.utils.set_random_seed(0)
+    inputs, outputs, x, y = build(name)
+    plain = keras.Model(inputs, outputs)
+    private = tfdp.DPModel(inputs, outputs)
+    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    plain.compile(optimizer=keras.optimizers.SGD(0.01), loss=loss, jit_compile=False)
+    private.compile(optimizer=tfdp.optimizers.DPSGD(0.01, l2_norm_clip=1.0, noise_multiplier=1.0),
+                    loss=loss)
+    return plain, private, x, y
+
+
+def paths(model):
+    """'handler x count' for the layers the batched plan runs."""
+    from tfdp.per_example import plan_for
+
+    plan = plan_for(model)
+    if plan.path != "batched":
+        return f"vectorized ({plan.reason})"
+    counts = collections.Counter(type(h).__name__.replace("Rule", "") for _, h in plan.handlers)
+    return ", ".join(f"{k} x{v}" for k, v in sorted(counts.items()))
+
+
+def fit_once(model, x, y, name):
+    import keras
+    import numpy as np
+
+    batch, steps = CONFIGS[name]
+    times = {}
+    first, last = 2, steps - 1
+
+    class Clock(keras.callbacks.Callback):
+        def on_train_batch_end(self, index, logs=None):
+            if index in (first, last):
+                float(np.asarray(logs["loss"]))  # waits for this step
+                times[index] = time.perf_counter()
+
+    model.fit(x, y, batch_size=batch, epochs=1, steps_per_epoch=steps, verbose=0,
+              callbacks=[Clock()])
+    return batch * (last - first) / (times[last] - times[first])
+
+
+def speed_child(name, rounds):
+    plain, private, x, y = make_models(name)
+    results = {"plain": [], "dp": []}
+    for round_index in range(rounds + 1):
+        for kind, model in (("plain", plain), ("dp", private)):
+            speed = fit_once(model, x, y, name)
+            if round_index:  # round 0 traces the steps
+                results[kind].append(speed)
+    trainable = sum(int(v.numpy().size) for v in private.trainable_variables)
+    return {"plain": statistics.median(results["plain"]), "dp": statistics.median(results["dp"]),
+            "path": paths(private), "trainable": trainable, "params": private.count_params()}
+
+
+def memory_child(name, kind):
+    plain, private, x, y = make_models(name)
+    model = private if kind == "dp" else plain
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    fit_once(model, x, y, name)
+    return {"mb": (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) / 1024}
+
+
+def child(args):
+    result = speed_child(args[0], int(args[1])) if args[1].isdigit() else memory_child(*args)
+    print("RESULT " + json.dumps(result))
+
+
+def run_child(*args):
+    out = subprocess.run([sys.executable, __file__, "--child", *map(str, args)],
+                         capture_output=True, text=True, check=False)
+    for line in out.stdout.splitlines():
+        if line.startswith("RESULT "):
+            return json.loads(line[7:])
+    raise RuntimeError(f"child {args} failed:\n{out.stderr[-3000:]}")
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--only", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--child", nargs="+", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.child:
+        return child(args.child)
+    print("| config | batch | trainable / params | plain ex/s | DP ex/s | DP/plain | "
+          "peak MB plain | peak MB DP | DP/plain mem | per-example path |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for name in args.only:
+        speed = run_child(name, args.rounds)
+        memory = {kind: run_child(name, kind)["mb"] for kind in ("plain", "dp")}
+        ratio = speed["dp"] / speed["plain"]
+        mem_ratio = memory["dp"] / max(memory["plain"], 1.0)
+        print(f"| {name} | {CONFIGS[name][0]} | {speed['trainable']:,} / {speed['params']:,} | "
+              f"{speed['plain']:.1f} | {speed['dp']:.1f} | {ratio:.2f} | {memory['plain']:.0f} | "
+              f"{memory['dp']:.0f} | {mem_ratio:.2f} | {speed['path']} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,117 @@
+"""Rule for ReversibleEmbedding: a token table that is also the output layer.
+
+`layer(ids)` looks rows up (as Embedding: `EmbeddingGrads`); `layer(h,
+reverse=True)` projects hidden states to logits Z = h E^T (soft-capped after,
+if set), a linear map whose per-example gradient is G_i^T h_i (`LinearGrads`
+on the transposed table). With tied weights (the default) both uses update
+the SAME table, so example i's gradient is the sum of the two, and its
+squared norm has a cross term: `TiedGrads`. The cross term needs only the
+output gradient's columns at the example's own token ids, never a per-example
+[vocabulary, dim] tensor.
+
+Example:
+
+>>> import keras, tensorflow as tf
+>>> from tfdp.per_example.recorder import Recorder
+>>> layer = keras.layers.ReversibleEmbedding(7, 3)
+>>> layer.build((None, 4))
+>>> rule = ReversibleEmbeddingRule()
+>>> with tf.GradientTape() as tape:
+...     recorder = Recorder(tape)
+...     with recorder.hooked([(layer, rule)]):
+...         logits = layer(layer(tf.constant([[1, 2, 2, 5]])), reverse=True)
+...     total = tf.reduce_sum(logits ** 2)
+>>> recorder.compute_gradients(total)
+>>> [type(p).__name__ for p in rule.parts(layer, recorder.records_of(layer))]
+['TiedGrads']
+"""
+
+import keras
+import tensorflow as tf
+
+from tfdp.per_example.grads import LinearGrads
+from tfdp.per_example.patches import as_rows
+from tfdp.per_example.registry import ALLOWED, register_rule
+from tfdp.per_example.rules.common import concat_positions, plain_weights
+from tfdp.per_example.rules.embedding import EmbeddingGrads
+
+
+class TiedGrads:
+    """One table's per-example gradients from a lookup and a projection.
+
+    Args:
+        lookup: `EmbeddingGrads` of the table's lookups (ids [B, T], G [B, T, D]).
+        projection: `LinearGrads` of Z = h E^T (h [B, S, D], G_z [B, S, V]).
+    """
+
+    def __init__(self, lookup, projection):
+        self.lookup = lookup
+        self.projection = projection
+        self.variables = lookup.variables
+
+    def _cross(self):
+        """[B] <lookup_i, projection_i>: the projection's gradient rows at
+        example i's ids (sum_s G_z[i, s, id] h[i, s]) against the lookup's."""
+        columns = tf.gather(self.projection.g, self.lookup.ids, axis=2, batch_dims=1)  # [B, S, T]
+        rows = tf.einsum("bst,bsd->btd", columns, self.projection.x)
+        return tf.reduce_sum(rows * self.lookup.g, [1, 2])
+
+    def sq_norms(self):
+        return self.lookup.sq_norms() + self.projection.sq_norms() + 2.0 * self._cross()
+
+    def dots(self, vectors):
+        return self.lookup.dots(vectors) + self.projection.dots(vectors)
+
+    def weighted_sum(self, weights):
+        return [a + b for a, b in zip(self.lookup.weighted_sum(weights),
+                                      self.projection.weighted_sum(weights))]
+
+    def materialize(self):
+        return [a + b for a, b in zip(self.lookup.materialize(), self.projection.materialize())]
+
+
+# Lookups and x E^T per example: keeps examples independent.
+ALLOWED.add(keras.layers.ReversibleEmbedding)
+
+
+@register_rule(keras.layers.ReversibleEmbedding)
+class ReversibleEmbeddingRule:
+    """Lookups and reverse projections of a float32 ReversibleEmbedding."""
+
+    def supports(self, layer):
+        return plain_weights(layer) and layer.reverse_dtype in (None, "float32")
+
+    def call(self, layer, recorder, call, inputs, reverse=False, **kwargs):
+        inputs = tf.convert_to_tensor(inputs)
+        if not reverse:
+            record = recorder.record(layer, ids=inputs)
+            return record.probe("rows", call(inputs, **kwargs))
+        record = recorder.record(layer, h=inputs)
+        kernel = tf.transpose(layer.embeddings) if layer.tie_weights else layer.reverse_embeddings
+        logits = record.probe("z", keras.ops.matmul(inputs, kernel))
+        if layer.logit_soft_cap is not None:
+            cap = layer.logit_soft_cap
+            logits = keras.ops.multiply(keras.ops.tanh(keras.ops.divide(logits, cap)), cap)
+        return logits
+
+    def parts(self, layer, records):
+        lookups = [r for r in records if "ids" in r.values]
+        projections = [r for r in records if "h" in r.values]
+        lookup = projection = None
+        if lookups:
+            dim = layer.embeddings.shape[-1]
+            ids = concat_positions(
+                [tf.reshape(tf.cast(r.ids, tf.int32), [tf.shape(r.ids)[0], -1]) for r in lookups])
+            g = concat_positions(
+                [tf.reshape(r.grads["rows"], [tf.shape(r.ids)[0], -1, dim]) for r in lookups])
+            lookup = EmbeddingGrads(ids, g, layer.embeddings)
+        if projections:
+            h = concat_positions([as_rows(r.h) for r in projections])
+            g = concat_positions([as_rows(r.grads["z"]) for r in projections])
+            if layer.tie_weights:
+                projection = LinearGrads(h, g, layer.embeddings, kernel_perm=[1, 0])
+            else:
+                projection = LinearGrads(h, g, layer.reverse_embeddings)
+        if lookup is not None and projection is not None and layer.tie_weights:
+            return [TiedGrads(lookup, projection)]
+        return [p for p in (lookup, projection) if p is not None]
