@@ -16,8 +16,9 @@ Example:
 0.6931
 """
 
-import keras
 import tensorflow as tf
+
+from tfdp.models.losses import unreduced_loss
 
 REDUCTIONS = ("mean", "sum")
 
@@ -34,8 +35,7 @@ def token_weighted_loss(loss, reduction="mean"):
     """
     if reduction not in REDUCTIONS:
         raise ValueError(f"Expected `reduction` in {REDUCTIONS}. Received: reduction={reduction!r}")
-    resolved = keras.losses.get(loss) if isinstance(loss, str) else loss
-    unreduced = resolved.call if isinstance(resolved, keras.losses.Loss) else resolved
+    unreduced = unreduced_loss(loss)
 
     def loss_fn(y_and_weights, y_pred):
         y_true, weights = y_and_weights

@@ -38,6 +38,7 @@ import logging
 import keras
 
 from tfdp.per_example.batched import batched_gradients
+from tfdp.per_example.configuration import declare_per_example_activation
 from tfdp.per_example.grads import LinearGrads, MaterializedGrads, PerExampleGradients
 from tfdp.per_example.plan import plan_for
 from tfdp.per_example.registry import declare_per_example, register_rule
@@ -51,6 +52,7 @@ __all__ = [
     "check_per_example_support",
     "compute_per_example_gradients",
     "declare_per_example",
+    "declare_per_example_activation",
     "plan_for",
     "register_rule",
 ]

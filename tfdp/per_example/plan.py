@@ -19,6 +19,7 @@ Example:
 """
 
 from tfdp.per_example import rules
+from tfdp.per_example.configuration import configuration_problem
 from tfdp.per_example.fallback import LayerFallback
 from tfdp.per_example.registry import (
     _DECLARED,
@@ -76,6 +77,9 @@ def _check_layer(layer):
         return _describe(layer, "is not known to keep examples independent")
     if type(layer) in _DECLARED:
         return None
+    problem = configuration_problem(layer)
+    if problem:
+        return _describe(layer, problem)
     for sub in layer._flatten_layers(include_self=False, recursive=False):
         problem = _check_layer(sub)
         if problem:

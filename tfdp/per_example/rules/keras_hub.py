@@ -17,6 +17,7 @@ Allow-list entries are claims about each layer's `call`, read in keras-hub
   `reversible_embedding` rule, tied uses summed).
 * RMSNormalization: x / rms(x) * scale over the last axis of one example; its
   scale takes the per-layer fallback.
+* gelu_approximate (BERT's and GPT-2's activation): elementwise gelu.
 * RotaryEmbedding: rotation of each position by a fixed angle, no weights.
 * Gemma's decoder block, attention and RMSNormalization: the same claims
   (per-example masks, causal mask shared by all examples).
@@ -36,6 +37,7 @@ True
 import keras_hub
 import tensorflow as tf
 
+from tfdp.per_example.configuration import declare_per_example_activation
 from tfdp.per_example.registry import ALLOWED, register_rule
 from tfdp.per_example.rules.common import plain_weights
 from tfdp.per_example.rules.embedding import EmbeddingGrads
@@ -66,6 +68,10 @@ ALLOWED.update([
 ])
 
 register_rule(_H.ReversibleEmbedding)(ReversibleEmbeddingRule)
+
+# BERT's and GPT-2's feedforward activation: keras.activations.gelu(x,
+# approximate=True), elementwise (keras_hub/src/utils/keras_utils.py).
+declare_per_example_activation(keras_hub.src.utils.keras_utils.gelu_approximate)
 
 
 @register_rule(_H.PositionEmbedding)

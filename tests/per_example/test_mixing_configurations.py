@@ -1,0 +1,223 @@
+"""Allow-listed layers whose configuration mixes examples, and mixing losses.
+
+The allow-list names layer classes; an `Activation(fn)` with an arbitrary
+callable, `activation=fn` on a layer with a rule, or an axis argument that
+names the batch axis makes the same class mix examples. Each case must take
+the exact vectorized path (or be refused by "batched"); the built-in
+configurations (the controls) keep the batched path. Losses that compare
+rows of the batch are evaluated one row at a time.
+"""
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tfdp
+from tfdp.models.losses import per_example_loss
+from tfdp.per_example import compute_per_example_gradients, plan_for
+
+
+def _max_scale(t):
+    return t / keras.ops.max(keras.ops.abs(t))
+
+
+def _mixing(name):
+    """A layer whose configuration reads other examples of the batch."""
+    L = keras.layers
+    return {
+        "activation_layer": lambda: L.Activation(_max_scale),
+        "dense_activation": lambda: L.Dense(4, activation=_max_scale),
+        "softmax_axis_0": lambda: L.Softmax(axis=0),
+        "unit_norm_axis_0": lambda: L.UnitNormalization(axis=0),
+        "layer_norm_axis_0": lambda: L.LayerNormalization(axis=0, center=False, scale=False),
+        "softmax_axis_minus_rank": lambda: L.Softmax(axis=-2),
+    }[name]()
+
+
+MIXING = ["activation_layer", "dense_activation", "softmax_axis_0", "unit_norm_axis_0",
+          "layer_norm_axis_0", "softmax_axis_minus_rank"]
+
+
+def _model(middle):
+    keras.utils.set_random_seed(0)
+    return keras.Sequential(
+        [keras.Input((4,)), keras.layers.Dense(4), middle, keras.layers.Dense(2)]
+    )
+
+
+def _first_example_grads(model, loss="mse", method="auto"):
+    """Example 0's per-example gradient with example 1 ordinary, then an outlier."""
+    x = np.linspace(-1, 1, 12, dtype=np.float32).reshape(3, 4)
+    outlier = x.copy()
+    outlier[1] = 1e3
+    y = np.array([[0.5, -0.5], [1.0, 0.0], [0.0, 1.0]], np.float32)
+    return [
+        [g.numpy()[0] for g in compute_per_example_gradients(
+            model, tf.constant(batch), tf.constant(y), tf.ones([3]), per_example_loss(loss), method
+        )[0].materialize()]
+        for batch in (x, outlier)
+    ]
+
+
+@pytest.mark.parametrize("name", MIXING)
+def test_a_mixing_configuration_takes_the_exact_path(name):
+    model = _model(_mixing(name))
+    plan = plan_for(model)
+    assert plan.path == "vectorized", plan.describe()
+    assert type(_mixing(name)).__name__ in plan.reason
+    before, after = _first_example_grads(model)
+    for a, b in zip(before, after):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("name", MIXING)
+def test_batched_refuses_a_mixing_configuration_by_name(name):
+    model = _model(_mixing(name))
+    with pytest.raises(ValueError, match="batch axis|not a Keras built-in activation|equation"):
+        _first_example_grads(model, method="batched")
+
+
+def test_the_batched_pass_would_have_leaked(monkeypatch):
+    """Negative control: forced through the batched pass (the old allow-list),
+    the mixing activation moves example 0's gradient with example 1."""
+    import tfdp.per_example.plan as plan_module
+
+    monkeypatch.setattr(plan_module, "configuration_problem", lambda layer: None)
+    model = _model(_mixing("activation_layer"))
+    assert plan_for(model).path == "batched"
+    before, after = _first_example_grads(model)
+    assert max(np.abs(a - b).max() for a, b in zip(before, after)) > 1e-3
+
+
+@pytest.mark.parametrize("middle", [
+    lambda: keras.layers.Activation("gelu"),
+    lambda: keras.layers.Dense(4, activation="tanh"),
+    lambda: keras.layers.Softmax(axis=-1),
+    lambda: keras.layers.UnitNormalization(axis=-1),
+    lambda: keras.layers.LayerNormalization(axis=-1),
+    lambda: keras.layers.EinsumDense("ab,bc->ac", output_shape=(4,)),
+])
+def test_built_in_configurations_keep_the_batched_path(middle):
+    assert plan_for(_model(middle())).path == "batched"
+
+
+def test_an_einsum_that_sums_over_the_batch_is_named():
+    from tfdp.per_example.configuration import configuration_problem
+
+    over_batch = keras.layers.EinsumDense("ab,bc->c", output_shape=(4,))
+    over_batch.build((3, 4))
+    assert "equation" in configuration_problem(over_batch, rank=2)
+    keeps = keras.layers.EinsumDense("...b,bc->...c", output_shape=(4,))
+    keeps.build((3, 4))
+    assert configuration_problem(keeps, rank=2) is None
+
+
+def test_recurrent_activations_are_checked():
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([
+        keras.Input((3, 2)), keras.layers.LSTM(4, recurrent_activation=_max_scale), keras.layers.Dense(2)
+    ])
+    plan = plan_for(model)
+    assert plan.path == "vectorized" and "recurrent_activation" in plan.reason
+
+
+def test_a_declared_activation_keeps_the_batched_path():
+    def doubled_tanh(t):
+        return 2.0 * keras.ops.tanh(t)
+
+    model = _model(keras.layers.Activation(doubled_tanh))
+    assert plan_for(model).path == "vectorized"
+    tfdp.per_example.declare_per_example_activation(doubled_tanh)
+    assert plan_for(model).path == "batched"
+
+
+def _fit_weights(x, y, middle, loss="mse"):
+    model = tfdp.DPModel(*_functional(middle))
+    model.compile(
+        optimizer=tfdp.optimizers.DPSGD(1.0, l2_norm_clip=1.0, noise_multiplier=1e-6, seed=7),
+        loss=loss,
+    )
+    model.fit(x, y, batch_size=8, epochs=1, steps_per_epoch=1, verbose=0)
+    return np.concatenate([w.numpy().ravel() for w in model.trainable_weights])
+
+
+def _functional(middle):
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((4,))
+    outputs = keras.layers.Dense(2)(middle()(keras.layers.Dense(4)(inputs)))
+    return inputs, outputs
+
+
+def _neighbours():
+    rng = np.random.default_rng(1)
+    x = rng.normal(size=(16, 4)).astype(np.float32)
+    y = rng.normal(size=(16, 2)).astype(np.float32)
+    changed = x.copy()
+    changed[3] = 1e3  # one record replaced by an outlier
+    return x, changed, y
+
+
+def test_one_record_moves_the_weights_at_most_lr_2c_over_b():
+    """The review's measurement through fit: equal seeds, noise ~0, datasets
+    differing in one record; the update may differ by lr * 2C / b = 0.25
+    (the batched pass moved them 0.33)."""
+    x, changed, y = _neighbours()
+    middle = lambda: keras.layers.Activation(_max_scale)  # noqa: E731
+    moved = np.linalg.norm(_fit_weights(x, y, middle) - _fit_weights(changed, y, middle))
+    assert moved <= 1.0 * 2 * 1.0 / 8 * (1 + 1e-4)
+
+
+def _pairwise(y_true, y_pred):
+    """A custom loss that compares each row with the batch mean."""
+    del y_true
+    return keras.ops.sum((y_pred - keras.ops.mean(y_pred, axis=0)) ** 2, axis=-1)
+
+
+@pytest.mark.parametrize("loss", ["circle", _pairwise])
+def test_a_loss_that_mixes_examples_is_evaluated_row_by_row(loss):
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(4), keras.layers.Dense(2)])
+    y = np.array([0, 1, 0], np.int32) if loss == "circle" else np.zeros([3, 2], np.float32)
+    x = np.linspace(-1, 1, 12, dtype=np.float32).reshape(3, 4)
+    outlier = x.copy()
+    outlier[1] = 1e3
+    loss_fn = per_example_loss(loss)
+    grads = [
+        [g.numpy()[0] for g in compute_per_example_gradients(
+            model, tf.constant(batch), tf.constant(y), tf.ones([3]), loss_fn)[0].materialize()]
+        for batch in (x, outlier)
+    ]
+    for a, b in zip(*grads):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    # Row by row: each example's loss is the loss of a batch of that row alone.
+    resolved = keras.losses.get(loss) if isinstance(loss, str) else loss
+    y_pred = model(x)
+    alone = [float(tf.reshape(resolved(y[i:i + 1], y_pred[i:i + 1]), [-1])[0]) for i in range(3)]
+    np.testing.assert_allclose(loss_fn(tf.constant(y), y_pred).numpy(), alone, rtol=1e-5)
+
+
+def test_circle_through_fit_moves_the_weights_at_most_lr_2c_over_b():
+    """As above with Keras's pairwise `circle` loss (batched: 0.41)."""
+    rng = np.random.default_rng(2)
+    x = rng.normal(size=(16, 4)).astype(np.float32)
+    labels = rng.integers(0, 2, size=16).astype(np.int32)
+    changed = x.copy()
+    changed[3] = 1e3
+    middle = lambda: keras.layers.Dense(4)  # noqa: E731
+    moved = np.linalg.norm(
+        _fit_weights(x, labels, middle, "circle") - _fit_weights(changed, labels, middle, "circle")
+    )
+    assert moved <= 1.0 * 2 * 1.0 / 8 * (1 + 1e-4)
+
+
+def test_row_wise_keras_losses_are_not_wrapped():
+    """Control: the usual losses run batched, as before (no per-row map)."""
+    from tfdp.models.losses import unreduced_loss
+
+    assert unreduced_loss("mse") is keras.losses.mean_squared_error
+    crossentropy = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    assert unreduced_loss(crossentropy) == crossentropy.call
+    assert unreduced_loss(keras.losses.CategoricalCrossentropy(axis=0)) != (
+        keras.losses.CategoricalCrossentropy(axis=0).call
+    )
