@@ -59,6 +59,11 @@ PLD_BASE_INTERVAL = 1e-4
 # Below this effective noise the PLD grid cannot be built (float overflow);
 # such settings have astronomically large epsilon anyway.
 PLD_MIN_NOISE = 1e-3
+# Below this delta the PLD's answer is not trustworthy: its tails are
+# truncated near mass e^-50 and its sums run in float64, so a smaller delta
+# returned the same epsilon for 1e-30, 1e-100 and 1e-300 (epsilon must grow
+# as delta shrinks). Such deltas are refused; RDP (an upper bound) answers them.
+PLD_MIN_DELTA = 1e-12
 # PLD composition cost grows with the number of composed steps (10^6 steps
 # of q=0.5, sigma=100 take ~8 s, 10^7 take ~150 s); beyond this, use RDP.
 PLD_MAX_COUNT = 10**6
@@ -333,7 +338,18 @@ def epsilon(parts, delta, accountant="rdp", conversion="tight"):
         with np.errstate(over="ignore", invalid="ignore"):  # extreme RDP: inf is fine
             value, _ = _rdp_lib.compute_epsilon(RDP_ORDERS, total_rdp(parts), delta)
         return _finite_or_inf(value)
+    check_pld_delta(delta)
     return _finite_or_inf(_pld_accountant(parts).get_epsilon(delta))
+
+
+def check_pld_delta(delta):
+    """Refuses a delta below what the PLD accountant resolves (PLD_MIN_DELTA)."""
+    if delta < PLD_MIN_DELTA:
+        raise ValueError(
+            f"The PLD accountant cannot resolve delta below {PLD_MIN_DELTA:g} (its "
+            "tails are truncated and summed in float64, so its epsilon would be too "
+            f"small); use accountant='rdp' for such a delta. Received: delta={delta:g}"
+        )
 
 
 def delta(parts, epsilon_value, accountant="rdp"):

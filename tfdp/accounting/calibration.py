@@ -253,6 +253,7 @@ def calibrate_noise_multiplier(
             return math.inf  # beyond what PLD can represent: certainly over target
 
     if accountant == "pld":  # refuse what PLD cannot do before searching
+        _engine.check_pld_delta(delta)
         _engine.pld_discretization(spent + [(dpsgd_event(SIGMA_MAX, q), steps)])
 
     def unreachable(at_max):
