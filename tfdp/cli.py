@@ -189,6 +189,8 @@ def main(argv=None):
         result["seconds"] = round(time.time() - started, 1)
     json.dump(result, sys.stdout, indent=2)
     sys.stdout.write("\n")
+    if result.get("output_error"):  # trained and reported, but not saved
+        parser.exit(1, f"tfdp {args.command}: error: {result['output_error']}\n")
     return 0
 
 

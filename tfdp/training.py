@@ -17,6 +17,7 @@ Example:
 
 import math
 import os
+import tempfile
 
 import keras
 import numpy as np
@@ -59,6 +60,15 @@ def check_output_path(output):
         raise ValueError(f"Cannot save to `output` (--output): it is a folder. {received}")
     if not os.access(folder, os.W_OK) or (os.path.exists(path) and not os.access(path, os.W_OK)):
         raise ValueError(f"Cannot save to `output` (--output): permission denied. {received}")
+    try:  # a real write: /proc, read-only mounts and full disks pass os.access
+        with tempfile.NamedTemporaryFile(dir=folder, prefix=".tfdp-write-check-") as probe:
+            probe.write(b"\0" * 4096)
+            probe.flush()
+            os.fsync(probe.fileno())
+    except OSError as error:
+        raise ValueError(
+            f"Cannot save to `output` (--output): writing in {folder} failed ({error}). {received}"
+        ) from None
 
 
 def split_validation(x, y, fraction=VALIDATION_FRACTION, seed=VALIDATION_SEED):
@@ -208,8 +218,12 @@ def train(
         validation_data=validation_data, callbacks=[budget, *progress], verbose=verbose,
     )
     _, test_accuracy = model.evaluate(x_test, y_test, verbose=0)
+    save_error = None
     if output:
-        model.save(output)
+        try:
+            model.save(output)  # atomic: a failed save leaves any old file as it was
+        except OSError as error:
+            save_error = f"the model could not be saved to {output}: {error}"
     spent = model.privacy.epsilon(delta)
     result = {
         "dataset": dataset,
@@ -229,6 +243,8 @@ def train(
         # Training rows with NaN/Inf (they contribute nothing): logged only when > 0.
         "nonfinite_examples": int(history.history.get("nonfinite_examples", [0])[-1]),
     }
+    if save_error:
+        result["output_error"] = save_error
     if mechanism == "sadpsgd":
         opt = model.optimizer
         result.update(

@@ -74,3 +74,35 @@ def test_a_budget_stop_mid_epoch_is_reported_as_such(capsys):
     assert result["epsilon"] <= round(budget, 4)
     counts = re.findall(r"^(\d+/\d+) - ", capsys.readouterr().out, flags=re.M)
     assert counts == ["5/5", "2/5"]  # before: "5/5", "5/5"
+
+
+def test_an_output_that_cannot_be_written_is_refused_before_any_step(built_models):
+    """/proc passes the folder and permission checks but takes no new file."""
+    with pytest.raises(ValueError, match=r"\(--output\).*writing in /proc failed.*Received"):
+        training.train(dataset="digits", epochs=1, batch_size=256, output="/proc/nope.keras",
+                       verbose=0)
+    assert built_models == []  # before: the whole budget spent, then a traceback
+
+
+def test_a_final_save_that_fails_still_reports_the_result(tmp_path, monkeypatch, capsys):
+    """A disk that fills during training: the JSON result is printed, the error
+    names the path, the exit code is 1, and no 0-byte file is left."""
+    import errno
+    import json
+
+    from tfdp import cli
+
+    def disk_full(self, filepath, *args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(DPSequential, "save", disk_full)
+    output = tmp_path / "m.keras"
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["train", "--dataset", "digits", "--epochs", "1", "--batch-size", "256",
+                  "--output", str(output), "--verbose", "0"])
+    assert exit_.value.code == 1
+    out, err = capsys.readouterr()
+    result = json.loads(out)
+    assert result["epsilon"] > 0 and 0 <= result["test_accuracy"] <= 1
+    assert str(output) in result["output_error"] and "No space left" in err
+    assert not output.exists()
