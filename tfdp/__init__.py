@@ -22,10 +22,10 @@ import importlib
 
 __version__ = "0.1.0"
 
-__all__ = ["DPModel", "DPSequential", "accounting", "callbacks", "optimizers"]
+__all__ = ["DPModel", "DPSequential", "accounting", "callbacks", "load_model", "optimizers"]
 
 # Public names and the module each is read from, imported on first access.
-_MODELS = ("DPModel", "DPSequential")
+_MODELS = ("DPModel", "DPSequential", "load_model")
 _SUBMODULES = (
     "accounting", "auditing", "callbacks", "cli", "data", "distribute", "layers",
     "mechanisms", "models", "optimizers", "per_example", "recipes", "training",

@@ -237,7 +237,7 @@ class PrivacyJournal(keras.callbacks.Callback):
     model.fit(x, y, epochs=10, callbacks=[journal,
               keras.callbacks.ModelCheckpoint("run/last.keras")])
     # ... killed; later:
-    model = keras.models.load_model("run/last.keras")
+    model = tfdp.load_model("run/last.keras")
     journal.recover(model)            # charges the steps lost with the kill
     model.fit(x, y, epochs=10, initial_epoch=..., callbacks=[journal, ...])
     ```

@@ -10,6 +10,7 @@ checkpoints. Prediction, evaluation, saving and export are plain Keras.
 
 import json
 import logging
+import os
 
 import keras
 import numpy as np
@@ -19,7 +20,8 @@ from keras.src.utils.tracking import no_automatic_dependency_tracking
 from tfdp import distribute
 from tfdp.accounting import PrivacyLedger
 from tfdp.data import sources
-from tfdp.models import chunked_step
+from tfdp.models import chunked_step, input_checks
+from tfdp.models.atomic_save import atomic_write, is_local_path
 from tfdp.models.jit import resolve_jit_compile
 from tfdp.models.losses import per_example_loss
 from tfdp.models.restore import LedgerGuard, restore_backups
@@ -231,7 +233,10 @@ class DPTrainingMixin:
                 [tf.convert_to_tensor(v) for v in (self._loss_tracker.total, self._loss_tracker.count)]
                 + [logs["nonfinite_examples"]]
             )
-            logs.update(loss=tf.math.divide_no_nan(total, count), nonfinite_examples=nonfinite)
+            # No finite weighted row yet (every row dropped as non-finite, or
+            # nothing drawn): the loss is unknown, not a perfect 0.
+            loss = tf.where(count > 0, tf.math.divide_no_nan(total, count), float("nan"))
+            logs.update(loss=loss, nonfinite_examples=nonfinite)
         return distribute.logs_for_keras(logs)
 
     def test_step(self, data):
@@ -291,6 +296,7 @@ class DPTrainingMixin:
             self._physical_batch_size = physical_batch_size
             self.train_function = None  # retrace the step with the new chunking
         x, y, sample_weight = self._check_training_arrays(x, y, sample_weight, class_weight)
+        input_checks.check_validation_data(validation_data)
         if validation_split and isinstance(x, sources.RecordSource):
             raise ValueError(
                 "validation_split cannot split a RecordSource; pass validation_data. "
@@ -313,6 +319,12 @@ class DPTrainingMixin:
         if isinstance(x, sources.RecordSource):
             arrays = x
         self._build_for(arrays)
+        if not self.trainable_variables:
+            raise ValueError(
+                f"Model '{self.name}' has no trainable weights, so there is nothing to "
+                "train privately (are all its layers frozen with trainable=False?). "
+                "Received: 0 trainable variables"
+            )
         # Keras would restore a backup (weights, ledger) after the releases below.
         callbacks = restore_backups(self, list(callbacks or []))
         dataset, steps = self.optimizer.make_training_data(
@@ -375,10 +387,14 @@ class DPTrainingMixin:
                 f"DP training needs inputs and labels. Received: x={type(x).__name__}, "
                 f"y={type(y).__name__}"
             )
+        if isinstance(x, (list, tuple)) and len(getattr(self, "inputs", None) or ()) <= 1:
+            x = input_checks.as_array("x", x)  # one input given as a Python list
         # tf.data cannot carry lists: a multi-input model's x=[a, b] travels
         # as a tuple (Keras takes either).
-        x = tf.nest.map_structure(np.asarray, _lists_to_tuples(x))
-        y = np.asarray(y)
+        x = tf.nest.map_structure(
+            lambda a: input_checks.as_array("x", a), _lists_to_tuples(x)
+        )
+        y = input_checks.as_array("y", y)
         num_examples = _first_dim(x)
         if num_examples == 0:
             raise ValueError("Received empty training data: x has 0 examples.")
@@ -392,28 +408,16 @@ class DPTrainingMixin:
                 )
         if any(len(a) != num_examples for a in tf.nest.flatten(x)):
             raise ValueError("All inputs in x must have the same number of examples.")
-        self._check_labels(y)
-        if class_weight is not None:
-            if y.ndim > 2 or (y.ndim == 2 and y.shape[1] != 1):
-                raise ValueError("`class_weight` needs integer class labels of shape [N].")
-            weights = np.asarray([class_weight[int(c)] for c in y.reshape(-1)], np.float32)
-            sample_weight = weights if sample_weight is None else weights * sample_weight
-        if sample_weight is not None:
-            sample_weight = np.asarray(sample_weight, np.float32)
-        return x, y, sample_weight
-
-    def _check_labels(self, y):
-        if not np.issubdtype(y.dtype, np.integer):
-            return
         outputs = getattr(self, "outputs", None)
-        units = outputs[0].shape[-1] if outputs else None
-        if units and units > 1 and (y.ndim == 1 or (y.ndim == 2 and y.shape[1] == 1)):
-            if y.min() < 0 or y.max() >= units:
-                raise ValueError(
-                    f"Labels must be class indices in [0, {units - 1}] for a model "
-                    f"with {units} outputs. Received: labels in "
-                    f"[{y.min()}, {y.max()}]"
-                )
+        input_checks.check_label_values(y, outputs[0].shape[-1] if outputs else None)
+        if sample_weight is not None:
+            sample_weight = np.asarray(input_checks.as_array("sample_weight", sample_weight),
+                                       np.float32)
+            input_checks.check_sample_weight_shape(sample_weight, y)
+        if class_weight is not None:
+            weights = input_checks.class_weights_for(y, class_weight)
+            sample_weight = weights if sample_weight is None else weights * sample_weight
+        return x, y, sample_weight
 
     def _build_for(self, arrays):
         """Builds model, metrics and optimizer on a 1-example batch."""
@@ -439,6 +443,30 @@ class DPTrainingMixin:
         if iterator is not None and built:
             return
         super()._maybe_symbolic_build(iterator=iterator, data_batch=data_batch)
+
+    # -- saving: atomic, so a crash never destroys a good checkpoint ------
+
+    def save(self, filepath, overwrite=True, zipped=None, **kwargs):
+        """Keras `save`, written to a temporary file then renamed over
+        `filepath` (`tfdp.models.atomic_save`): a process killed mid-save
+        leaves the previous file intact. `keras.callbacks.ModelCheckpoint`
+        saves through this method, so its checkpoints are atomic too."""
+        if not (is_local_path(filepath) and (overwrite or not os.path.exists(filepath))):
+            return super().save(filepath, overwrite=overwrite, zipped=zipped, **kwargs)
+        return atomic_write(
+            filepath, lambda tmp: super(DPTrainingMixin, self).save(
+                tmp, overwrite=True, zipped=zipped, **kwargs)
+        )
+
+    def save_weights(self, filepath, overwrite=True, max_shard_size=None):
+        """Keras `save_weights`, atomic as `save` (unsharded files)."""
+        if max_shard_size is not None or not (
+            is_local_path(filepath) and (overwrite or not os.path.exists(filepath))
+        ):
+            return super().save_weights(filepath, overwrite=overwrite, max_shard_size=max_shard_size)
+        return atomic_write(
+            filepath, lambda tmp: super(DPTrainingMixin, self).save_weights(tmp, overwrite=True)
+        )
 
     # -- the ledger travels with the weights ------------------------------
 

@@ -48,6 +48,38 @@ def check_positive(name, value):
     return float(value)
 
 
+# Clip norms and noise standard deviations above this overflow float32 once
+# a batch of them is summed (float32's largest value is 3.4e38).
+FLOAT32_SAFE_SCALE = 1e30
+
+
+def check_float32_noise(l2_norm_clip, noise_multiplier):
+    """Refuses a clip norm or noise std (sigma * C) that overflows float32 sums."""
+    for name, value in (("l2_norm_clip", l2_norm_clip),
+                        ("noise_multiplier * l2_norm_clip", noise_multiplier * l2_norm_clip)):
+        if value > FLOAT32_SAFE_SCALE:
+            raise ValueError(
+                f"`{name}` = {value:g} overflows float32 (the per-example gradients and "
+                f"noise are float32; keep it <= {FLOAT32_SAFE_SCALE:g}). Received: "
+                f"l2_norm_clip={l2_norm_clip:g}, noise_multiplier={noise_multiplier:g}"
+            )
+
+
+def check_finite_hyperparameters(inner_optimizer):
+    """Refuses NaN or infinite numbers among the inner optimizer's settings
+    (Keras accepts `momentum=nan`; every weight then becomes NaN)."""
+    for name, value in inner_optimizer.get_config().items():
+        if isinstance(value, (float, np.floating)) and not math.isfinite(value):
+            raise ValueError(
+                f"Expected `{name}` of the inner {type(inner_optimizer).__name__} to be "
+                f"finite. Received: {name}={value}"
+            )
+
+
+def _show_kwargs(kwargs):
+    return ", ".join(f"{key}={value!r}" for key, value in sorted(kwargs.items()))
+
+
 def _noise_key(seed):
     """Two int64 words keying the stateless noise; OS entropy unless seeded."""
     if seed is None:
@@ -152,12 +184,15 @@ class DPOptimizer(keras.optimizers.Optimizer):
                 f"{type(inner_optimizer).__name__}"
             )
         if kwargs:
-            raise ValueError(
-                f"{type(self).__name__} does not support arguments "
-                f"{sorted(kwargs)}; set them on the inner optimizer."
+            raise TypeError(
+                f"{type(self).__name__} got unexpected arguments {sorted(kwargs)}; its "
+                "arguments are listed in help(tfdp.optimizers."
+                f"{type(self).__name__}). Received: {_show_kwargs(kwargs)}"
             )
         l2_norm_clip = check_positive("l2_norm_clip", l2_norm_clip)
         noise_multiplier = check_positive("noise_multiplier", noise_multiplier)
+        check_float32_noise(l2_norm_clip, noise_multiplier)
+        check_finite_hyperparameters(inner_optimizer)
         if isinstance(weight_decay, bool) or not isinstance(
             weight_decay, (int, float, np.number)
         ) or not math.isfinite(weight_decay) or weight_decay < 0:
@@ -172,6 +207,8 @@ class DPOptimizer(keras.optimizers.Optimizer):
             )
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, (int, np.integer))):
             raise TypeError(f"Expected `seed` to be an int or None. Received: seed={seed!r}")
+        if seed is not None and seed < 0:
+            raise ValueError(f"Expected `seed` to be an int >= 0 or None. Received: seed={seed}")
         super().__init__(learning_rate=0.0, name=name)
         # Keras's constructor sets its own `weight_decay`; ours is assigned next.
         self.__dict__["_assigned_settings"] = set()

@@ -1,0 +1,72 @@
+"""A crash while saving never destroys the file being replaced (issue 25, item 7).
+
+Keras writes in place: a SIGKILL during `model.save()` over a good `.keras`
+file left a truncated one in 4 of 4 trials. tfdp's models write to a
+temporary file and rename it; a save that dies part-way leaves the old file.
+"""
+
+import os
+import pathlib
+import subprocess
+import sys
+
+import keras
+import numpy as np
+import pytest
+
+import tfdp
+
+
+def _model():
+    keras.utils.set_random_seed(0)
+    model = tfdp.DPSequential([keras.Input((4,)), keras.layers.Dense(3)])
+    model.compile(optimizer=tfdp.optimizers.DPSGD(0.1, l2_norm_clip=1.0, noise_multiplier=1.0, seed=0),
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    return model
+
+
+def _dies_half_way(self, filepath, *args, **kwargs):
+    with open(filepath, "wb") as f:  # as a kill mid-write leaves it
+        f.write(b"PK\x03\x04 truncated")
+    raise KeyboardInterrupt("killed mid-write")
+
+
+@pytest.mark.parametrize("method, name", [("save", "m.keras"), ("save_weights", "m.weights.h5")])
+def test_a_save_that_dies_half_way_leaves_the_old_file(tmp_path, monkeypatch, method, name):
+    model = _model()
+    path = tmp_path / name
+    getattr(model, method)(path)
+    good = path.read_bytes()
+    monkeypatch.setattr(keras.Model, method, _dies_half_way)
+    with pytest.raises(KeyboardInterrupt):
+        getattr(model, method)(path)
+    assert path.read_bytes() == good
+    assert os.listdir(tmp_path) == [name]  # no temporary file left behind
+
+
+def test_model_checkpoint_writes_through_the_atomic_save(tmp_path, monkeypatch):
+    model = _model()
+    path = tmp_path / "last.keras"
+    x = np.random.default_rng(0).normal(size=(32, 4)).astype(np.float32)
+    y = np.arange(32) % 3
+    checkpoint = keras.callbacks.ModelCheckpoint(str(path))
+    model.fit(x, y, batch_size=8, epochs=1, verbose=0, callbacks=[checkpoint])
+    good = path.read_bytes()
+    monkeypatch.setattr(keras.Model, "save", _dies_half_way)
+    with pytest.raises(KeyboardInterrupt):
+        model.fit(x, y, batch_size=8, epochs=1, verbose=0, callbacks=[checkpoint])
+    assert path.read_bytes() == good
+    monkeypatch.undo()
+    assert tfdp.load_model(path)._read_dp_steps() == 4  # the first fit's 4 steps
+
+
+def test_load_model_right_after_import_tfdp(tmp_path):
+    path = tmp_path / "m.keras"
+    _model().save(path)
+    code = ("import sys, tfdp; m = tfdp.load_model(sys.argv[1]); "
+            "print(type(m).__name__, m.privacy.epsilon(1e-5))")
+    root = pathlib.Path(tfdp.__file__).resolve().parents[1]
+    result = subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True,
+                            text=True, timeout=300, cwd=root)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.split()[-2:] == ["DPSequential", "0.0"]
