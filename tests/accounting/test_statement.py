@@ -28,7 +28,8 @@ def test_statement_says_what_is_and_is_not_covered():
     assert "except with probability at most delta = 1e-05" in text
     for covered in ("trained weights", "privacy ledger"):
         assert covered in text
-    for not_covered in ("hyperparameters tuned", "training-set loss and metrics shown in the logs", "data-independent choices"):
+    for not_covered in ("hyperparameters tuned", "training-set loss and metrics shown in the logs", "data-independent choices",
+                        "size N (treated as public"):
         assert not_covered in text.split("Not covered:")[1]
     assert "Mechanism: DP-SGD" in text
     assert "Mechanism: my mechanism." in privacy_statement(1.0, 1e-5, 3, mechanism_description="my mechanism")

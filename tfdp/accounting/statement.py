@@ -106,7 +106,9 @@ def privacy_statement(
         "the learning rate and the stopping epoch they choose are not protected), "
         "validation data (validation_split or validation_data: the records held out get no "
         "protection at all, and neither do the validation metrics), data-independent choices "
-        "(model architecture, clipping norm, noise level, schedule), anything released "
+        "(model architecture, clipping norm, noise level, schedule), the training set's "
+        "size N (treated as public: it sets the steps per epoch and the sampling "
+        "probability q = batch_size / N), anything released "
         "outside tfdp, and groups of records: a person with k records gets roughly a k-fold "
         "weaker guarantee.",
     ]
