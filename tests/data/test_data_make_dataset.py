@@ -132,6 +132,7 @@ def test_keras_fit_consumes_it():
     y = (x[:, 0] > 0).astype(np.int64)
     sampler = PoissonSampler(N, 50, seed=0)
     dataset = make_dataset(sampler, (x, y)).map(lambda xy, mask: (xy[0], xy[1], mask))
+    keras.utils.set_random_seed(0)  # deterministic initial weights
     model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
     steps = []
     counter = keras.callbacks.LambdaCallback(on_epoch_end=lambda epoch, logs: steps.append(counter.seen),
