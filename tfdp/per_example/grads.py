@@ -51,6 +51,11 @@ def as_float32(tensor):
     return tensor
 
 
+# A per-example kernel gradient of this many entries (4 MB in float32) or
+# more is not materialized when ghost norms hold less (`LinearGrads`).
+LARGE_KERNEL = 1 << 20
+
+
 def masked(tensor, keep):
     """`tensor` with the rows (axis 0) where `keep` is False set to zero."""
     keep = tf.reshape(keep, [-1] + [1] * (tensor.shape.rank - 1))
@@ -97,9 +102,14 @@ class LinearGrads:
         positions = x.shape[1]
         fan_in, fan_out = x.shape[2], g.shape[2]
         # Gram-matrix ("ghost") norms cost S^2 (K + O) per example against
-        # S K O for materialised per-example kernels: pick the cheaper.
-        self._ghost = positions is not None and positions * (fan_in + fan_out) < (
-            fan_in * fan_out
+        # S K O for materialised per-example kernels: pick the cheaper. Ghost
+        # norms also hold 2 S^2 floats per example against K O: where the
+        # kernel is large (a language model's vocabulary projection, 50257 x
+        # 128 for GPT-2) and the grams are smaller, they win on memory at
+        # about equal cost.
+        self._ghost = positions is not None and (
+            positions * (fan_in + fan_out) < fan_in * fan_out
+            or (fan_in * fan_out >= LARGE_KERNEL and 2 * positions**2 < fan_in * fan_out)
         )
         self._materialized = None
 
