@@ -6,6 +6,7 @@ callbacks, recipes, training, ...), so a new module's examples are run too.
 
 import doctest
 import importlib
+import inspect
 import pkgutil
 
 import pytest
@@ -25,8 +26,17 @@ def test_the_examples_of_every_area_are_collected():
 def test_docstring_examples(name):
     if name.endswith(".keras_hub"):  # the optional extra (CI installs it)
         pytest.importorskip("keras_hub")
-    result = doctest.testmod(importlib.import_module(name), optionflags=doctest.ELLIPSIS)
+    run_examples(importlib.import_module(name))
+
+
+def run_examples(module):
+    """Runs a module's Examples; asserts none failed and every one in its source ran."""
+    lines = (line.lstrip() for line in inspect.getsource(module).splitlines())
+    written = sum(1 for line in lines if line.startswith(">>>") and not line.startswith(">>> #")
+                  and "doctest: +SKIP" not in line)
+    result = doctest.testmod(module, optionflags=doctest.ELLIPSIS)
     assert result.failed == 0
+    assert result.attempted == written, (module.__name__, result.attempted, written)
 
 
 def test_a_wrong_example_fails(tmp_path, monkeypatch):
@@ -35,3 +45,12 @@ def test_a_wrong_example_fails(tmp_path, monkeypatch):
     monkeypatch.syspath_prepend(str(tmp_path))
     result = doctest.testmod(importlib.import_module("wrong_example"), report=False)
     assert result == (1, 1)
+
+
+def test_an_example_that_is_never_collected_fails(tmp_path, monkeypatch):
+    """Negative control: an Example doctest does not collect (a string that
+    is not a docstring) fails the count."""
+    (tmp_path / "hidden_example.py").write_text('NOTE = """\n>>> 1 + 1\n2\n"""\n')
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(AssertionError, match="hidden_example"):
+        run_examples(importlib.import_module("hidden_example"))

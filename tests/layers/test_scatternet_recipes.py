@@ -66,5 +66,5 @@ def test_cli_trains_on_scatternet_features(tmp_path, capsys):
               "--epsilon", "3", "--verbose", "0", "--seed", "0"])
     result = json.loads(capsys.readouterr().out)
     assert result["features"] == "scatternet"
-    assert result["steps"] == 4 and 0 < result["epsilon"] <= 3.0
+    assert result["steps"] == 4 and 2.97 <= result["epsilon"] <= 3.0  # calibrated to spend 3
     assert result["learning_rate"] == 16.0

@@ -31,17 +31,17 @@ def _assert_matches_reference(grads, reference, rtol=1e-5):
         np.testing.assert_allclose(got / scale, want / scale, atol=rtol * 10, rtol=rtol)
     batch = reference[0].shape[0]
     want_norms = sum(np.sum(np.square(r.reshape(batch, -1)), 1) for r in reference)
-    np.testing.assert_allclose(grads.sq_norms().numpy(), want_norms, rtol=1e-4, atol=1e-9)
+    np.testing.assert_allclose(grads.sq_norms().numpy(), want_norms, rtol=1e-5, atol=1e-9)
     weights = np.linspace(0.5, 1.5, batch).astype(np.float32)
     sums = grads.weighted_sum(tf.constant(weights))
     for got, want in zip(sums, reference):
         expected = np.tensordot(weights, want, axes=1)
-        np.testing.assert_allclose(got.numpy() / scale, expected / scale, atol=1e-4)
+        np.testing.assert_allclose(got.numpy() / scale, expected / scale, atol=1e-5)
     rng = np.random.default_rng(7)
     vectors = [rng.normal(size=r.shape[1:]).astype(np.float32) for r in reference]
     want_dots = sum(r.reshape(batch, -1) @ v.reshape(-1) for r, v in zip(reference, vectors))
     got_dots = grads.dots([tf.constant(v) for v in vectors]).numpy()
-    np.testing.assert_allclose(got_dots / scale, want_dots / scale, atol=1e-4)
+    np.testing.assert_allclose(got_dots / scale, want_dots / scale, atol=1e-5)
 
 
 def _mse(y, p):

@@ -5,6 +5,9 @@ import importlib.util
 import os
 
 import numpy as np
+import pytest
+
+import tfdp
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -58,3 +61,9 @@ def test_example_trains_privately_on_a_generated_sample(capsys):
     assert "batched pass with per-layer rules" in out and "fallback" not in out
     assert "test accuracy" in out and "epsilon" in out.lower()
     assert 0.0 <= accuracy <= 1.0 and model.privacy.steps == 3
+    # The ledger charges what ran: 3 Poisson steps (q = 16 / 48) at the
+    # optimizer's noise, and the calibration spent the target epsilon 3.
+    sigma = model.optimizer.noise_multiplier
+    expected = tfdp.accounting.compute_epsilon(sigma, 16 / 48, 3, 1e-5)
+    assert model.privacy.epsilon(1e-5) == pytest.approx(expected, rel=1e-9)
+    assert 2.97 <= expected <= 3.0
