@@ -108,25 +108,38 @@ def test_audit_training_runs_d_and_d_prime_with_distinct_seeds():
     assert 1.0 < result.epsilon_lower_bound <= result.claimed_epsilon
 
 
-def _logistic_regression_trainer(noise_multiplier, l2_norm_clip):
+class LogisticRegressionTrainer:
     """`train_fn` for `audit_training`: two full-batch tfdp DP-SGD steps from
-    zero weights, so sampling and noise are the runs' only randomness."""
+    zero weights, so sampling and noise are the runs' only randomness.
 
-    def train_fn(x, y, seed):
-        model = tfdp.DPSequential([
+    One model is compiled once and reset to zero weights before every run, so
+    a run costs one `fit` without a retrace (about 0.15 s). Its noise key
+    folds in the model's private step counter, which only grows, so every run
+    draws fresh noise; the sequence of runs, hence the audit, is reproducible.
+    """
+
+    def __init__(self, noise_multiplier):
+        self.model = tfdp.DPSequential([
             keras.Input((4,)),
             keras.layers.Dense(1, activation="sigmoid", kernel_initializer="zeros"),
         ])
-        model.compile(
+        self.model.compile(
             optimizer=tfdp.optimizers.DPSGD(
-                0.5, l2_norm_clip=l2_norm_clip, noise_multiplier=noise_multiplier, seed=seed
+                0.5, l2_norm_clip=1.0, noise_multiplier=noise_multiplier, seed=0
             ),
             loss="binary_crossentropy",
         )
-        model.fit(x, y, batch_size=32, epochs=2, verbose=0)
-        return model
+        self.zeros = [np.zeros_like(w) for w in self.model.get_weights()]
 
-    return train_fn
+    def __call__(self, x, y, seed):
+        self.model.set_weights(self.zeros)
+        self.model.fit(x, y, batch_size=32, epochs=2, verbose=0)
+        return self.model
+
+
+# 128 runs a side (64 evaluated) can show at most this epsilon: perfect separation.
+BLACK_BOX_RUNS = 128
+PERFECT_SEPARATION = auditing.epsilon_lower_bound(0, 64, 0, 64, 1e-5)  # 2.82
 
 
 @pytest.fixture(scope="module")
@@ -141,29 +154,42 @@ def logistic_audit_setting():
     return (x, y), canary, sigma, claimed
 
 
-def _audit_logistic(setting, noise_multiplier, l2_norm_clip):
+def _audit_logistic(setting, noise_multiplier):
     data, canary, _, claimed = setting
     return auditing.audit_training(
-        _logistic_regression_trainer(noise_multiplier, l2_norm_clip),
-        auditing.loss_score("binary_crossentropy"), data, canary, runs=32, delta=1e-5,
-        claimed_epsilon=claimed,
+        LogisticRegressionTrainer(noise_multiplier), auditing.loss_score("binary_crossentropy"),
+        data, canary, runs=BLACK_BOX_RUNS, delta=1e-5, claimed_epsilon=claimed,
     )
 
 
 def test_audit_training_with_real_tfdp_runs_and_the_loss_attack(logistic_audit_setting):
-    """Real tfdp trainings stay within their claim, where 32 runs a side can
-    show up to 1.35 (16 evaluation trials a side), above the claim of 1."""
+    """Real tfdp trainings stay within their claim of 1, where these runs can
+    show up to 2.82 (the control below is caught at 2.19 without perfect separation)."""
     _, _, sigma, claimed = logistic_audit_setting
-    result = _audit_logistic(logistic_audit_setting, sigma, l2_norm_clip=1.0)
-    assert result.negatives + result.positives + result.selection_trials == 64
-    assert claimed <= 1.0
+    result = _audit_logistic(logistic_audit_setting, sigma)
+    print(result.summary())
+    assert result.negatives + result.positives + result.selection_trials == 2 * BLACK_BOX_RUNS
+    assert claimed == pytest.approx(1.0, abs=0.01)
     assert result.epsilon_lower_bound <= result.claimed_epsilon
 
 
-def test_black_box_audit_catches_training_without_noise_or_clipping(logistic_audit_setting):
-    """Negative control: the same runs without privacy, under the same claim."""
-    result = _audit_logistic(logistic_audit_setting, noise_multiplier=1e-9, l2_norm_clip=1e3)
-    assert result.epsilon_lower_bound > result.claimed_epsilon
+def test_black_box_audit_catches_a_twelfth_of_the_noise(logistic_audit_setting):
+    """Negative control: the same runs with sigma / 12 (each step's canary
+    shift is then 3 noise standard deviations), under the same claim.
+
+    The black-box attack sees one score per whole run, so catching half the
+    noise at delta 1e-5 takes far more runs than a test can afford (at the
+    expected counts of a Gaussian shift, 512 evaluated runs a side show 0.34
+    and 4,096 show 0.75 against the claim of 1); the white-box audits
+    (test_mechanism_audits.py) catch half the noise. Measured with this
+    seed: 2.19 (1 false positive, 9 false negatives), below the 2.82 of
+    perfect separation, so the audit's statistic, not a degenerate run,
+    catches it; with 64 runs a side it showed only 1.23."""
+    _, _, sigma, claimed = logistic_audit_setting
+    result = _audit_logistic(logistic_audit_setting, sigma / 12)
+    print(result.summary())
+    assert result.epsilon_lower_bound > result.claimed_epsilon + 0.25
+    assert result.epsilon_lower_bound < PERFECT_SEPARATION
 
 
 @pytest.mark.parametrize(

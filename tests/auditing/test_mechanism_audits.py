@@ -6,9 +6,10 @@ clipping) must be caught, i.e. their bound must exceed the claim. Every
 audit also proves it has signal (its bound is well above 0), so a broken
 auditor that always answers 0 fails. Fixed seeds: the numbers are
 reproducible. The trial counts were measured (benchmarks/audit.py has
-longer runs): 512 canaries x 500 steps = 256,000 trials per side catch the
-half-noise control at sigma = 2 with a margin of about 0.5 in epsilon; the
-slower mechanisms' audits use fewer steps.
+longer runs): 512 canaries x 500 steps = 256,000 trials per side for the
+sound audits; 1,024 canaries x 500 steps catch the half-noise control at
+sigma = 2 with a margin of 1.7 in epsilon (3.85 against 2.17); the slower
+mechanisms' audits use fewer steps.
 """
 
 import dp_accounting
@@ -220,13 +221,17 @@ def test_adadp_audit():
 
 
 def test_half_the_claimed_noise_is_caught():
+    """Twice the canaries of the sound audits, so the margin is large: 512
+    canaries x 500 steps showed 2.43 against the claim of 2.17, 1,024 show
+    3.85 (`python benchmarks/audit.py --only half_noise --canaries 1024
+    --steps 500 --black-box-runs 0`)."""
     result = auditing.audit_optimizer(
-        dpsgd_maker(HalfNoiseDPSGD), steps=STEPS, canaries=CANARIES, delta=DELTA
+        dpsgd_maker(HalfNoiseDPSGD), steps=STEPS, canaries=2 * CANARIES, delta=DELTA
     )
     print(result.summary())
     assert result.claimed_epsilon == pytest.approx(ONE_STEP)
     assert result.violates_claim
-    assert result.epsilon_lower_bound > ONE_STEP + 0.25
+    assert result.epsilon_lower_bound > ONE_STEP + 0.5
 
 
 @pytest.mark.parametrize("num_examples, batch_size", [(64, 64), (128, 64)])
