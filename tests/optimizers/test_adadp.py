@@ -1,9 +1,7 @@
 """AdaDP: equals DP-SGD in warm-up, statistics read released gradients only,
 the RMSprop step, logs, ledger, saving, the paper report, and the Beale run."""
 
-import importlib.util
 import math
-import os
 
 import keras
 import numpy as np
@@ -13,9 +11,9 @@ import tensorflow as tf
 import tfdp
 from tfdp import accounting
 from tfdp.per_example import MaterializedGrads, PerExampleGradients
+from tests.example_scripts import load_example
 
 LOSS = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 class NoiselessAdaDP(tfdp.optimizers.AdaDP):
@@ -491,11 +489,7 @@ def test_paper_epsilon_is_the_papers_number_not_the_ledgers():
 
 
 def load_beale_example():
-    path = os.path.join(ROOT, "examples", "adadp_beale.py")
-    spec = importlib.util.spec_from_file_location("adadp_beale", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_example("adadp_beale")
 
 
 def test_beale_trajectories_against_their_non_private_twins():

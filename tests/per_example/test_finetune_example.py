@@ -1,23 +1,17 @@
 """examples/dp_finetune_keras_hub.py offline: random-init BERT, LoRA, a tiny
 generated set, one private epoch; it reports accuracy and epsilon."""
 
-import importlib.util
-import os
 
 import numpy as np
 
+from tests.example_scripts import load_example
 from tests.per_example import hub_models
 
 hub_models.import_keras_hub()
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def _example():
-    path = os.path.join(ROOT, "examples", "dp_finetune_keras_hub.py")
-    spec = importlib.util.spec_from_file_location("dp_finetune_keras_hub", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_example("dp_finetune_keras_hub")
 
 
 def test_generated_task_marks_positive_examples_only():

@@ -1,23 +1,15 @@
 """examples/dpsgd_imdb.py offline: its preprocessing and one private epoch on
 a small generated sample (no network)."""
 
-import importlib.util
-import os
-
 import numpy as np
 import pytest
 
 import tfdp
-
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from tests.example_scripts import load_example
 
 
 def _example():
-    path = os.path.join(ROOT, "examples", "dpsgd_imdb.py")
-    spec = importlib.util.spec_from_file_location("dpsgd_imdb", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_example("dpsgd_imdb")
 
 
 def _fake_imdb(n=48, seed=0):
