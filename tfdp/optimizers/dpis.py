@@ -47,7 +47,7 @@ from tfdp.mechanisms import dpsgd
 from tfdp.mechanisms import importance_sampling as isp
 from tfdp.per_example import compute_per_example_gradients
 from tfdp.mechanisms.importance_sampling import _check_real
-from tfdp.optimizers.dp_optimizer import DPOptimizer, check_positive
+from tfdp.optimizers.dp_optimizer import DPOptimizer, check_float32_scale, check_positive
 
 ACCOUNTANTS = ("rdp", "pld")
 # Purposes keying DPIS's host-side random streams (with the run's noise key).
@@ -222,6 +222,10 @@ class DPIS(DPOptimizer):
                 f"nesterov={nesterov!r} together with inner_optimizer="
                 f"{type(inner_optimizer).__name__}"
             )
+        # Checked before DPOptimizer's check, whose message would show its
+        # placeholder noise_multiplier=1 (DPIS has no such argument).
+        clip = check_positive("l2_norm_clip", l2_norm_clip)
+        check_float32_scale("l2_norm_clip", clip, f"l2_norm_clip={clip:g}")
         # DPIS allocates sigma_G per epoch; the base class's fixed noise
         # multiplier is unused (1.0 only passes its check).
         super().__init__(
@@ -272,10 +276,28 @@ class DPIS(DPOptimizer):
             raise ValueError(f"Expected `accountant` in {ACCOUNTANTS}. Received: accountant={accountant!r}")
         self.accountant = accountant
         self.log_sampling_stats = bool(log_sampling_stats)
+        self._check_float32_settings()
         self._state = _Untracked()
         self._run = None
         self._epoch_starter = _EpochStarter(self)
         self._dpis_ready = True
+
+    def _check_float32_settings(self):
+        """Refuses settings whose values overflow float32 in DPIS's steps, with
+        DPOptimizer's bound on the clip norm (NaN and inf are refused above)."""
+        check_float32_scale(
+            "sigma_n", self.sigma_n, f"sigma_n={self.sigma_n:g}",
+            why="the released N~ = N + N(0, sigma_n^2) is float32 in every step",
+        )
+        if self.adaptive_clipping:
+            external = self.external_clip or 4.0 * self.l2_norm_clip
+            check_float32_scale(
+                "clip_quantile * " + ("external_clip" if self.external_clip else "4 * l2_norm_clip"),
+                self.clip_quantile * external,
+                f"clip_quantile={self.clip_quantile:g}, external_clip={self.external_clip!r}, "
+                f"l2_norm_clip={self.l2_norm_clip:g}",
+                why="adaptive clipping's clip bound C_e can reach it, and C_e is float32 in every step",
+            )
 
     # -- sigma_G replaces the fixed noise multiplier -------------------------
 
