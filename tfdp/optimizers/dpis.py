@@ -41,6 +41,7 @@ import numpy as np
 import tensorflow as tf
 
 from tfdp.accounting import PrivacyLedger, event_from_dict
+from tfdp.accounting import _engine
 from tfdp.data.importance import ImportanceSampler, make_importance_dataset
 from tfdp.data.sources import require_in_memory
 from tfdp.mechanisms import dpsgd
@@ -274,6 +275,13 @@ class DPIS(DPOptimizer):
         self.clip_quantile = check_positive("clip_quantile", clip_quantile)
         if accountant not in ACCOUNTANTS:
             raise ValueError(f"Expected `accountant` in {ACCOUNTANTS}. Received: accountant={accountant!r}")
+        if accountant == "pld" and self.target_delta < _engine.PLD_MIN_DELTA:
+            raise ValueError(
+                f"DPIS cannot plan target_delta={self.target_delta:g} with accountant='pld': "
+                f"the PLD accountant cannot resolve delta below {_engine.PLD_MIN_DELTA:g} (its "
+                "epsilon would be too small); use accountant='rdp' for such a delta. Received: "
+                f"target_delta={self.target_delta:g}"
+            )
         self.accountant = accountant
         self.log_sampling_stats = bool(log_sampling_stats)
         self._check_float32_settings()
@@ -695,6 +703,8 @@ class DPIS(DPOptimizer):
     def _check_budgets(self, ledger, events, what):
         """Raises `_OverBudget` unless recording `events` keeps every budget."""
         for budget in self._run.budgets:
+            if budget.accountant == "pld":  # else its refusal reads as epsilon inf below
+                _engine.check_pld_delta(budget.delta)
             projected = PrivacyLedger.from_json(ledger.to_json())
             for event in events:
                 projected.record(event)
