@@ -43,3 +43,71 @@ def test_the_epsilon_command_says_what_is_wrong_instead_of_printing_infinity():
     assert exit_.value.code != 0
     assert "Infinity" not in out.getvalue()
     assert "accountant='rdp'" in err.getvalue()
+
+
+def _dpis(**overrides):
+    from tfdp.optimizers import DPIS  # pylint: disable=import-outside-toplevel
+    settings = dict(learning_rate=0.5, l2_norm_clip=1.0, target_epsilon=4.0, epochs=3,
+                    sigma_n=5.0, seed=1, accountant="pld")
+    settings.update(overrides)
+    return DPIS(**settings)
+
+
+@pytest.mark.parametrize("delta", [1e-13, 1e-30])
+def test_dpis_with_pld_refuses_a_tiny_target_delta_when_built(delta):
+    """It failed only in fit, after releasing N~ and K~ (epsilon 0.80 spent
+    at 1e-5), with "target_epsilon=4 cannot be met: with sigma_G=16384 ...
+    spend epsilon=inf. Plan fewer epochs or a larger target_epsilon"."""
+    with pytest.raises(ValueError, match=rf"target_delta.*accountant='rdp'.*Received: target_delta={delta:g}"):
+        _dpis(target_delta=delta)
+
+
+def test_dpis_accepts_pld_at_its_precision_and_rdp_below_it():
+    """Control for the refusal above."""
+    assert _dpis(target_delta=PLD_MIN_DELTA).target_delta == PLD_MIN_DELTA
+    assert _dpis(target_delta=1e-30, accountant="rdp").target_delta == 1e-30
+
+
+def test_dpis_noise_allocation_refuses_a_tiny_delta_under_pld():
+    """`allocate_noise_multiplier` turned the PLD refusal into epsilon=inf
+    (as for a too small noise) and said the target cannot be met."""
+    from tfdp.accounting import PrivacyLedger  # pylint: disable=import-outside-toplevel
+    from tfdp.mechanisms import importance_sampling as isp  # pylint: disable=import-outside-toplevel
+    settings = dict(batch_size=16.0, clip=1.0, n_tilde=240.0, k_tilde=100.0, steps_per_epoch=15,
+                    epochs_left=3, accountant="pld")
+    with pytest.raises(ValueError, match=r"accountant='rdp'.*Received: delta=1e-13"):
+        isp.allocate_noise_multiplier(PrivacyLedger(), 4.0, 1e-13, **settings)
+    sigma, spent = isp.allocate_noise_multiplier(PrivacyLedger(), 4.0, 1e-12, **settings)  # control
+    assert 0 < spent <= 4.0 and sigma > 0
+
+
+def test_dpis_refuses_a_pld_budget_at_a_tiny_delta_before_releasing_anything():
+    """A `PrivacyBudget(..., accountant="pld")` at delta 1e-13 stopped DPIS
+    with "releasing the noisy dataset size N~ would exceed the privacy
+    budget ... epsilon=inf"; DPSGD names the delta. Control: the same fit
+    with the budget at delta 1e-12 trains."""
+    import keras  # pylint: disable=import-outside-toplevel
+    import numpy as np  # pylint: disable=import-outside-toplevel
+    import tfdp  # pylint: disable=import-outside-toplevel
+
+    x = np.random.default_rng(0).normal(size=(240, 4)).astype(np.float32)
+    y = (x[:, 0] > 0).astype(np.int64)
+
+    def fit(model, delta):
+        budget = tfdp.callbacks.PrivacyBudget(10.0, delta, accountant="pld")
+        model.fit(x, y, batch_size=16, epochs=1, verbose=0, callbacks=[budget])
+
+    def make():
+        keras.utils.set_random_seed(0)
+        model = tfdp.DPSequential([keras.Input((4,)), keras.layers.Dense(2)])
+        model.compile(optimizer=_dpis(accountant="rdp", epochs=1),
+                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        return model
+
+    model = make()
+    with pytest.raises(ValueError, match=r"accountant='rdp'.*Received: delta=1e-13"):
+        fit(model, 1e-13)
+    assert model.privacy.epsilon(1e-5) == 0.0  # N~ was not released
+    control = make()
+    fit(control, PLD_MIN_DELTA)
+    assert control.privacy.steps > 0

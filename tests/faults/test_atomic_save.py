@@ -70,3 +70,35 @@ def test_load_model_right_after_import_tfdp(tmp_path):
                             text=True, timeout=300, cwd=root)
     assert result.returncode == 0, result.stderr[-2000:]
     assert result.stdout.split()[-2:] == ["DPSequential", "0.0"]
+
+
+@pytest.mark.parametrize("method, name", [("save", "m.keras"), ("save_weights", "m.weights.h5")])
+@pytest.mark.parametrize("umask, mode", [(0o022, 0o644), (0o027, 0o640)], ids=["umask022", "umask027"])
+def test_a_new_file_gets_the_mode_a_plain_keras_save_gives(tmp_path, method, name, umask, mode):
+    """0o666 less the umask, as Keras's own open() gives it (the temporary
+    file of `tempfile.mkstemp` left 0o600: unreadable by another user or
+    group, e.g. a serving process). A plain Keras save is the control."""
+    model = _model()
+    previous = os.umask(umask)
+    try:
+        getattr(model, method)(tmp_path / name)
+        getattr(keras.Model, method)(model, tmp_path / f"plain.{name}")
+    finally:
+        os.umask(previous)
+    assert oct((tmp_path / f"plain.{name}").stat().st_mode & 0o777) == oct(mode)
+    assert oct((tmp_path / name).stat().st_mode & 0o777) == oct(mode)
+
+
+@pytest.mark.parametrize("method, name", [("save", "m.keras"), ("save_weights", "m.weights.h5")])
+def test_replacing_a_file_keeps_its_mode(tmp_path, method, name):
+    model = _model()
+    path = tmp_path / name
+    getattr(model, method)(path)
+    os.chmod(path, 0o640)
+    previous = os.umask(0o022)  # a new file would get 0o644
+    try:
+        getattr(model, method)(path)
+    finally:
+        os.umask(previous)
+    assert oct(path.stat().st_mode & 0o777) == oct(0o640)
+    assert os.listdir(tmp_path) == [name]

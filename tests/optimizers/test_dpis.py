@@ -198,6 +198,41 @@ def test_bad_settings_name_the_argument(overrides, message):
         dpis(**overrides)
 
 
+@pytest.mark.parametrize(
+    "overrides, match",
+    [
+        # DPOptimizer's float32 bound (1e30), with DPIS's own arguments only:
+        # its message showed DPIS's placeholder ", noise_multiplier=1".
+        (dict(l2_norm_clip=1e31), r"`l2_norm_clip` = 1e\+31 overflows float32.*Received: l2_norm_clip=1e\+31$"),
+        (dict(sigma_n=1e31), r"`sigma_n` = 1e\+31 overflows float32.*Received: sigma_n=1e\+31$"),
+        (dict(adaptive_clipping=True, external_clip=1e31),
+         r"`clip_quantile \* external_clip` = 1e\+31 overflows float32.*external_clip=1e\+31"),
+        (dict(adaptive_clipping=True, clip_quantile=1e30),
+         r"`clip_quantile \* 4 \* l2_norm_clip` = 4e\+30 overflows float32.*clip_quantile=1e\+30"),
+        (dict(sigma_n=float("nan")), r"`sigma_n`.*Received: sigma_n=nan"),
+        (dict(sigma_n=float("inf")), r"`sigma_n`.*Received: sigma_n=inf"),
+        (dict(sigma_k=float("nan")), r"`sigma_k`.*Received: sigma_k=nan"),
+        (dict(sigma_k=float("inf")), r"`sigma_k`.*Received: sigma_k=inf"),
+        (dict(l2_norm_clip=float("nan")), r"`l2_norm_clip`.*Received: l2_norm_clip=nan"),
+        (dict(external_clip=float("inf")), r"`external_clip`.*Received: external_clip=inf"),
+        (dict(clip_quantile=float("nan")), r"`clip_quantile`.*Received: clip_quantile=nan"),
+        (dict(momentum=float("nan")), r"`momentum`.*Received: momentum=nan"),
+    ],
+)
+def test_settings_that_overflow_float32_or_are_not_finite_are_refused(overrides, match):
+    with pytest.raises(ValueError, match=match):
+        dpis(**overrides)
+
+
+def test_large_but_float32_safe_settings_are_accepted():
+    """Control for the refusals above: at the bound itself, and ordinary values."""
+    optimizer = dpis(l2_norm_clip=1e6, sigma_n=1e30, sigma_k=1e6, adaptive_clipping=True,
+                     external_clip=1e29, clip_quantile=10.0)
+    assert (optimizer.sigma_n, optimizer.external_clip, optimizer.clip_quantile) == (1e30, 1e29, 10.0)
+    dpis(l2_norm_clip=1e30)
+    dpis(adaptive_clipping=True, l2_norm_clip=2.5e29)  # C* = 4 C = 1e30
+
+
 def test_batch_too_large_for_the_noisy_dataset_size_is_refused():
     x, y = data(40)
     model = model_with(dpis(sigma_n=0.5, seed=0))

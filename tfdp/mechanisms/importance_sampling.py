@@ -45,6 +45,7 @@ import numpy as np
 import tensorflow as tf
 
 from tfdp import accounting
+from tfdp.accounting import _engine
 
 __all__ = [
     "noisy_count",
@@ -454,13 +455,16 @@ def allocate_noise_multiplier(
 
     Raises:
         ValueError: if even sigma_G = 1e4 exceeds the target (the releases so
-            far and the remaining K~ releases already spend it).
+            far and the remaining K~ releases already spend it), or if
+            `accountant` is "pld" and `delta` is below 1e-12 (use "rdp").
     """
     target = _check_real("target_epsilon", target_epsilon, low=0.0)
     steps = int(steps_per_epoch)
     left = int(epochs_left)
     if left < 1:
         raise ValueError(f"Expected `epochs_left` >= 1. Received: epochs_left={epochs_left}")
+    if accountant == "pld":  # before the search, which reads its ValueErrors as epsilon inf
+        _engine.check_pld_delta(delta)
     future = k_tilde if future_k_tilde is None else future_k_tilde
     base = ledger.to_json()
     def projected(sigma):

@@ -5,7 +5,10 @@ killed mid-write leaves a truncated `.keras` file where a good checkpoint
 was, and `PrivacyJournal.recover` then has nothing to resume from. tfdp's
 models write to a temporary file in the same folder, flush it to disk and
 rename it over the target (`os.replace` is atomic on one file system): the
-target is always either the old file or the new one.
+target is always either the old file or the new one. The new file gets the
+permissions a plain Keras save gives it: the old file's mode when it
+replaces one, else 0o666 less the umask (`tempfile.mkstemp` alone would
+leave 0o600, unreadable by a serving process of another user or group).
 
 Example:
 
@@ -21,7 +24,8 @@ Example:
 """
 
 import os
-import tempfile
+import secrets
+import stat
 
 # Keras checks the file name's ending, so the temporary file keeps it.
 _ENDINGS = (".weights.h5", ".weights.json", ".keras", ".h5", ".hdf5")
@@ -32,8 +36,28 @@ def is_local_path(filepath):
     return isinstance(filepath, (str, os.PathLike)) and "://" not in os.fspath(filepath)
 
 
+def _create_temporary(folder, prefix, suffix):
+    """Creates a new empty file in `folder` and returns its path.
+
+    Opened with mode 0o666, so the kernel applies the umask (or the folder's
+    default ACL) as for any new file; `tempfile.mkstemp` uses 0o600.
+    """
+    for _ in range(100):
+        tmp = os.path.join(folder, f"{prefix}{secrets.token_hex(6)}{suffix}")
+        try:
+            handle = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+        except FileExistsError:
+            continue
+        os.close(handle)
+        return tmp
+    raise FileExistsError(f"No free temporary file name in {folder} for {prefix}*{suffix}")
+
+
 def atomic_write(filepath, write):
     """Calls `write(tmp_path)`, then renames `tmp_path` over `filepath`.
+
+    The result has the replaced file's mode, or a new file's (0o666 less the
+    umask) when there was none.
 
     Args:
         filepath: the target, a local path.
@@ -42,10 +66,13 @@ def atomic_write(filepath, write):
     path = os.path.abspath(os.fspath(filepath))
     folder, name = os.path.split(path)
     ending = next((e for e in _ENDINGS if name.endswith(e)), os.path.splitext(name)[1])
-    handle, tmp = tempfile.mkstemp(prefix=f".{name}.", suffix=f".tmp{ending}", dir=folder)
-    os.close(handle)
+    tmp = _create_temporary(folder, f".{name}.", f".tmp{ending}")
     try:
         write(tmp)
+        try:
+            os.chmod(tmp, stat.S_IMODE(os.stat(path).st_mode))
+        except FileNotFoundError:
+            pass  # a new file: it keeps the mode it was created with
         with open(tmp, "rb") as written:
             os.fsync(written.fileno())
         os.replace(tmp, path)

@@ -53,16 +53,31 @@ def check_positive(name, value):
 FLOAT32_SAFE_SCALE = 1e30
 
 
+def check_float32_scale(name, value, received,
+                        why="the per-example gradients and noise are float32"):
+    """Refuses `value` (the setting or product `name`) above FLOAT32_SAFE_SCALE.
+
+    `received` lists the arguments it comes from; `why` says where it is float32.
+
+    Example:
+
+    >>> check_float32_scale("l2_norm_clip", 1e31, "l2_norm_clip=1e+31")
+    Traceback (most recent call last):
+    ...
+    ValueError: `l2_norm_clip` = 1e+31 overflows float32 (...). Received: l2_norm_clip=1e+31
+    """
+    if value > FLOAT32_SAFE_SCALE:
+        raise ValueError(
+            f"`{name}` = {value:g} overflows float32 ({why}; keep it <= "
+            f"{FLOAT32_SAFE_SCALE:g}). Received: {received}"
+        )
+
+
 def check_float32_noise(l2_norm_clip, noise_multiplier):
     """Refuses a clip norm or noise std (sigma * C) that overflows float32 sums."""
-    for name, value in (("l2_norm_clip", l2_norm_clip),
-                        ("noise_multiplier * l2_norm_clip", noise_multiplier * l2_norm_clip)):
-        if value > FLOAT32_SAFE_SCALE:
-            raise ValueError(
-                f"`{name}` = {value:g} overflows float32 (the per-example gradients and "
-                f"noise are float32; keep it <= {FLOAT32_SAFE_SCALE:g}). Received: "
-                f"l2_norm_clip={l2_norm_clip:g}, noise_multiplier={noise_multiplier:g}"
-            )
+    received = f"l2_norm_clip={l2_norm_clip:g}, noise_multiplier={noise_multiplier:g}"
+    check_float32_scale("l2_norm_clip", l2_norm_clip, received)
+    check_float32_scale("noise_multiplier * l2_norm_clip", noise_multiplier * l2_norm_clip, received)
 
 
 def check_finite_hyperparameters(inner_optimizer):

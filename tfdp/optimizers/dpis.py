@@ -41,13 +41,14 @@ import numpy as np
 import tensorflow as tf
 
 from tfdp.accounting import PrivacyLedger, event_from_dict
+from tfdp.accounting import _engine
 from tfdp.data.importance import ImportanceSampler, make_importance_dataset
 from tfdp.data.sources import require_in_memory
 from tfdp.mechanisms import dpsgd
 from tfdp.mechanisms import importance_sampling as isp
 from tfdp.per_example import compute_per_example_gradients
 from tfdp.mechanisms.importance_sampling import _check_real
-from tfdp.optimizers.dp_optimizer import DPOptimizer, check_positive
+from tfdp.optimizers.dp_optimizer import DPOptimizer, check_float32_scale, check_positive
 
 ACCOUNTANTS = ("rdp", "pld")
 # Purposes keying DPIS's host-side random streams (with the run's noise key).
@@ -222,6 +223,10 @@ class DPIS(DPOptimizer):
                 f"nesterov={nesterov!r} together with inner_optimizer="
                 f"{type(inner_optimizer).__name__}"
             )
+        # Checked before DPOptimizer's check, whose message would show its
+        # placeholder noise_multiplier=1 (DPIS has no such argument).
+        clip = check_positive("l2_norm_clip", l2_norm_clip)
+        check_float32_scale("l2_norm_clip", clip, f"l2_norm_clip={clip:g}")
         # DPIS allocates sigma_G per epoch; the base class's fixed noise
         # multiplier is unused (1.0 only passes its check).
         super().__init__(
@@ -270,12 +275,37 @@ class DPIS(DPOptimizer):
         self.clip_quantile = check_positive("clip_quantile", clip_quantile)
         if accountant not in ACCOUNTANTS:
             raise ValueError(f"Expected `accountant` in {ACCOUNTANTS}. Received: accountant={accountant!r}")
+        if accountant == "pld" and self.target_delta < _engine.PLD_MIN_DELTA:
+            raise ValueError(
+                f"DPIS cannot plan target_delta={self.target_delta:g} with accountant='pld': "
+                f"the PLD accountant cannot resolve delta below {_engine.PLD_MIN_DELTA:g} (its "
+                "epsilon would be too small); use accountant='rdp' for such a delta. Received: "
+                f"target_delta={self.target_delta:g}"
+            )
         self.accountant = accountant
         self.log_sampling_stats = bool(log_sampling_stats)
+        self._check_float32_settings()
         self._state = _Untracked()
         self._run = None
         self._epoch_starter = _EpochStarter(self)
         self._dpis_ready = True
+
+    def _check_float32_settings(self):
+        """Refuses settings whose values overflow float32 in DPIS's steps, with
+        DPOptimizer's bound on the clip norm (NaN and inf are refused above)."""
+        check_float32_scale(
+            "sigma_n", self.sigma_n, f"sigma_n={self.sigma_n:g}",
+            why="the released N~ = N + N(0, sigma_n^2) is float32 in every step",
+        )
+        if self.adaptive_clipping:
+            external = self.external_clip or 4.0 * self.l2_norm_clip
+            check_float32_scale(
+                "clip_quantile * " + ("external_clip" if self.external_clip else "4 * l2_norm_clip"),
+                self.clip_quantile * external,
+                f"clip_quantile={self.clip_quantile:g}, external_clip={self.external_clip!r}, "
+                f"l2_norm_clip={self.l2_norm_clip:g}",
+                why="adaptive clipping's clip bound C_e can reach it, and C_e is float32 in every step",
+            )
 
     # -- sigma_G replaces the fixed noise multiplier -------------------------
 
@@ -673,6 +703,8 @@ class DPIS(DPOptimizer):
     def _check_budgets(self, ledger, events, what):
         """Raises `_OverBudget` unless recording `events` keeps every budget."""
         for budget in self._run.budgets:
+            if budget.accountant == "pld":  # else its refusal reads as epsilon inf below
+                _engine.check_pld_delta(budget.delta)
             projected = PrivacyLedger.from_json(ledger.to_json())
             for event in events:
                 projected.record(event)
