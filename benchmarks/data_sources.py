@@ -18,8 +18,9 @@ memory: a synthetic float32 .npy larger than 4 GB (`--gigabytes`, written
     anonymous memory before fit and at its peak during fit.
 accuracy: DP-SGD, tanh CNN, `tfdp train`'s Fashion-MNIST recipe (batch
     2048, lr 4, momentum 0.9, clip 0.1, 40 epochs, epsilon 3) with
-    physical_batch_size 256, from a memmap or a RecordSource (`--source`),
-    one seed per run; prints the accuracy on the test split's second half
+    physical_batch_size 256, from in-memory arrays, a memmap (`fit(x, y)`
+    with the memory-mapped arrays) or a RecordSource (`--source`), one seed
+    per run; prints the accuracy on the test split's second half
     (as RESULTS.md) and on all of it. About 3 minutes on 2 CPU cores.
 
     python benchmarks/data_sources.py throughput --rounds 5 --steps 40
@@ -198,7 +199,7 @@ def accuracy(args):
     batch_size = settings["batch_size"]
     with tempfile.TemporaryDirectory(dir=args.dir) as folder:
         memmap, records = on_disk(folder, x, y)
-        source = memmap if args.source == "memmap" else records
+        data = {"memory": (x, y), "memmap": memmap.arrays, "records": (records,)}[args.source]
         keras.utils.set_random_seed(args.seed)
         model = recipes.build_model("fashion_mnist")
         sigma = tfdp.accounting.calibrate_noise_multiplier(
@@ -211,7 +212,7 @@ def accuracy(args):
             loss=LOSS, metrics=["accuracy"],
         )
         started = time.perf_counter()
-        model.fit(source, batch_size=batch_size, physical_batch_size=args.physical_batch_size,
+        model.fit(*data, batch_size=batch_size, physical_batch_size=args.physical_batch_size,
                   epochs=args.epochs, verbose=2)
         seconds = time.perf_counter() - started
     half = len(x_test) // 2
@@ -234,7 +235,7 @@ def main():
     run.add_argument("--gigabytes", type=float, default=4.5)
     run.add_argument("--steps", type=int, default=50)
     run = commands.add_parser("accuracy")
-    run.add_argument("--source", choices=("memmap", "records"), default="memmap")
+    run.add_argument("--source", choices=("memory", "memmap", "records"), default="memmap")
     run.add_argument("--seed", type=int, default=0)
     run.add_argument("--epochs", type=int, default=40)
     run.add_argument("--physical-batch-size", type=int, default=256)

@@ -7,16 +7,22 @@ Configs (random-init, the real KerasHub classes):
   vocabulary 50257, sequence 128 (the tied output projection included).
 Each runs with LoRA (`backbone.enable_lora(4)`: only the LoRA factors of the
 attention's query/value projections and a classifier's head train) and as
-full fine-tuning. For each, one child process builds the model once as
-`keras.Model` and as `tfdp.DPModel` (the same layers and weights) and fits
-each for one epoch of `steps` steps, alternating plain / DP for `--rounds`
-rounds after a warm-up round; examples/s is the median over rounds, timed
-inside `fit` from the end of the 3rd step to the end of the last. Peak
-memory: separate child processes (one per config and kind), the growth of
-the process's peak RSS during `fit`. "path" counts the per-example handler
-each trainable layer took. Prints a Markdown table.
+full fine-tuning. tfdp runs twice: on the whole padded Poisson batch
+("unsplit": fixed-shape batches hold up to 4x the expected batch of 8, 2.5x
+of 32, so a rare large draw fits) and with `physical_batch_size` equal to
+the batch size ("k = batch": chunks past the last drawn row are skipped
+and each chunk's logits are dropped with it). For each config, one child
+process builds the model once as `keras.Model` and twice as
+`tfdp.DPModel` (the same layers and weights) and fits each for one epoch
+of `steps` steps, alternating for `--rounds` rounds after a warm-up round;
+examples/s is the median over rounds, timed inside `fit` from the end of
+the 3rd step to the end of the last. Peak memory: separate child processes
+(one per config and kind), the resident set's high-water mark during the
+first `fit` (tracing included) above the resident set before it
+(`/proc/self/clear_refs` resets the mark). "path" counts the per-example
+handler each trainable layer took. Prints a Markdown table.
 
-    python benchmarks/finetune_throughput.py               # ~15 minutes on 2 cores
+    python benchmarks/finetune_throughput.py               # ~25 minutes on 2 cores
     python benchmarks/finetune_throughput.py --only bert_small_lora --rounds 1
 """
 
@@ -24,7 +30,6 @@ import argparse
 import collections
 import json
 import os
-import resource
 import statistics
 import subprocess
 import sys
@@ -40,6 +45,8 @@ CONFIGS = {
     "gpt2_tiny_full": (8, 8),
 }
 LENGTH = 128
+KINDS = ("plain", "dp", "dp_k")  # plain Keras; tfdp unsplit; tfdp with physical_batch_size = batch
+DP_KINDS = KINDS[1:]
 
 
 def build(name):
@@ -73,6 +80,10 @@ def build(name):
 
 
 def make_models(name):
+    """(plain Keras model, DP model, DP model with physical batches, x, y):
+    one set of layers and weights."""
+    import functools
+
     import keras
 
     import tfdp
@@ -80,12 +91,17 @@ def make_models(name):
     keras.utils.set_random_seed(0)
     inputs, outputs, x, y = build(name)
     plain = keras.Model(inputs, outputs)
-    private = tfdp.DPModel(inputs, outputs)
     loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
     plain.compile(optimizer=keras.optimizers.SGD(0.01), loss=loss, jit_compile=False)
-    private.compile(optimizer=tfdp.optimizers.DPSGD(0.01, l2_norm_clip=1.0, noise_multiplier=1.0),
-                    loss=loss)
-    return plain, private, x, y
+    private = {}
+    for kind in DP_KINDS:
+        model = tfdp.DPModel(inputs, outputs)
+        model.compile(optimizer=tfdp.optimizers.DPSGD(0.01, l2_norm_clip=1.0, noise_multiplier=1.0),
+                      loss=loss)
+        if kind == "dp_k":
+            model.fit = functools.partial(model.fit, physical_batch_size=CONFIGS[name][0])
+        private[kind] = model
+    return {"plain": plain, **private}, x, y
 
 
 def paths(model):
@@ -119,24 +135,34 @@ def fit_once(model, x, y, name):
 
 
 def speed_child(name, rounds):
-    plain, private, x, y = make_models(name)
-    results = {"plain": [], "dp": []}
+    models, x, y = make_models(name)
+    results = {kind: [] for kind in KINDS}
     for round_index in range(rounds + 1):
-        for kind, model in (("plain", plain), ("dp", private)):
-            speed = fit_once(model, x, y, name)
+        for kind in KINDS:
+            speed = fit_once(models[kind], x, y, name)
             if round_index:  # round 0 traces the steps
                 results[kind].append(speed)
+    private = models["dp"]
     trainable = sum(int(v.numpy().size) for v in private.trainable_variables)
-    return {"plain": statistics.median(results["plain"]), "dp": statistics.median(results["dp"]),
+    return {**{kind: statistics.median(v) for kind, v in results.items()},
             "path": paths(private), "trainable": trainable, "params": private.count_params()}
 
 
+def _status_mb(field):
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) / 1024
+    raise RuntimeError(f"{field} not in /proc/self/status")
+
+
 def memory_child(name, kind):
-    plain, private, x, y = make_models(name)
-    model = private if kind == "dp" else plain
-    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    fit_once(model, x, y, name)
-    return {"mb": (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) / 1024}
+    models, x, y = make_models(name)
+    with open("/proc/self/clear_refs", "w") as clear:
+        clear.write("5")  # reset VmHWM to the current resident set
+    before = _status_mb("VmRSS")
+    fit_once(models[kind], x, y, name)
+    return {"mb": _status_mb("VmHWM") - before}
 
 
 def child(args):
@@ -161,17 +187,20 @@ def main(argv=None):
     args = parser.parse_args(argv)
     if args.child:
         return child(args.child)
-    print("| config | batch | trainable / params | plain ex/s | DP ex/s | DP/plain | "
-          "peak MB plain | peak MB DP | DP/plain mem | per-example path |")
+    print("| config | batch | trainable / params | plain ex/s | DP ex/s unsplit / k = batch | "
+          "DP/plain unsplit / k = batch | peak MB plain | peak MB DP unsplit / k = batch | "
+          "DP/plain mem unsplit / k = batch | per-example path |")
     print("|---|---|---|---|---|---|---|---|---|---|")
     for name in args.only:
         speed = run_child(name, args.rounds)
-        memory = {kind: run_child(name, kind)["mb"] for kind in ("plain", "dp")}
-        ratio = speed["dp"] / speed["plain"]
-        mem_ratio = memory["dp"] / max(memory["plain"], 1.0)
+        memory = {kind: run_child(name, kind)["mb"] for kind in KINDS}
+        ratio = {k: speed[k] / speed["plain"] for k in DP_KINDS}
+        mem_ratio = {k: memory[k] / max(memory["plain"], 1.0) for k in DP_KINDS}
+        pair = lambda values, spec: " / ".join(f"{values[k]:{spec}}" for k in DP_KINDS)  # noqa: E731
         print(f"| {name} | {CONFIGS[name][0]} | {speed['trainable']:,} / {speed['params']:,} | "
-              f"{speed['plain']:.1f} | {speed['dp']:.1f} | {ratio:.2f} | {memory['plain']:.0f} | "
-              f"{memory['dp']:.0f} | {mem_ratio:.2f} | {speed['path']} |", flush=True)
+              f"{speed['plain']:.1f} | {pair(speed, '.1f')} | {pair(ratio, '.2f')} | "
+              f"{memory['plain']:.0f} | {pair(memory, '.0f')} | {pair(mem_ratio, '.2f')} | "
+              f"{speed['path']} |", flush=True)
 
 
 if __name__ == "__main__":

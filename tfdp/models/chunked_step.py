@@ -12,8 +12,10 @@ ledger charges one Poisson step as before. Chunks holding only padding
 (those after the last drawn row) are skipped.
 
 Memory: the per-example work (activations, per-example gradients or their
-factors) scales with k; the logical batch's inputs, labels, predictions and
-losses ([B] rows each) are still held whole.
+factors) and the predictions scale with k: compiled metrics are updated
+chunk by chunk, so a language model's [k, S, vocabulary] logits are dropped
+with their chunk. The logical batch's inputs, labels and losses ([B] rows
+each) are held whole.
 
 Example:
 
@@ -25,7 +27,6 @@ Example:
 >>> _ = model.fit(x, y, batch_size=32, physical_batch_size=8, verbose=0)
 """
 
-import keras
 import numpy as np
 import tensorflow as tf
 
@@ -74,7 +75,7 @@ def check_physical_batch_size(optimizer, physical_batch_size):
 
 
 def chunked_private_gradients(model, x, y, weights, step_info, physical_batch_size,
-                              loss_fn=None):
+                              loss_fn=None, update_metrics=None):
     """The private part of a train step, over chunks of the logical batch.
 
     Args:
@@ -86,11 +87,15 @@ def chunked_private_gradients(model, x, y, weights, step_info, physical_batch_si
         loss_fn: per-example loss (default: the model's compiled one; a
             language model's per-token weighted loss takes (y, token weights)
             as `y`).
+        update_metrics: None, or `update_metrics(x, y, y_pred, weights,
+            mask, losses)` called with each chunk's rows, so the chunk's
+            predictions (a language model's [k, S, vocabulary] logits) are
+            dropped with the chunk instead of being stacked for the batch.
 
     Returns:
         (noisy gradients aligned with `model.trainable_variables`, stats
-        dict, y_pred [B, ...], per-example losses [B]); rows in skipped
-        all-padding chunks have prediction and loss 0 (their weight is 0).
+        dict, per-example losses [B]); rows in skipped all-padding chunks
+        have loss 0 (their weight is 0).
     """
     optimizer = model.optimizer
     variables = list(model.trainable_variables)
@@ -110,7 +115,7 @@ def chunked_private_gradients(model, x, y, weights, step_info, physical_batch_si
         return (tf.nest.map_structure(take, x), tf.nest.map_structure(take, y),
                 take(weights) * inside, take(mask) * inside)
 
-    def body(i, sums, nonfinite, predictions, losses):
+    def body(i, sums, nonfinite, losses):
         cx, cy, cweights, cmask = chunk_of(i * k)
         per_example, y_pred, chunk_losses = compute_per_example_gradients(
             model, cx, cy, cweights, loss_fn or model._per_example_loss,
@@ -122,38 +127,22 @@ def chunked_private_gradients(model, x, y, weights, step_info, physical_batch_si
             per_example, dict(step_info, mask=cmask)
         )
         sums = [s + tf.cast(c, s.dtype) for s, c in zip(sums, chunk_sums)]
-        predictions = tf.nest.map_structure(
-            lambda ta, p: ta.write(i, p), predictions, y_pred
-        )
-        return (i + 1, sums, nonfinite + chunk_nonfinite, predictions,
-                losses.write(i, tf.cast(chunk_losses, tf.float32)))
+        chunk_losses = tf.cast(chunk_losses, tf.float32)
+        if update_metrics is not None:
+            update_metrics(cx, cy, y_pred, cweights, cmask, chunk_losses)
+        return i + 1, sums, nonfinite + chunk_nonfinite, losses.write(i, chunk_losses)
 
-    def arrays_for(spec):
-        return tf.TensorArray(spec.dtype, size=num_chunks, element_shape=[k] + list(spec.shape[1:]))
-
-    specs = _prediction_specs(model, chunk_of(0))
     start = (
         tf.constant(0),
         [tf.zeros(v.shape, tf.float32) for v in variables],
         tf.constant(0.0),
-        tf.nest.map_structure(arrays_for, specs),
         tf.TensorArray(tf.float32, size=num_chunks, element_shape=[k]),
     )
-    _, sums, nonfinite, predictions, losses = tf.while_loop(
+    _, sums, nonfinite, losses = tf.while_loop(
         lambda i, *_: i < num_chunks, body, start, parallel_iterations=1
     )
     grads = optimizer.noisy_gradients(sums, step_info, variables)
-    y_pred = tf.nest.map_structure(lambda ta: _rows(ta, rows), predictions)
-    return grads, {"nonfinite_examples": nonfinite}, y_pred, _rows(losses, rows)
-
-
-def _prediction_specs(model, chunk):
-    """The model's output specs for one chunk (traced, not run)."""
-    symbolic = tf.nest.map_structure(lambda a: keras.KerasTensor(a.shape, a.dtype.name), chunk[0])
-    spec = model.compute_output_spec(symbolic)
-    if isinstance(spec, (list, tuple)) and len(spec) == 1:
-        spec = spec[0]  # a model built with outputs=[t] returns t when called
-    return tf.nest.map_structure(lambda s: tf.TensorSpec(s.shape, s.dtype), spec)
+    return grads, {"nonfinite_examples": nonfinite}, _rows(losses, rows)
 
 
 def _rows(arrays, rows):

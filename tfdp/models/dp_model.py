@@ -193,15 +193,30 @@ class DPTrainingMixin:
             loss_fn, targets = self._per_token_loss, (y, arrays[2])
         elif len(arrays) > 2:
             weights = mask * tf.cast(tf.reshape(arrays[2], [-1]), tf.float32)
+        # Compiled metrics read y, not a language model's (y, token weights).
+        labels = (lambda t: t[0]) if loss_fn is self._per_token_loss else (lambda t: t)  # noqa: E731
+
+        def update_metrics(x, targets, y_pred, weights, mask, losses):
+            # Unweighted metrics (compile(metrics=...)) ignore sample weights:
+            # give them the drawn rows only, never the padding.
+            drawn = lambda t: tf.boolean_mask(t, mask > 0)  # noqa: E731
+            return self.compute_metrics(
+                x, tf.nest.map_structure(drawn, labels(targets)),
+                tf.nest.map_structure(drawn, y_pred),
+                sample_weight=drawn(_finite_weights(losses, weights)),
+            )
+
         if self._physical_batch_size is None:
             per_example, y_pred, losses = compute_per_example_gradients(
                 self, x, targets, weights, loss_fn, self.per_example_gradients
             )
             grads, stats = self.optimizer.privatize(per_example, step_info)
         else:
-            grads, stats, y_pred, losses = chunked_step.chunked_private_gradients(
-                self, x, targets, weights, step_info, self._physical_batch_size, loss_fn
+            grads, stats, losses = chunked_step.chunked_private_gradients(
+                self, x, targets, weights, step_info, self._physical_batch_size, loss_fn,
+                update_metrics=update_metrics,
             )
+            y_pred = None  # the metrics were updated chunk by chunk
         path = self.per_example_path
         (logger.warning if "vectorized_map (layer" in path else logger.info)("%s: %s", self.name, path)
         logs = self.optimizer.apply_private_gradients(
@@ -209,22 +224,18 @@ class DPTrainingMixin:
         )
         self._dp_steps.assign_add(1)
         self._nonfinite_counter.update_state(stats["nonfinite_examples"])
-        finite = tf.math.is_finite(losses) & tf.math.is_finite(weights)  # a NaN weight drops its row
-        loss_weights = tf.where(finite, weights, tf.zeros_like(weights))
-        safe_losses = tf.where(finite, losses, tf.zeros_like(losses))
+        loss_weights = _finite_weights(losses, weights)
+        safe_losses = tf.where(tf.math.is_finite(losses), losses, tf.zeros_like(losses))
         self._loss_tracker.update_state(
             tf.math.divide_no_nan(
                 tf.reduce_sum(safe_losses * loss_weights), tf.reduce_sum(loss_weights)
             ),
             sample_weight=tf.reduce_sum(loss_weights),
         )
-        # Unweighted metrics (compile(metrics=...)) ignore sample weights:
-        # give them the drawn rows only, never the padding.
-        drawn = lambda t: tf.boolean_mask(t, mask > 0)  # noqa: E731
-        metrics = self.compute_metrics(
-            x, tf.nest.map_structure(drawn, y), tf.nest.map_structure(drawn, y_pred),
-            sample_weight=drawn(loss_weights),
-        )
+        if y_pred is None:
+            metrics = self.get_metrics_result()
+        else:
+            metrics = update_metrics(x, targets, y_pred, weights, mask, losses)
         logs = {**metrics, **logs, "nonfinite_examples": self._nonfinite_counter.result()}
         if not isinstance(tf.distribute.get_strategy(), tf.distribute.MultiWorkerMirroredStrategy):
             # Global values on every replica: Keras averages the replicas' step logs.
@@ -509,6 +520,13 @@ class DPTrainingMixin:
         config = super().get_config()
         config["per_example_gradients"] = self.per_example_gradients
         return config
+
+
+def _finite_weights(losses, weights):
+    """`weights` with 0 where the row's loss or weight is not finite (a NaN
+    weight drops its row)."""
+    finite = tf.math.is_finite(losses) & tf.math.is_finite(weights)
+    return tf.where(finite, weights, tf.zeros_like(weights))
 
 
 def _lists_to_tuples(structure):
