@@ -48,6 +48,19 @@ def one_full_batch_step(model):
     return np.concatenate([v.numpy().ravel() for v in model.trainable_variables])
 
 
+def _noise_distance_ratios(folder, resumes):
+    """Each resume's distance from the noiseless step, over the noise's
+    expected distance lr sigma C sqrt(d) / b (sigma = 1).
+
+    Only the noise differs between resumes of one full-batch step (q = 1):
+    the same step without noise is their common centre."""
+    quiet = keras.models.load_model(folder / "model.keras")
+    quiet.compile(optimizer=tfdp.optimizers.DPSGD(0.1, l2_norm_clip=1.0, noise_multiplier=1e-9), loss=LOSS)
+    centre = one_full_batch_step(quiet)
+    expected = 0.1 * 1.0 * 1.0 * np.sqrt(centre.size) / 32
+    return [np.linalg.norm(resumed - centre) / expected for resumed in resumes]
+
+
 def test_two_resumes_from_one_checkpoint_draw_different_noise(checkpoint):
     folder, _ = checkpoint
     first = one_full_batch_step(keras.models.load_model(folder / "model.keras"))
@@ -56,17 +69,26 @@ def test_two_resumes_from_one_checkpoint_draw_different_noise(checkpoint):
         [v.numpy().ravel() for v in keras.models.load_model(folder / "model.keras").trainable_variables]
     )
     assert not np.allclose(first, second)
-    # Only the noise differs, and each resume adds all of it: the same full-batch
-    # step without noise is the common centre, and each resume lies at the noise's
-    # expected distance lr sigma C sqrt(d) / b from it (chi with d = 43: +-11% per
-    # sigma, so 40% is ~3.7 sigma; a resume with no or half noise is caught).
-    quiet = keras.models.load_model(folder / "model.keras")
-    quiet.compile(optimizer=tfdp.optimizers.DPSGD(0.1, l2_norm_clip=1.0, noise_multiplier=1e-9), loss=LOSS)
-    centre = one_full_batch_step(quiet)
-    assert np.linalg.norm(centre - start) > 0
-    expected = 0.1 * 1.0 * 1.0 * np.sqrt(first.size) / 32
-    for resumed in (first, second):
-        assert np.linalg.norm(resumed - centre) == pytest.approx(expected, rel=0.4)
+    assert not np.allclose(first, start)
+    # Each resume adds all of the noise: it lies at the expected distance from
+    # the noiseless step (chi with d = 43: +-11% per sigma, so 40% is ~3.7 sigma).
+    for ratio in _noise_distance_ratios(folder, (first, second)):
+        assert ratio == pytest.approx(1.0, rel=0.4)
+
+
+@pytest.mark.parametrize("noise_multiplier", [0.5, 0.05])
+def test_negative_control_a_resume_with_less_noise_is_caught(checkpoint, noise_multiplier):
+    """The distance check above catches a resume that adds half the noise or
+    almost none (seeded here, so the control is reproducible)."""
+    folder, _ = checkpoint
+    weak = keras.models.load_model(folder / "model.keras")
+    weak.compile(
+        optimizer=tfdp.optimizers.DPSGD(0.1, l2_norm_clip=1.0, noise_multiplier=noise_multiplier, seed=3),
+        loss=LOSS,
+    )
+    (ratio,) = _noise_distance_ratios(folder, [one_full_batch_step(weak)])
+    assert ratio != pytest.approx(1.0, rel=0.4)
+    assert ratio == pytest.approx(noise_multiplier, abs=0.1)
 
 
 def test_negative_control_a_user_seed_reproduces_the_noise(tmp_path):

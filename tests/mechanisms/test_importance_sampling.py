@@ -353,3 +353,14 @@ def test_allocation_projects_the_ledger_without_changing_it():
     ledger.advance(50)
     assert ledger.epsilon(DELTA) == pytest.approx(projected, rel=1e-9)
     assert 0.995 <= projected <= 1.0
+
+
+def test_second_stage_clips_to_the_smaller_of_ghat_and_c():
+    """clipped_norms (which refresh ghat for the next step) are
+    min(||g_i||, ghat_i, C): rows where ghat < C are clipped to ghat, not C."""
+    norms = np.array([0.5, 3.0, 3.0, 0.2, 5.0], np.float32)
+    ghat = np.array([2.0, 2.0, 0.8, 0.8, 10.0], np.float32)
+    clip = 1.5
+    stage = isp.second_stage(norms**2, ghat, clip, np.zeros(5, np.float32), np.ones(5, np.float32))
+    np.testing.assert_allclose(stage["clipped_norms"].numpy(), [0.5, 1.5, 0.8, 0.2, 1.5], rtol=1e-5)
+    np.testing.assert_allclose(stage["probability"].numpy(), [0.25, 0.75, 1.0, 0.25, 0.15], rtol=1e-5)

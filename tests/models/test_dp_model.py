@@ -354,3 +354,31 @@ def test_tfdp_train_hands_momentum_to_the_optimizer(tmp_path):
     assert training.train(dataset="digits", epochs=1, seed=0, verbose=0)["momentum"] == 0.0
     with pytest.raises(ValueError, match="AdaDP has its own update rule"):
         training.train(dataset="digits", mechanism="adadp", epochs=1, momentum=0.5, verbose=0)
+
+
+@pytest.mark.parametrize("run_eagerly, physical_batch_size", [(True, None), (False, None), (False, 3)])
+def test_padding_rows_add_nothing_without_xla(run_eagerly, physical_batch_size):
+    """Without XLA a full-batch draw of 5 records is still padded to 8 rows
+    (copies of a record, mask 0). The step must be lr / b times the clipped
+    sum over the 5 drawn rows, computed here one example at a time, and the
+    logged loss their mean: the padding adds nothing to either."""
+    x, y = small_data(n=5)
+    keras.utils.set_random_seed(0)
+    model = small_model()
+    model.compile(optimizer=NoiselessDPSGD(1.0, l2_norm_clip=0.5, noise_multiplier=1.0), loss=LOSS,
+                  run_eagerly=run_eagerly)
+    model(x[:1])
+    start = [v.numpy() for v in model.trainable_variables]
+    clipped_sum, losses = [np.zeros_like(s) for s in start], []
+    for i in range(len(x)):
+        with tf.GradientTape() as tape:
+            loss = LOSS(y[i:i + 1], model(x[i:i + 1]))
+        grads = tape.gradient(loss, model.trainable_variables)
+        norm = np.sqrt(sum(float(np.sum(g.numpy() ** 2)) for g in grads))
+        clipped_sum = [s + g.numpy() * min(1.0, 0.5 / norm) for s, g in zip(clipped_sum, grads)]
+        losses.append(float(loss))
+    history = model.fit(x, y, batch_size=5, epochs=1, steps_per_epoch=1, verbose=0,
+                        physical_batch_size=physical_batch_size)
+    for variable, before, total in zip(model.trainable_variables, start, clipped_sum):
+        np.testing.assert_allclose(variable.numpy(), before - 1.0 * total / 5, atol=1e-6)
+    assert history.history["loss"][0] == pytest.approx(np.mean(losses), rel=1e-5)
