@@ -1,9 +1,10 @@
 """examples/dp_finetune_keras_hub.py offline: random-init BERT, LoRA, a tiny
 generated set, one private epoch; it reports accuracy and epsilon."""
 
-
 import numpy as np
+import pytest
 
+import tfdp
 from tests.example_scripts import load_example
 from tests.per_example import hub_models
 
@@ -27,4 +28,6 @@ def test_offline_lora_fine_tuning_reports_accuracy_and_epsilon(capsys):
          "--hidden-dim", "16"])
     out = capsys.readouterr().out
     assert "batched pass" in out and "test accuracy" in out and "epsilon" in out
-    assert 0.0 <= accuracy <= 1.0 and 0 < epsilon < np.inf
+    assert 0.0 <= accuracy <= 1.0
+    # The ledger charges what ran: 4 Poisson steps (q = 16 / 64) at noise 1.0.
+    assert epsilon == pytest.approx(tfdp.accounting.compute_epsilon(1.0, 16 / 64, 4, 1e-5), rel=1e-9)
