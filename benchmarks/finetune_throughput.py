@@ -7,11 +7,11 @@ Configs (random-init, the real KerasHub classes):
   vocabulary 50257, sequence 128 (the tied output projection included).
 Each runs with LoRA (`backbone.enable_lora(4)`: only the LoRA factors of the
 attention's query/value projections and a classifier's head train) and as
-full fine-tuning. tfdp runs twice: on the whole padded Poisson batch
-("unsplit": fixed-shape batches hold up to 4x the expected batch of 8, 2.5x
-of 32, so a rare large draw fits) and with `physical_batch_size` equal to
-the batch size ("k = batch": chunks past the last drawn row are skipped
-and each chunk's logits are dropped with it). For each config, one child
+full fine-tuning. tfdp runs twice: on the whole Poisson batch at once
+("unsplit": the draw, padded to a multiple of 8 rows) and with
+`physical_batch_size` equal to the batch size ("k = batch": chunks past
+the last drawn row are skipped and each chunk's logits are dropped with
+it). For each config, one child
 process builds the model once as `keras.Model` and twice as
 `tfdp.DPModel` (the same layers and weights) and fits each for one epoch
 of `steps` steps, alternating for `--rounds` rounds after a warm-up round;
