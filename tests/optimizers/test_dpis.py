@@ -127,6 +127,51 @@ def test_one_step_weights_accepted_gradients_and_refreshes_ghat():
     np.testing.assert_array_equal(after[others], table[others])
 
 
+def test_a_step_clips_to_ghat_where_ghat_is_below_the_norm_and_c():
+    """Stage 2 clips to min(ghat_i, C): the refreshed ghat reads that norm.
+
+    At an epoch's first step ghat_i >= min(||g_i||, C) for every record, so
+    clipping to C alone would look the same there. Later in the epoch a
+    record's gradient can outgrow the ghat_i it is drawn with; the step is
+    fed such ghat (a twentieth of the drawn ones, all below C) and must
+    refresh ghat_i from min(||g_i||, ghat_i, C), accepting every such record
+    (p_i = 1), and weight each accepted term to norm K~ / N~.
+    """
+    x, y = data()
+    clip, k = 0.5, 5.0
+    optimizer = NoiselessDPIS(learning_rate=0.5, l2_norm_clip=clip, target_epsilon=4.0,
+                              epochs=3, sigma_n=5.0, seed=3, log_sampling_stats=True)
+    model = model_with(optimizer)
+    model._build_for((x, y))  # pylint: disable=protected-access
+    dataset, _ = optimizer.make_training_data(model, (x, y), B)
+    batch, info = next(iter(dataset))
+    mask = info["mask"].numpy()
+    info = dict(info, ghat=info["ghat"] / 20.0)
+    ghat = info["ghat"].numpy()
+    per_example, _, _ = compute_per_example_gradients(
+        model, batch[0], batch[1], info["mask"], per_example_loss(LOSS)
+    )
+    norms = np.sqrt(per_example.sq_norms().numpy())
+    drawn = mask > 0
+    outgrown = drawn & (ghat < np.minimum(norms, clip))
+    assert np.all(ghat[drawn] < clip) and outgrown.sum() >= 3
+    clipped = np.minimum(np.minimum(norms, ghat), clip)
+    accept = drawn & (info["uniform"].numpy() < clipped / ghat)
+    assert np.all(accept[outgrown])
+    k_tilde, n_tilde = optimizer.k_tilde, optimizer.n_tilde
+    weights = np.where(accept, k_tilde / (n_tilde * np.where(accept, norms, 1.0)), 0.0)
+    grads = [g.numpy() for g in per_example.materialize()]
+    want = [v.numpy() - 0.5 * np.tensordot(weights, g, axes=1) / B
+            for v, g in zip(model.trainable_variables, grads)]
+    logs = model.train_step((batch, info))
+    assert float(logs["batch_size"]) == accept.sum()
+    for got, expected in zip(model.trainable_variables, want):
+        np.testing.assert_allclose(got.numpy(), expected, rtol=1e-4, atol=1e-6)
+    refreshed = np.minimum(k * np.maximum(clipped, 0.01 * clip), k_tilde / B)
+    after = optimizer.ghat_table
+    np.testing.assert_allclose(after[info["indices"].numpy()[drawn]], refreshed[drawn], rtol=1e-5)
+
+
 def test_save_load_resume_keeps_released_state_and_not_the_ghat_table(tmp_path):
     x, y = data()
     model = model_with(dpis(epochs=4))
