@@ -116,20 +116,40 @@ def test_negative_control_a_user_seed_reproduces_the_noise(tmp_path):
 
 
 def test_a_resumed_seeded_run_does_not_replay_earlier_noise(tmp_path):
-    """Noise is keyed by the step: step 3 after a resume is not step 1 again."""
-    model = build(seed=5)
-    x, y = data()
-    steps = []
-    for _ in range(3):
-        before = np.concatenate([v.numpy().ravel() for v in model.trainable_variables]) if model.built else None
-        after = one_full_batch_step(model)
-        if before is not None:
-            steps.append(after - before)
-        if len(steps) == 1:
-            model.save(tmp_path / "mid.keras")
-            model = keras.models.load_model(tmp_path / "mid.keras")
-    assert model.optimizer.iterations.numpy() == 3
-    assert not np.allclose(steps[0], steps[1])
+    """Noise is keyed by the model's step count: a resume compiled with the
+    same seed draws new noise at its next step, not step 1's again. The
+    gradients are zero here (a bias-free linear model on x = 0), so each
+    update is the noise alone."""
+    x, y = np.zeros((32, 4), np.float32), np.zeros(32, np.int64)
+
+    def seeded(model):
+        model.compile(
+            optimizer=tfdp.optimizers.DPSGD(0.1, l2_norm_clip=1.0, noise_multiplier=1.0, seed=5),
+            loss=LOSS,
+        )
+        return model
+
+    def update(model):
+        before = model.get_weights()[-1].copy()
+        model.fit(x, y, batch_size=32, epochs=1, steps_per_epoch=1, verbose=0)
+        return model.get_weights()[-1] - before
+
+    def linear():
+        keras.utils.set_random_seed(0)
+        return tfdp.DPSequential([keras.Input((4,)), keras.layers.Dense(3, use_bias=False)])
+
+    model = seeded(linear())
+    start = model.get_weights()[-1].copy()
+    first = update(model)
+    model.save(tmp_path / "mid.keras")
+    second = update(seeded(keras.models.load_model(tmp_path / "mid.keras")))
+    assert np.linalg.norm(first) > 0 and np.linalg.norm(second) > 0
+    assert not np.allclose(first, second)
+    # Control: a fresh model with the same seed replays step 1 exactly, so
+    # the comparison above can see a replay.
+    fresh = seeded(linear())
+    np.testing.assert_array_equal(fresh.get_weights()[-1], start)
+    np.testing.assert_allclose(update(fresh), first, rtol=1e-6)
 
 
 def test_the_ledger_survives_save_and_load(checkpoint):
