@@ -8,7 +8,7 @@ Configs (random-init, the real KerasHub classes):
 Each runs with LoRA (`backbone.enable_lora(4)`: only the LoRA factors of the
 attention's query/value projections and a classifier's head train) and as
 full fine-tuning. tfdp runs twice: on the whole Poisson batch at once
-("unsplit": the draw, padded to a multiple of 8 rows) and with
+("unsplit": the draw as it comes, not padded below batch 64) and with
 `physical_batch_size` equal to the batch size ("k = batch": chunks past
 the last drawn row are skipped and each chunk's logits are dropped with
 it). For each config, one child

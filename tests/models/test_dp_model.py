@@ -318,8 +318,8 @@ def test_batches_are_padded_to_one_shape_only_under_xla(jit_compile):
     assert steps == 10 and len(lengths) == 10
     if jit_compile:
         assert len(set(lengths)) == 1 and lengths[0] > max(counts)
-    else:  # the smallest positive multiple of 8 that holds the draw
-        assert lengths == [max(8, -(-count // 8) * 8) for count in counts]
+    else:  # the smallest positive multiple of batch // 32 (here 1) that holds the draw
+        assert lengths == [max(1, count) for count in counts]
         assert len(set(lengths)) > 1
 
 
@@ -356,13 +356,15 @@ def test_tfdp_train_hands_momentum_to_the_optimizer(tmp_path):
         training.train(dataset="digits", mechanism="adadp", epochs=1, momentum=0.5, verbose=0)
 
 
-@pytest.mark.parametrize("run_eagerly, physical_batch_size", [(True, None), (False, None), (False, 3)])
+@pytest.mark.parametrize("run_eagerly, physical_batch_size", [(True, None), (False, None), (False, 4)])
 def test_padding_rows_add_nothing_without_xla(run_eagerly, physical_batch_size):
-    """Without XLA a full-batch draw of 5 records is still padded to 8 rows
-    (copies of a record, mask 0). The step must be lr / b times the clipped
-    sum over the 5 drawn rows, computed here one example at a time, and the
-    logged loss their mean: the padding adds nothing to either."""
-    x, y = small_data(n=5)
+    """Without XLA a full-batch draw of 65 records is still padded to 66 rows
+    (a multiple of `draw_multiple(65)` = 2; padding copies a record, mask 0).
+    The step must be lr / b times the clipped sum over the 65 drawn rows,
+    computed here one example at a time, and the logged loss their mean: the
+    padding adds nothing to either."""
+    assert tfdp.optimizers.dp_optimizer.draw_multiple(65) == 2
+    x, y = small_data(n=65)
     keras.utils.set_random_seed(0)
     model = small_model()
     model.compile(optimizer=NoiselessDPSGD(1.0, l2_norm_clip=0.5, noise_multiplier=1.0), loss=LOSS,
@@ -377,8 +379,8 @@ def test_padding_rows_add_nothing_without_xla(run_eagerly, physical_batch_size):
         norm = np.sqrt(sum(float(np.sum(g.numpy() ** 2)) for g in grads))
         clipped_sum = [s + g.numpy() * min(1.0, 0.5 / norm) for s, g in zip(clipped_sum, grads)]
         losses.append(float(loss))
-    history = model.fit(x, y, batch_size=5, epochs=1, steps_per_epoch=1, verbose=0,
+    history = model.fit(x, y, batch_size=65, epochs=1, steps_per_epoch=1, verbose=0,
                         physical_batch_size=physical_batch_size)
     for variable, before, total in zip(model.trainable_variables, start, clipped_sum):
-        np.testing.assert_allclose(variable.numpy(), before - 1.0 * total / 5, atol=1e-6)
+        np.testing.assert_allclose(variable.numpy(), before - 1.0 * total / 65, atol=1e-6)
     assert history.history["loss"][0] == pytest.approx(np.mean(losses), rel=1e-5)
