@@ -3,6 +3,7 @@
 import keras
 import numpy as np
 import pytest
+import tensorflow as tf
 
 import tfdp
 from tfdp.models import chunked_step
@@ -110,17 +111,41 @@ def test_empty_and_tiny_batches():
     assert_same_run(unsplit, split)
 
 
-def test_per_example_work_sees_chunks_of_k_rows(monkeypatch):
-    seen = []
+def record_chunk_rows(monkeypatch, at_run_time=True):
+    """Records the rows of every chunk's per-example work: (static rows at
+    trace time, rows at run time; XLA compiles no Python call, so the
+    latter stays empty with at_run_time=False)."""
+    traced, ran = [], []
     original = chunked_step.compute_per_example_gradients
 
     def recording(model, x, *args, **kwargs):
-        seen.append(x.shape[0])
+        traced.append(x.shape[0])
+        if at_run_time:
+            log = tf.py_function(lambda n: ran.append(int(n)) or 0, [tf.shape(x)[0]], tf.int32)
+            with tf.control_dependencies([log]):
+                x = tf.identity(x)
         return original(model, x, *args, **kwargs)
 
     monkeypatch.setattr(chunked_step, "compute_per_example_gradients", recording)
-    train(dpsgd(), 16, epochs=1)
-    assert seen and set(seen) == {16}
+    return traced, ran
+
+
+def test_per_example_work_sees_chunks_of_at_most_k_rows(monkeypatch):
+    # Without XLA a step's chunks are k rows but the last, which ends at the
+    # last drawn row: 4 steps at batch 96 of 300 run [16] * 6 or so, and a
+    # tail shorter than 16 (all 16 at once would be one in 16).
+    traced, ran = record_chunk_rows(monkeypatch)
+    model, _ = train(dpsgd(), 16, epochs=1)
+    assert traced and set(traced) == {None}
+    assert ran and max(ran) == 16 and min(ran) < 16
+    draws = model.privacy.steps
+    assert sum(size < 16 for size in ran) <= draws
+
+
+def test_chunks_have_k_rows_under_xla(monkeypatch):
+    traced, _ = record_chunk_rows(monkeypatch, at_run_time=False)
+    train(dpsgd(), 16, epochs=1, jit_compile=True)
+    assert set(traced) == {16}
 
 
 @pytest.mark.parametrize("value", [0, -3, 2.5, True, "8"])

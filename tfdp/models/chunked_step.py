@@ -9,7 +9,9 @@ the chunk. Every example's clipping factor depends on its own gradient only,
 so the total equals the unsplit clipped sum; noise is then added once for
 the logical step (`DPOptimizer.noisy_gradients`, same noise key), and the
 ledger charges one Poisson step as before. Chunks holding only padding
-(those after the last drawn row) are skipped.
+(those after the last drawn row) are skipped, and without XLA the last
+chunk ends at the last drawn row (a draw of 9 in chunks of 8 runs 8 + 1
+rows, not 16); under XLA every chunk has k rows (a static shape).
 
 Memory: the per-example work (activations, per-example gradients or their
 factors) and the predictions scale with k: compiled metrics are updated
@@ -105,12 +107,16 @@ def chunked_private_gradients(model, x, y, weights, step_info, physical_batch_si
     # Padding rows sit after the drawn ones; chunks past the last drawn row hold none.
     live_rows = tf.reduce_max(tf.where(mask > 0, tf.range(1, rows + 1), 0))
     num_chunks = (live_rows + k - 1) // k
-    offsets = tf.range(k)
+    static_chunks = bool(model.jit_compile)
 
     def chunk_of(start):
-        position = start + offsets
-        index = tf.minimum(position, rows - 1)  # static k rows; the tail repeats the last
-        inside = tf.cast(position < rows, tf.float32)
+        if static_chunks:  # XLA: k rows every time; the tail repeats the last row, mask 0
+            position = start + tf.range(k)
+            index = tf.minimum(position, rows - 1)
+            inside = tf.cast(position < rows, tf.float32)
+        else:  # the last chunk ends at the last drawn row: no work on padding
+            index = tf.range(start, tf.minimum(start + k, live_rows))
+            inside = 1.0
         take = lambda a: tf.gather(a, index)  # noqa: E731
         return (tf.nest.map_structure(take, x), tf.nest.map_structure(take, y),
                 take(weights) * inside, take(mask) * inside)
@@ -136,7 +142,8 @@ def chunked_private_gradients(model, x, y, weights, step_info, physical_batch_si
         tf.constant(0),
         [tf.zeros(v.shape, tf.float32) for v in variables],
         tf.constant(0.0),
-        tf.TensorArray(tf.float32, size=num_chunks, element_shape=[k]),
+        tf.TensorArray(tf.float32, size=num_chunks, element_shape=[k if static_chunks else None],
+                       infer_shape=static_chunks),
     )
     _, sums, nonfinite, losses = tf.while_loop(
         lambda i, *_: i < num_chunks, body, start, parallel_iterations=1
@@ -146,7 +153,7 @@ def chunked_private_gradients(model, x, y, weights, step_info, physical_batch_si
 
 
 def _rows(arrays, rows):
-    """Stacks a TensorArray of [k, ...] chunks into its first `rows` rows,
+    """Stacks a TensorArray of chunks into its first `rows` rows,
     zero-filled past the last written chunk."""
     stacked = arrays.concat()
     missing = rows - tf.shape(stacked)[0]
