@@ -158,3 +158,16 @@ def test_one_fashion_mnist_sized_epoch_is_fast():
     steps = sum(1 for _ in dataset)
     assert steps == 29
     assert time.perf_counter() - start < 5.0
+
+
+def test_epochs_do_not_wait_for_tf_data_autotuning(tmp_path):
+    # Keras makes a new iterator at every epoch end; with autotuning on,
+    # deleting the old one waited for its tuning thread (about 0.5 s at one
+    # epoch end in two, python benchmarks/throughput.py --only tanh_cnn_2048).
+    from tfdp.data import ArraySource
+
+    x, y = source()
+    for arrays in [(x, y), ArraySource(x, y)]:
+        dataset = make_dataset(PoissonSampler(N, 30, seed=0), arrays)
+        assert dataset.options().autotune.enabled is False
+        assert sum(1 for _ in dataset) == 10  # and the map still runs
