@@ -30,7 +30,7 @@ import numpy as np
 import tensorflow as tf
 
 from tfdp.accounting.calibration import steps_per_epoch as default_steps_per_epoch
-from tfdp.data.reader import read_batches
+from tfdp.data.reader import index_batches, read_batches
 from tfdp.data.sources import as_source
 
 __all__ = ["PoissonSampler", "padded_batch_size", "make_dataset", "gathered_batches"]
@@ -551,13 +551,7 @@ def gathered_batches(generator, tensors):
     source = as_source(tensors)
     if source is not None:
         return read_batches(generator, source)
-    indices = tf.data.Dataset.from_generator(
-        generator,
-        output_signature=(
-            tf.TensorSpec(shape=[None], dtype=tf.int64),
-            tf.TensorSpec(shape=[None], dtype=tf.float32),
-        ),
-    )
+    indices = index_batches(generator)
 
     def gather(rows, mask):
         return tf.nest.map_structure(lambda t: tf.gather(t, rows), tensors), mask

@@ -53,6 +53,33 @@ def read_padded(source, indices, mask):
     return out
 
 
+def index_batches(generator):
+    """The `(indices, mask)` pairs of `generator` as a `tf.data.Dataset`.
+
+    Args:
+        generator: a callable returning an iterator of `(indices, mask)`
+            (int64 and float32 1-D arrays of one length), e.g. a
+            `PoissonSampler`'s `epoch`; each iteration calls it again.
+
+    Returns:
+        A `tf.data.Dataset` of (int64 [None], float32 [None]) pairs.
+
+    Example:
+
+    >>> draws = [(np.array([3, 0]), np.array([1.0, 0.0], np.float32))]
+    >>> pairs = index_batches(lambda: iter(draws))
+    >>> [(i.numpy().tolist(), m.numpy().tolist()) for i, m in pairs]
+    [([3, 0], [1.0, 0.0])]
+    """
+    return tf.data.Dataset.from_generator(
+        generator,
+        output_signature=(
+            tf.TensorSpec(shape=[None], dtype=tf.int64),
+            tf.TensorSpec(shape=[None], dtype=tf.float32),
+        ),
+    )
+
+
 def read_batches(generator, source):
     """`(batch, mask)` elements read from `source` at a generator's indices.
 
@@ -76,13 +103,7 @@ def read_batches(generator, source):
     True
     """
     specs = tf.nest.flatten(source.element_spec)
-    indices = tf.data.Dataset.from_generator(
-        generator,
-        output_signature=(
-            tf.TensorSpec(shape=[None], dtype=tf.int64),
-            tf.TensorSpec(shape=[None], dtype=tf.float32),
-        ),
-    )
+    indices = index_batches(generator)
 
     def read(rows, mask):
         flat = tf.numpy_function(
