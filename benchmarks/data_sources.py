@@ -4,10 +4,12 @@ Three measurements, one sub-command each:
 
 throughput: Fashion-MNIST is written once to disk as a .npy memmap
     (`tfdp.data.write_records`) and as one ArrayRecord file (28x28 uint8
-    pixels + label byte per record, decoded by a `RecordSource` transform),
-    then DP-SGD on the tanh CNN (README's model, batch 256) fits one epoch
-    of `--steps` steps from in-memory arrays, from the memmap and from the
-    RecordSource, interleaved for `--rounds` rounds after a warm-up round,
+    pixels + label byte per record), then DP-SGD on the tanh CNN (README's
+    model, batch 256) fits one epoch of `--steps` steps from in-memory
+    arrays, from the memmap and from two RecordSources over the ArrayRecord
+    file (decoded record by record by a `transform`, and a step at a time
+    by a `batch_transform`), interleaved for `--rounds` rounds after a
+    warm-up round,
     in one process. Examples/s are timed inside fit from the end of the 3rd
     step to the end of the last; the table gives the median over rounds and
     the ratio to in-memory arrays.
@@ -67,10 +69,19 @@ def decode(record):
     return (data[:784].astype(np.float32) / 255.0).reshape(28, 28, 1), np.int64(data[784])
 
 
-def array_record_source(path):
+def decode_batch(records):
+    data = np.frombuffer(b"".join(records), np.uint8).reshape(len(records), 785)
+    pixels = (data[:, :784].astype(np.float32) / 255.0).reshape(-1, 28, 28, 1)
+    return pixels, data[:, 784].astype(np.int64)
+
+
+def array_record_source(path, batched=False):
     from array_record.python.array_record_data_source import ArrayRecordDataSource
 
-    return RecordSource(ArrayRecordDataSource([path]), transform=decode)
+    records = ArrayRecordDataSource([path])
+    if batched:
+        return RecordSource(records, batch_transform=decode_batch)
+    return RecordSource(records, transform=decode)
 
 
 def on_disk(folder, x, y):
@@ -113,8 +124,10 @@ def throughput(args):
         started = time.perf_counter()
         memmap, records = on_disk(folder, x, y)
         print(f"wrote Fashion-MNIST to disk in {time.perf_counter() - started:.1f} s")
+        batched = array_record_source(os.path.join(folder, "train.array_record"), batched=True)
         kinds = {"in-memory arrays": (x, y), "memmap (.npy)": (memmap,),
-                 "RecordSource (ArrayRecord)": (records,)}
+                 "RecordSource (ArrayRecord), transform": (records,),
+                 "RecordSource (ArrayRecord), batch_transform": (batched,)}
         models = {name: dp_model(0, recipes.tanh_cnn()) for name in kinds}
         rates = {name: [] for name in kinds}
         for round_number in range(args.rounds + 1):
@@ -126,14 +139,31 @@ def throughput(args):
                 rate = steps * args.batch_size / (clock.times[-1] - clock.times[2])
                 if round_number:  # round 0 traces the step
                     rates[name].append(rate)
+        reads = {name: read_milliseconds(data[0], args.batch_size)
+                 for name, data in kinds.items() if len(data) == 1}
     base = statistics.median(rates["in-memory arrays"])
     print(f"DP-SGD, tanh CNN, batch {args.batch_size}, {args.steps} steps, "
-          f"median of {args.rounds} interleaved rounds")
-    print("| data | examples/s | vs in-memory |")
-    print("|---|---|---|")
+          f"median of {args.rounds} interleaved rounds; read ms: one step's "
+          f"{args.batch_size} sampled records read alone (median of 50 draws)")
+    print("| data | examples/s | vs in-memory | read ms |")
+    print("|---|---|---|---|")
     for name, values in rates.items():
         median = statistics.median(values)
-        print(f"| {name} | {median:,.0f} | {median / base:.2f}x |")
+        read = f"{reads[name]:.1f}" if name in reads else "-"
+        print(f"| {name} | {median:,.0f} | {median / base:.2f}x | {read} |")
+
+
+def read_milliseconds(source, batch_size, draws=50):
+    """Median time of `source.read_batch` for `draws` Poisson-sized draws."""
+    rng = np.random.default_rng(0)
+    out = source.empty_batch(2 * batch_size)
+    times = []
+    for _ in range(draws + 1):
+        indices = np.flatnonzero(rng.random(len(source)) < batch_size / len(source))
+        started = time.perf_counter()
+        source.read_batch(indices, out)
+        times.append((time.perf_counter() - started) * 1e3)
+    return statistics.median(times[1:])
 
 
 # -- memory -----------------------------------------------------------------------

@@ -184,6 +184,73 @@ def test_fit_on_a_tfds_array_record_source(tmp_path):
     assert np.isfinite(model.privacy.epsilon(1e-5))
 
 
+class ByteRecords:
+    """Each record as raw bytes (x as float32, then the label as int64), the
+    way an ArrayRecord file stores serialized examples."""
+
+    def __init__(self, x, y):
+        self.rows = [a.astype(np.float32).tobytes() + np.int64(b).tobytes() for a, b in zip(x, y)]
+        self.batches = 0
+
+    def __len__(self):
+        return len(self.rows)
+
+    def __getitem__(self, index):
+        return self.rows[index]
+
+    def decode(self, item):
+        return np.frombuffer(item[:-8], np.float32), np.frombuffer(item[-8:], np.int64)[0]
+
+    def decode_batch(self, items):
+        self.batches += 1
+        data = np.frombuffer(b"".join(items), np.uint8).reshape(len(items), -1)
+        return data[:, :-8].copy().view(np.float32), data[:, -8:].copy().view(np.int64)[:, 0]
+
+
+def test_batch_transform_gives_the_per_record_transforms_batches(data):
+    x, y = data
+    records = ByteRecords(x, y)
+    per_record = RecordSource(records, transform=records.decode)
+    batched = RecordSource(records, batch_transform=records.decode_batch)
+    assert batched.element_spec == per_record.element_spec
+    np.testing.assert_array_equal(batched[7][0], x[7])
+    sampler = lambda: PoissonSampler(N, 50, seed=4)  # noqa: E731
+    pairs = zip(make_dataset(sampler(), per_record), make_dataset(sampler(), batched))
+    for ((xa, ya), ma), ((xb, yb), mb) in pairs:
+        np.testing.assert_array_equal(ma, mb)
+        np.testing.assert_array_equal(xa, xb)
+        np.testing.assert_array_equal(ya, yb)
+    for a, b in zip(weights(train(batched)), weights(train(x, y))):
+        np.testing.assert_array_equal(a, b)
+    assert records.batches > 5  # one call per step, not per record
+
+
+def test_a_batch_transform_that_does_not_match_record_0_is_named():
+    x = np.zeros((40, D), np.float32)
+    records = ByteRecords(x, np.zeros(40, np.int64))
+
+    def short_rows(items):
+        x_batch, y_batch = records.decode_batch(items)
+        return (x_batch[:, :-1] if len(items) > 1 else x_batch), y_batch
+
+    source = RecordSource(records, batch_transform=short_rows)
+    out = source.empty_batch(3)
+    with pytest.raises(ValueError, match=r"batch_transform of records \[4, 9, 11\] does not "
+                       r"match record 0 at x: expected shape \(3, 8\)"):
+        source.read_batch(np.array([4, 9, 11]), out)
+    with pytest.raises(ValueError, match=r"record 0 .* batch_transform of one record to be a tuple"):
+        RecordSource(records, batch_transform=lambda items: [records.decode_batch(items)[0]])
+    x_only = RecordSource(records, batch_transform=lambda items: (
+        records.decode_batch(items) if len(items) == 1 else [records.decode_batch(items)[0]]))
+    with pytest.raises(ValueError, match=r"Expected the batch_transform of records \[1, 2\] "
+                       r"to be a tuple \(x, y\)"):
+        x_only.read_batch(np.array([1, 2]), out)
+    with pytest.raises(ValueError, match="not both"):
+        RecordSource(records, transform=records.decode, batch_transform=records.decode_batch)
+    with pytest.raises(TypeError, match="Received: batch_transform=3"):
+        RecordSource(records, batch_transform=3)
+
+
 def test_a_mismatched_record_is_an_error_naming_its_index():
     records = [(np.zeros(D, np.float32), 0)] * 20 + [(np.zeros(D + 1, np.float32), 0)]
     source = RecordSource(records)
