@@ -224,17 +224,27 @@ class RecordSource(_Source):
     def __repr__(self):
         return f"RecordSource({type(self.records).__name__}, num_records={self._length})"
 
-    def _example(self, index):
+    def _reading_failed(self, error, index):
+        """`error` (a missing file, a corrupt record) saying which record."""
+        return type(error)(
+            f"Reading record {index} of {type(self.records).__name__} failed: {error}"
+        )
+
+    def _read_item(self, index):
         try:
-            item = self.records[int(index)]
+            return self.records[int(index)]
+        except Exception as error:
+            raise self._reading_failed(error, index) from error
+
+    def _example(self, index):
+        item = self._read_item(index)
+        try:
             if self.transform is not None:
                 item = self.transform(item)
             elif self.batch_transform is not None:
                 item = _first_row(self.batch_transform([item]))
-        except Exception as error:  # a missing file, a corrupt record: say which
-            raise type(error)(
-                f"Reading record {index} of {type(self.records).__name__} failed: {error}"
-            ) from error
+        except Exception as error:
+            raise self._reading_failed(error, index) from error
         return _as_example(item, index)
 
     def __getitem__(self, index):
@@ -295,14 +305,6 @@ class RecordSource(_Source):
         for row, leaves in enumerate(rows):
             for target, leaf in zip(out, leaves):
                 target[row] = leaf
-
-    def _read_item(self, index):
-        try:
-            return self.records[int(index)]
-        except Exception as error:
-            raise type(error)(
-                f"Reading record {index} of {type(self.records).__name__} failed: {error}"
-            ) from error
 
     def _read_batch_transformed(self, indices, out):
         """The items at `indices`, decoded by one `batch_transform` call."""
