@@ -42,7 +42,8 @@ def milliseconds(function, repeats):
 
 
 def stages(name):
-    """(label, tf.function) pairs for the zoo model `name`."""
+    """(label, function) pairs for the zoo model `name`; `main` times each
+    as a `tf.function`."""
     inputs, outputs, x, y = build(name)
     batch = ZOO[name][0]
     x, y = tf.constant(x[:batch]), tf.constant(y[:batch])
