@@ -4,7 +4,8 @@ For every zoo model, one child process builds the plain Keras model and the
 same model as a `tfdp.DPModel` (same weights), for each `--dtypes` policy
 (float32 and/or mixed_bfloat16), then fits each for one epoch of `steps`
 steps, alternating all of them for `--rounds` rounds after a warm-up round
-(tracing). Each row gives the median over rounds of examples/s measured two
+(tracing), and for each `--jit-compile` value (both models compiled with
+it). Each row gives the median over rounds of examples/s measured two
 ways, in two separate `fit` calls per round: the whole `fit` call with no
 callback of the benchmark's own (input pipeline, callbacks and DP's epsilon
 included: what a user with verbose=0 waits for), and inside `fit` (from the
@@ -15,11 +16,14 @@ measured in separate child processes, one per model and kind, as the growth
 of the process's peak RSS during `fit` over its RSS just before. "noise ms"
 is the time to draw one step's Gaussian noise for every parameter, the
 floor DP adds whatever the per-example path (dense on every embedding row).
-Synthetic data; no XLA. Prints a Markdown table.
+With both `--jit-compile` values the last column gives XLA's whole-fit
+speed over the same dtype without it. Synthetic data. Prints a Markdown
+table.
 
     python benchmarks/throughput.py                 # whole zoo (~25 minutes on 2 cores)
     python benchmarks/throughput.py --only tanh_cnn_256 text_pooling --no-memory
     python benchmarks/throughput.py --only mlp mlp_2048 --dtypes float32 mixed_bfloat16
+    python benchmarks/throughput.py --no-memory --jit-compile false true   # on a GPU
 """
 
 import argparse
@@ -143,7 +147,7 @@ class StepClock:
         return Clock()
 
 
-def make_models(name, dtype="float32"):
+def make_models(name, dtype="float32", jit_compile=False):
     import keras
 
     import tfdp
@@ -157,10 +161,12 @@ def make_models(name, dtype="float32"):
     plain = keras.Model(inputs, outputs)
     private = tfdp.DPModel(inputs, outputs)
     loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
-    plain.compile(optimizer=keras.optimizers.SGD(0.01), loss=loss, jit_compile=False)
+    plain.compile(optimizer=keras.optimizers.SGD(0.01), loss=loss,
+                  jit_compile=jit_compile)
     private.compile(
         optimizer=tfdp.optimizers.DPSGD(0.01, l2_norm_clip=1.0, noise_multiplier=1.0),
         loss=loss,
+        jit_compile=jit_compile,
     )
     return plain, private, x, y
 
@@ -202,11 +208,13 @@ def noise_ms(model):
     return 1000 * statistics.median(times)
 
 
-def speed_child(name, rounds, dtypes=("float32",)):
+def speed_child(name, rounds, dtypes=("float32",), jit_values=(False,)):
     models = {}
     for dtype in dtypes:
-        plain, private, x, y = make_models(name, dtype)
-        models[(dtype, "plain")], models[(dtype, "dp")] = plain, private
+        for jit in jit_values:
+            plain, private, x, y = make_models(name, dtype, jit)
+            models[(variant(dtype, jit), "plain")] = plain
+            models[(variant(dtype, jit), "dp")] = private
     results = {key: [] for key in models}
     for round_index in range(rounds + 1):
         for key, model in models.items():
@@ -214,8 +222,8 @@ def speed_child(name, rounds, dtypes=("float32",)):
             if round_index:  # round 0 traces the steps
                 results[key].append(result)
     median = {
-        f"{dtype}/{kind}": {k: statistics.median(r[k] for r in runs) for k in ("step", "epoch")}
-        for (dtype, kind), runs in results.items()
+        f"{key}/{kind}": {k: statistics.median(r[k] for r in runs) for k in ("step", "epoch")}
+        for (key, kind), runs in results.items()
     }
     return {
         "speeds": median,
@@ -223,6 +231,11 @@ def speed_child(name, rounds, dtypes=("float32",)):
         "params": int(sum(v.shape.num_elements() for v in private.trainable_variables)),
         "noise_ms": noise_ms(private),
     }
+
+
+def variant(dtype, jit):
+    """The key of one (dtype policy, jit_compile) pair in a child's results."""
+    return f"{dtype}/xla" if jit else dtype
 
 
 def memory_child(name, kind):
@@ -250,6 +263,8 @@ def main():
     parser.add_argument("--dtypes", nargs="+", default=["float32"],
                         choices=["float32", "mixed_bfloat16", "mixed_float16"],
                         help="dtype policies to measure, interleaved in one process")
+    parser.add_argument("--jit-compile", nargs="+", default=["false"], choices=["false", "true"],
+                        help="jit_compile values to measure (plain and DP alike), interleaved")
     parser.add_argument("--no-memory", action="store_true", help="skip the peak-memory children")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -258,13 +273,15 @@ def main():
         result = speed_child(*rest) if kind == "speed" else memory_child(*rest)
         print(json.dumps(result))
         return
-    compare = len(args.dtypes) > 1
-    print("| model | batch | dtype | params | per-example path | Keras ex/s (step / fit) "
+    jit_values = [value == "true" for value in args.jit_compile]
+    compare, compare_jit = len(args.dtypes) > 1, len(jit_values) > 1
+    print("| model | batch | dtype | XLA | params | per-example path | Keras ex/s (step / fit) "
           "| tfdp ex/s (step / fit) | DP/plain (step / fit) | noise ms | "
-          "Keras peak +MiB | tfdp peak +MiB |" + (" fit vs float32 (Keras / tfdp) |" if compare else ""))
-    print("|---" * (11 + compare) + "|")
+          "Keras peak +MiB | tfdp peak +MiB |" + (" fit vs float32 (Keras / tfdp) |" if compare else "")
+          + (" fit vs no XLA (Keras / tfdp) |" if compare_jit else ""))
+    print("|---" * (12 + compare + compare_jit) + "|")
     for name in args.only or ZOO:
-        speed = run_child("speed", name, args.rounds, args.dtypes)
+        speed = run_child("speed", name, args.rounds, args.dtypes, jit_values)
         memory = {} if args.no_memory else {
             kind: run_child("memory", name, kind) for kind in ("plain", "dp")}
         batch = ZOO[name][0]
@@ -272,21 +289,32 @@ def main():
             print(f"| {name} | {batch} | | | fails: {speed['error']} |", flush=True)
             continue
         mib = [memory.get(k, {}).get("peak_growth_mib") for k in ("plain", "dp")]
-        for dtype in args.dtypes:
-            plain, dp = speed["speeds"][f"{dtype}/plain"], speed["speeds"][f"{dtype}/dp"]
+        for dtype, jit in [(d, j) for d in args.dtypes for j in jit_values]:
+            key = variant(dtype, jit)
+            plain, dp = speed["speeds"][f"{key}/plain"], speed["speeds"][f"{key}/dp"]
             row = (
-                f"| {name} | {batch} | {dtype} | {speed['params']:,} | {speed['path']} "
+                f"| {name} | {batch} | {dtype} | {'yes' if jit else 'no'} | {speed['params']:,} "
+                f"| {speed['path']} "
                 f"| {plain['step']:.0f} / {plain['epoch']:.0f} | {dp['step']:.0f} / {dp['epoch']:.0f} "
                 f"| {dp['step'] / plain['step']:.2f} / {dp['epoch'] / plain['epoch']:.2f} "
                 f"| {speed['noise_ms']:.1f} | "
                 + " | ".join("-" if m is None else f"{m:.0f}" for m in mib) + " |"
             )
             if compare:
-                base = speed["speeds"]
-                ratios = [base[f"{dtype}/{k}"]["epoch"] / base[f"float32/{k}"]["epoch"]
-                          for k in ("plain", "dp")] if "float32" in args.dtypes else None
-                row += (f" {ratios[0]:.2f} / {ratios[1]:.2f} |" if ratios else " |")
+                row += fit_ratios(speed["speeds"], key, variant("float32", jit)
+                                  if "float32" in args.dtypes else None)
+            if compare_jit:
+                row += fit_ratios(speed["speeds"], key, variant(dtype, False))
             print(row, flush=True)
+
+
+def fit_ratios(speeds, key, base):
+    """A table cell: whole-fit speed of `key` over `base`, plain and DP."""
+    if base is None:
+        return " |"
+    plain, dp = (speeds[f"{key}/{k}"]["epoch"] / speeds[f"{base}/{k}"]["epoch"]
+                 for k in ("plain", "dp"))
+    return f" {plain:.2f} / {dp:.2f} |"
 
 
 if __name__ == "__main__":
