@@ -13,11 +13,35 @@ def test_auto_is_false_on_cpu_where_xla_measured_slower():
     assert resolve_jit_compile("auto", device_types=["CPU"]) is False
 
 
-def test_auto_follows_the_measurement_of_the_accelerator_present(monkeypatch):
-    monkeypatch.setitem(jit.MEASURED_XLA_FASTER, "GPU", True)
+def test_auto_is_xla_on_a_gpu_where_xla_measured_faster():
+    # benchmarks/results/throughput_gpu_h100.md: XLA's DP fit 1.02x-1.79x on an H100.
     assert resolve_jit_compile("auto", device_types=["CPU", "GPU"]) is True
+
+
+def test_auto_follows_the_measurement_of_the_accelerator_present(monkeypatch):
+    monkeypatch.setitem(jit.MEASURED_XLA_FASTER, "TPU", True)
+    assert resolve_jit_compile("auto", device_types=["CPU", "TPU"]) is True
     assert resolve_jit_compile("auto", device_types=["CPU"]) is False  # the CPU's own measurement
+    monkeypatch.delitem(jit.MEASURED_XLA_FASTER, "TPU")
     assert resolve_jit_compile("auto", device_types=["CPU", "TPU"]) is False  # never measured
+
+
+class NoXLA(keras.layers.Layer):
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.supports_jit = False
+
+    def call(self, x):
+        return x
+
+
+def test_auto_stays_off_for_a_layer_xla_cannot_compile_and_for_an_eager_run():
+    inputs = keras.Input((4,))
+    plain = tfdp.DPModel(inputs, keras.layers.Dense(2)(inputs))
+    assert resolve_jit_compile("auto", device_types=["CPU", "GPU"], model=plain) is True
+    blocked = tfdp.DPModel(inputs, keras.layers.Dense(2)(NoXLA()(inputs)))
+    assert resolve_jit_compile("auto", device_types=["CPU", "GPU"], model=blocked) is False
+    assert resolve_jit_compile("auto", device_types=["CPU", "GPU"], run_eagerly=True) is False
 
 
 def test_explicit_choices_pass_through_and_bad_values_are_refused():

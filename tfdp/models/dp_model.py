@@ -142,8 +142,10 @@ class DPTrainingMixin:
         float32 (no loss scaling: `auto_scale_loss` is refused).
 
         `jit_compile="auto"` (the default) is resolved by
-        `tfdp.models.jit.resolve_jit_compile`: False on CPU, where the DP step
-        measured faster without XLA, and on devices not yet measured.
+        `tfdp.models.jit.resolve_jit_compile`: True on GPU, where XLA measured
+        faster, False on CPU, where the DP step measured faster without it,
+        on devices not yet measured, for layers XLA cannot compile and for
+        `run_eagerly=True`.
         """
         from tfdp.optimizers import DPOptimizer
 
@@ -159,7 +161,9 @@ class DPTrainingMixin:
         check_per_example_support(self)
         self._per_example_loss = per_example_loss(loss)
         self._per_token_loss = token_weighted_loss(loss)
-        kwargs["jit_compile"] = resolve_jit_compile(kwargs.get("jit_compile", "auto"))
+        kwargs["jit_compile"] = resolve_jit_compile(
+            kwargs.get("jit_compile", "auto"), model=self, run_eagerly=kwargs.get("run_eagerly", False)
+        )
         if kwargs.get("auto_scale_loss") and self.dtype_policy.name == "mixed_float16":
             raise ValueError(
                 "A DP model computes its loss and per-example gradients in float32 "

@@ -2,10 +2,12 @@
 
 Keras's own "auto" turns XLA on wherever the layers allow it. For the DP
 step the choice was measured (benchmarks/throughput.py): on the 2-core CPU
-the step ran faster without XLA, so "auto" is False there. Device types
-without a measurement (GPU, TPU: no accelerator was available when this was
-written) also get False, the path that needs no fixed batch shape; pass
-`jit_compile=True` to `compile` to use XLA there.
+the step ran faster without XLA, so "auto" is False there; on an H100 GPU
+XLA made DP's whole fit 1.02x to 1.79x faster in float32 on every zoo
+model but the LSTM (0.90x, within noise; benchmarks/results/
+throughput_gpu_h100.md), so "auto" is True on GPU. Device types without a
+measurement (TPU) get False, the path that needs no fixed batch shape;
+pass `jit_compile=True` to `compile` to use XLA there.
 
 Example:
 
@@ -16,22 +18,28 @@ True
 """
 
 import tensorflow as tf
+from keras.src.trainers.trainer import model_supports_jit
 
 # Device type -> whether XLA measured faster for the DP step on it.
-MEASURED_XLA_FASTER = {"CPU": False}
+MEASURED_XLA_FASTER = {"CPU": False, "GPU": True}
 
 
-def resolve_jit_compile(jit_compile, device_types=None):
+def resolve_jit_compile(jit_compile, device_types=None, model=None, run_eagerly=False):
     """The `jit_compile` a DP model compiles with.
 
     Args:
         jit_compile: True, False or "auto".
         device_types: the device types training runs on (e.g. ["CPU"],
             ["CPU", "GPU"]); default: TensorFlow's logical devices.
+        model: the model compiling, if any: "auto" stays False when one of
+            its layers cannot run under XLA (Keras's own test,
+            `supports_jit`).
+        run_eagerly: "auto" is False for an eager run.
 
     Returns:
         bool. "auto" is True only when every accelerator present (else the
-        CPU) is a device type on which XLA measured faster.
+        CPU) is a device type on which XLA measured faster, and the model
+        and run allow XLA.
 
     Raises:
         ValueError: for anything but True, False or "auto".
@@ -39,7 +47,7 @@ def resolve_jit_compile(jit_compile, device_types=None):
     Example:
 
     >>> resolve_jit_compile("auto", device_types=["CPU", "GPU"])
-    False
+    True
     """
     if isinstance(jit_compile, bool):
         return jit_compile
@@ -47,6 +55,8 @@ def resolve_jit_compile(jit_compile, device_types=None):
         raise ValueError(
             f"Expected `jit_compile` to be True, False or 'auto'. Received: jit_compile={jit_compile!r}"
         )
+    if run_eagerly or (model is not None and not model_supports_jit(model)):
+        return False
     if device_types is None:
         device_types = [device.device_type for device in tf.config.list_logical_devices()]
     kinds = set(device_types)
