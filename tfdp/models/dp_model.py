@@ -20,7 +20,7 @@ from keras.src.utils.tracking import no_automatic_dependency_tracking
 from tfdp import distribute
 from tfdp.accounting import PrivacyLedger
 from tfdp.data import sources
-from tfdp.models import chunked_step, input_checks
+from tfdp.models import chunked_step, float32_precision, input_checks
 from tfdp.models.atomic_save import atomic_write, is_local_path
 from tfdp.models.jit import resolve_jit_compile
 from tfdp.models.losses import per_example_loss
@@ -304,6 +304,7 @@ class DPTrainingMixin:
 
         if self.optimizer is None or self._per_example_loss is None:
             raise ValueError("Compile the model with a tfdp optimizer before calling fit().")
+        float32_precision.keep_float32_exact()  # per-example norms in float32, not TF32
         physical_batch_size = chunked_step.check_physical_batch_size(
             self.optimizer, physical_batch_size
         )
