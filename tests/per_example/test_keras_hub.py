@@ -180,3 +180,41 @@ def test_causal_lm_fits_with_keras_hub_per_token_sample_weight(physical_batch_si
     # The ledger holds the 4 Poisson steps that ran (q = 8 / 32, noise 1).
     assert model.privacy.epsilon(1e-5) == pytest.approx(
         tfdp.accounting.compute_epsilon(1.0, 8 / 32, 4, 1e-5), rel=1e-9)
+
+
+class _NoiselessDPSGD(tfdp.optimizers.DPSGD):
+    """DP-SGD without its noise, so that two runs of a step can be compared."""
+
+    def noise_stddev(self):
+        return 0.0
+
+
+@pytest.mark.parametrize("name", ["gemma_lora", "vit_lora"])  # no dropout: one result per step
+def test_lora_fine_tuning_under_xla_equals_the_eager_step(name, monkeypatch):
+    """jit_compile="auto" is XLA on a GPU: there a LoRA fine-tune in physical
+    batches must take the same steps as without XLA (run here on CPU)."""
+    from tfdp.data import PoissonSampler
+
+    draws = [np.arange(0, 32, 3), np.arange(1, 32, 4)]
+
+    def run(jit_compile):
+        calls = iter(draws)
+        monkeypatch.setattr(PoissonSampler, "sample_indices", lambda self: next(calls))
+        model, _ = _task(name)
+        start = [v.numpy() for v in model.trainable_variables]
+        rng = np.random.default_rng(3)
+        x = _inputs(model, 32, rng)
+        y = np.asarray(_targets(name, x, rng))
+        model.compile(optimizer=_NoiselessDPSGD(0.1, l2_norm_clip=0.5, noise_multiplier=1.0),
+                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                      jit_compile=jit_compile)
+        assert model.jit_compile is jit_compile
+        model.fit(x, y, batch_size=8, epochs=1, steps_per_epoch=2, physical_batch_size=4, verbose=0)
+        assert model.privacy.steps == 2
+        return start, [v.numpy() for v in model.trainable_variables]
+
+    start, eager = run(False)
+    _, xla = run(True)
+    assert max(np.abs(a - b).max() for a, b in zip(eager, start)) > 1e-3  # the steps moved the weights
+    for a, b in zip(xla, eager):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
