@@ -22,6 +22,7 @@ from hypothesis import strategies as st
 
 import tfdp
 from tfdp import accounting, cli
+from tests.noiseless import NoiselessDPSGD
 
 CLI = settings(max_examples=60, deadline=None, derandomize=True, database=None)
 API = settings(max_examples=40, deadline=None, derandomize=True, database=None)
@@ -172,13 +173,6 @@ def test_huge_noise_gives_the_same_epsilon_as_less_noise(accountant):
 
 
 # -- training data with NaN / Inf rows ---------------------------------------------------------
-
-
-class NoiselessDPSGD(tfdp.optimizers.DPSGD):
-    """Test double: no noise, so one step's update is the clipped mean exactly."""
-
-    def noise_stddev(self):
-        return 0.0
 
 
 def one_step(x, y, method, batch_size, seed=0):

@@ -10,13 +10,7 @@ import tensorflow as tf
 import tfdp
 from tfdp import recipes
 from tfdp.data import load_digits
-
-
-class NoiselessDPSGD(tfdp.optimizers.DPSGD):
-    """Test double: DP-SGD with its noise removed, to compare with plain SGD."""
-
-    def noise_stddev(self):
-        return 0.0
+from tests.noiseless import NoiselessDPSGD
 
 
 def small_model(method="auto"):

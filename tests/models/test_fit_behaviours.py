@@ -17,15 +17,9 @@ import pytest
 import tfdp
 from tfdp import cli, recipes
 from tfdp.data import PoissonSampler
+from tests.noiseless import NoiselessDPSGD
 
 LOSS = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
-
-
-class NoiselessDPSGD(tfdp.optimizers.DPSGD):
-    """Test double: DP-SGD with its noise removed, so one step is exact."""
-
-    def noise_stddev(self):
-        return 0.0
 
 
 def linear_model(inputs=2, classes=2):

@@ -12,6 +12,7 @@ import tfdp
 from tfdp import accounting
 from tfdp.per_example import MaterializedGrads, PerExampleGradients
 from tests.example_scripts import load_example
+from tests.noiseless import NoiselessDPSGD
 
 LOSS = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
 
@@ -199,11 +200,6 @@ class AlwaysAdaptiveAdaDP(tfdp.optimizers.AdaDP):
 
 class NoiselessAlwaysAdaptiveAdaDP(AlwaysAdaptiveAdaDP, NoiselessAdaDP):
     pass
-
-
-class NoiselessDPSGD(tfdp.optimizers.DPSGD):
-    def noise_stddev(self):
-        return 0.0
 
 
 @pytest.mark.parametrize("noise", ["off", "seeded"])

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+from tests.noiseless import NoiselessDPSGD
 from tests.per_example import hub_models
 from tfdp.per_example import compute_per_example_gradients, plan_for
 
@@ -182,13 +183,6 @@ def test_causal_lm_fits_with_keras_hub_per_token_sample_weight(physical_batch_si
         tfdp.accounting.compute_epsilon(1.0, 8 / 32, 4, 1e-5), rel=1e-9)
 
 
-class _NoiselessDPSGD(tfdp.optimizers.DPSGD):
-    """DP-SGD without its noise, so that two runs of a step can be compared."""
-
-    def noise_stddev(self):
-        return 0.0
-
-
 @pytest.mark.parametrize("name", ["gemma_lora", "vit_lora"])  # no dropout: one result per step
 def test_lora_fine_tuning_under_xla_equals_the_eager_step(name, monkeypatch):
     """jit_compile="auto" is XLA on a GPU: there a LoRA fine-tune in physical
@@ -205,7 +199,7 @@ def test_lora_fine_tuning_under_xla_equals_the_eager_step(name, monkeypatch):
         rng = np.random.default_rng(3)
         x = _inputs(model, 32, rng)
         y = np.asarray(_targets(name, x, rng))
-        model.compile(optimizer=_NoiselessDPSGD(0.1, l2_norm_clip=0.5, noise_multiplier=1.0),
+        model.compile(optimizer=NoiselessDPSGD(0.1, l2_norm_clip=0.5, noise_multiplier=1.0),
                       loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
                       jit_compile=jit_compile)
         assert model.jit_compile is jit_compile
