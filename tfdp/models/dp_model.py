@@ -304,7 +304,6 @@ class DPTrainingMixin:
 
         if self.optimizer is None or self._per_example_loss is None:
             raise ValueError("Compile the model with a tfdp optimizer before calling fit().")
-        float32_precision.keep_float32_exact()  # per-example norms in float32, not TF32
         physical_batch_size = chunked_step.check_physical_batch_size(
             self.optimizer, physical_batch_size
         )
@@ -363,6 +362,7 @@ class DPTrainingMixin:
             if isinstance(callback, PrivacyBudget):
                 callback.check_can_start(self.privacy)
         callbacks.append(LedgerGuard(self.privacy, callbacks))
+        float32_precision.keep_float32_exact()  # per-example norms in float32, not TF32
         return super().fit(
             dataset,
             epochs=epochs,

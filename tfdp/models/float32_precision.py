@@ -21,12 +21,9 @@ import logging
 
 import tensorflow as tf
 
+from tfdp.models.jit import present_device_types
+
 logger = logging.getLogger("tfdp")
-
-
-def present_device_types():
-    """The device types TensorFlow computes on here, e.g. ["CPU", "GPU"]."""
-    return [device.device_type for device in tf.config.list_logical_devices()]
 
 
 def keep_float32_exact(device_types=None):

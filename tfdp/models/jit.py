@@ -24,6 +24,11 @@ from keras.src.trainers.trainer import model_supports_jit
 MEASURED_XLA_FASTER = {"CPU": False, "GPU": True}
 
 
+def present_device_types():
+    """The device types TensorFlow computes on here, e.g. ["CPU", "GPU"]."""
+    return [device.device_type for device in tf.config.list_logical_devices()]
+
+
 def resolve_jit_compile(jit_compile, device_types=None, model=None, run_eagerly=False):
     """The `jit_compile` a DP model compiles with.
 
@@ -58,7 +63,7 @@ def resolve_jit_compile(jit_compile, device_types=None, model=None, run_eagerly=
     if run_eagerly or (model is not None and not model_supports_jit(model)):
         return False
     if device_types is None:
-        device_types = [device.device_type for device in tf.config.list_logical_devices()]
+        device_types = present_device_types()
     kinds = set(device_types)
     accelerators = kinds - {"CPU"}
     relevant = accelerators or {"CPU"}
