@@ -20,7 +20,7 @@ Example:
 ...     with recorder.hooked([(layer, LayerFallback())]):
 ...         total = tf.reduce_sum(layer(-tf.ones([2, 3])))
 >>> recorder.compute_gradients(total)
->>> LayerFallback().parts(layer, recorder.records_of(layer))[0].sq_norms().numpy()
+>>> LayerFallback().parts(layer, recorder.records_of(layer))[0].sq_norms().numpy().round(4)
 array([3., 3.], dtype=float32)
 """
 

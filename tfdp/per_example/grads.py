@@ -2,19 +2,29 @@
 
 DP needs each example's gradient norm and a reweighted sum over examples,
 rarely the gradients themselves. Every layer rule returns "parts", each
-covering some variables, with one interface:
+covering some variables, with one interface (`Part`):
 
-* `sq_norms()`: [B] squared L2 norm of each example's gradient on the part;
+* `sq_norm_bounds()`: float64 [B], an upper bound of the squared L2 norm of
+  each example's gradient on the part, in exact arithmetic on the float32
+  tensors the part holds (`tfdp.per_example.rounding`);
+* `summation_errors()`: float64 [B], a bound on the norm of the rounding that
+  `weighted_sum` adds to one example's contribution, per unit weight (0 for a
+  part that sums exactly the tensors it measured);
 * `dots(vectors)`: [B] inner product of each example's gradient with
-  `vectors` (aligned with the part's variables);
+  `vectors` (aligned with the part's variables), and `dot_errors(vectors)`,
+  float64 [B], a bound on its rounding;
 * `weighted_sum(weights)`: sum_i weights_i g_i per variable (rows with weight 0
   are skipped, so a NaN row cannot poison the sum);
 * `materialize()`: [B, *shape] per variable (memory: batch x parameters).
 
+Clipping reads `PerExampleGradients.sq_norms()`, which joins these into an
+upper bound of the squared norm of what the weighted sum adds for each
+example, whatever the record: a crafted record whose factored norm cancels
+to rounding noise is clipped by its bound, not let through.
+
 Under mixed precision (layers computing in bfloat16 or float16, weights in
 float32) every part casts its inputs to float32 first (`as_float32`), so
-norms and the clipped sum come from the same float32 values: the clipping
-bound holds to float32 tolerance whatever the layers computed in.
+norms and the clipped sum come from the same float32 values.
 
 `LinearGrads` holds a linear map's gradient factored (X_i^T G_i),
 `MaterializedGrads` holds gradients in full. `PerExampleGradients` joins the
@@ -26,11 +36,14 @@ Example:
 >>> v = tf.Variable(tf.zeros([2, 1]))
 >>> x = tf.constant([[[1.0, 0.0]], [[0.0, 2.0]]])   # [B=2, S=1, K=2]
 >>> g = tf.constant([[[3.0]], [[1.0]]])             # [B=2, S=1, O=1]
->>> LinearGrads(x, g, v).sq_norms().numpy()
-array([9., 4.], dtype=float32)
+>>> bounds = LinearGrads(x, g, v).sq_norms().numpy()   # 9 and 4, rounded up
+>>> bounds.round(4), bool((bounds >= [9.0, 4.0]).all())
+(array([9., 4.], dtype=float32), True)
 """
 
 import tensorflow as tf
+
+from tfdp.per_example import rounding
 
 
 def as_float32(tensor):
@@ -62,26 +75,42 @@ def masked(tensor, keep):
     return tf.where(keep, tensor, tf.zeros_like(tensor))
 
 
-def scaled_to_unit_max(tensor):
-    """(tensor / s, s), s [B] the largest |entry| of each example (an
-    all-zero example is divided by 1 and keeps s = 0).
+def norm_of(vectors):
+    """float64 L2 norm of a list of tensors taken together (a Python-side
+    direction shared by every example, e.g. weight-decay offsets)."""
+    return tf.sqrt(tf.add_n([tf.reduce_sum(tf.square(tf.cast(v, tf.float64))) for v in vectors]))
 
-    Factored norms multiply a term in |x|^2 by one in |g|^2: scaling each
-    example to max 1 first keeps a huge input on a saturated unit (zero output
-    gradient) finite instead of inf * 0.
+
+class Part:
+    """Base of per-example gradient parts (see the module docstring).
+
+    Subclasses give `variables`, `sq_norm_bounds`, `dots`, `weighted_sum` and
+    `materialize`; the defaults below suit a part that sums exactly the
+    tensors it measured.
     """
-    axes = list(range(1, tensor.shape.rank))
-    scale = tf.reduce_max(tf.abs(tensor), axis=axes)
-    safe = tf.where(scale > 0, scale, tf.ones_like(scale))
-    return tensor / tf.reshape(safe, [-1] + [1] * len(axes)), scale
+
+    def summation_errors(self):
+        """Bound on the rounding `weighted_sum` adds per example (float64 [B])."""
+        return tf.zeros_like(self.sq_norm_bounds())
+
+    def sq_norms(self):
+        """float32 [B] upper bound of the squared norm of what `weighted_sum`
+        adds for each example per unit weight (this part alone)."""
+        bound = tf.sqrt(self.sq_norm_bounds()) + self.summation_errors()
+        return rounding.round_up_to_float32(tf.square(bound))
 
 
-class LinearGrads:
+class LinearGrads(Part):
     """Per-example gradients of a map Z = X M (+ b) applied at S positions.
 
     Example i's matrix gradient is X_i^T G_i summed over positions (sequence
     steps, conv output pixels whose input patches form X, time steps of a
     recurrence); its bias gradient is the sum of G_i over positions.
+
+    Norms come from float64 Gram matrices with their rounding bound added
+    (`rounding.factored_norm_bounds`) where the factored form is kept, or
+    from the materialized per-example matrices (which are then what the
+    weighted sum adds).
 
     Args:
         x: float tensor [B, S, K], the inputs at each position.
@@ -111,7 +140,12 @@ class LinearGrads:
             positions * (fan_in + fan_out) < fan_in * fan_out
             or (fan_in * fan_out >= LARGE_KERNEL and 2 * positions**2 < fan_in * fan_out)
         )
+        # One position has no cross terms: its factored norm |x|^2 |g|^2 is
+        # exact up to a relative rounding, so it is never materialized.
+        self._factored = positions == 1 or self._ghost
         self._materialized = None
+        self._factored_bounds = None
+        self._bias_rows = None
 
     def _to_kernel(self, matrix, batch_dims):
         """[*batch, K, O] matrix gradients in the kernel's layout."""
@@ -136,38 +170,74 @@ class LinearGrads:
             self._materialized = tf.einsum("bsk,bso->bko", self.x, self.g)
         return self._materialized
 
-    def sq_norms(self):
-        if self.x.shape[1] == 1 or self._ghost:
-            x, x_scale = scaled_to_unit_max(self.x)
-            g, g_scale = scaled_to_unit_max(self.g)
-            if self.x.shape[1] == 1:
-                kernel = tf.reduce_sum(tf.square(x), [1, 2]) * tf.reduce_sum(tf.square(g), [1, 2])
-            else:
-                x_gram = tf.matmul(x, x, transpose_b=True)
-                g_gram = tf.matmul(g, g, transpose_b=True)
-                kernel = tf.reduce_sum(x_gram * g_gram, [1, 2])
-            kernel *= tf.square(x_scale * g_scale)
+    def _bounds(self):
+        """(squared-norm bound, mass) of the factored kernel gradients."""
+        if self._factored_bounds is None:
+            self._factored_bounds = rounding.factored_norm_bounds(self.x, self.g)
+        return self._factored_bounds
+
+    def mass(self):
+        """float64 [B] upper bound of sum_s |x_s| |g_s|, which bounds every
+        rounding that depends on the sizes of the positions' terms."""
+        if self._factored:
+            return self._bounds()[1]
+        return rounding.position_mass(self.x, self.g)
+
+    def _bias_sums(self):
+        """[B, O] bias gradients (G summed over positions), computed once, so
+        that the norm and the weighted sum read the same values."""
+        if self._bias_rows is None:
+            self._bias_rows = tf.reduce_sum(self.g, 1)
+        return self._bias_rows
+
+    def sq_norm_bounds(self):
+        if self._factored:
+            kernel = self._bounds()[0]
         else:
-            kernel = tf.reduce_sum(tf.square(self._per_example_matrix()), [1, 2])
+            kernel = rounding.sum_of_squares(self._per_example_matrix())
         if len(self.variables) == 1:
             return kernel
-        return kernel + tf.reduce_sum(tf.square(tf.reduce_sum(self.g, 1)), 1)
+        return kernel + rounding.sum_of_squares(self._bias_sums())
+
+    def summation_errors(self):
+        if not self._factored:
+            return super().summation_errors()
+        return rounding.summation_rounding(
+            self.x.shape[1], self._bounds()[1], self.x.shape[2] * self.g.shape[2])
 
     def dots(self, vectors):
         matrix = self._from_kernel(vectors[0])
-        # Two-operand contractions: a three-operand tf.einsum can be far slower.
-        result = tf.reduce_sum(tf.einsum("bsk,ko->bso", self.x, matrix) * self.g, [1, 2])
+        if self._factored:
+            # Two-operand contractions: a three-operand tf.einsum can be far slower.
+            products = tf.einsum("bsk,ko->bso", self.x, matrix) * self.g
+        else:
+            products = self._per_example_matrix() * matrix
+        result = rounding.reduce_per_example(products)
         if len(self.variables) == 2:
-            result += tf.linalg.matvec(tf.reduce_sum(self.g, 1), tf.reshape(vectors[1], [-1]))
+            result += tf.linalg.matvec(self._bias_sums(), tf.reshape(vectors[1], [-1]))
         return result
+
+    def dot_errors(self, vectors):
+        fan_in, fan_out = self.x.shape[2], self.g.shape[2]
+        if self._factored:
+            # sum_{s,k,o} |x_sk| |M_ko| |g_so| <= |M|_F sum_s |x_s| |g_s|.
+            terms = fan_in + fan_out + self.x.shape[1]
+            error = rounding.dot_rounding(terms, norm_of(vectors[:1]), self._bounds()[1])
+        else:
+            magnitude = tf.sqrt(rounding.sum_of_squares(self._per_example_matrix()))
+            error = rounding.dot_rounding(fan_in + fan_out, norm_of(vectors[:1]), magnitude)
+        if len(self.variables) == 2:
+            magnitude = tf.sqrt(rounding.sum_of_squares(self._bias_sums()))
+            error += rounding.dot_rounding(fan_out, norm_of(vectors[1:]), magnitude)
+        return error
 
     def weighted_sum(self, weights):
         keep = tf.not_equal(weights, 0.0)
-        g = masked(self.g, keep)
         if self._materialized is not None:
             matrix = tf.tensordot(weights, masked(self._materialized, keep), axes=1)
         else:
             x = masked(self.x, keep)
+            g = masked(self.g, keep)
             # Weight G, then one matmul over (example, position) rows: measured
             # 60x faster than tf.einsum("b,bsk,bso->ko") for a 784x256 Dense
             # layer at batch 2048 on 2 CPU cores.
@@ -178,7 +248,7 @@ class LinearGrads:
             )
         sums = [self._to_kernel(matrix, tf.constant([], tf.int32))]
         if len(self.variables) == 2:
-            bias = tf.linalg.matvec(tf.reduce_sum(g, 1), weights, transpose_a=True)
+            bias = tf.linalg.matvec(masked(self._bias_sums(), keep), weights, transpose_a=True)
             sums.append(tf.reshape(bias, self.variables[1].shape))
         return sums
 
@@ -186,13 +256,15 @@ class LinearGrads:
         batch = tf.shape(self.x)[0:1]
         grads = [self._to_kernel(self._per_example_matrix(), batch)]
         if len(self.variables) == 2:
-            bias = tf.reduce_sum(self.g, 1)
-            grads.append(tf.reshape(bias, tf.concat([batch, self.variables[1].shape], 0)))
+            grads.append(tf.reshape(self._bias_sums(), tf.concat([batch, self.variables[1].shape], 0)))
         return grads
 
 
-class MaterializedGrads:
+class MaterializedGrads(Part):
     """Per-example gradients held in full, one [B, *shape] tensor a variable.
+
+    The weighted sum adds exactly these tensors, so their sums of squares
+    (rounded up) bound what it adds.
 
     Args:
         variables: list of variables.
@@ -203,20 +275,20 @@ class MaterializedGrads:
         self.variables = list(variables)
         self.grads = [as_float32(g) for g in grads]
 
-    @staticmethod
-    def _flat(tensor):
-        return tf.reshape(tensor, [tf.shape(tensor)[0], -1])
-
-    def sq_norms(self):
-        return tf.add_n([tf.reduce_sum(tf.square(self._flat(g)), 1) for g in self.grads])
+    def sq_norm_bounds(self):
+        return tf.add_n([rounding.sum_of_squares(g) for g in self.grads])
 
     def dots(self, vectors):
         return tf.add_n(
-            [
-                tf.linalg.matvec(self._flat(g), tf.reshape(v, [-1]))
-                for g, v in zip(self.grads, vectors)
-            ]
+            [rounding.reduce_per_example(g * tf.cast(v, g.dtype)) for g, v in zip(self.grads, vectors)]
         )
+
+    def dot_errors(self, vectors):
+        return tf.add_n([
+            rounding.dot_rounding(rounding.terms_per_example(g),
+                                  tf.sqrt(rounding.sum_of_squares(g)), norm_of([v]))
+            for g, v in zip(self.grads, vectors)
+        ])
 
     def weighted_sum(self, weights):
         keep = tf.not_equal(weights, 0.0)
@@ -283,22 +355,39 @@ class PerExampleGradients:
         lookup = {id(v): t for v, t in zip(self.variables, vectors)}
         return [[lookup[id(v)] for v in part.variables] for part in self.parts]
 
-    def sq_norms(self):
-        """Squared L2 norm of each example's whole gradient, shape [B]."""
-        norms = tf.add_n([part.sq_norms() for part in self.parts])
-        if self.offsets is None:
-            return norms
-        offset_sq = tf.add_n([tf.reduce_sum(tf.square(o)) for o in self.offsets])
-        return norms + 2.0 * self._raw_dots(self.offsets) + offset_sq
+    def norm_bounds(self):
+        """float64 [B]: an upper bound of the L2 norm of what `weighted_sum`
+        adds for each example per unit weight, whatever the example.
 
-    def _raw_dots(self, vectors):
-        return tf.add_n(
-            [part.dots(v) for part, v in zip(self.parts, self._split(vectors))]
-        )
+        Each part bounds its squared norm and the rounding of its sum; with
+        offsets o, ||g + o||^2 = sum over parts of |g_p|^2 + 2 <g_p, o_p> +
+        |o_p|^2 is bounded term by term (the dot products with their
+        rounding), and the sum adds the rounding of assembling g and o
+        separately (a few units of roundoff of |g| + |o|): a record whose
+        gradient cancels the offsets is clipped by this bound, not by the
+        rounding noise of the expansion.
+        """
+        squares = [part.sq_norm_bounds() for part in self.parts]
+        errors = [part.summation_errors() for part in self.parts]
+        if self.offsets is None:
+            return tf.sqrt(tf.add_n([tf.square(tf.sqrt(s) + e) for s, e in zip(squares, errors)]))
+        expansion = []
+        for part, square, offsets in zip(self.parts, squares, self._split(self.offsets)):
+            dots = tf.cast(part.dots(offsets), tf.float64)
+            expansion.append(square + 2.0 * (dots + part.dot_errors(offsets))
+                             + tf.square(norm_of(offsets)))
+        gradient = tf.sqrt(tf.add_n(squares))
+        assembly = 3.0 * rounding.gamma(1) * (gradient + norm_of(self.offsets))
+        summed = tf.sqrt(tf.add_n([tf.square(e) for e in errors]))
+        return tf.sqrt(tf.maximum(tf.add_n(expansion), 0.0)) + summed + assembly
+
+    def sq_norms(self):
+        """float32 [B]: the squared `norm_bounds`, rounded up; clipping reads it."""
+        return rounding.round_up_to_float32(tf.square(self.norm_bounds()))
 
     def dots(self, vectors):
         """Inner product of each example's gradient with `vectors`, [B]."""
-        result = self._raw_dots(vectors)
+        result = tf.add_n([part.dots(v) for part, v in zip(self.parts, self._split(vectors))])
         if self.offsets is not None:
             result += tf.add_n(
                 [tf.reduce_sum(o * v) for o, v in zip(self.offsets, vectors)]

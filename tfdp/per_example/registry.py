@@ -98,7 +98,10 @@ def register_rule(*layer_classes):
     A rule has `supports(layer) -> bool`, `call(layer, recorder, call,
     *args, **kwargs)` (runs the layer in the batched pass, adding probes
     through `recorder`) and `parts(layer, records)` (per-example gradient
-    parts from the recorded tensors). Subclasses of a registered class do not
+    parts from the recorded tensors: `tfdp.per_example.grads.Part`
+    subclasses, whose norms are upper bounds of what their weighted sum adds
+    for ANY record; build them from `LinearGrads`, `MaterializedGrads` or
+    `EmbeddingGrads` rather than computing norms yourself). Subclasses of a registered class do not
     inherit its rule: they may compute something else. A class may have
     several rules (Dense with and without LoRA): the first registered one
     that supports the layer runs it.

@@ -29,15 +29,21 @@ Example:
 import keras
 import tensorflow as tf
 
-from tfdp.per_example.grads import LinearGrads
+from tfdp.per_example import rounding
+from tfdp.per_example.grads import LinearGrads, Part
 from tfdp.per_example.patches import as_rows
 from tfdp.per_example.registry import ALLOWED, register_rule
 from tfdp.per_example.rules.common import concat_positions, plain_weights
 from tfdp.per_example.rules.embedding import EmbeddingGrads
 
 
-class TiedGrads:
+class TiedGrads(Part):
     """One table's per-example gradients from a lookup and a projection.
+
+    Example i's gradient is L_i + P_i, the lookup's merged rows and the
+    projection's G_z^T h; its squared norm |L|^2 + |P|^2 + 2 <L, P> is bounded
+    term by term, the cross term with its rounding (a record whose lookup
+    and projection gradients cancel is clipped by the bound).
 
     Args:
         lookup: `EmbeddingGrads` of the table's lookups (ids [B, T], G [B, T, D]).
@@ -50,17 +56,36 @@ class TiedGrads:
         self.variables = lookup.variables
 
     def _cross(self):
-        """[B] <lookup_i, projection_i>: the projection's gradient rows at
-        example i's ids (sum_s G_z[i, s, id] h[i, s]) against the lookup's."""
+        """[B] <L_i, P_i>: the projection's gradient rows at example i's ids
+        (sum_s G_z[i, s, id] h[i, s]) against the lookup's merged rows, and a
+        bound on its rounding (and on the gap between P_i's factors and
+        its materialized matrix, when the projection materializes it):
+        sum_{t,d} |L_td| sum_s |G_z[s, id_t]| |h_sd| <= |L| sum_s |h_s| |G_z,s|."""
+        merged = self.lookup.merged_rows()
         columns = tf.gather(self.projection.g, self.lookup.ids, axis=2, batch_dims=1)  # [B, S, T]
         rows = tf.einsum("bst,bsd->btd", columns, self.projection.x)
-        return tf.reduce_sum(rows * self.lookup.g, [1, 2])
+        cross = tf.cast(rounding.reduce_per_example(rows * merged), tf.float64)
+        terms = 2 * self.projection.x.shape[1] + rounding.terms_per_example(merged)
+        error = rounding.dot_rounding(terms, tf.sqrt(self.lookup.sq_norm_bounds()),
+                                      self.projection.mass())
+        return cross, error
 
-    def sq_norms(self):
-        return self.lookup.sq_norms() + self.projection.sq_norms() + 2.0 * self._cross()
+    def sq_norm_bounds(self):
+        cross, error = self._cross()
+        total = self.lookup.sq_norm_bounds() + self.projection.sq_norm_bounds()
+        return tf.maximum(total + 2.0 * (cross + error), 0.0)
+
+    def summation_errors(self):
+        # The two tables are summed apart and then added: one more rounding
+        # of |L| + |P|.
+        sizes = tf.sqrt(self.lookup.sq_norm_bounds()) + tf.sqrt(self.projection.sq_norm_bounds())
+        return self.projection.summation_errors() + 2.0 * rounding.gamma(1) * sizes
 
     def dots(self, vectors):
         return self.lookup.dots(vectors) + self.projection.dots(vectors)
+
+    def dot_errors(self, vectors):
+        return self.lookup.dot_errors(vectors) + self.projection.dot_errors(vectors)
 
     def weighted_sum(self, weights):
         return [a + b for a, b in zip(self.lookup.weighted_sum(weights),

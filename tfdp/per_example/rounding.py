@@ -1,0 +1,220 @@
+"""Rounding-error bounds that make every clipping norm an upper bound.
+
+Clipping must hold for ANY record, in the arithmetic the step really runs. A
+per-example norm computed in floating point can come out below the true norm
+of what is summed: a factored ("ghost") norm sum_{s,t} (x_s . x_t)(g_s . g_t)
+whose terms cancel is rounding noise (often negative, clamped to 0), so a
+crafted record escapes clipping by orders of magnitude. Every norm tfdp clips
+with is therefore an upper bound, built from the classical bound on a sum of
+n terms computed in floating point in ANY order, with or without fused
+multiply-adds (Higham, "Accuracy and Stability of Numerical Algorithms",
+2nd ed., section 3.1):
+
+    |fl(sum_i a_i) - sum_i a_i| <= gamma(n) * sum_i |a_i|,
+    gamma(n) = n u / (1 - n u),
+
+u the unit roundoff (2^-24 in float32, 2^-53 in float64), and for a dot
+product |fl(a . b) - a . b| <= gamma(n) |a| . |b|, plus, in float32, one
+smallest normal number per operation for results TensorFlow flushes to zero.
+Sums of squares have no cancellation (their error is relative; they are
+summed in float64, where squares of float32 values neither overflow nor
+underflow); factored norms are computed from float64 Gram matrices, where
+the bound leaves a slack of about 1e-12 relative on ordinary data; each
+bound is added, so the result is >= the true value whatever the record.
+
+Each bound below is stated for the exact real-arithmetic value of what the
+per-example part represents (its float32 factors X_i, G_i, or a tensor it
+materialized and sums as is). What the weighted sum adds when it computes an
+example's contribution from factors (one matmul over the rows of every
+example) is bounded separately by `summation_rounding`: the rounding of the
+example's own rows. The rounding of adding different examples' clipped
+contributions to each other (about B u of the sum, B the batch) is the float32
+summation error every DP-SGD implementation has and is not covered here.
+
+Example:
+
+>>> import tensorflow as tf
+>>> x = tf.constant([[[1.0, 0.0], [1.0, 0.0]]])      # two equal positions
+>>> g = tf.constant([[[1e8, 0.0], [-1e8, 1.0]]])     # cancelling gradients
+>>> sq, mass = factored_norm_bounds(x, g)           # true squared norm: 1
+>>> bool(sq.numpy()[0] >= 1.0), round(float(mass.numpy()[0]))
+(True, 200000000)
+"""
+
+import math
+
+import tensorflow as tf
+
+UNIT_ROUNDOFF = {tf.float32: 2.0**-24, tf.float64: 2.0**-53}
+
+# float32's smallest normal number: TensorFlow flushes smaller results to
+# zero, an absolute error of at most this much per operation.
+FLOAT32_TINY = 2.0**-126
+
+# Feature columns cast to float64 at a time by `factored_norm_bounds`: a
+# language model's [B, S, vocabulary] output gradient is never copied whole.
+GRAM_CHUNK = 4096
+
+
+def gamma(n, dtype=tf.float32):
+    """gamma(n) = n u / (1 - n u) for `dtype`'s unit roundoff u.
+
+    `n` is a Python number (the result is a Python float) or, for lengths
+    known only at run time, a tensor (the result is a float64 tensor, inf
+    where n u >= 1/2: a bound that loose clips the example to nothing).
+
+    Example:
+
+    >>> gamma(1) == 2.0**-24 / (1 - 2.0**-24)
+    True
+    """
+    unit = UNIT_ROUNDOFF[tf.as_dtype(dtype)]
+    if isinstance(n, (int, float)):
+        if n * unit >= 0.5:
+            raise ValueError(
+                f"A rounding bound over {n} terms in {tf.as_dtype(dtype).name} is too "
+                f"loose to be useful. Received: n={n}"
+            )
+        return n * unit / (1.0 - n * unit)
+    product = tf.cast(n, tf.float64) * unit
+    return tf.where(product < 0.5, product / (1.0 - product), float("inf"))
+
+
+def reduce_per_example(tensor):
+    """Sum of each example's entries [B], one axis at a time (last first),
+    so that a rounding bound counts the axes' lengths added, not their
+    product (see `terms_per_example`)."""
+    for axis in reversed(range(1, tensor.shape.rank)):
+        tensor = tf.reduce_sum(tensor, axis)
+    return tensor
+
+
+def terms_per_example(tensor):
+    """The n of the rounding bound of `reduce_per_example(tensor)`: the sum
+    of the non-batch axes' lengths plus one (each reduction is within
+    gamma(length), and their errors add). A Python int, or an int tensor when
+    a length is known only at run time."""
+    static = [n for n in tensor.shape[1:] if n is not None]
+    dynamic = [tf.shape(tensor)[axis] for axis, n in enumerate(tensor.shape) if axis and n is None]
+    return sum(static) + 1 + (tf.add_n(dynamic) if dynamic else 0)
+
+
+def sum_of_squares(tensor):
+    """Upper bound, float64 [B], of each example's sum of squared entries.
+
+    The squares are taken in float64: the square of a float32 value neither
+    overflows nor underflows there (TensorFlow flushes float32 results below
+    1.2e-38 to zero, which would make a float32 sum of tiny squares come out
+    below the truth), and the sum's rounding is within gamma(n) in float64.
+
+    Args:
+        tensor: [B, ...] float tensor (float32 or narrower).
+
+    Example:
+
+    >>> float(sum_of_squares(tf.constant([[3.0, 4.0]]))[0])
+    25.00000000000001
+    """
+    sums = reduce_per_example(tf.square(tf.cast(tensor, tf.float64)))
+    return sums * (1.0 + gamma(terms_per_example(tensor) + 1, tf.float64))
+
+
+def dot_rounding(terms, *norms):
+    """Bound, float64 [B], on the rounding of a dot product of `terms` terms
+    computed in float32 whose operands' absolute values have norms `norms`
+    (each a [B] tensor or a Python float; their product bounds sum |a_i b_i|),
+    plus `terms` times float32's smallest normal number for products flushed
+    to zero.
+
+    Example:
+
+    >>> float(dot_rounding(2, tf.constant([1.0], tf.float64), 1.0)[0]) > 0
+    True
+    """
+    bound = tf.cast(gamma(terms + 2), tf.float64)
+    for norm in norms:
+        bound = bound * tf.cast(norm, tf.float64)
+    return bound + tf.cast(terms + 2, tf.float64) * FLOAT32_TINY
+
+
+def summation_rounding(positions, mass, entries):
+    """Bound, float64 [B], on the rounding a float32 matmul over an example's
+    `positions` rows adds to its contribution sum_s x_s (w g_s)^T (a matrix
+    of `entries` entries), per unit weight w: gamma(positions + 1) * sum_s |x_s| |g_s| (`mass`), the +1 for
+    the product w g; plus a flushed-to-zero product per position and entry."""
+    return gamma(positions + 2) * tf.cast(mass, tf.float64) + (positions + 2) * FLOAT32_TINY * entries
+
+
+def _row_squares64(rows):
+    """[B, S] float64 squared norms of float32 rows [B, S, C], by column
+    chunks of `GRAM_CHUNK`."""
+    total = None
+    for start in range(0, rows.shape[-1], GRAM_CHUNK):
+        chunk = tf.cast(rows[..., start:start + GRAM_CHUNK], tf.float64)
+        part = tf.reduce_sum(tf.square(chunk), -1)
+        total = part if total is None else total + part
+    return total
+
+
+def position_mass(x, g):
+    """Upper bound, float64 [B], of sum_s |x_s| |g_s| for x [B, S, K] and
+    g [B, S, O] (row norms in float64: no overflow), without Gram matrices.
+
+    Example:
+
+    >>> float(position_mass(tf.ones([1, 2, 4]), tf.ones([1, 2, 1]))[0])
+    4.0...
+    """
+    norms = tf.sqrt(_row_squares64(x) * _row_squares64(g))
+    positions = x.shape[1] if x.shape[1] is not None else tf.shape(x)[1]
+    terms = x.shape[-1] + g.shape[-1] + positions + 4
+    return tf.reduce_sum(norms, 1) * (1.0 + gamma(terms, tf.float64))
+
+
+def _gram64(rows):
+    """[B, S, S] float64 Gram matrices of float32 rows [B, S, C], summed over
+    column chunks of `GRAM_CHUNK` (the products of float32 values are exact
+    in float64; only the sums round)."""
+    columns = rows.shape[-1]
+    gram = None
+    for start in range(0, columns, GRAM_CHUNK):
+        chunk = tf.cast(rows[..., start:start + GRAM_CHUNK], tf.float64)
+        part = tf.matmul(chunk, chunk, transpose_b=True)
+        gram = part if gram is None else gram + part
+    return gram
+
+
+def factored_norm_bounds(x, g):
+    """Upper bounds for the factored per-example gradients sum_s x_s g_s^T.
+
+    Args:
+        x: float32 [B, S, K] inputs at S positions (static S, K).
+        g: float32 [B, S, O] output gradients at the same positions.
+
+    Returns:
+        (sq, mass), float64 [B] each: `sq` >= ||sum_s x_s g_s^T||_F^2 (exact
+        arithmetic on the given x and g), and `mass` >= sum_s |x_s| |g_s|,
+        which bounds every rounding that depends on the positions' sizes
+        (`summation_rounding`, `dot_rounding`).
+
+    The squared norm is sum_{s,t} (x_s . x_t)(g_s . g_t), computed from
+    float64 Gram matrices; its rounding is at most
+    gamma(K + O + 2S + 4) * mass^2 (each Gram entry within gamma(K) |x_s||x_t|
+    or gamma(O) |g_s||g_t|, one rounding per product, S^2 products summed
+    over t then s), which is added.
+    """
+    positions, fan_in, fan_out = x.shape[1], x.shape[2], g.shape[2]
+    x_gram, g_gram = _gram64(x), _gram64(g)
+    estimate = tf.reduce_sum(tf.reduce_sum(x_gram * g_gram, 2), 1)
+    row_norms = tf.sqrt(tf.linalg.diag_part(x_gram) * tf.linalg.diag_part(g_gram))
+    terms = fan_in + fan_out + 2 * positions + 4
+    mass = tf.reduce_sum(row_norms, 1) * (1.0 + gamma(terms, tf.float64))
+    sq = estimate + gamma(terms, tf.float64) * tf.square(mass)
+    return tf.maximum(sq, 0.0), mass
+
+
+def round_up_to_float32(value):
+    """`value` (float64) as float32, rounded up: the relative margin 2^-20
+    covers the float64 -> float32 rounding (2^-24) and the float32 sqrt and
+    division that clipping applies next (a few units of 2^-24)."""
+    return tf.cast(value * (1.0 + math.ldexp(1.0, -20)), tf.float32)
