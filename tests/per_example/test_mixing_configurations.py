@@ -14,6 +14,8 @@ import pytest
 import tensorflow as tf
 
 import tfdp
+from keras.src.losses.losses import LossFunctionWrapper
+
 from tfdp.models.losses import per_example_loss
 from tfdp.per_example import compute_per_example_gradients, plan_for
 
@@ -174,11 +176,27 @@ def _pairwise(y_true, y_pred):
     return keras.ops.sum((y_pred - keras.ops.mean(y_pred, axis=0)) ** 2, axis=-1)
 
 
-@pytest.mark.parametrize("loss", ["circle", _pairwise])
-def test_a_loss_that_mixes_examples_is_evaluated_row_by_row(loss):
+class _CentredLoss(keras.losses.Loss):
+    """A Loss subclass with its own call, comparing rows with the batch mean."""
+
+    def call(self, y_true, y_pred):
+        return _pairwise(y_true, y_pred)
+
+
+MIXING_LOSSES = {
+    "circle": lambda: "circle",
+    "pairwise_function": lambda: _pairwise,
+    "loss_subclass_own_call": _CentredLoss,
+}
+
+
+@pytest.mark.parametrize("name", sorted(MIXING_LOSSES))
+def test_a_loss_that_mixes_examples_is_evaluated_row_by_row(name):
+    loss = MIXING_LOSSES[name]()
     keras.utils.set_random_seed(0)
     model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(4), keras.layers.Dense(2)])
-    y = np.array([0, 1, 0], np.int32) if loss == "circle" else np.zeros([3, 2], np.float32)
+    y = (np.array([0, 1, 0], np.int32) if loss == "circle"
+         else np.array([[0.5, -1.0], [1.0, 2.0], [-1.5, 0.5]], np.float32))
     x = np.linspace(-1, 1, 12, dtype=np.float32).reshape(3, 4)
     outlier = x.copy()
     outlier[1] = 1e3
@@ -212,12 +230,39 @@ def test_circle_through_fit_moves_the_weights_at_most_lr_2c_over_b():
 
 
 def test_row_wise_keras_losses_are_not_wrapped():
-    """Control: the usual losses run batched, as before (no per-row map)."""
+    """Control: the usual losses run batched, as before (no per-row map);
+    the same classes configured to reduce over the batch are wrapped."""
     from tfdp.models.losses import unreduced_loss
 
     assert unreduced_loss("mse") is keras.losses.mean_squared_error
     crossentropy = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
     assert unreduced_loss(crossentropy) == crossentropy.call
-    assert unreduced_loss(keras.losses.CategoricalCrossentropy(axis=0)) != (
-        keras.losses.CategoricalCrossentropy(axis=0).call
-    )
+    over_batch = keras.losses.CategoricalCrossentropy(axis=0)
+    assert unreduced_loss(over_batch) != over_batch.call
+    along_rows = keras.losses.CategoricalCrossentropy(axis=-1)
+    assert unreduced_loss(along_rows) == along_rows.call
+    own_call = _CentredLoss()
+    assert unreduced_loss(own_call) != own_call.call
+    wrapped = LossFunctionWrapper(keras.losses.cosine_similarity, axis=0)
+    assert unreduced_loss(wrapped) != wrapped.call
+
+
+@pytest.mark.parametrize("activation", ["softmax", "log_softmax"])
+def test_a_softmax_activation_over_a_batch_of_scalars_is_named(activation):
+    """`Activation("softmax")` normalizes over the last axis, which for a
+    rank-1 tensor (one scalar per example) is the batch: one example moved
+    another's gradient by 100% on the batched path."""
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((4,))
+    scores = keras.layers.Dense(1)(inputs)[:, 0]                  # [B]
+    weights = keras.layers.Activation(activation)(scores)[:, None]
+    model = keras.Model(inputs, keras.layers.Dense(2)(weights))
+    plan = plan_for(model)
+    assert plan.path == "vectorized" and "Activation" in plan.reason, plan.describe()
+    before, after = _first_example_grads(model)
+    for a, b in zip(before, after):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_a_softmax_activation_over_features_keeps_the_batched_path():
+    assert plan_for(_model(keras.layers.Activation("softmax"))).path == "batched"

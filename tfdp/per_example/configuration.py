@@ -11,6 +11,8 @@ Two kinds of argument can break that claim:
   registered name) or declared with `declare_per_example_activation` pass.
 - an EinsumDense equation whose output drops or moves the batch axis
   (`"ab,bc->bc"` sums over the batch).
+- a built-in activation that normalizes over the last axis ("softmax",
+  "log_softmax") on a rank-1 input, where that axis is the batch.
 - an axis: `Softmax(axis=0)`, `UnitNormalization(axis=0)`,
   `LayerNormalization(axis=0)`, `Concatenate(axis=0)`, `Dot(axes=0)`... reduce
   or join over the batch axis (0, or -rank).
@@ -37,6 +39,10 @@ _AXIS_ATTRIBUTES = ("axis", "axes", "attention_axes")
 _STATISTIC_AXIS_LAYERS = (keras.layers.Normalization,)
 
 _DECLARED_ACTIVATIONS = set()
+
+# Built-in activations that normalize over the last axis (not elementwise):
+# on a rank-1 tensor, one scalar per example, that axis is the batch.
+_LAST_AXIS_ACTIVATIONS = ("softmax", "log_softmax")
 
 
 def declare_per_example_activation(fn):
@@ -72,6 +78,15 @@ def is_builtin_activation(fn):
         return isinstance(name, str) and keras.activations.get(name) is fn
     except (ValueError, TypeError, AttributeError, OSError):
         return False
+
+
+def _activation_name(fn):
+    """The registered name of a built-in activation (else None)."""
+    try:
+        name = keras.activations.serialize(fn) if callable(fn) else None
+    except (ValueError, TypeError, AttributeError, OSError):
+        return None
+    return name if isinstance(name, str) else None
 
 
 def _axes(value):
@@ -138,12 +153,16 @@ def configuration_problem(layer, rank=None):
                 "(declare it with tfdp.per_example.declare_per_example_activation "
                 "if it is elementwise)"
             )
+    rank = layer_input_rank(layer) if rank is None else rank
+    for attribute in _ACTIVATION_ATTRIBUTES:
+        name = _activation_name(getattr(layer, attribute, None))
+        if name in _LAST_AXIS_ACTIVATIONS and rank == 1:
+            return f"applies {attribute}={name!r} over the batch axis of a rank-1 input"
     equation = getattr(layer, "equation", None)
     if isinstance(layer, keras.layers.EinsumDense) and not _keeps_batch_letter(equation):
         return f"does not keep the batch axis first (equation={equation!r})"
     if isinstance(layer, _STATISTIC_AXIS_LAYERS):
         return None
-    rank = layer_input_rank(layer) if rank is None else rank
     for attribute in _AXIS_ATTRIBUTES:
         value = getattr(layer, attribute, None)
         for axis in _axes(value):
