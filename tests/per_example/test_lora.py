@@ -15,7 +15,7 @@ from tfdp.per_example.rules import lora
 L = keras.layers
 
 
-def _lora_model(freeze_bias=False):
+def _lora_model(freeze_bias=False, lora_alpha=None):
     ids = keras.Input((6,), dtype="int32")
     embedding = L.Embedding(20, 8)
     h = embedding(ids)
@@ -28,7 +28,7 @@ def _lora_model(freeze_bias=False):
     outputs = L.Dense(2)(L.GlobalAveragePooling1D()(h))
     model = tfdp.DPModel(ids, outputs)
     for layer in (embedding, dense, attention._query_dense, attention._output_dense, projection):
-        layer.enable_lora(2)
+        layer.enable_lora(2, lora_alpha=lora_alpha)
         # Non-zero B so that A's gradient is not zero (B starts at zero).
         layer.variables[-1].assign(tf.random.normal(layer.variables[-1].shape, seed=1))
     if freeze_bias:
@@ -36,10 +36,12 @@ def _lora_model(freeze_bias=False):
     return model
 
 
-@pytest.mark.parametrize("freeze_bias", [False, True])
-def test_lora_rules_match_one_example_at_a_time(freeze_bias, check_batched_pass):
+@pytest.mark.parametrize("freeze_bias, lora_alpha", [(False, None), (True, None), (False, 5.0)])
+def test_lora_rules_match_one_example_at_a_time(freeze_bias, lora_alpha, check_batched_pass):
+    """lora_alpha = 5 with rank 2 gives the factors a scale s = 2.5 (alpha =
+    rank, the default, hides a dropped scale: s = 1)."""
     keras.utils.set_random_seed(2)
-    model = _lora_model(freeze_bias)
+    model = _lora_model(freeze_bias, lora_alpha)
     rng = np.random.default_rng(0)
     x = tf.constant(rng.integers(0, 20, (5, 6)), tf.int32)
     plan, _ = check_batched_pass(model, x, rng)
