@@ -46,6 +46,24 @@ def gemma(keras_hub, lora=None):
     return keras_hub.models.GemmaCausalLM(backbone=backbone, preprocessor=None)
 
 
+def fnet(keras_hub, lora=None):
+    backbone = keras_hub.models.FNetBackbone(
+        vocabulary_size=40, num_layers=2, hidden_dim=16, intermediate_dim=32,
+        max_sequence_length=8)
+    if lora:
+        backbone.enable_lora(lora)
+    return keras_hub.models.FNetTextClassifier(backbone=backbone, num_classes=2, preprocessor=None)
+
+
+def llama(keras_hub, lora=None):
+    backbone = keras_hub.models.LlamaBackbone(
+        vocabulary_size=40, num_layers=2, num_query_heads=2, num_key_value_heads=1,
+        hidden_dim=16, intermediate_dim=32)
+    if lora:
+        backbone.enable_lora(lora)
+    return keras_hub.models.LlamaCausalLM(backbone=backbone, preprocessor=None)
+
+
 def token_inputs(model, batch, rng, length=8):
     """Token ids, segment ids and padding masks (example k keeps 8 - k tokens)."""
     names = [t.name.split(":")[0] for t in model.inputs]

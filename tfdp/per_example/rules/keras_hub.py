@@ -21,6 +21,18 @@ Allow-list entries are claims about each layer's `call`, read in keras-hub
 * RotaryEmbedding: rotation of each position by a fixed angle, no weights.
 * Gemma's decoder block, attention and RMSNormalization: the same claims
   (per-example masks, causal mask shared by all examples).
+* FNetEncoder: a 2-D FFT over each example's own (sequence, feature) axes
+  (`ops.fft2` transforms the last two axes), residuals, LayerNormalization,
+  Dense feed-forward; no weights of its own.
+* Llama's decoder block, attention, rotary embedding and LlamaLayerNorm: the
+  decoder merges each example's padding mask with the causal mask shared by
+  all examples, as Gemma's; the attention projects with EinsumDense,
+  rotates queries and keys per position (LlamaRotaryEmbedding, no weights),
+  repeats key/value heads and applies a softmax over each example's scores
+  (or `ops.dot_product_attention` where a fused kernel exists); its vLLM
+  route runs only while serving on TPU. LlamaLayerNorm is x / rms(x) *
+  scale over the last axis of one example; its scale takes the per-layer
+  fallback.
 * ViT: ViTPatchingAndEmbedding (a Conv2D on each image's patches, a class
   token tiled over the batch, position rows added; its own class token sends
   it to the per-layer fallback), ViTEncoderBlock and its MLP (LayerNorm,
@@ -34,6 +46,7 @@ Example:
 True
 """
 
+import keras
 import keras_hub
 import tensorflow as tf
 
@@ -54,6 +67,15 @@ def _gemma_layers():
     return [CachedGemmaAttention, GemmaDecoderBlock, RMSNormalization]
 
 
+def _llama_layers():
+    from keras_hub.src.models.llama.llama_attention import LlamaAttention
+    from keras_hub.src.models.llama.llama_decoder import LlamaTransformerDecoder
+    from keras_hub.src.models.llama.llama_layernorm import LlamaLayerNorm
+    from keras_hub.src.models.llama.llama_rotary_embedding import LlamaRotaryEmbedding
+
+    return [LlamaAttention, LlamaTransformerDecoder, LlamaLayerNorm, LlamaRotaryEmbedding]
+
+
 def _vit_layers():
     from keras_hub.src.models.vit import vit_layers
 
@@ -64,7 +86,8 @@ def _vit_layers():
 ALLOWED.update([
     _H.TransformerEncoder, _H.TransformerDecoder, _H.CachedMultiHeadAttention,
     _H.TokenAndPositionEmbedding, _H.PositionEmbedding, _H.ReversibleEmbedding,
-    _H.RMSNormalization, _H.RotaryEmbedding, *_gemma_layers(), *_vit_layers(),
+    _H.RMSNormalization, _H.RotaryEmbedding, _H.FNetEncoder, *_gemma_layers(), *_llama_layers(),
+    *_vit_layers(),
 ])
 
 register_rule(_H.ReversibleEmbedding)(ReversibleEmbeddingRule)
@@ -72,6 +95,9 @@ register_rule(_H.ReversibleEmbedding)(ReversibleEmbeddingRule)
 # BERT's and GPT-2's feedforward activation: keras.activations.gelu(x,
 # approximate=True), elementwise (keras_hub/src/utils/keras_utils.py).
 declare_per_example_activation(keras_hub.src.utils.keras_utils.gelu_approximate)
+# Llama's gated feed-forward activation: keras.ops.silu, x * sigmoid(x),
+# elementwise (keras_hub/src/models/llama/llama_backbone.py passes the op).
+declare_per_example_activation(keras.ops.silu)
 
 
 @register_rule(_H.PositionEmbedding)
