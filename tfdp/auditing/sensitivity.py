@@ -33,7 +33,8 @@ count of drawn rows (four counts here). The search borrows your model (its
 own layers, weights and settings) with a noiseless stand-in optimizer and
 puts everything back on leaving, even after an error: its weights,
 optimizer and optimizer state, ledger, step counter and train function are
-as they were.
+as they were. On a GPU it turns TensorFloat-32 off for the process first,
+as `fit` does, so that it measures the arithmetic training will run.
 
 What it cannot prove: it is a search, not a proof. A ratio <= 1 means that
 none of the records it tried broke the bound, not that none can; a record
@@ -62,6 +63,7 @@ import tensorflow as tf
 
 from tfdp.auditing import crafted_records, record_search
 from tfdp.auditing.neighbour_step import RELATIONS, NeighbourStep
+from tfdp.models import float32_precision
 from tfdp.models.dp_model import _lists_to_tuples
 
 
@@ -259,6 +261,8 @@ def sensitivity_search(model, x, y, sample_weight=None, *, records=7, batch_size
     started = time.perf_counter()
     step = NeighbourStep(model, data, records, batch_size or records + 1, physical_batch_size)
     settings = _settings(model, step)
+    # The arithmetic fit trains in: on a GPU, fit turns TensorFloat-32 off first.
+    float32_precision.keep_float32_exact()
     with step:
         table = _search(step, data, records, search_steps, seed)
     ratio, record, construction, relation = table.worst()
