@@ -16,6 +16,12 @@ Example:
 >>> round(result.confidence, 2)
 0.95
 
+Before training, check that no record can move your model's real train step
+beyond the DP bound (`sensitivity_search`, a search with crafted records):
+
+>>> result = auditing.sensitivity_search(model, x, y)  # doctest: +SKIP
+>>> result.check()                                      # doctest: +SKIP
+
 White-box audit of a tfdp optimizer (about ten seconds on two CPU cores):
 
 >>> import tfdp
@@ -40,8 +46,22 @@ from tfdp.auditing.audit import (
 )
 from tfdp.auditing.bounds import clopper_pearson_upper, epsilon_lower_bound
 
+# Imported on first use: they load TensorFlow and Keras, the rest does not.
+_SENSITIVITY = ("SensitivityExceeded", "SensitivityResult", "sensitivity_search")
+
+
+def __getattr__(name):
+    if name in _SENSITIVITY:
+        from tfdp.auditing import sensitivity
+
+        return getattr(sensitivity, name)
+    raise AttributeError(f"module 'tfdp.auditing' has no attribute {name!r}")
+
+
 __all__ = [
     "AuditResult",
+    "SensitivityExceeded",
+    "SensitivityResult",
     "adadp_normalizer",
     "audit_optimizer",
     "audit_training",
@@ -52,5 +72,6 @@ __all__ = [
     "epsilon_lower_bound",
     "loss_score",
     "one_step_epsilon",
+    "sensitivity_search",
     "weight_decay_normalizer",
 ]
