@@ -23,6 +23,7 @@ import tfdp
 from tests.per_example import hub_models
 from tfdp.auditing import SensitivityExceeded, sensitivity_search
 from tfdp.per_example import declare_per_example, register_rule
+from tfdp.per_example.grads import Part
 from tfdp.per_example.rules.dense import DenseRule
 
 L = keras.layers
@@ -231,15 +232,20 @@ class _UnderReportedDense(L.Dense):
     """A Dense whose per-example rule reports a quarter of each squared norm."""
 
 
-class _QuarterNorms:
+class _QuarterNorms(Part):
+    """A part whose squared-norm bound is a quarter of the truth."""
+
     def __init__(self, part):
         self.part, self.variables = part, part.variables
 
-    def sq_norms(self):
-        return 0.25 * self.part.sq_norms()
+    def sq_norm_bounds(self):
+        return 0.25 * self.part.sq_norm_bounds()
 
     def dots(self, vectors):
         return self.part.dots(vectors)
+
+    def dot_errors(self, vectors):
+        return self.part.dot_errors(vectors)
 
     def weighted_sum(self, weights):
         return self.part.weighted_sum(weights)
