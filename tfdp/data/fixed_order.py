@@ -47,7 +47,7 @@ Example:
 >>> FixedOrderData(ds.repeat(), planned_steps=6)
 Traceback (most recent call last):
 ...
-ValueError: ... repeat() ...
+ValueError: ...infinite (repeat())...Received: cardinality=infinite
 """
 
 import numpy as np
