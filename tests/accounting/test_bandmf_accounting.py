@@ -103,7 +103,13 @@ def test_relation_and_statement_name_the_zero_out_relation():
     text = ledger.statement(DELTA)
     assert "replacing any one training record by one that contributes nothing" in text
     assert "adding or removing" not in text
-    assert "at most once every 10 steps: 1 participation(s)" in text
+    assert "at most once every 10 steps (a fixed data order): 1 round(s)" in text
+    amplified = PrivacyLedger()
+    amplified.begin_steps(bandmf.amplified_round_event(1.0, 0.1), steps_per_round=4)
+    amplified.advance(9)
+    text = amplified.statement(DELTA)
+    assert "adding or removing" in text
+    assert "sampled at most once every 4 steps (cyclic Poisson sampling): 3 round(s)" in text
 
 
 def test_begin_steps_refuses_bad_counting():

@@ -57,7 +57,8 @@ class Recorder(keras.callbacks.Callback):
 # -- the noise the optimizer adds ----------------------------------------------------
 
 
-def noise_of_steps(bands, steps_per_epoch=8, epochs=2, units=20000, coefficients=None):
+def noise_of_steps(bands, steps_per_epoch=8, epochs=2, units=20000, coefficients=None,
+                   jit_compile=False):
     """The noise vectors w_t the optimizer added, read off the updates of a
     kernel whose gradients are 0 (inputs 0), as rows [steps, units]."""
     batch = 2
@@ -68,7 +69,7 @@ def noise_of_steps(bands, steps_per_epoch=8, epochs=2, units=20000, coefficients
         units, use_bias=False, kernel_initializer="zeros")])
     opt = tfdp.optimizers.DPBandMF(keras.optimizers.SGD(1.0), 1.0, 1.0, bands=bands, seed=5,
                                    coefficients=coefficients)
-    model.compile(optimizer=opt, loss="mse")
+    model.compile(optimizer=opt, loss="mse", jit_compile=jit_compile)
     recorder = Recorder()
     model.fit(pipeline(x, y, batch), epochs=epochs, verbose=0, callbacks=[recorder])
     kernels = np.stack([np.zeros((1, units))] + recorder.kernels)[:, 0]
@@ -98,6 +99,8 @@ def test_the_noise_has_the_banded_strategys_covariance_and_uncorrelated_noise_fa
     noise, opt = noise_of_steps(bands=4)
     std_gap, corr_gap = covariance_gap(noise, opt.coefficients)
     assert std_gap < 0.01 and corr_gap < 0.02, (std_gap, corr_gap)
+    compiled, _ = noise_of_steps(bands=4, jit_compile=True)  # the same under XLA
+    assert max(covariance_gap(compiled, opt.coefficients)) < 0.02
     # the noise is really correlated: neighbouring steps are far from independent
     assert abs(np.corrcoef(noise[4], noise[5])[0, 1]) > 0.3
     # negative controls: DP-SGD's uncorrelated noise (one band), and a 1% smaller
@@ -182,6 +185,21 @@ def test_privacy_budget_stops_at_the_end_of_the_last_affordable_epoch():
               callbacks=[tfdp.callbacks.PrivacyBudget(epsilon=budget, delta=1e-5)])
     assert model.privacy.steps == 16
     assert model.privacy.epsilon(1e-5) <= budget
+
+
+def test_xla_gives_the_result_without_xla():
+    """Noiseless (XLA draws other, equally distributed, uniforms than the
+    kernels do: the noise under XLA is checked by its covariance above)."""
+    x, y = data()
+    results = []
+    for jit in (False, True):
+        opt = NoiselessDPBandMF(keras.optimizers.SGD(0.5), 1.0, 1.0, bands=3, seed=4)
+        keras.utils.set_random_seed(1)
+        model = tfdp.DPSequential([keras.Input((6,)), keras.layers.Dense(3)])
+        model.compile(optimizer=opt, loss=LOSS, jit_compile=jit)
+        model.fit(pipeline(x, y), epochs=2, verbose=0)
+        results.append(model.layers[0].kernel.numpy())
+    np.testing.assert_allclose(results[0], results[1], rtol=1e-5, atol=1e-6)
 
 
 def test_physical_batches_give_the_unsplit_result():

@@ -500,10 +500,16 @@ class PrivacyLedger:
             spans.append((self._open[1], now, self._open[2]))
         rounds = [(end - start, c) for start, end, c in spans if end > start and not c.is_default]
         for steps, counting in rounds:
+            every = counting.steps_per_round
+            pattern = (
+                f"each record takes part at most once every {every} steps (a fixed data order)"
+                if counting.relation == "zero_out" else
+                f"each record can be sampled at most once every {every} steps (cyclic Poisson "
+                "sampling)"
+            )
             text += (
-                f" ({steps} steps of banded correlated noise (DP-BandMF) in which each "
-                f"record takes part at most once every {counting.steps_per_round} steps: "
-                f"{counting.releases(steps)} participation(s), each counted as one release)"
+                f" ({steps} steps of banded correlated noise (DP-BandMF) in which {pattern}: "
+                f"{counting.releases(steps)} round(s), each counted as one release)"
             )
         return text
 
