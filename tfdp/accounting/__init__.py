@@ -4,7 +4,8 @@
 of truth for epsilon; `compute_epsilon` / `compute_dpsgd_epsilon` answer "what
 epsilon do these settings give" and `calibrate_noise_multiplier` /
 `calibrate_dpsgd` "what noise do I need" without training;
-`privacy_statement` says what a guarantee means in plain language.
+`privacy_statement` says what a guarantee means in plain language;
+`tfdp.accounting.bandmf` answers both for DP-BandMF's correlated noise.
 
 This package imports neither TensorFlow nor Keras, so it loads fast (the
 `tfdp` command line uses it).
@@ -16,6 +17,7 @@ Example:
 0.7242
 """
 
+from tfdp.accounting import bandmf
 from tfdp.accounting.calibration import (
     calibrate_dpsgd,
     calibrate_noise_multiplier,
@@ -28,6 +30,7 @@ from tfdp.accounting.statement import privacy_statement
 
 __all__ = [
     "PrivacyLedger",
+    "bandmf",
     "calibrate_dpsgd",
     "calibrate_noise_multiplier",
     "compute_dpsgd_epsilon",

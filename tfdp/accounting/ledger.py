@@ -11,6 +11,15 @@ the segment. Steps are counted by the model (a `step_counter`) or by
 `advance`. Steps that run while no event is declared are refused, never
 silently left out of epsilon.
 
+A segment can also count participations in rounds instead of steps
+(`begin_steps(event, steps_per_round=P)`): its n steps release
+`SelfComposedDpEvent(event, ceil(n / P))`. DP-BandMF uses it
+(`tfdp.accounting.bandmf`): with correlated noise over b <= P steps and each
+record in at most one step of every P, a record's n steps hold at most
+ceil(n / P) participations, each one `event`. Such a segment also names the
+neighbouring relation its guarantee holds under ("zero_out" for a fixed data
+order); the statement then says which one.
+
 Example:
 
 >>> from tfdp.accounting import PrivacyLedger, dpsgd_event
@@ -26,7 +35,9 @@ Example:
 True
 """
 
+import collections
 import json
+import math
 
 import dp_accounting
 
@@ -36,8 +47,38 @@ from tfdp.accounting.events import event_from_dict, event_to_dict
 from tfdp.accounting.statement import describe_releases, privacy_statement
 
 _FORMAT = "tfdp.PrivacyLedger"
+# Version 2 adds a segment's "steps_per_round" and "relation"; a ledger that
+# uses neither is written as version 1, as before, and both are read.
 _VERSION = 1
+_ROUNDS_VERSION = 2
 _CACHE_SIZE = 256
+
+RELATIONS = ("add_or_remove", "zero_out")
+
+
+class Counting(collections.namedtuple("Counting", ["steps_per_round", "relation"])):
+    """How a segment counts releases: ceil(steps / steps_per_round) of its
+    event, a guarantee under `relation`. Steps (1, "add_or_remove") is the
+    default: one release per step."""
+
+    __slots__ = ()
+
+    def releases(self, steps):
+        """How many releases of the event `steps` steps of the segment make."""
+        return -(-steps // self.steps_per_round)
+
+    @property
+    def is_default(self):
+        return self == PER_STEP
+
+
+PER_STEP = Counting(1, "add_or_remove")
+
+
+def _check_counting(steps_per_round, relation):
+    steps_per_round = check_int("steps_per_round", steps_per_round, minimum=1)
+    check_choice("relation", relation, RELATIONS)
+    return Counting(steps_per_round, relation)
 
 
 def _check_event(event, name="event"):
@@ -89,8 +130,8 @@ class PrivacyLedger:
             )
         self._step_counter = step_counter
         self._own_steps = 0
-        self._segments = []  # closed segments: (event, start, end), contiguous from 0
-        self._open = None  # (event, start), start == end of the last closed segment
+        self._segments = []  # closed segments: (event, start, end, Counting), contiguous from 0
+        self._open = None  # (event, start, Counting), start == end of the last closed segment
         self._records = []  # one-off releases: (event, count)
         self._version = 0  # bumped on every change other than the step count
         self._high_water = 0  # the largest step count seen: counters never go back
@@ -158,30 +199,54 @@ class PrivacyLedger:
 
     # -- recording -----------------------------------------------------------
 
-    def begin_steps(self, event):
+    def begin_steps(self, event, steps_per_round=1, relation="add_or_remove",
+                    new_segment=False):
         """From the current step on, every step releases `event`.
 
         Closes the open segment (its count is the steps run since it began).
-        Calling it with an event equal to the open one does nothing.
+        Calling it with an event and counting equal to the open one's does
+        nothing, unless `new_segment`.
 
         Args:
             event: a `dp_accounting.DpEvent`, e.g. `dpsgd_event(sigma, q)`.
+            steps_per_round: P, an int >= 1: the segment's n steps release
+                `SelfComposedDpEvent(event, ceil(n / P))` (default 1: one
+                release per step). Only for a mechanism whose analysis
+                bounds a record's participations in any n consecutive steps
+                of the segment by ceil(n / P), each one `event`
+                (`tfdp.accounting.bandmf`).
+            relation: the neighbouring relation the segment's guarantee holds
+                under: "add_or_remove" (default) or "zero_out" (a record
+                replaced by one that contributes nothing).
+            new_segment: close the open segment even if it is equal, so that
+                the rounds of the two are counted apart (a DP-BandMF noise
+                stream that starts afresh).
 
         Raises:
             TypeError: if `event` is not a DpEvent.
-            ValueError: if steps ran before any event was declared, or the
-                step counter went backwards.
+            ValueError: if steps ran before any event was declared, the step
+                counter went backwards, or an argument is out of range.
+
+        Example:
+
+        >>> ledger = PrivacyLedger()
+        >>> ledger.begin_steps(dp_accounting.GaussianDpEvent(2.0), steps_per_round=10,
+        ...                    relation="zero_out")
+        >>> ledger.advance(25)                  # 25 steps: 3 participations
+        >>> ledger.composed_event().events[0].count
+        3
         """
         _check_event(event)
+        counting = _check_counting(steps_per_round, relation)
         now = self.steps
         self._check_counter(now)
         if self._open is not None:
-            open_event, start = self._open
-            if open_event == event:
+            open_event, start, open_counting = self._open
+            if open_event == event and open_counting == counting and not new_segment:
                 return
             if now > start:
-                self._segments.append((open_event, start, now))
-        self._open = (event, now)
+                self._segments.append((open_event, start, now, open_counting))
+        self._open = (event, now, counting)
         self._version += 1
 
     def record(self, event, count=1):
@@ -203,11 +268,14 @@ class PrivacyLedger:
     def _parts(self, now, extra_steps=0):
         """(event, count) for every release, in composed_event's order."""
         self._check_counter(now)
-        parts = [(event, end - start) for event, start, end in self._segments]
+        parts = [
+            (event, counting.releases(end - start))
+            for event, start, end, counting in self._segments
+        ]
         parts += list(self._records)
         if self._open is not None:
-            event, start = self._open
-            count = now - start + extra_steps
+            event, start, counting = self._open
+            count = counting.releases(now - start + extra_steps)
             if count > 0:
                 parts.append((event, count))
         elif extra_steps:
@@ -223,21 +291,52 @@ class PrivacyLedger:
         Returns:
             `ComposedDpEvent` of `SelfComposedDpEvent(event, count)` for every
             closed segment, the one-off records, then the open segment up to
-            `steps`. Zero counts are skipped; with no release the list is empty.
+            `steps` (count: the segment's steps, or its rounds for a segment
+            begun with `steps_per_round`). Zero counts are skipped; with no
+            release the list is empty.
         """
         now = self.steps
         self._check_counter(now)
         events = [
-            dp_accounting.SelfComposedDpEvent(event, end - start)
-            for event, start, end in self._segments
+            dp_accounting.SelfComposedDpEvent(event, counting.releases(end - start))
+            for event, start, end, counting in self._segments
         ]
         events += [
             event if count == 1 else dp_accounting.SelfComposedDpEvent(event, count)
             for event, count in self._records
         ]
         if self._open is not None and now > self._open[1]:
-            events.append(dp_accounting.SelfComposedDpEvent(self._open[0], now - self._open[1]))
+            event, start, counting = self._open
+            events.append(dp_accounting.SelfComposedDpEvent(event, counting.releases(now - start)))
         return dp_accounting.ComposedDpEvent(events)
+
+    @property
+    def open_segment(self):
+        """The open segment as (event, start step, steps_per_round,
+        relation), or None before any `begin_steps`."""
+        if self._open is None:
+            return None
+        event, start, counting = self._open
+        return event, start, counting.steps_per_round, counting.relation
+
+    @property
+    def relation(self):
+        """The neighbouring relation every epsilon of this ledger holds under.
+
+        "add_or_remove" (adding or removing one record), unless a segment with
+        steps ran under "zero_out" (one record replaced by one that
+        contributes nothing: DP-BandMF in a fixed data order). Add-or-remove
+        guarantees of the other segments imply zero-out ones (a record that
+        contributes nothing is as good as absent), so the ledger's epsilon
+        then holds under "zero_out" for the whole run.
+        """
+        now = self.steps
+        spans = [(start, end, counting) for _, start, end, counting in self._segments]
+        if self._open is not None:
+            spans.append((self._open[1], now, self._open[2]))
+        if any(end > start and counting.relation == "zero_out" for start, end, counting in spans):
+            return "zero_out"
+        return "add_or_remove"
 
     def _spent_parts(self):
         """The releases so far as (event, count) pairs (for calibration)."""
@@ -388,9 +487,31 @@ class PrivacyLedger:
             epsilon,
             delta,
             now,
-            mechanism_description=describe_releases(self._parts(now)),
+            mechanism_description=self._description(now),
             accountant=accountant,
+            relation=self.relation,
         )
+
+    def _description(self, now):
+        """`describe_releases` of the releases, with what a rounds segment means."""
+        text = describe_releases(self._parts(now))
+        spans = [(start, end, counting) for _, start, end, counting in self._segments]
+        if self._open is not None:
+            spans.append((self._open[1], now, self._open[2]))
+        rounds = [(end - start, c) for start, end, c in spans if end > start and not c.is_default]
+        for steps, counting in rounds:
+            every = counting.steps_per_round
+            pattern = (
+                f"each record takes part at most once every {every} steps (a fixed data order)"
+                if counting.relation == "zero_out" else
+                f"each record can be sampled at most once every {every} steps (cyclic Poisson "
+                "sampling)"
+            )
+            text += (
+                f" ({steps} steps of banded correlated noise (DP-BandMF) in which {pattern}: "
+                f"{counting.releases(steps)} round(s), each counted as one release)"
+            )
+        return text
 
     # -- persistence -----------------------------------------------------------
 
@@ -406,17 +527,19 @@ class PrivacyLedger:
         """
         now = self.steps
         self._check_counter(now)
+        countings = [segment[3] for segment in self._segments]
+        countings += [] if self._open is None else [self._open[2]]
         data = {
             "format": _FORMAT,
-            "version": _VERSION,
+            "version": _VERSION if all(c.is_default for c in countings) else _ROUNDS_VERSION,
             "steps": now,
             "segments": [
-                {"event": event_to_dict(event), "start": start, "end": end}
-                for event, start, end in self._segments
+                _segment_dict(event, counting, start=start, end=end)
+                for event, start, end, counting in self._segments
             ],
             "open": None
             if self._open is None
-            else {"event": event_to_dict(self._open[0]), "start": self._open[1]},
+            else _segment_dict(self._open[0], self._open[2], start=self._open[1]),
             "records": [
                 {"event": event_to_dict(event), "count": count} for event, count in self._records
             ],
@@ -491,6 +614,15 @@ class PrivacyLedger:
             steps = "?"
         segments = len(self._segments) + (self._open is not None)
         return f"PrivacyLedger(steps={steps}, segments={segments}, records={len(self._records)})"
+
+
+def _segment_dict(event, counting, **span):
+    """A segment's JSON object; the counting only when it is not per step
+    (so a ledger without rounds is written exactly as by version 1)."""
+    data = {"event": event_to_dict(event), **span}
+    if not counting.is_default:
+        data.update(steps_per_round=counting.steps_per_round, relation=counting.relation)
+    return data
 
 
 def _largest_fitting(fits, max_steps, guess=None):
@@ -568,12 +700,28 @@ def _get_event(mapping, where):
         raise _corrupt(f"bad event at {where}.event: {error}") from None
 
 
+def _get_counting(mapping, where, version):
+    """A segment's Counting: per step unless version 2 names rounds."""
+    if version == _VERSION:
+        return PER_STEP
+    steps_per_round = mapping.get("steps_per_round", 1)
+    relation = mapping.get("relation", "add_or_remove")
+    try:
+        return _check_counting(steps_per_round, relation)
+    except (TypeError, ValueError) as error:
+        raise _corrupt(f"bad counting at {where}: {error}") from None
+
+
 def _parse(data):
     """Validated (segments, open, records, steps) of a saved ledger."""
     if _get(data, "format", "the ledger") != _FORMAT:
         raise _corrupt(f"expected format {_FORMAT!r}, got {show(data['format'])}.")
-    if _get(data, "version", "the ledger") != _VERSION:
-        raise _corrupt(f"unsupported version {show(data['version'])} (this tfdp reads {_VERSION}).")
+    version = _get(data, "version", "the ledger")
+    if version not in (_VERSION, _ROUNDS_VERSION):
+        raise _corrupt(
+            f"unsupported version {show(version)} (this tfdp reads {_VERSION} and "
+            f"{_ROUNDS_VERSION})."
+        )
     saved_steps = _get_int(data, "steps", "the ledger")
 
     segments = []
@@ -587,7 +735,7 @@ def _parse(data):
                 f"{where} covers steps [{start}, {stop}), but segments must be non-empty "
                 f"and follow each other from step 0 (expected start {end})."
             )
-        segments.append((_get_event(item, where), start, stop))
+        segments.append((_get_event(item, where), start, stop, _get_counting(item, where, version)))
         end = stop
 
     open_data = _get(data, "open", "the ledger")
@@ -603,7 +751,7 @@ def _parse(data):
             raise _corrupt(f"the open segment starts at step {start}, expected {end}.")
         if saved_steps < start:
             raise _corrupt(f"{saved_steps} steps, but the open segment starts at step {start}.")
-        open_segment = (_get_event(open_data, "open"), start)
+        open_segment = (_get_event(open_data, "open"), start, _get_counting(open_data, "open", version))
 
     records = []
     for i, item in enumerate(_get_list(data, "records", "the ledger")):

@@ -47,8 +47,19 @@ def _format_delta(delta):
     return text if float(text) >= delta else _round_up(delta)
 
 
+_MEANINGS = {
+    "add_or_remove": "adding or removing any one training record",
+    "zero_out": (
+        "replacing any one training record by one that contributes nothing to training "
+        "(the zero-out relation: with a fixed data order the number and positions of "
+        "the records are public, so the guarantee is about a record's content)"
+    ),
+}
+
+
 def privacy_statement(
-    epsilon, delta, steps, mechanism_description=DEFAULT_MECHANISM, accountant=None
+    epsilon, delta, steps, mechanism_description=DEFAULT_MECHANISM, accountant=None,
+    relation="add_or_remove",
 ):
     """A few plain-language sentences describing an (epsilon, delta) guarantee.
 
@@ -61,6 +72,9 @@ def privacy_statement(
         steps: the number of private training steps, an integer >= 0.
         mechanism_description: what was released, in words.
         accountant: optional "rdp" or "pld", named in the statement.
+        relation: the neighbouring relation the guarantee holds under:
+            "add_or_remove" (default) or "zero_out" (DP-BandMF in a fixed
+            data order; see `PrivacyLedger.relation`).
 
     Returns:
         The statement, one sentence group per line.
@@ -78,6 +92,10 @@ def privacy_statement(
             "Expected `mechanism_description` to be a string. Received: "
             f"mechanism_description={mechanism_description!r}"
         )
+    if relation not in _MEANINGS:
+        raise ValueError(
+            f"Expected `relation` in {tuple(_MEANINGS)}. Received: relation={relation!r}"
+        )
     mechanism = f"Mechanism: {mechanism_description}."
     if math.isinf(epsilon):
         return (
@@ -94,7 +112,7 @@ def privacy_statement(
         f"This model was trained with (epsilon={eps_text}, delta={_format_delta(delta)})-"
         f"differential privacy at the record level, over {steps} private training steps.",
         mechanism,
-        "Meaning: adding or removing any one training record changes the probability of "
+        f"Meaning: {_MEANINGS[relation]} changes the probability of "
         f"any outcome of training by at most a factor e^epsilon = {factor}, except with "
         f"probability at most delta = {_format_delta(delta)}.",
         "Covered: the trained weights and anything derived from them alone (predictions, "

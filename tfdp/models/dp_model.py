@@ -20,6 +20,7 @@ from keras.src.utils.tracking import no_automatic_dependency_tracking
 from tfdp import distribute
 from tfdp.accounting import PrivacyLedger
 from tfdp.data import sources
+from tfdp.data.fixed_order import FixedOrderData
 from tfdp.models import chunked_step, float32_precision, input_checks
 from tfdp.models.atomic_save import atomic_write, is_local_path
 from tfdp.models.jit import resolve_jit_compile
@@ -54,7 +55,8 @@ _NOT_SAMPLEABLE = (
     "(memmaps too: np.load(path, mmap_mode='r') is read row by row) or a "
     "tfdp.data.RecordSource (any object with len() and [i]), or convert the "
     "pipeline once: tfdp.data.write_records(dataset, path), then "
-    "model.fit(tfdp.data.read_records(path), ...). Received: x of type {}"
+    "model.fit(tfdp.data.read_records(path), ...). A pipeline read in a fixed "
+    "order trains with tfdp.optimizers.DPBandMF instead. Received: x of type {}"
 )
 
 
@@ -310,6 +312,12 @@ class DPTrainingMixin:
         if physical_batch_size != self._physical_batch_size:
             self._physical_batch_size = physical_batch_size
             self.train_function = None  # retrace the step with the new chunking
+        if isinstance(x, tf.data.Dataset) and getattr(self.optimizer, "trains_on_datasets", False):
+            x = self.optimizer.fixed_order_data(  # a pipeline in a fixed order (DP-BandMF)
+                x, y, batch_size, sample_weight, class_weight, validation_split,
+                steps_per_epoch, epochs, initial_epoch)
+            y = sample_weight = class_weight = steps_per_epoch = None
+            validation_split, batch_size = 0.0, x.batch_size
         x, y, sample_weight = self._check_training_arrays(x, y, sample_weight, class_weight)
         input_checks.check_validation_data(validation_data)
         if validation_split and isinstance(x, sources.RecordSource):
@@ -331,7 +339,7 @@ class DPTrainingMixin:
                 f"({num_examples}). Received: batch_size={batch_size}"
             )
         arrays = (x, y) if sample_weight is None else (x, y, sample_weight)
-        if isinstance(x, sources.RecordSource):
+        if isinstance(x, (sources.RecordSource, FixedOrderData)):
             arrays = x
         self._build_for(arrays)
         if not self.trainable_variables:
@@ -378,6 +386,8 @@ class DPTrainingMixin:
         )
 
     def _check_training_arrays(self, x, y, sample_weight, class_weight):
+        if isinstance(x, FixedOrderData):
+            return x, None, None
         if isinstance(x, (tf.data.Dataset, keras.utils.PyDataset)) or callable(
             getattr(x, "__next__", None)
         ):
@@ -437,7 +447,9 @@ class DPTrainingMixin:
 
     def _build_for(self, arrays):
         """Builds model, metrics and optimizer on a 1-example batch."""
-        if isinstance(arrays, sources.RecordSource):
+        if isinstance(arrays, FixedOrderData):
+            sample = arrays.sample_batch()
+        elif isinstance(arrays, sources.RecordSource):
             sample = tf.nest.map_structure(lambda a: a[None], arrays[0])
         else:
             sample = _take(arrays, slice(0, 1))

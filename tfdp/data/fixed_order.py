@@ -1,0 +1,291 @@
+"""A `tf.data` pipeline read in the same order every epoch (for DP-BandMF).
+
+DP-BandMF's accounting in a fixed order (`tfdp.accounting.bandmf`) needs
+each record to appear in exactly one batch of every epoch of P batches, at
+the same position each time, so that two of its participations are P >= b
+steps apart. A `tf.data.Dataset` qualifies when all of these hold, and
+`FixedOrderData` refuses by name what breaks them:
+
+- it is finite with a known cardinality (P batches): not `repeat()` (the
+  epoch would be several passes, and `repeat(k)` puts a record k times in
+  one), not an unknown cardinality (`filter`, `flat_map`, `from_generator`:
+  assert it with `tf.data.experimental.assert_cardinality(P)` if you know
+  it);
+- its elements are batches `(x, y)` or `(x, y, sample_weight)` of one fixed
+  size B: `batch(B, drop_remainder=True)`, so the static batch dimension is
+  known (the noise is added to a sum over B records and divided by B);
+- its order is the same in every pass: no `shuffle` that reshuffles each
+  iteration (`reshuffle_each_iteration=True`, the default), unless a
+  `cache()` after it freezes the first pass's order; no `shuffle_and_repeat`,
+  no `Dataset.random`, no `sample_from_datasets`, no parallel `map`,
+  `interleave` or `batch` with `deterministic=False`. `shuffle(n,
+  reshuffle_each_iteration=False)` shuffles once (give it a `seed` to keep
+  the order across processes: a resumed run must see the same order);
+- P >= `bands` (checked by the optimizer).
+
+Each record must be one element of the un-batched pipeline: tfdp cannot see
+a record you put in twice (the same data concatenated twice counts as two
+records).
+
+The pipeline's own structure is checked before training. The order itself
+is also checked while training: tfdp fingerprints the labels of each of the
+P batches in the first pass and stops with an error, before that batch is
+trained on, when a later pass (or a resumed run) brings different labels at
+the same position. That catches what a structural check cannot (a generator
+that yields in another order, a shuffle seeded differently after a resume);
+a reorder that keeps every batch's labels identical would pass it, so the
+structural rules above remain the guarantee.
+
+Example:
+
+>>> import numpy as np, tensorflow as tf
+>>> x, y = np.zeros((96, 4), "float32"), np.arange(96) % 3
+>>> ds = tf.data.Dataset.from_tensor_slices((x, y)).batch(32, drop_remainder=True)
+>>> data = FixedOrderData(ds, planned_steps=6)
+>>> data.steps_per_epoch, data.batch_size, len(data)
+(3, 32, 96)
+>>> FixedOrderData(ds.repeat(), planned_steps=6)
+Traceback (most recent call last):
+...
+ValueError: ...infinite (repeat())...Received: cardinality=infinite
+"""
+
+import numpy as np
+import tensorflow as tf
+
+# Python classes of tf.data's transformations, by name (tensorflow/python/
+# data/ops). Private names, read only to refuse what breaks the order; the
+# fingerprint check while training does not depend on them.
+_REPEAT = ("_RepeatDataset",)
+_SHUFFLE = ("_ShuffleDataset", "ShuffleDataset")
+_SHUFFLE_AND_REPEAT = ("_ShuffleAndRepeatDataset",)
+_RANDOM = ("_RandomDataset", "RandomDataset", "_DirectedInterleaveDataset")
+_CACHE = ("CacheDataset", "_CacheDataset", "_MemoryCacheDataset")
+
+
+class FixedOrderData:
+    """A checked `tf.data` pipeline for `fit` with a DP-BandMF optimizer.
+
+    Args:
+        dataset: a `tf.data.Dataset` of batches `(x, y)` or `(x, y,
+            sample_weight)` that qualifies (see the module docstring).
+        planned_steps: the steps the `fit` call plans (epochs x P), for the
+            strategy's coefficients.
+
+    Attributes:
+        dataset: the pipeline.
+        steps_per_epoch: P, its number of batches.
+        batch_size: B, the fixed batch size.
+        planned_steps: as given.
+
+    Raises:
+        TypeError: if `dataset` is not a `tf.data.Dataset` of tuples.
+        ValueError: naming what breaks the fixed order (see above).
+    """
+
+    def __init__(self, dataset, planned_steps):
+        if not isinstance(dataset, tf.data.Dataset):
+            raise TypeError(
+                f"Expected a tf.data.Dataset. Received: x of type {type(dataset).__name__}"
+            )
+        spec = dataset.element_spec
+        if not isinstance(spec, tuple) or len(spec) not in (2, 3):
+            raise TypeError(
+                "Expected the dataset's elements to be batches (x, y) or (x, y, "
+                f"sample_weight). Received: element_spec={spec}"
+            )
+        self.dataset = dataset
+        self.batch_size = _static_batch_size(spec)
+        self.steps_per_epoch = _finite_cardinality(dataset)
+        _check_pipeline(dataset)
+        self.planned_steps = int(planned_steps)
+
+    def __len__(self):
+        """The number of records in one pass: P x B."""
+        return self.steps_per_epoch * self.batch_size
+
+    def sample_batch(self):
+        """Zeros shaped like one record (a batch of 1), to build the model on.
+
+        Nothing is read from the pipeline.
+        """
+        def zeros(spec):
+            return tf.zeros([1] + spec.shape.as_list()[1:], spec.dtype)
+
+        return tuple(tf.nest.map_structure(zeros, self.dataset.element_spec))
+
+    def stream(self, position, order_check):
+        """The training elements from stream position `position` on.
+
+        Element i is the pipeline's batch at position (position + i) mod P,
+        read pass after pass, checked against `order_check`, as
+        `(arrays, step_info)` with an all-ones mask and the fixed batch size
+        (DPOptimizer's element form).
+
+        Args:
+            position: the stream step the first element trains (an int >= 0).
+            order_check: an `OrderCheck` for these P positions.
+
+        Returns:
+            An infinite `tf.data.Dataset`; `fit` runs P steps per epoch.
+        """
+        steps = self.steps_per_epoch
+        batch = self.batch_size
+        stream = self.dataset.repeat().skip(position % steps).enumerate(start=position)
+
+        def to_element(index, arrays):
+            checked = order_check.check(index % steps, arrays[1:])
+            with tf.control_dependencies([checked]):
+                mask = tf.ones([batch], tf.float32)
+            step_info = {"mask": mask, "expected_batch_size": tf.constant(float(batch))}
+            return tuple(arrays), step_info
+
+        return stream.map(to_element).prefetch(tf.data.AUTOTUNE)
+
+
+ORDER_CHANGED = (
+    "The tf.data pipeline's order changed: the labels of a batch differ from the "
+    "first pass's at the same position of the epoch. DP-BandMF's fixed-order "
+    "accounting needs every record at the same position each epoch (and after a "
+    "resume); this batch was not trained on. Remove any reshuffling (shuffle(..., "
+    "reshuffle_each_iteration=False, seed=...)), or, to train on a different "
+    "pipeline, compile with a new DPBandMF(..., fresh_noise_history=True)."
+)
+
+
+class OrderCheck:
+    """Fingerprints of the labels at each of P positions: the first pass
+    records them, every later pass (or a resumed run) must match.
+
+    Args:
+        steps_per_epoch: P.
+        fingerprints: optional int64 array [P] (from a saved noise state).
+        recorded: how many leading positions `fingerprints` holds.
+    """
+
+    def __init__(self, steps_per_epoch, fingerprints=None, recorded=0):
+        values = np.zeros(steps_per_epoch, np.int64) if fingerprints is None else fingerprints
+        self.fingerprints = tf.Variable(np.asarray(values, np.int64), trainable=False)
+        self.recorded = tf.Variable(int(recorded), dtype=tf.int64, trainable=False)
+
+    def state(self):
+        """(fingerprints as an int64 array, recorded positions)."""
+        return self.fingerprints.numpy(), int(self.recorded.numpy())
+
+    def check(self, position, labels):
+        """Records or checks the fingerprint of `labels` at `position`.
+
+        Returns an op that raises InvalidArgumentError on a mismatch.
+        """
+        serialized = [tf.io.serialize_tensor(t) for t in tf.nest.flatten(labels)]
+        digest = tf.fingerprint(tf.reshape(tf.strings.reduce_join(serialized), [1]))
+        value = tf.bitcast(digest[0], tf.int64)
+
+        def record():
+            with tf.control_dependencies([self.fingerprints.scatter_update(
+                    tf.IndexedSlices(value[None], position[None]))]):
+                return self.recorded.assign(position + 1).op
+
+        def compare():
+            return tf.debugging.Assert(
+                tf.equal(self.fingerprints[position], value),
+                [ORDER_CHANGED, "Received: batch position", position],
+            )
+
+        return tf.cond(position < self.recorded, compare, lambda: tf.group(record()))
+
+
+def _static_batch_size(spec):
+    sizes = set()
+    for tensor_spec in tf.nest.flatten(spec):
+        shape = tensor_spec.shape
+        sizes.add(shape[0] if shape.rank else "scalar")
+    if sizes == {None} or None in sizes:
+        raise ValueError(
+            "DP-BandMF needs batches of one fixed size (the noise is calibrated to a "
+            "sum over a known number of records): a batch size that varies, here the "
+            "last, smaller batch. Use dataset.batch(batch_size, drop_remainder=True). "
+            f"Received: element_spec={spec}"
+        )
+    if "scalar" in sizes or len(sizes) != 1:
+        raise ValueError(
+            "Expected a batched dataset whose components share one batch dimension "
+            "(dataset.batch(batch_size, drop_remainder=True)). Received: element_spec="
+            f"{spec}"
+        )
+    return int(sizes.pop())
+
+
+def _finite_cardinality(dataset):
+    cardinality = int(dataset.cardinality().numpy())
+    if cardinality == tf.data.INFINITE_CARDINALITY:
+        raise ValueError(
+            "DP-BandMF reads a finite pipeline once per epoch, but this one is infinite "
+            "(repeat()): each record must appear once per epoch. Remove repeat(); fit's "
+            "`epochs` repeats the data. Received: cardinality=infinite"
+        )
+    if cardinality == tf.data.UNKNOWN_CARDINALITY:
+        raise ValueError(
+            "DP-BandMF needs the number of batches per epoch (the accounting counts "
+            "epochs), but this pipeline's cardinality is unknown (filter, flat_map, "
+            "from_generator, ...). If you know it, assert it: dataset.apply("
+            "tf.data.experimental.assert_cardinality(num_batches)). Received: "
+            "cardinality=unknown"
+        )
+    if cardinality == 0:
+        raise ValueError("Received an empty tf.data pipeline (cardinality 0).")
+    return cardinality
+
+
+def _inputs(dataset):
+    try:
+        return list(dataset._inputs())  # pylint: disable=protected-access
+    except (AttributeError, NotImplementedError, TypeError):
+        return []
+
+
+def _check_pipeline(dataset):
+    """Walks the pipeline from its output, refusing what breaks the order."""
+    if dataset.options().deterministic is False:
+        raise ValueError(
+            "DP-BandMF needs the same order every epoch, but this pipeline's options "
+            "allow a nondeterministic order. Received: options().deterministic=False"
+        )
+    pending = [(dataset, False)]  # (node, whether a cache() lies downstream of it)
+    while pending:
+        node, behind_cache = pending.pop()
+        name = type(node).__name__
+        if name in _REPEAT:
+            raise ValueError(
+                "DP-BandMF reads each record once per epoch, but the pipeline repeats "
+                "(repeat()): a record would appear several times in an epoch. Remove "
+                f"repeat(); fit's `epochs` repeats the data. Received: {name}"
+            )
+        if name in _SHUFFLE_AND_REPEAT:
+            raise ValueError(
+                "DP-BandMF needs the same order every epoch, but the pipeline uses "
+                "shuffle_and_repeat. Shuffle once: shuffle(n, reshuffle_each_iteration="
+                f"False, seed=...). Received: {name}"
+            )
+        if name in _SHUFFLE and getattr(node, "_reshuffle_each_iteration", True) and not behind_cache:
+            raise ValueError(
+                "DP-BandMF needs each record at the same position every epoch, but the "
+                "pipeline reshuffles each epoch (shuffle(..., reshuffle_each_iteration="
+                "True), the default): a record could come back after fewer steps than "
+                "`bands`, where its correlated noise overlaps. Shuffle once: "
+                "shuffle(n, reshuffle_each_iteration=False, seed=...), or cache() after "
+                f"the shuffle. Received: {name}"
+            )
+        if name in _RANDOM:
+            raise ValueError(
+                "DP-BandMF needs the same order every epoch, but the pipeline draws its "
+                f"elements at random. Received: {name}"
+            )
+        if str(getattr(node, "_deterministic", "default")).lower() == "false":
+            raise ValueError(
+                "DP-BandMF needs the same order every epoch, but a parallel step of the "
+                "pipeline may reorder elements (deterministic=False). Received: "
+                f"{name} with deterministic=False"
+            )
+        behind = behind_cache or name in _CACHE
+        pending.extend((child, behind) for child in _inputs(node))

@@ -1,0 +1,507 @@
+"""`DPBandMF`: banded matrix-factorization noise (DP-BandMF) for any Keras optimizer.
+
+A `DPOptimizer` whose noise is correlated across steps (Choquette-Choo et
+al. 2023, `tfdp.mechanisms.bandmf`): the clipped sum of step t gets
+w_t = (z_t - c_1 w_{t-1} - ... - c_{b-1} w_{t-b+1}) / c_0 with fresh
+z_t ~ N(0, sigma^2 C^2), so the released iterates are as private as C x + z,
+with C banded (b bands, ||c||_2 = 1). It trains from a `tf.data` pipeline
+read in a fixed order (`tfdp.data.fixed_order`): no random access and no
+Poisson sampling, and with a record in one step of every epoch of P >= b
+steps, n steps cost ceil(n / P) Gaussian mechanisms of multiplier sigma
+(`tfdp.accounting.bandmf`, under the zero-out relation). With bands=1 it
+adds DP-SGD's noise.
+
+The noise is added once per logical step to the clipped sum
+(`noisy_gradients`), so per-layer rules, rounding-safe norms, physical
+batches, mixed precision and XLA work as for `DPOptimizer`.
+"""
+
+import os
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+from tfdp import distribute
+from tfdp.accounting import bandmf as bandmf_accounting
+from tfdp.data.fixed_order import FixedOrderData
+from tfdp.mechanisms import bandmf, dpsgd
+from tfdp.optimizers import bandmf_state
+from tfdp.optimizers.dp_optimizer import DPOptimizer
+
+ZERO_OUT = "zero_out"
+
+_NO_ARRAYS = (
+    "DPBandMF trains from a tf.data.Dataset read in a fixed order (each record once "
+    "per epoch, at the same position). Arrays, memmaps and record sources would need "
+    "cyclic Poisson sampling (the amplified mode), which is not wired into fit yet. "
+    "Pass tf.data.Dataset.from_tensor_slices((x, y)).shuffle(len(x), seed=0, "
+    "reshuffle_each_iteration=False).batch(batch_size, drop_remainder=True), or train "
+    "with DPSGD / DPOptimizer. Received: x of type {}"
+)
+
+
+def _noise_state_error(message, path):
+    return ValueError(
+        f"{message} A DP-BandMF step's noise depends on the previous steps' noise, so a "
+        "resumed run must continue the same noise stream: pass "
+        "noise_state=<the file this run wrote> to the DPBandMF you compile with, or "
+        "start a new stream with DPBandMF(..., fresh_noise_history=True) (charged as a "
+        "new segment of the ledger: the participations of the steps before and after "
+        f"are counted apart). Training was not started. Received: noise_state={path!r}"
+    )
+
+
+@keras.saving.register_keras_serializable(package="tfdp")
+class DPBandMF(DPOptimizer):
+    """Any Keras optimizer, private with banded correlated noise (DP-BandMF).
+
+    `model.fit(dataset, epochs=...)` takes a `tf.data.Dataset` of batches in
+    a fixed order (see `tfdp.data.fixed_order` for the pipelines that
+    qualify; `fit` refuses the others by name). Each step clips every
+    example's gradient to `l2_norm_clip`, sums, adds the banded noise w_t and
+    divides by the batch size. The ledger counts one Gaussian mechanism of
+    `noise_multiplier` per epoch started (each record takes part once per
+    epoch; P steps per epoch must be >= `bands`), under the zero-out
+    relation: the guarantee protects a record's content, with the number of
+    records and their positions public.
+
+    Memory: the last `bands - 1` noise vectors, (bands - 1) x the number of
+    trained parameters in float32. They are secret (whoever holds them can
+    subtract them), so they are never in model files or exports; with
+    `noise_state` they are written to that file (permissions 0600) at each
+    epoch's end and when training ends, and read from it when `fit` resumes
+    the run. A `fit` that continues a model trained by DP-BandMF needs the
+    stream's state: from this optimizer (a second `fit` in the same process),
+    from `noise_state` (after a restart: the file must be at the model's
+    step), or a new stream with `fresh_noise_history=True`; otherwise `fit`
+    refuses before the first step. Under a tf.distribute strategy with
+    several replicas it is refused (see `multi_replica_unsupported`).
+
+    Args:
+        inner_optimizer: a `keras.optimizers.Optimizer`; it post-processes
+            the noisy gradients.
+        l2_norm_clip: clipping bound C > 0.
+        noise_multiplier: sigma > 0: z_t has std sigma * C per coordinate.
+        bands: b >= 1, the number of steps a noise draw is spread over (1 is
+            DP-SGD's noise). Larger b cancels more noise in the iterates and
+            needs b - 1 noise vectors of memory; it must not exceed the
+            steps per epoch.
+        coefficients: optional c_0 ... c_{b-1} (normalised to unit norm).
+            Default: `tfdp.mechanisms.bandmf.optimal_coefficients(b, n)`
+            for the n steps the first `fit` plans (epochs x steps per epoch),
+            then fixed (saved with the optimizer's config).
+        noise_state: optional path of the secret file holding the noise
+            stream (written during `fit`, read to resume).
+        fresh_noise_history: if True, the first `fit` starts a new noise
+            stream even where the model's last steps ran another one.
+        weight_decay, weight_decay_placement, seed, name: see `DPOptimizer`.
+
+    Example:
+
+    >>> import keras, tfdp
+    >>> opt = tfdp.optimizers.DPBandMF(keras.optimizers.SGD(0.5), l2_norm_clip=1.0,
+    ...                                noise_multiplier=2.0, bands=4)
+    >>> opt.bands, opt.coefficients is None
+    (4, True)
+    """
+
+    _fixed_settings = DPOptimizer._fixed_settings + (
+        "bands", "noise_state", "fresh_noise_history",
+    )
+
+    multi_replica_unsupported = (
+        "its noise history (the last bands - 1 noise vectors) is kept once per "
+        "optimizer, not per replica."
+    )
+
+    # `DPModel.fit` hands a tf.data.Dataset to `fixed_order_data` instead of
+    # refusing it.
+    trains_on_datasets = True
+
+    def __init__(
+        self,
+        inner_optimizer,
+        l2_norm_clip,
+        noise_multiplier,
+        bands,
+        coefficients=None,
+        noise_state=None,
+        fresh_noise_history=False,
+        weight_decay=0.0,
+        weight_decay_placement="before_clip",
+        seed=None,
+        name=None,
+        **kwargs,
+    ):
+        if isinstance(bands, bool) or not isinstance(bands, (int, np.integer)) or bands < 1:
+            raise ValueError(f"Expected `bands` to be an int >= 1. Received: bands={bands!r}")
+        if coefficients is not None:
+            coefficients = bandmf.check_coefficients(coefficients)
+            if len(coefficients) != bands:
+                raise ValueError(
+                    f"Expected {bands} coefficients (one per band). Received: "
+                    f"coefficients of length {len(coefficients)}, bands={bands}"
+                )
+        if noise_state is not None and not isinstance(noise_state, (str, bytes)) and not hasattr(
+            noise_state, "__fspath__"
+        ):
+            raise TypeError(
+                f"Expected `noise_state` to be a file path or None. Received: noise_state={noise_state!r}"
+            )
+        if not isinstance(fresh_noise_history, bool):
+            raise TypeError(
+                "Expected `fresh_noise_history` to be a bool. Received: "
+                f"fresh_noise_history={fresh_noise_history!r}"
+            )
+        super().__init__(
+            inner_optimizer, l2_norm_clip, noise_multiplier, weight_decay=weight_decay,
+            weight_decay_placement=weight_decay_placement, seed=seed, name=name, **kwargs,
+        )
+        self.bands = int(bands)
+        self.noise_state = None if noise_state is None else str(noise_state)
+        self.fresh_noise_history = fresh_noise_history
+        self.__dict__["_coefficients"] = coefficients
+        self.__dict__["_stream"] = None
+
+    @property
+    def coefficients(self):
+        """The strategy's coefficients (unit norm), or None until the first
+        `fit` computes them; fixed from then on."""
+        coefficients = self.__dict__["_coefficients"]
+        return None if coefficients is None else coefficients.copy()
+
+    def _fix_coefficients(self, planned_steps, from_state=None):
+        current = self.__dict__["_coefficients"]
+        if from_state is not None:
+            from_state = bandmf.check_coefficients(from_state)
+            if current is not None and not np.allclose(current, from_state, rtol=0, atol=1e-12):
+                raise _noise_state_error(
+                    "The noise state was written with other strategy coefficients than "
+                    "this optimizer's.", self.noise_state,
+                )
+            current = from_state
+        elif current is None:
+            current = bandmf.optimal_coefficients(self.bands, max(self.bands, planned_steps))
+        self.__dict__["_coefficients"] = current
+        return current
+
+    # -- the private step ---------------------------------------------------
+
+    def noisy_gradients(self, sums, step_info, variables):
+        """Adds step t's banded noise w_t to the clipped sums, divides by B.
+
+        Draws z_t with `dpsgd.gaussian_noise_like` (the same draws DPOptimizer
+        adds), solves row t of C w = z with the stream's last b - 1 noise
+        vectors, stores w_t in their place and counts the step.
+
+        Args:
+            sums: clipped sums (of one batch, or added over its chunks).
+            step_info: the step's dict ("expected_batch_size").
+            variables: the variables `sums` are aligned with.
+
+        Returns:
+            The noisy mean gradients.
+        """
+        stream = self.__dict__["_stream"]
+        if stream is None:
+            raise ValueError(
+                "DPBandMF has no noise stream: train it with DPModel.fit on a "
+                "tf.data.Dataset, which starts or resumes the stream."
+            )
+        coefficients = tf.constant(self.__dict__["_coefficients"], tf.float32)
+        draws = dpsgd.gaussian_noise_like(
+            sums, self.noise_stddev() * distribute.noise_scale(), self.noise_seed()
+        )
+        step = stream.step.read_value()
+        noise = []
+        for index, draw in enumerate(draws):
+            history = stream.history[index] if stream.history else None
+            value, slot = bandmf.correlated_noise(
+                draw, None if history is None else history.read_value(), coefficients, step
+            )
+            if history is not None:
+                history.scatter_update(tf.IndexedSlices(value[None], slot[None]))
+            noise.append(value)
+        stream.step.assign_add(1)
+        batch = step_info["expected_batch_size"]
+        grads = [(s + w) / tf.cast(batch, s.dtype) for s, w in zip(sums, noise)]
+        if self.weight_decay and self.weight_decay_placement == "after_noise":
+            share = distribute.replica_share()
+            grads = [g + o * share for g, o in zip(grads, self._decay_offsets(variables))]
+        return grads
+
+    # -- accounting -------------------------------------------------------------
+
+    def step_event(self, sampling_probability):
+        """Refused: a DP-BandMF step is not one release on its own.
+
+        Its ledger segments count rounds (`fixed_order_segment`,
+        `amplified_segment`).
+        """
+        raise ValueError(
+            "DPBandMF's steps are accounted in rounds, not one event per step: use "
+            "fixed_order_segment() or amplified_segment(). Received: "
+            f"sampling_probability={sampling_probability!r}"
+        )
+
+    def fixed_order_segment(self, steps_per_epoch):
+        """Ledger segment for a fixed order of P steps per epoch: (event,
+        steps_per_round, relation) for `PrivacyLedger.begin_steps`.
+
+        Example:
+
+        >>> import keras, tfdp
+        >>> opt = tfdp.optimizers.DPBandMF(keras.optimizers.SGD(), 1.0, 2.0, bands=4)
+        >>> opt.fixed_order_segment(30)
+        (GaussianDpEvent(noise_multiplier=2.0), 30, 'zero_out')
+        """
+        bandmf_accounting.check_separation(steps_per_epoch, self.bands)
+        return (
+            bandmf_accounting.fixed_order_round_event(self.noise_multiplier),
+            int(steps_per_epoch), ZERO_OUT,
+        )
+
+    def amplified_segment(self, sampling_probability):
+        """Ledger segment for cyclic Poisson sampling with rate q in the
+        active group (a record's group is active every `bands` steps).
+
+        Example:
+
+        >>> import keras, tfdp
+        >>> opt = tfdp.optimizers.DPBandMF(keras.optimizers.SGD(), 1.0, 2.0, bands=4)
+        >>> opt.amplified_segment(0.05)[1:]
+        (4, 'add_or_remove')
+        """
+        return (
+            bandmf_accounting.amplified_round_event(self.noise_multiplier, sampling_probability),
+            self.bands, "add_or_remove",
+        )
+
+    # -- the data -------------------------------------------------------------
+
+    def fixed_order_data(self, x, y=None, batch_size=None, sample_weight=None,
+                         class_weight=None, validation_split=0.0, steps_per_epoch=None,
+                         epochs=1, initial_epoch=0):
+        """Checks `fit`'s arguments for a tf.data pipeline in a fixed order.
+
+        Called by `DPModel.fit` with its arguments when `x` is a
+        `tf.data.Dataset`. Refuses, by name, a pipeline whose order is not
+        fixed (`tfdp.data.fixed_order`), one with fewer batches than `bands`,
+        and arguments a pipeline carries itself.
+
+        Returns:
+            A `tfdp.data.fixed_order.FixedOrderData`.
+        """
+        for name, value in (("y", y), ("sample_weight", sample_weight),
+                            ("class_weight", class_weight)):
+            if value is not None:
+                raise ValueError(
+                    f"A tf.data.Dataset holds the labels and weights: pass it as x alone. "
+                    f"Received: {name} of type {type(value).__name__}"
+                )
+        if validation_split:
+            raise ValueError(
+                "validation_split cannot split a tf.data.Dataset; pass validation_data. "
+                f"Received: validation_split={validation_split}"
+            )
+        planned = max(1, int(epochs) - int(initial_epoch))
+        data = FixedOrderData(x, planned_steps=0)
+        if batch_size is not None and batch_size != data.batch_size:
+            raise ValueError(
+                f"The dataset's batches hold {data.batch_size} records; leave batch_size "
+                f"unset (the pipeline batches). Received: batch_size={batch_size!r}"
+            )
+        if steps_per_epoch is not None and steps_per_epoch != data.steps_per_epoch:
+            raise ValueError(
+                f"In a fixed order an epoch is one pass over the {data.steps_per_epoch} "
+                "batches (the accounting counts a participation per epoch); leave "
+                f"steps_per_epoch unset. Received: steps_per_epoch={steps_per_epoch!r}"
+            )
+        bandmf_accounting.check_separation(data.steps_per_epoch, self.bands)
+        data.planned_steps = planned * data.steps_per_epoch
+        return data
+
+    def make_training_data(self, model, arrays, batch_size, steps_per_epoch=None, budgets=()):
+        """The fixed-order stream for `DPModel.fit`; opens the ledger segment.
+
+        Starts a new noise stream, continues this optimizer's, or resumes the
+        one in `noise_state`; refuses to start afresh where the model's last
+        steps ran a DP-BandMF stream that is not continued (unless
+        `fresh_noise_history`). Opens the ledger segment: one
+        GaussianDpEvent(sigma) per P steps (`fixed_order_segment`), a new
+        segment for a new stream.
+
+        Returns:
+            (dataset, P): the infinite stream from the model's position, P
+            steps per Keras epoch.
+        """
+        if not isinstance(arrays, FixedOrderData):
+            raise ValueError(_NO_ARRAYS.format(type(arrays).__name__))
+        strategy = model.distribute_strategy
+        if strategy.num_replicas_in_sync > 1:
+            self.check_distributable(strategy)
+        self.bind_model_steps(model)
+        variables = list(model.trainable_variables)
+        ledger = model.privacy
+        now = ledger.steps
+        stream, new = self._stream_for(model, variables, arrays, now)
+        event, per_round, relation = self.fixed_order_segment(arrays.steps_per_epoch)
+        ledger.begin_steps(event, steps_per_round=per_round, relation=relation, new_segment=new)
+        position = now - stream.start
+        return arrays.stream(position, stream.order_check), arrays.steps_per_epoch
+
+    def _stream_for(self, model, variables, data, now):
+        """(the stream to train, whether it is new)."""
+        stream = self.__dict__["_stream"]
+        ledger = model.privacy
+        open_segment = ledger.open_segment
+        expected = self.fixed_order_segment(data.steps_per_epoch)
+        fits = (
+            stream is not None
+            and stream.matches(variables, self.bands, data.steps_per_epoch, data.batch_size)
+        )
+        if fits and stream.model_step() == now and _continues(open_segment, expected, stream.start):
+            return stream, False
+        ran_bandmf = (
+            open_segment is not None and open_segment[3] == ZERO_OUT and now > open_segment[1]
+        )
+        if self.fresh_noise_history and not self.__dict__.get("_fresh_used", False):
+            self.__dict__["_fresh_used"] = True
+            return self._new_stream(variables, data, now), True
+        if self.noise_state is not None and os.path.exists(self.noise_state) and ran_bandmf:
+            return self._load_stream(variables, data, now, open_segment, expected), False
+        if ran_bandmf:
+            where = (
+                f"the file {self.noise_state!r} does not exist."
+                if self.noise_state is not None else "no noise_state was given."
+            )
+            raise _noise_state_error(
+                f"This model's last {now - open_segment[1]} steps ran a DP-BandMF noise "
+                f"stream, but this optimizer does not hold it at step {now}, and {where}",
+                self.noise_state,
+            )
+        return self._new_stream(variables, data, now), True
+
+    def _new_stream(self, variables, data, now):
+        self._fix_coefficients(data.planned_steps)
+        stream = self.__dict__["_stream"]
+        if stream is not None and stream.matches(variables, self.bands, stream.steps_per_epoch,
+                                                 stream.batch_size):
+            stream.reset(now, data.steps_per_epoch, data.batch_size)
+        else:  # the traced step captures these variables: made once per optimizer
+            stream = bandmf_state.NoiseStream(
+                variables, self.bands, now, data.steps_per_epoch, data.batch_size
+            )
+            self.__dict__["_stream"] = stream
+        return stream
+
+    def _load_stream(self, variables, data, now, open_segment, expected):
+        path = self.noise_state
+        meta, history, fingerprints = bandmf_state.load(path)
+        settings = meta.get("settings", {})
+        mine = self._state_settings()
+        differ = sorted(
+            key for key in ("bands", "noise_multiplier", "l2_norm_clip")
+            if settings.get(key) != mine[key]
+        )
+        if differ:
+            raise _noise_state_error(
+                f"The noise state was written with other settings ({', '.join(differ)}: "
+                f"{ {k: settings.get(k) for k in differ} }).", path,
+            )
+        if (meta["steps_per_epoch"], meta["batch_size"]) != (data.steps_per_epoch, data.batch_size):
+            raise _noise_state_error(
+                f"The noise state's data order has {meta['steps_per_epoch']} batches of "
+                f"{meta['batch_size']}, this dataset {data.steps_per_epoch} of "
+                f"{data.batch_size}.", path,
+            )
+        saved_step = int(meta["start"]) + int(meta["steps"])
+        if saved_step != now or not _continues(open_segment, expected, int(meta["start"])):
+            raise _noise_state_error(
+                f"The noise state was saved at model step {saved_step}, but the model is at "
+                f"step {now} (the model and the noise state come from different moments "
+                "of the run).", path,
+            )
+        shapes = [tuple(v.shape) for v in variables]
+        if [tuple(h.shape[1:]) for h in history] != (shapes if self.bands > 1 else []):
+            raise _noise_state_error(
+                "The noise state's noise vectors do not match this model's trainable "
+                "variables.", path,
+            )
+        self._fix_coefficients(data.planned_steps, from_state=settings["coefficients"])
+        stream = self._new_stream(variables, data, now)
+        bandmf_state.restore(stream, meta, history, fingerprints)
+        return stream
+
+    def _state_settings(self):
+        coefficients = self.__dict__["_coefficients"]
+        return {
+            "bands": self.bands,
+            "noise_multiplier": self.noise_multiplier,
+            "l2_norm_clip": self.l2_norm_clip,
+            "coefficients": None if coefficients is None else [float(c) for c in coefficients],
+        }
+
+    def save_noise_state(self, path=None):
+        """Writes the noise stream to `path` (default: `noise_state`).
+
+        The file is a secret (it lets its holder subtract the noise from the
+        released iterates): keep it like a key, apart from the model.
+
+        Args:
+            path: the file; default the optimizer's `noise_state`.
+
+        Raises:
+            ValueError: without a stream (before the first `fit`) or a path.
+        """
+        path = self.noise_state if path is None else str(path)
+        stream = self.__dict__["_stream"]
+        if path is None or stream is None:
+            raise ValueError(
+                "Nothing to save: the noise stream starts with the first fit, and a path "
+                f"is needed. Received: path={path!r}, stream started={stream is not None}"
+            )
+        bandmf_state.save(stream, path, self._state_settings())
+
+    def training_callbacks(self):
+        """With `noise_state`: a callback writing it at each epoch's end and
+        when training ends."""
+        if self.noise_state is None:
+            return []
+        return [_NoiseStateWriter(self)]
+
+    # -- serialization --------------------------------------------------------
+
+    def get_config(self):
+        """The settings, with the strategy's coefficients once fixed; without
+        `seed`, `noise_state` and `fresh_noise_history` (a file path and a
+        one-run choice, not properties of the optimizer)."""
+        config = super().get_config()
+        config.update(bands=self.bands, coefficients=self.coefficients)
+        if config["coefficients"] is not None:
+            config["coefficients"] = [float(c) for c in config["coefficients"]]
+        return config
+
+
+def _continues(open_segment, expected, start):
+    """Whether the ledger's open segment is the stream that began at `start`."""
+    if open_segment is None:
+        return False
+    event, segment_start, per_round, relation = open_segment
+    return (event, per_round, relation) == expected and segment_start == start
+
+
+class _NoiseStateWriter(keras.callbacks.Callback):
+    """Writes the optimizer's noise stream to its `noise_state` file."""
+
+    def __init__(self, optimizer):
+        super().__init__()
+        self._optimizer = optimizer
+
+    def on_epoch_end(self, epoch, logs=None):
+        self._optimizer.save_noise_state()
+
+    def on_train_end(self, logs=None):
+        self._optimizer.save_noise_state()
+

@@ -1,0 +1,167 @@
+"""DP-BandMF's noise stream and its secret state file.
+
+The noise of a DP-BandMF step depends on the last b - 1 noise vectors
+(`tfdp.mechanisms.bandmf`). Whoever holds them can subtract them from the
+released iterates, so they are never saved in a model file or an export
+(the variables here are neither Keras nor TensorFlow-tracked): they are
+written only to the file the user names (`DPBandMF(noise_state=path)`), a
+secret to keep like a key (created with permissions 0600), and read back
+from it to resume a run exactly.
+
+A stream is one run of correlated noise: the noise vectors in a ring buffer,
+the number of steps drawn, the model step it started at, the data order's
+steps per epoch P and batch size B, and the order's label fingerprints
+(`tfdp.data.fixed_order.OrderCheck`).
+
+Example:
+
+```python
+opt = tfdp.optimizers.DPBandMF(keras.optimizers.SGD(1.0), 1.0, 1.5, bands=8,
+                               noise_state="run/noise_state.npz")
+model.compile(optimizer=opt, loss=...)
+model.fit(dataset, epochs=10, callbacks=[keras.callbacks.BackupAndRestore("run/b")])
+# killed; rerun the same lines: the backup and the noise state resume together.
+```
+"""
+
+import json
+import os
+import secrets
+import tempfile
+
+import numpy as np
+import tensorflow as tf
+
+from tfdp.data.fixed_order import OrderCheck
+
+FORMAT = "tfdp.DPBandMF.noise_state"
+VERSION = 1
+
+
+class NoiseStream:
+    """A noise stream's state (a plain holder: nothing in it is tracked).
+
+    Args:
+        variables: the model's trainable variables (the noise's shapes).
+        bands: b.
+        start: the model step the stream started at.
+        steps_per_epoch: P of its data order.
+        batch_size: B of its data order.
+        stream_id: a random id naming the stream (not secret).
+    """
+
+    def __init__(self, variables, bands, start, steps_per_epoch, batch_size, stream_id=None):
+        self.bands = int(bands)
+        self.start = int(start)
+        self.steps_per_epoch = int(steps_per_epoch)
+        self.batch_size = int(batch_size)
+        self.stream_id = stream_id or secrets.token_hex(8)
+        self.shapes = [tuple(v.shape) for v in variables]
+        self.history = [
+            tf.Variable(tf.zeros((self.bands - 1,) + shape, tf.float32), trainable=False)
+            for shape in self.shapes
+        ] if self.bands > 1 else []
+        self.step = tf.Variable(0, dtype=tf.int64, trainable=False)
+        self.order_check = OrderCheck(self.steps_per_epoch)
+
+    def model_step(self):
+        """The model step the next noise draw belongs to."""
+        return self.start + int(self.step.numpy())
+
+    def matches(self, variables, bands, steps_per_epoch, batch_size):
+        """Whether this stream can continue on these variables and data."""
+        return (
+            [tuple(v.shape) for v in variables] == self.shapes
+            and self.bands == bands
+            and self.steps_per_epoch == steps_per_epoch
+            and self.batch_size == batch_size
+        )
+
+    def reset(self, start, steps_per_epoch, batch_size):
+        """Starts a new stream on the same variables (zero history)."""
+        self.start = int(start)
+        self.steps_per_epoch = int(steps_per_epoch)
+        self.batch_size = int(batch_size)
+        self.stream_id = secrets.token_hex(8)
+        for history in self.history:
+            history.assign(tf.zeros_like(history))
+        self.step.assign(0)
+        self.order_check = OrderCheck(self.steps_per_epoch)
+
+
+def save(stream, path, settings):
+    """Writes `stream` to `path` atomically (a temporary file renamed), 0600.
+
+    Args:
+        stream: the `NoiseStream`.
+        path: the file (".npz" is appended by NumPy if missing: give it).
+        settings: dict of the optimizer's privacy settings, stored to be
+            checked on load.
+    """
+    fingerprints, recorded = stream.order_check.state()
+    meta = {
+        "format": FORMAT,
+        "version": VERSION,
+        "stream_id": stream.stream_id,
+        "start": stream.start,
+        "steps": int(stream.step.numpy()),
+        "steps_per_epoch": stream.steps_per_epoch,
+        "batch_size": stream.batch_size,
+        "recorded_positions": recorded,
+        "settings": settings,
+    }
+    arrays = {f"history_{i}": h.numpy() for i, h in enumerate(stream.history)}
+    arrays["fingerprints"] = fingerprints
+    arrays["meta"] = np.frombuffer(json.dumps(meta).encode("utf-8"), np.uint8)
+    folder = os.path.dirname(os.path.abspath(path))
+    os.makedirs(folder, exist_ok=True)
+    handle, temporary = tempfile.mkstemp(dir=folder, prefix=".noise_state.", suffix=".npz")
+    try:
+        os.fchmod(handle, 0o600)
+        with os.fdopen(handle, "wb") as file:
+            np.savez(file, **arrays)
+            file.flush()
+            os.fsync(file.fileno())
+        os.replace(temporary, path)
+    except BaseException:
+        if os.path.exists(temporary):
+            os.remove(temporary)
+        raise
+
+
+def load(path):
+    """Reads a noise state file: (meta dict, list of history arrays, fingerprints).
+
+    Raises:
+        ValueError: if the file is not a DP-BandMF noise state (the message
+            names the file).
+    """
+    try:
+        with np.load(path, allow_pickle=False) as data:
+            meta = json.loads(bytes(data["meta"]).decode("utf-8"))
+            count = sum(1 for key in data.files if key.startswith("history_"))
+            history = [data[f"history_{i}"] for i in range(count)]
+            fingerprints = data["fingerprints"]
+    except (OSError, KeyError, ValueError, UnicodeDecodeError) as error:
+        raise ValueError(
+            f"Cannot read the DP-BandMF noise state {path!r}: {error}. Received: "
+            f"noise_state={path!r}"
+        ) from error
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT or meta.get("version") != VERSION:
+        raise ValueError(
+            f"{path!r} is not a DP-BandMF noise state file ({FORMAT} version {VERSION}). "
+            f"Received: noise_state={path!r}"
+        )
+    return meta, history, fingerprints
+
+
+def restore(stream, meta, history, fingerprints):
+    """Puts a loaded state into `stream` (shapes already checked)."""
+    stream.start = int(meta["start"])
+    stream.stream_id = meta["stream_id"]
+    for variable, value in zip(stream.history, history):
+        variable.assign(value)
+    stream.step.assign(int(meta["steps"]))
+    stream.order_check = OrderCheck(
+        stream.steps_per_epoch, fingerprints, meta["recorded_positions"]
+    )
