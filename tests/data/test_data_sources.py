@@ -233,18 +233,22 @@ def test_a_batch_transform_that_does_not_match_record_0_is_named():
         x_batch, y_batch = records.decode_batch(items)
         return (x_batch[:, :-1] if len(items) > 1 else x_batch), y_batch
 
-    source = RecordSource(records, batch_transform=short_rows)
-    out = source.empty_batch(3)
+    # A batch of two records is decoded when the source is made, so a
+    # transform that only goes wrong on batches is found there.
+    with pytest.raises(ValueError, match=r"batch_transform of records \[0, 1\] does not "
+                       r"match record 0 at x: expected shape \(2, 8\)"):
+        RecordSource(records, batch_transform=short_rows)
+    with pytest.raises(ValueError, match=r"record 0 .* batch_transform <lambda> of one record to be a tuple"):
+        RecordSource(records, batch_transform=lambda items: [records.decode_batch(items)[0]])
+    with pytest.raises(ValueError, match=r"Expected the batch_transform of records \[0, 1\] "
+                       r"to be a tuple \(x, y\)"):
+        RecordSource(records, batch_transform=lambda items: (
+            records.decode_batch(items) if len(items) == 1 else [records.decode_batch(items)[0]]))
+    wrong_later = RecordSource(records, batch_transform=lambda items: (
+        short_rows(items) if len(items) > 2 else records.decode_batch(items)))
     with pytest.raises(ValueError, match=r"batch_transform of records \[4, 9, 11\] does not "
                        r"match record 0 at x: expected shape \(3, 8\)"):
-        source.read_batch(np.array([4, 9, 11]), out)
-    with pytest.raises(ValueError, match=r"record 0 .* batch_transform of one record to be a tuple"):
-        RecordSource(records, batch_transform=lambda items: [records.decode_batch(items)[0]])
-    x_only = RecordSource(records, batch_transform=lambda items: (
-        records.decode_batch(items) if len(items) == 1 else [records.decode_batch(items)[0]]))
-    with pytest.raises(ValueError, match=r"Expected the batch_transform of records \[1, 2\] "
-                       r"to be a tuple \(x, y\)"):
-        x_only.read_batch(np.array([1, 2]), out)
+        wrong_later.read_batch(np.array([4, 9, 11]), wrong_later.empty_batch(3))
     with pytest.raises(ValueError, match="not both"):
         RecordSource(records, transform=records.decode, batch_transform=records.decode_batch)
     with pytest.raises(TypeError, match="Received: batch_transform=3"):
