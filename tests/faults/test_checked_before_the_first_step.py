@@ -94,6 +94,16 @@ def records(bad_at=None, label=9):
     return items
 
 
+def test_record_0_that_does_not_fit_the_model_is_named_before_the_first_step():
+    """The old error was Keras's alone, without the record or the source."""
+    model = build()
+    wide = [(np.zeros(D + 1, np.float32), 1)] * N
+    with pytest.raises(ValueError, match=r"(?s)Record 0 of RecordSource\(list, num_records=40\) does "
+                       r"not fit the model.*expected axis -1 of input shape to have value 4"):
+        fit(model, RecordSource(wide))
+    assert model.privacy.steps == 0
+
+
 def test_record_0_with_a_label_out_of_range_is_refused_before_the_first_step():
     model = build()
     with pytest.raises(ValueError, match=r"Record 0 has label 9.*3 outputs"):
