@@ -262,9 +262,11 @@ class PrivacyJournal(keras.callbacks.Callback):
     def entries(self):
         """The journal's entries: dicts with "start", "end" and "event".
 
-        A last line cut short (the process was killed while writing it) is
-        ignored: its steps had not started, since they start only after the
-        line is written. Any other damage raises ValueError.
+        A last line cut short (the process was killed, or the disk filled,
+        while writing it) is ignored: its steps had not started, since they
+        start only after the line is written. The next entry the callback
+        writes first cuts that fragment off. Any other damage raises
+        ValueError.
         """
         import json
         import os
@@ -311,10 +313,28 @@ class PrivacyJournal(keras.callbacks.Callback):
         """The highest step count the journal records (0 if empty)."""
         return max((entry["end"] for entry in self.entries()), default=0)
 
+    def _cut_torn_line(self):
+        """Truncates a last line written without its newline (a kill or a full
+        disk mid-write), so that the next entry starts a line of its own."""
+        import os
+
+        if not os.path.exists(self.path) or os.path.getsize(self.path) == 0:
+            return
+        with open(self.path, "rb+") as file:
+            file.seek(-1, os.SEEK_END)
+            if file.read(1) == b"\n":
+                return
+            file.seek(0)
+            data = file.read()
+            file.truncate(data.rfind(b"\n") + 1)  # 0 when the header itself is torn
+            file.flush()
+            os.fsync(file.fileno())
+
     def _append(self, entry):
         import json
         import os
 
+        self._cut_torn_line()
         new = not os.path.exists(self.path) or os.path.getsize(self.path) == 0
         with open(self.path, "ab") as file:
             if new:

@@ -11,6 +11,7 @@ TensorFlow); `train` imports TensorFlow, without its native start-up lines.
 import argparse
 import contextlib
 import json
+import logging
 import math
 import os
 import re
@@ -175,20 +176,72 @@ def _train(args):
     return training.train(**settings)
 
 
+# dp_accounting warns once per RDP order when a huge noise's divergence rounds
+# below zero, and answers 0 for that order: the right answer (the command
+# prints it), so the warnings only bury it.
+NEGATIVE_DIVERGENCE_WARNING = "Negative Renyi divergence"
+
+
+class _NegativeDivergenceFilter(logging.Filter):
+    def filter(self, record):
+        return not str(record.msg).startswith(NEGATIVE_DIVERGENCE_WARNING)
+
+
+@contextlib.contextmanager
+def _negative_divergence_hidden():
+    absl_logger = logging.getLogger("absl")
+    hidden = _NegativeDivergenceFilter()
+    absl_logger.addFilter(hidden)
+    try:
+        yield
+    finally:
+        absl_logger.removeFilter(hidden)
+
+
+def _not_finite(result, args):
+    """A sentence naming the result's numbers that JSON cannot carry (an
+    infinite epsilon), or None."""
+    names = [k for k, v in result.items() if isinstance(v, float) and not math.isfinite(v)]
+    if not names:
+        return None
+    shown = ", ".join(f"{name}={result[name]}" for name in names)
+    noise = getattr(args, "noise_multiplier", None)
+    if "epsilon" in names and noise is not None:
+        return (
+            "epsilon is infinite for these settings: the noise is too small for any "
+            f"finite epsilon at delta={result.get('delta', args.delta):g}. Received: "
+            f"noise_multiplier={noise:g}"
+        )
+    return f"{', '.join(names)} not finite. Received: {shown}"
+
+
 def main(argv=None):
-    """Entry point of the `tfdp` command. Prints one JSON object."""
+    """Entry point of the `tfdp` command. Prints one JSON object.
+
+    The output is strict JSON: a result that is not a finite number (an
+    infinite epsilon) is an error line instead (`epsilon`, `calibrate`), or
+    null in the JSON of a `train` run (followed by an error line, exit
+    status 1, when it is the run's epsilon).
+    """
     parser = build_parser()
     args = parser.parse_args(argv)
     handlers = {"epsilon": _epsilon, "calibrate": _calibrate, "train": _train}
     started = time.time()
     try:
-        result = handlers[args.command](args)
+        with _negative_divergence_hidden():
+            result = handlers[args.command](args)
     except (ValueError, TypeError, FileNotFoundError, ImportError) as error:
         parser.exit(2, f"tfdp {args.command}: error: {error}\n")
     if args.command == "train":
         result["seconds"] = round(time.time() - started, 1)
-    json.dump(result, sys.stdout, indent=2)
+    not_finite = _not_finite(result, args)
+    if not_finite and args.command != "train":
+        parser.exit(2, f"tfdp {args.command}: error: {not_finite}\n")
+    shown = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in result.items()}
+    json.dump(shown, sys.stdout, indent=2, allow_nan=False)
     sys.stdout.write("\n")
+    if not math.isfinite(result.get("epsilon", 0.0)):  # trained and reported, without a guarantee
+        parser.exit(1, f"tfdp {args.command}: error: {not_finite}\n")
     if result.get("output_error"):  # trained and reported, but not saved
         parser.exit(1, f"tfdp {args.command}: error: {result['output_error']}\n")
     return 0

@@ -102,3 +102,62 @@ def test_replacing_a_file_keeps_its_mode(tmp_path, method, name):
         os.umask(previous)
     assert oct(path.stat().st_mode & 0o777) == oct(0o640)
     assert os.listdir(tmp_path) == [name]
+
+
+KILLED_MID_SAVE = """
+import os, signal, sys
+import keras
+import tfdp
+
+def killed_mid_write(self, filepath, *args, **kwargs):
+    with open(filepath, "wb") as f:
+        f.write(b"PK\\x03\\x04 half a file")
+    os.kill(os.getpid(), signal.SIGKILL)
+
+model = tfdp.DPSequential([keras.Input((4,)), keras.layers.Dense(3)])
+setattr(keras.Model, sys.argv[2], killed_mid_write)
+getattr(model, sys.argv[2])(sys.argv[1])
+"""
+
+
+@pytest.mark.parametrize("method, name", [("save", "m.keras"), ("save_weights", "m.weights.h5")])
+def test_the_next_save_removes_what_a_killed_save_left(tmp_path, method, name):
+    """Each SIGKILL during a save left a `.<name>.<hex>.tmp<ending>` file that
+    nothing removed (the old code); the next save of that path removes them,
+    and only them."""
+    root = pathlib.Path(tfdp.__file__).resolve().parents[1]
+    killed = subprocess.run([sys.executable, "-c", KILLED_MID_SAVE, str(tmp_path / name), method],
+                            capture_output=True, timeout=300, cwd=root)
+    assert killed.returncode == -9, killed.stderr[-2000:]
+    leftovers = [p.name for p in tmp_path.iterdir()]
+    assert len(leftovers) == 1 and leftovers[0].startswith(f".{name}."), leftovers
+    others = [".other.keras.0123456789ab.tmp.keras", f".{name}.notours.tmp.keras", "notes.txt"]
+    for other in others:
+        (tmp_path / other).write_text("not tfdp's leftover of this path")
+
+    model = _model()
+    getattr(model, method)(tmp_path / name)
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(others + [name])
+    if method == "save":
+        assert tfdp.load_model(tmp_path / name).privacy.steps == 0
+    else:
+        model.load_weights(tmp_path / name)
+
+
+def test_a_save_running_elsewhere_keeps_its_temporary_file(tmp_path):
+    """While another save holds the folder (its shared lock), the leftovers
+    stay; the next save without one removes them."""
+    import fcntl
+
+    model = _model()
+    leftover = tmp_path / ".m.keras.00112233aabb.tmp.keras"
+    leftover.write_bytes(b"another process is writing this")
+    other = os.open(tmp_path, os.O_RDONLY)
+    try:
+        fcntl.flock(other, fcntl.LOCK_SH)  # as a save in another process holds it
+        model.save(tmp_path / "m.keras")
+        assert leftover.exists()
+    finally:
+        os.close(other)
+    model.save(tmp_path / "m.keras")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m.keras"]

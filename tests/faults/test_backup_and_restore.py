@@ -222,15 +222,39 @@ def test_a_privacy_journal_charges_the_steps_after_the_backup_on_resume(tmp_path
     assert second.privacy.epsilon(DELTA) == pytest.approx(reference.epsilon(DELTA), rel=1e-12)
 
 
-def test_control_without_a_backup_the_journal_still_asks_for_recover(tmp_path):
-    """No backup was written (killed in epoch 1): nothing is restored, so
-    fit recovers nothing itself and the journal refuses the fresh model."""
+def test_killed_before_the_first_backup_the_same_fit_reruns_and_charges_the_lost_steps(tmp_path):
+    """Killed at step 2 of epoch 1, before any backup was written: rerunning
+    the same fit (README's instruction) starts over and charges the 4 steps
+    the journal holds for the killed epoch (they ran, their logs may have
+    been seen), then trains its own 8. The old code refused the rerun ("4
+    steps ran after the checkpoint it was loaded from") though nothing was
+    loaded."""
     journal_path = str(tmp_path / "journal.jsonl")
     first = build(MAKERS["dpsgd"](1.0))
     with pytest.raises(Killed):
         fit(first, tmp_path / "backup", epochs=2,
             extra=[tfdp.callbacks.PrivacyJournal(journal_path), KillAtStep(2)])
     second = build(MAKERS["dpsgd"](1.0))
+    fit(second, tmp_path / "backup", epochs=2, extra=[tfdp.callbacks.PrivacyJournal(journal_path)])
+    reference = PrivacyLedger()
+    reference.begin_steps(first.optimizer.step_event(Q))
+    reference.advance(4 + 8)
+    assert second.privacy.steps == 12
+    assert second.privacy.epsilon(DELTA) == pytest.approx(reference.epsilon(DELTA), rel=1e-12)
+    assert tfdp.callbacks.PrivacyJournal(journal_path).journaled_steps() == 12
+
+
+def test_control_without_a_backup_callback_the_journal_still_asks_for_recover(tmp_path):
+    """Without BackupAndRestore, fit has no restore to follow and recovers
+    nothing itself: the journal refuses a model behind it."""
+    journal_path = str(tmp_path / "journal.jsonl")
+    x, y = data()
+    first = build(MAKERS["dpsgd"](1.0))
+    with pytest.raises(Killed):
+        first.fit(x, y, batch_size=BATCH, epochs=2, verbose=0,
+                  callbacks=[tfdp.callbacks.PrivacyJournal(journal_path), KillAtStep(2)])
+    second = build(MAKERS["dpsgd"](1.0))
     with pytest.raises(ValueError, match="recover"):
-        fit(second, tmp_path / "backup", epochs=2, extra=[tfdp.callbacks.PrivacyJournal(journal_path)])
+        second.fit(x, y, batch_size=BATCH, epochs=2, verbose=0,
+                   callbacks=[tfdp.callbacks.PrivacyJournal(journal_path)])
     assert second.privacy.steps == 0

@@ -56,7 +56,7 @@ def run_and_kill(workdir, frequency):
 def test_killed_run_resumes_with_a_ledger_covering_every_step_that_ran(tmp_path, frequency, charged):
     ran = run_and_kill(tmp_path, frequency)
     assert ran == BLOCK_AT
-    model = keras.models.load_model(tmp_path / "last.keras")
+    model = tfdp.load_model(tmp_path / "last.keras")  # registers tfdp's classes first
     assert model.privacy.steps == 20  # the last epoch-end checkpoint
     journal = tfdp.callbacks.PrivacyJournal(str(tmp_path / "journal.jsonl"), frequency=frequency)
     x, y = child.data()
@@ -139,3 +139,58 @@ def test_a_journal_from_another_run_is_refused(tmp_path):
 def test_journal_arguments(kwargs, message):
     with pytest.raises((TypeError, ValueError), match=message):
         tfdp.callbacks.PrivacyJournal(**kwargs)
+
+
+FULL_DISK_CHILD = """
+import resource, sys
+sys.path.insert(0, {folder!r})
+import _train_until_killed as child
+import tfdp
+resource.setrlimit(resource.RLIMIT_FSIZE, ({limit}, {limit}))  # the disk fills at {limit} bytes
+x, y = child.data()
+model = child.build()
+journal = tfdp.callbacks.PrivacyJournal({path!r}, frequency="batch")
+model.fit(x, y, batch_size=child.BATCH, epochs=100, steps_per_epoch=child.STEPS_PER_EPOCH,
+          verbose=0, callbacks=[journal])
+"""
+
+
+def test_a_journal_torn_by_a_full_disk_stays_readable_after_the_resumed_fit(tmp_path):
+    """As the issue reproduced it (`ulimit -f`): the disk fills while a line
+    is written, the fit dies, and the journal ends in a fragment. The old code
+    ignored the fragment on the first resume but appended the next entry
+    right after it, and from then on `journaled_steps()` and `recover` raised
+    "Corrupt privacy journal ... is not JSON"."""
+    path = str(tmp_path / "journal.jsonl")
+    limit = 6000
+    script = FULL_DISK_CHILD.format(folder=os.path.dirname(__file__), limit=limit, path=path)
+    process = subprocess.run([sys.executable, "-c", script], capture_output=True, timeout=600)
+    assert process.returncode != 0 and b"File too large" in process.stderr, process.stderr[-2000:]
+    data = open(path, "rb").read()
+    assert len(data) == limit and not data.endswith(b"\n")  # torn, as a full disk leaves it
+    journal = tfdp.callbacks.PrivacyJournal(path, frequency="batch")
+    ran = journal.journaled_steps()
+    assert ran > 10
+
+    model = child.build()
+    assert journal.recover(model) == ran
+    x, y = child.data()
+    model.fit(x, y, batch_size=child.BATCH, epochs=1, steps_per_epoch=3, verbose=0, callbacks=[journal])
+    assert journal.journaled_steps() == ran + 3 == model.privacy.steps
+    again = child.build()
+    assert journal.recover(again) == ran + 3  # a later crash recovers from the same file
+    assert open(path, "rb").read().count(b"\n") == ran + 3 + 1  # one line per step, the header
+
+
+def test_a_torn_header_is_rewritten(tmp_path):
+    """Killed while writing the header itself: the next entry starts the file again."""
+    path = str(tmp_path / "j.jsonl")
+    with open(path, "wb") as file:
+        file.write(b'{"format": "tfdp.Priv')
+    journal = tfdp.callbacks.PrivacyJournal(path, frequency="batch")
+    assert journal.journaled_steps() == 0
+    model = child.build()
+    x, y = child.data()
+    model.fit(x, y, batch_size=child.BATCH, epochs=1, steps_per_epoch=2, verbose=0, callbacks=[journal])
+    assert journal.journaled_steps() == 2
+    assert open(path, "rb").read().startswith(b'{"format": "tfdp.PrivacyJournal", "version": 1}\n')

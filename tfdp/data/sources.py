@@ -32,11 +32,15 @@ model.fit(source, batch_size=256, epochs=10)
 import concurrent.futures
 import mmap
 import os
+import random
 
 import numpy as np
 import tensorflow as tf
 
-__all__ = ["RecordSource", "ArraySource", "is_memory_mapped", "as_source", "require_in_memory"]
+__all__ = [
+    "RecordSource", "ArraySource", "is_memory_mapped", "as_source", "require_in_memory",
+    "with_batch_check",
+]
 
 _NAMES = ("x", "y", "sample_weight")
 
@@ -58,6 +62,16 @@ def is_memory_mapped(array):
             return True
         array = array.base
     return isinstance(array, mmap.mmap)
+
+
+def _mapped_file(array):
+    """`(mapping, bytes it needs, file name)` of the file behind a memmap
+    (or a view of one), else None."""
+    while isinstance(array, np.ndarray):
+        if isinstance(array, np.memmap) and isinstance(array.base, mmap.mmap):
+            return array.base, array.offset + array.nbytes, array.filename
+        array = array.base
+    return None
 
 
 def _spec(value, where):
@@ -110,10 +124,56 @@ def _as_example(item, index):
     return tuple(tuples(part) for part in item)
 
 
-def _first_row(example):
-    """Row 0 of every array of a batched example tuple (x, y[, w])."""
-    example = _as_example(example, "the batch_transform of one record")
-    return tf.nest.map_structure(lambda a: np.asarray(a)[0], example)
+def _shown(indices):
+    """"[4, 9, 11]", or the first five indices and "...": records in a message."""
+    head = ", ".join(str(int(i)) for i in indices[:5])
+    return f"[{head}{', ...' if len(indices) > 5 else ''}]"
+
+
+def _name(function):
+    return getattr(function, "__name__", None) or repr(function)
+
+
+def _failed(error, message):
+    """An error saying `message`, for the caller to raise `from error`.
+
+    Of `error`'s class when that class can be made from the message alone
+    and shows it (OSError, ValueError, KeyError, most user classes), else a
+    RuntimeError: a UnicodeDecodeError or JSONDecodeError needs other
+    arguments, and rebuilding one from a message alone would fail with a
+    TypeError that hides both the message and the record. The original stays
+    attached as `__cause__`, with its traceback.
+    """
+    try:
+        wrapped = type(error)(message)
+    except Exception:  # any constructor that needs more than a message
+        wrapped = None
+    if wrapped is None or message not in str(wrapped):
+        wrapped = RuntimeError(message)
+    return wrapped
+
+
+def _batch_leaves(example, count, what):
+    """The flat arrays of a batch_transform's output for `count` items.
+
+    Each must be an array with `count` rows: a scalar, or a Python list
+    (read as a tuple of several inputs, one per element), is refused naming
+    its place in the example.
+    """
+    leaves = []
+    for path, leaf in zip(_leaf_names(example), tf.nest.flatten(example)):
+        array = np.asarray(leaf)
+        if array.ndim == 0 or len(array) != count:
+            problem = (f"{path} is a scalar" if array.ndim == 0 else
+                       f"{path} has {len(array)} rows for {count} item{'s' if count > 1 else ''}")
+            raise ValueError(
+                f"Expected {what} to return one array per input, label and weight, each "
+                f"with one row per item: {problem}. Return arrays of len(items) rows (a "
+                "Python list is read as several inputs: np.asarray or np.stack it). "
+                f"Received: {path}={leaf!r:.60}"
+            )
+        leaves.append(array)
+    return leaves
 
 
 class _Source:
@@ -157,7 +217,19 @@ class RecordSource(_Source):
     decoding costs one NumPy call a step instead of one Python call a record
     (what a 256-record step spends in Python is then mostly the reads). Its
     output is checked against record 0's shapes and dtypes once a batch; an
-    error names the batch's first records.
+    error names the batch's first records. It must compute each row from its
+    own item alone: a transform that combines rows (a batch mean, a
+    normalisation by batch statistics) lets one record change every example
+    of its batch, beyond what clipping bounds. Row i of
+    `batch_transform(items)` must equal `batch_transform([items[i]])` bit for
+    bit; this is checked for two records when the source is made and for one
+    row drawn at random in every batch, and a difference is an error naming
+    the transform.
+
+    A `__getitems__` batch read (tfds and grain sources) must return one item
+    per index: a read that returns more or fewer is an error naming the
+    source and the records. An error raised while reading record i names it
+    and keeps the original as its `__cause__`.
 
     Args:
         records: object with `__len__` and `__getitem__`, e.g.
@@ -217,6 +289,14 @@ class RecordSource(_Source):
         self._flat = len(self._paths) == len(first)
         self._rows = [(a.shape, a.dtype) for a in self._padding]
         self._pool = None
+        self._random = random.Random()
+        if batch_transform is not None and self._length > 1:
+            # A transform that combines rows shows it on two records already.
+            indices = np.arange(2)
+            items = [self._read_item(i) for i in indices]
+            leaves = self._transformed(items, indices)
+            for row in indices:
+                self._check_row(items, indices, leaves, row)
 
     def __len__(self):
         return self._length
@@ -224,17 +304,32 @@ class RecordSource(_Source):
     def __repr__(self):
         return f"RecordSource({type(self.records).__name__}, num_records={self._length})"
 
-    def _reading_failed(self, error, index):
-        """`error` (a missing file, a corrupt record) saying which record."""
-        return type(error)(
-            f"Reading record {index} of {type(self.records).__name__} failed: {error}"
-        )
-
     def _read_item(self, index):
         try:
             return self.records[int(index)]
         except Exception as error:
-            raise self._reading_failed(error, index) from error
+            raise _failed(error, f"Reading record {index} of {type(self.records).__name__} "
+                          f"failed: {error}") from error
+
+    def _read_items(self, indices):
+        """The items at `indices`: one batch read if the records offer one
+        (tfds and grain sources: `__getitems__`, parallel inside), else one
+        read per record in threads."""
+        if not hasattr(self.records, "__getitems__"):
+            return list(self._pool_map(self._read_item, indices))
+        name = f"{type(self.records).__name__}.__getitems__"
+        try:
+            items = list(self.records.__getitems__([int(i) for i in indices]))
+        except Exception as error:
+            raise _failed(error, f"Reading records {_shown(indices)} with {name} failed: "
+                          f"{error}") from error
+        if len(items) != len(indices):
+            raise ValueError(
+                f"{name} returned {len(items)} items for the {len(indices)} records "
+                f"{_shown(indices)}: a batch read must return one item per index, in "
+                f"order. Received: {len(items)} items"
+            )
+        return items
 
     def _example(self, index):
         item = self._read_item(index)
@@ -242,9 +337,13 @@ class RecordSource(_Source):
             if self.transform is not None:
                 item = self.transform(item)
             elif self.batch_transform is not None:
-                item = _first_row(self.batch_transform([item]))
+                name = _name(self.batch_transform)
+                example = _as_example(self.batch_transform([item]), f"the batch_transform {name} of one record")
+                leaves = _batch_leaves(example, 1, f"the batch_transform {name} of record {index}")
+                item = tf.nest.pack_sequence_as(example, [leaf[0] for leaf in leaves])
         except Exception as error:
-            raise self._reading_failed(error, index) from error
+            raise _failed(error, f"Reading record {index} of {type(self.records).__name__} "
+                          f"failed: {error}") from error
         return _as_example(item, index)
 
     def __getitem__(self, index):
@@ -259,7 +358,7 @@ class RecordSource(_Source):
             try:
                 item = item if self.transform is None else self.transform(item)
             except Exception as error:
-                raise type(error)(f"Transforming record {index} failed: {error}") from error
+                raise _failed(error, f"Transforming record {index} failed: {error}") from error
             example = _as_example(item, index)
         if self._flat and len(example) == len(self._paths) and not any(
             isinstance(part, (tuple, list, dict)) for part in example
@@ -293,12 +392,10 @@ class RecordSource(_Source):
         return self._pool.map(function, indices)
 
     def read_batch(self, indices, out):
-        # A batch read where the records offer one (tfds and grain sources:
-        # `__getitems__`, parallel inside), else one read per record in threads.
         if self.batch_transform is not None:
             return self._read_batch_transformed(indices, out)
         if hasattr(self.records, "__getitems__"):
-            items = self.records.__getitems__([int(i) for i in indices])
+            items = self._read_items(indices)
             rows = (self._leaves(i, item) for i, item in zip(indices, items))
         else:
             rows = self._pool_map(self._leaves, indices)
@@ -306,18 +403,14 @@ class RecordSource(_Source):
             for target, leaf in zip(out, leaves):
                 target[row] = leaf
 
-    def _read_batch_transformed(self, indices, out):
-        """The items at `indices`, decoded by one `batch_transform` call."""
-        if hasattr(self.records, "__getitems__"):
-            items = list(self.records.__getitems__([int(i) for i in indices]))
-        else:
-            items = list(self._pool_map(self._read_item, indices))
-        shown = ", ".join(str(int(i)) for i in indices[:5]) + (", ..." if len(indices) > 5 else "")
-        where = f"records [{shown}]"
+    def _transformed(self, items, indices):
+        """`batch_transform(items)` as flat arrays checked against record 0."""
+        name = _name(self.batch_transform)
+        where = f"records {_shown(indices)}"
         try:
             example = self.batch_transform(items)
         except Exception as error:
-            raise type(error)(f"batch_transform of {where} failed: {error}") from error
+            raise _failed(error, f"batch_transform of {where} failed: {error}") from error
         example = _as_example(example, f"the batch_transform of {where}")
         try:
             tf.nest.assert_same_structure(example, self.element_spec)
@@ -325,16 +418,42 @@ class RecordSource(_Source):
             raise ValueError(
                 f"The batch_transform of {where} does not have record 0's structure: {error}"
             ) from None
-        leaves = tf.nest.flatten(example)
-        for path, leaf, (shape, dtype), target in zip(self._paths, leaves, self._rows, out):
-            array = np.asarray(leaf)
-            if array.shape != (len(indices), *shape) or array.dtype != dtype:
+        leaves = _batch_leaves(example, len(items), f"the batch_transform {name} of {where}")
+        for path, leaf, (shape, dtype) in zip(self._paths, leaves, self._rows):
+            if leaf.shape != (len(items), *shape) or leaf.dtype != dtype:
                 raise ValueError(
                     f"The batch_transform of {where} does not match record 0 at {path}: "
-                    f"expected shape {(len(indices), *shape)} and dtype {dtype}. "
-                    f"Received: shape {array.shape} and dtype {array.dtype}"
+                    f"expected shape {(len(items), *shape)} and dtype {dtype}. "
+                    f"Received: shape {leaf.shape} and dtype {leaf.dtype}"
                 )
-            target[: len(indices)] = array
+        return leaves
+
+    def _check_row(self, items, indices, leaves, row):
+        """Refuses a batch_transform whose row `row` of `leaves` (its output
+        for `items`) differs from its output for `items[row]` alone."""
+        single = self._transformed([items[row]], indices[row : row + 1])
+        for path, batch, alone in zip(self._paths, leaves, single):
+            if not np.array_equal(batch[row], alone[0], equal_nan=batch.dtype.kind in "fc"):
+                name = _name(self.batch_transform)
+                raise ValueError(
+                    f"The batch_transform {name} mixes examples: row {row} of {name}(items) "
+                    f"for records {_shown(indices)} differs from {name}([items[{row}]]) at "
+                    f"{path}. Each row must be computed from its own item alone (bit for "
+                    "bit as for that item alone): a transform that combines rows, such as "
+                    "a normalisation by batch statistics, lets one record change every "
+                    "example of its batch, beyond the clipping bound. Compute such "
+                    "statistics on public data, or per item. Received: "
+                    f"batch_transform={name}"
+                )
+
+    def _read_batch_transformed(self, indices, out):
+        """The items at `indices`, decoded by one `batch_transform` call, of
+        which one row, drawn at random, is checked against its item alone."""
+        items = self._read_items(indices)
+        leaves = self._transformed(items, indices)
+        self._check_row(items, indices, leaves, self._random.randrange(len(items)))
+        for target, leaf in zip(out, leaves):
+            target[: len(indices)] = leaf
 
 
 class ArraySource(_Source):
@@ -342,6 +461,12 @@ class ArraySource(_Source):
 
     `fit(x, y)` makes one when an array is memory-mapped; `read_records`
     returns one. Each step reads only its sampled rows.
+
+    Before every read it checks that the file behind each memmap still holds
+    the bytes it held when the memmap was opened: reading a page of a file
+    that was truncated meanwhile would kill the process (SIGBUS) without a
+    message. A file that shrank is an error naming it instead (a truncation
+    in the microseconds between the check and the read is not caught).
 
     Args:
         x: array, or tuple/dict of arrays, first dimension N.
@@ -369,6 +494,8 @@ class ArraySource(_Source):
         self._length = next(iter(lengths.values()))
         if self._length < 1:
             raise ValueError("Expected at least one example. Received: 0 rows")
+        self._files = [f for f in map(_mapped_file, leaves) if f is not None]
+        self._check_files()
         self.element_spec = tf.nest.pack_sequence_as(
             self.arrays,
             [_spec(leaf[0], path) for path, leaf in zip(self._paths, leaves)],
@@ -381,12 +508,80 @@ class ArraySource(_Source):
         return f"ArraySource(num_records={self._length})"
 
     def __getitem__(self, index):
+        self._check_files()
         return tf.nest.map_structure(lambda a: np.asarray(a[int(index)]), self.arrays)
 
+    def _check_files(self):
+        """Refuses to read a memmap whose file is now shorter than its mapping."""
+        for mapping, needed, filename in self._files:
+            size = mapping.size()  # fstat of the mapped file itself, even if renamed
+            if size < needed:
+                raise OSError(
+                    f"The file {filename!r} behind a memory-mapped training array is now "
+                    f"{size} bytes, shorter than the {needed} it held when it was opened: it "
+                    "was truncated or rewritten in place while it was being read, and "
+                    "reading the missing pages would kill the process (SIGBUS). Training "
+                    "stopped before reading it; restore the file, then resume (the steps "
+                    "that ran are in the privacy ledger, and in a PrivacyJournal if you "
+                    "keep one). Received: a file of "
+                    f"{size} bytes"
+                )
+
     def read_batch(self, indices, out):
+        self._check_files()
         count = len(indices)
         for target, leaf in zip(out, tf.nest.flatten(self.arrays)):
             target[:count] = leaf[indices]
+
+
+class _Checked(_Source):
+    """`source` read as usual, then `check(arrays, indices)` on each batch."""
+
+    def __init__(self, source, check):
+        self.source, self.check = source, check
+        self.element_spec = source.element_spec
+
+    def __len__(self):
+        return len(self.source)
+
+    def __getitem__(self, index):
+        return self.source[index]
+
+    def __repr__(self):
+        return repr(self.source)
+
+    def padding_row(self):
+        return self.source.padding_row()
+
+    def read_batch(self, indices, out):
+        self.source.read_batch(indices, out)
+        self.check([array[: len(indices)] for array in out], indices)
+
+
+def with_batch_check(source, check):
+    """`source`, with `check(arrays, indices)` called on every batch it reads.
+
+    Args:
+        source: a `RecordSource` or `ArraySource`.
+        check: a callable taking the flat list of arrays read (one per leaf
+            of `source.element_spec`, one row per index) and the indices;
+            it raises to stop training before the batch is used.
+
+    Returns:
+        A source that `make_dataset` reads like `source`.
+
+    Example:
+
+    >>> def no_negative_labels(arrays, indices):
+    ...     if (arrays[1] < 0).any():
+    ...         raise ValueError("negative label")
+    >>> source = with_batch_check(ArraySource(np.zeros((4, 2)), np.arange(4)), no_negative_labels)
+    >>> out = source.empty_batch(2)
+    >>> source.read_batch(np.array([1, 3]), out)
+    >>> out[1]
+    array([1, 3])
+    """
+    return _Checked(source, check)
 
 
 def as_source(data):
@@ -413,8 +608,9 @@ def require_in_memory(data, who, why):
     `why` says what for), which would load data on disk whole.
     """
     if as_source(data) is not None:
+        given = data.source if isinstance(data, _Checked) else data  # fit's label check
         raise ValueError(
             f"{who} {why}, so it needs the training data in memory (NumPy arrays or "
             "tensors); it does not take a RecordSource or memory-mapped arrays. "
-            f"Received: {type(data).__name__}"
+            f"Received: {type(given).__name__}"
         )

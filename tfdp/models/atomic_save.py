@@ -10,6 +10,13 @@ permissions a plain Keras save gives it: the old file's mode when it
 replaces one, else 0o666 less the umask (`tempfile.mkstemp` alone would
 leave 0o600, unreadable by a serving process of another user or group).
 
+A process killed mid-save leaves its temporary file (`.<name>.<hex>.tmp<ending>`)
+behind. The next save of the same path removes those of that path, when no
+other save is running in the folder: every save holds a shared `flock` on
+the folder while it writes, and the removal takes it exclusively first (so
+a save of another process is never disturbed; with a save running, the
+leftovers wait for a later save). Other files are never touched.
+
 Example:
 
 >>> import os, tempfile
@@ -23,9 +30,16 @@ Example:
 ('new', ['model.keras'])
 """
 
+import contextlib
 import os
+import re
 import secrets
 import stat
+
+try:
+    import fcntl
+except ImportError:  # not POSIX: no locks, so leftovers are left in place
+    fcntl = None
 
 # Keras checks the file name's ending, so the temporary file keeps it.
 _ENDINGS = (".weights.h5", ".weights.json", ".keras", ".h5", ".hdf5")
@@ -53,6 +67,46 @@ def _create_temporary(folder, prefix, suffix):
     raise FileExistsError(f"No free temporary file name in {folder} for {prefix}*{suffix}")
 
 
+def _remove_leftovers(folder, name, ending):
+    """Removes tfdp's temporary files of saves of `folder/name` (call it
+    holding the folder's exclusive lock: they are then all leftovers)."""
+    pattern = re.compile(re.escape(f".{name}.") + "[0-9a-f]{12}" + re.escape(f".tmp{ending}"))
+    for entry in os.listdir(folder):
+        if pattern.fullmatch(entry):
+            os.remove(os.path.join(folder, entry))
+
+
+@contextlib.contextmanager
+def _saving_in(folder, name, ending):
+    """Holds a shared lock on `folder` while a save of `name` runs, after
+    removing that name's leftovers if no other save holds the lock.
+
+    Best effort: where the folder cannot be locked (no `fcntl`, a file
+    system without `flock` on folders) or a leftover cannot be removed, the
+    save runs as without this."""
+    if fcntl is None:
+        yield
+        return
+    try:
+        handle = os.open(folder, os.O_RDONLY)
+    except OSError:
+        yield
+        return
+    try:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            _remove_leftovers(folder, name, ending)
+        except OSError:  # another save is running here, or no locks or rights
+            pass
+        try:
+            fcntl.flock(handle, fcntl.LOCK_SH)
+        except OSError:
+            pass
+        yield
+    finally:
+        os.close(handle)
+
+
 def atomic_write(filepath, write):
     """Calls `write(tmp_path)`, then renames `tmp_path` over `filepath`.
 
@@ -66,16 +120,17 @@ def atomic_write(filepath, write):
     path = os.path.abspath(os.fspath(filepath))
     folder, name = os.path.split(path)
     ending = next((e for e in _ENDINGS if name.endswith(e)), os.path.splitext(name)[1])
-    tmp = _create_temporary(folder, f".{name}.", f".tmp{ending}")
-    try:
-        write(tmp)
+    with _saving_in(folder, name, ending):
+        tmp = _create_temporary(folder, f".{name}.", f".tmp{ending}")
         try:
-            os.chmod(tmp, stat.S_IMODE(os.stat(path).st_mode))
-        except FileNotFoundError:
-            pass  # a new file: it keeps the mode it was created with
-        with open(tmp, "rb") as written:
-            os.fsync(written.fileno())
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
+            write(tmp)
+            try:
+                os.chmod(tmp, stat.S_IMODE(os.stat(path).st_mode))
+            except FileNotFoundError:
+                pass  # a new file: it keeps the mode it was created with
+            with open(tmp, "rb") as written:
+                os.fsync(written.fileno())
+            os.replace(tmp, path)
+        finally:
+            if os.path.exists(tmp):
+                os.remove(tmp)

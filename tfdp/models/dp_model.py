@@ -342,6 +342,13 @@ class DPTrainingMixin:
         if isinstance(x, (sources.RecordSource, FixedOrderData)):
             arrays = x
         self._build_for(arrays)
+        # Outputs are known once built (a model without keras.Input has none before).
+        units = self.outputs[0].shape[-1] if getattr(self, "outputs", None) else None
+        if isinstance(x, sources.RecordSource):
+            arrays = input_checks.check_record_source(x, units)
+        else:
+            input_checks.check_label_values(y, units)
+        validation_data = input_checks.check_validation_data_fits(self, validation_data, units)
         if not self.trainable_variables:
             raise ValueError(
                 f"Model '{self.name}' has no trainable weights, so there is nothing to "
@@ -434,12 +441,12 @@ class DPTrainingMixin:
                 )
         if any(len(a) != num_examples for a in tf.nest.flatten(x)):
             raise ValueError("All inputs in x must have the same number of examples.")
-        outputs = getattr(self, "outputs", None)
-        input_checks.check_label_values(y, outputs[0].shape[-1] if outputs else None)
+        input_checks.check_label_values(y, None)  # numbers; their range once built (fit)
         if sample_weight is not None:
             sample_weight = np.asarray(input_checks.as_array("sample_weight", sample_weight),
                                        np.float32)
             input_checks.check_sample_weight_shape(sample_weight, y)
+            sample_weight = input_checks.one_weight_per_example(sample_weight)
         if class_weight is not None:
             weights = input_checks.class_weights_for(y, class_weight)
             sample_weight = weights if sample_weight is None else weights * sample_weight
@@ -455,8 +462,15 @@ class DPTrainingMixin:
             sample = _take(arrays, slice(0, 1))
         data = tuple(sample) + ((None,) if len(sample) == 2 else ())
         strategy = self.distribute_strategy
-        with strategy.scope():
-            self._symbolic_build(data_batch=data)
+        try:
+            with strategy.scope():
+                self._symbolic_build(data_batch=data)
+        except ValueError as error:
+            if not isinstance(arrays, sources.RecordSource):
+                raise
+            raise ValueError(
+                f"Record 0 of {arrays!r} does not fit the model: {error}"
+            ) from error
 
     def _maybe_symbolic_build(self, iterator=None, data_batch=None):
         # Under a tf.distribute strategy Keras takes a batch from the iterator

@@ -13,6 +13,9 @@ ValueError: Expected `x` to be a rectangular numeric array (pad ragged rows to o
 """
 
 import numpy as np
+import tensorflow as tf
+
+from tfdp.data import sources
 
 
 def as_array(name, value):
@@ -34,12 +37,13 @@ def as_array(name, value):
     return array
 
 
-def check_label_values(y, units):
-    """Labels are numbers; class indices fit a model with `units` outputs."""
+def check_label_values(y, units, name="y"):
+    """Labels are numbers; class indices fit a model with `units` outputs
+    (`name` says whose labels, e.g. "validation_data's y")."""
     if y.dtype.kind not in "biuf":
         raise ValueError(
             "Expected numeric labels (class indices or targets); map strings to "
-            f"class indices first. Received: y of dtype {y.dtype}"
+            f"class indices first. Received: {name} of dtype {y.dtype}"
         )
     is_index_vector = y.ndim == 1 or (y.ndim == 2 and y.shape[1] == 1)
     if not (units and units > 1 and is_index_vector and len(y)):
@@ -50,7 +54,7 @@ def check_label_values(y, units):
     if low < 0 or high >= units:
         raise ValueError(
             f"Labels must be class indices in [0, {units - 1}] for a model with "
-            f"{units} outputs. Received: labels in [{low:g}, {high:g}]"
+            f"{units} outputs. Received: {name} with labels in [{low:g}, {high:g}]"
         )
 
 
@@ -72,17 +76,139 @@ def class_weights_for(y, class_weight):
     return np.asarray([table[c] for c in labels], np.float32)
 
 
-def check_sample_weight_shape(sample_weight, y):
-    """One weight per example ([N]), or one per token (y's shape)."""
+def check_sample_weight_shape(sample_weight, y, name="sample_weight"):
+    """One weight per example ([N] or [N, 1]), or one per token (y's shape)."""
     if sample_weight.ndim == 1 or sample_weight.shape == y.shape:
         return
     if sample_weight.ndim == 2 and sample_weight.shape[1] == 1:
         return
     raise ValueError(
         "Expected `sample_weight` of shape [N] (one weight per example) or of y's "
-        f"shape {y.shape} (one per token). Received: sample_weight of shape "
+        f"shape {y.shape} (one per token). Received: {name} of shape "
         f"{sample_weight.shape}"
     )
+
+
+def one_weight_per_example(sample_weight):
+    """`sample_weight` of shape [N, 1] as [N]: one weight per example, as
+    Keras reads it (the train step takes weights of rank 2 for per-token
+    weights, which need a loss with one value per token)."""
+    if sample_weight.ndim == 2 and sample_weight.shape[1] == 1:
+        return sample_weight[:, 0]
+    return sample_weight
+
+
+def check_validation_data_fits(model, validation_data, units):
+    """Refuses validation data the built `model` could not evaluate.
+
+    Keras evaluates `validation_data` only after an epoch of steps, so a
+    wrong input width, string or out-of-range labels, a wrong weight shape
+    or a RecordSource failed there, after the epoch's privacy was spent. The
+    first example runs through the model here (an inference pass on data
+    that is not training data), and the labels and weights are checked as
+    the training ones.
+
+    Args:
+        model: the built model `fit` trains.
+        validation_data: as given to `fit`.
+        units: the model's number of outputs (None if unknown).
+
+    Returns:
+        `validation_data`, with an `ArraySource` given as its arrays (which
+        Keras takes).
+
+    Example:
+
+    >>> check_validation_data_fits(None, None, 3) is None
+    True
+    """
+    if isinstance(validation_data, sources.ArraySource):
+        validation_data = tuple(validation_data.arrays)
+    elif validation_data is not None and sources.as_source(validation_data) is validation_data:
+        raise ValueError(
+            "Keras evaluates `validation_data` itself, and takes arrays or a "
+            f"tf.data.Dataset, not a {type(validation_data).__name__}: pass arrays "
+            "(for records on disk, tfdp.data.read_records(path).arrays) or a "
+            f"tf.data.Dataset. Received: validation_data={validation_data!r}"
+        )
+    if not isinstance(validation_data, (tuple, list)) or len(validation_data) not in (2, 3):
+        return validation_data
+    x, y = validation_data[0], validation_data[1]
+    y = as_array("validation_data's y", y)
+    check_label_values(y, units, "validation_data's y")
+    if len(validation_data) == 3 and validation_data[2] is not None:
+        weights = as_array("validation_data's sample_weight", validation_data[2])
+        check_sample_weight_shape(weights, y, "validation_data's sample_weight")
+    x = x if not isinstance(x, list) else tuple(x)
+    first = tf.nest.map_structure(lambda a: np.asarray(a[:1]), x)
+    try:
+        model(first, training=False)
+    except Exception as error:  # whatever the model raises, named with its class
+        shapes = tf.nest.map_structure(lambda a: np.shape(a), x)
+        raise ValueError(
+            "`validation_data` does not fit the model: its first example fails the "
+            f"model's forward pass ({type(error).__name__}: {error}). Received: "
+            f"validation_data x with shape {shapes}"
+        ) from error
+    return validation_data
+
+
+def check_record_source(source, units):
+    """Checks record 0 of a RecordSource against the model before the first
+    step, and returns the source to read, with every batch's class-index
+    labels checked against the model's `units` outputs.
+
+    A label out of range, which the loss reports without a record index
+    (or, on a GPU, turns into NaN), is an error naming the record: record 0
+    now, any other when a step reads it (before the step runs). Integer
+    labels of shape () or (1,) are class indices when the model has more
+    than one output.
+
+    Args:
+        source: the `RecordSource` `fit` trains on.
+        units: the model's number of outputs (None if unknown).
+
+    Returns:
+        `source`, or a source reading it with the label check
+        (`tfdp.data.sources.with_batch_check`).
+
+    Example:
+
+    >>> records = [(np.zeros(2, np.float32), 1)] * 4
+    >>> check_record_source(sources.RecordSource(records), units=3)
+    RecordSource(list, num_records=4)
+    """
+    first = source[0]
+    if len(first) == 3 and not isinstance(first[2], (tuple, dict)):
+        weight, label = np.shape(first[2]), np.shape(first[1])
+        if weight not in ((), label):
+            raise ValueError(
+                "Expected the sample_weight of record 0 to be a scalar (one weight per "
+                f"example) or of its label's shape {label} (one per token). Received: "
+                f"sample_weight of record 0 with shape {weight}"
+            )
+    spec = source.element_spec[1]
+    if not (
+        isinstance(spec, tf.TensorSpec) and units and units > 1
+        and (spec.dtype.is_integer or spec.dtype.is_bool) and spec.shape[1:] in ((), (1,))
+    ):
+        return source
+    position = len(tf.nest.flatten(source.element_spec[0]))
+
+    def check(arrays, indices):
+        labels = np.asarray(arrays[position]).reshape(len(indices), -1)[:, 0]
+        bad = (labels < 0) | (labels >= units)
+        if bad.any():
+            row = int(np.argmax(bad))
+            raise ValueError(
+                f"Record {int(indices[row])} has label {labels[row]}: a model with {units} "
+                f"outputs takes class indices 0 to {units - 1}. Training stopped before "
+                f"the step that read it. Received: label {labels[row]} at record "
+                f"{int(indices[row])}"
+            )
+
+    check([np.asarray(leaf)[None] for leaf in tf.nest.flatten(first)], [0])
+    return sources.with_batch_check(source, check)
 
 
 def check_validation_data(validation_data):

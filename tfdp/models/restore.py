@@ -7,7 +7,8 @@ releases (DPIS's N~, K~ and ghat table) before Keras starts the callbacks,
 so a restore there would keep charging the backup's step event and drop
 those releases from the ledger. `restore_backups` runs every such restore
 first, in `fit`, before anything is released (then lets a `PrivacyJournal`
-charge the steps that ran after the backup), and hands Keras each callback
+charge the steps that ran after the backup, or before a kill that came
+before the first backup), and hands Keras each callback
 without its `on_train_begin`. `LedgerGuard` refuses, before the first step,
 any other callback that replaces the ledger when training begins.
 
@@ -68,10 +69,14 @@ def restore_backups(model, callbacks):
         model: the built `DPModel` / `DPSequential` that `fit` trains.
         callbacks: the list of callbacks passed to `fit`.
 
-    When a backup was restored, every `tfdp.callbacks.PrivacyJournal` in
-    `callbacks` then charges the journaled steps that ran after the backup
-    (`PrivacyJournal.recover`): the restore happens inside `fit`, so there
-    is no other moment to recover.
+    With a `BackupAndRestore` in `callbacks`, every
+    `tfdp.callbacks.PrivacyJournal` in them then charges the journaled steps
+    the model does not cover (`PrivacyJournal.recover`): those that ran
+    after the restored backup, or, when no backup was found (the run was
+    killed before its first backup, and this rerun starts over), all the
+    steps the killed run journaled. The restore happens inside `fit`, so
+    there is no other moment to recover, and rerunning the same `fit` is
+    how a run with a backup resumes.
 
     Returns:
         The list with each `BackupAndRestore` replaced by a forwarder that
@@ -80,16 +85,15 @@ def restore_backups(model, callbacks):
     from tfdp.callbacks import PrivacyJournal
 
     result = []
-    restored = False
+    backups = False
     for callback in callbacks:
         if isinstance(callback, keras.callbacks.BackupAndRestore):
-            ledger = model.privacy
+            backups = True
             callback.set_model(model)
             callback.on_train_begin()
-            restored = restored or model.privacy is not ledger
             callback = _Restored(callback)
         result.append(callback)
-    if restored:
+    if backups:
         for callback in callbacks:
             if isinstance(callback, PrivacyJournal):
                 callback.recover(model)

@@ -215,6 +215,17 @@ class DPOptimizer(keras.optimizers.Optimizer):
                 "would clip and noise twice. Received: inner_optimizer="
                 f"{type(inner_optimizer).__name__}"
             )
+        if isinstance(inner_optimizer, keras.optimizers.LossScaleOptimizer):
+            raise ValueError(
+                "`inner_optimizer` is a keras.optimizers.LossScaleOptimizer, which divides "
+                "the gradients it is given by its loss scale: a tfdp model computes its "
+                "loss and per-example gradients in float32 without scaling them, so the "
+                "private update would shrink by the loss scale (32768 at first) while "
+                "the full epsilon is charged. Pass the optimizer it wraps instead "
+                "(`inner_optimizer.inner_optimizer`); tfdp needs no loss scaling under "
+                "mixed_float16. Received: inner_optimizer=LossScaleOptimizer("
+                f"{type(inner_optimizer.inner_optimizer).__name__})"
+            )
         if kwargs:
             raise TypeError(
                 f"{type(self).__name__} got unexpected arguments {sorted(kwargs)}; its "

@@ -1,0 +1,143 @@
+"""Inputs that used to be found only after steps were charged (issue 35,
+items 2 and 7; issue 34, item 6): each is refused before the first step by an
+error naming the argument or the record, or trained as the user meant."""
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tfdp
+from tfdp.data import ArraySource, RecordSource
+
+N, D, CLASSES = 40, 4, 3
+X = np.random.default_rng(0).normal(size=(N, D)).astype(np.float32)
+Y = np.arange(N) % CLASSES
+
+
+def build(with_input=True, seed=0):
+    keras.utils.set_random_seed(0)
+    layers = ([keras.Input((D,))] if with_input else []) + [keras.layers.Dense(CLASSES)]
+    model = tfdp.DPSequential(layers)
+    model.compile(optimizer=tfdp.optimizers.DPSGD(0.1, l2_norm_clip=1.0, noise_multiplier=1.0, seed=seed),
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    return model
+
+
+def fit(model, *data, **kwargs):
+    data = data or (X, Y)
+    return model.fit(*data, batch_size=8, epochs=1, verbose=0, **kwargs)
+
+
+# -- a loss-scaling inner optimizer -----------------------------------------------------
+
+
+def test_a_loss_scale_optimizer_inside_a_dp_optimizer_is_refused_by_name():
+    """The old code accepted it and divided the DP gradients by the 32,768
+    loss scale (mean |dw| 2.0e-6 against 5.5e-2) while charging the full
+    epsilon."""
+    with pytest.raises(ValueError, match=r"LossScaleOptimizer.*inner_optimizer.inner_optimizer.*"
+                       r"Received: inner_optimizer=LossScaleOptimizer\(SGD\)"):
+        tfdp.optimizers.DPOptimizer(keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(0.5)), 1.0, 1.0)
+    tfdp.optimizers.DPOptimizer(keras.optimizers.SGD(0.5), 1.0, 1.0)  # control: the inner one
+
+
+# -- validation_data ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("validation_data, match", [
+    ((np.zeros((10, D + 1), np.float32), Y[:10]), r"(?s)validation_data.*does not fit the model.*expected axis -1.*shape \(10, 5\)"),
+    ((X[:10], np.array(["cat"] * 10)), r"numeric labels.*validation_data.*<U3"),
+    ((X[:10], np.full(10, 9)), r"class indices in \[0, 2\].*validation_data's y with labels in \[9, 9\]"),
+    ((X[:10], Y[:10], np.ones((10, 2))), r"validation_data.*sample_weight.*\(10, 2\)"),
+    (RecordSource(list(zip(X[:10], Y[:10]))), r"validation_data.*RecordSource.*read_records"),
+])
+def test_bad_validation_data_is_refused_before_the_first_step(validation_data, match):
+    """The old code found each only when validation ran, after an epoch of
+    steps was charged."""
+    model = build()
+    with pytest.raises((ValueError, TypeError), match=match):
+        fit(model, validation_data=validation_data)
+    assert model.privacy.steps == 0
+
+
+def test_validation_data_that_fits_still_validates():
+    model = build()
+    history = fit(model, validation_data=(X[:10], Y[:10]))
+    assert "val_loss" in history.history and model.privacy.steps == 5
+    on_disk = build()
+    history = fit(on_disk, validation_data=ArraySource(X[:10], Y[:10]))
+    assert np.isfinite(history.history["val_loss"][0])
+
+
+# -- labels checked once the model is built -----------------------------------------------
+
+
+def test_labels_of_a_model_without_an_input_layer_are_checked_once_it_is_built():
+    """Without keras.Input the model's outputs are unknown until fit builds
+    it; the old code skipped the check and charged a step before TensorFlow
+    failed."""
+    model = build(with_input=False)
+    with pytest.raises(ValueError, match=r"class indices in \[0, 2\].*\[9, 9\]"):
+        fit(model, X, np.full(N, 9))
+    assert model.privacy.steps == 0
+    fit(build(with_input=False), X, Y)  # control
+
+
+# -- a RecordSource's records ------------------------------------------------------------
+
+
+def records(bad_at=None, label=9):
+    items = [(x, int(y)) for x, y in zip(X, Y)]
+    if bad_at is not None:
+        items[bad_at] = (X[bad_at], label)
+    return items
+
+
+def test_record_0_that_does_not_fit_the_model_is_named_before_the_first_step():
+    """The old error was Keras's alone, without the record or the source."""
+    model = build()
+    wide = [(np.zeros(D + 1, np.float32), 1)] * N
+    with pytest.raises(ValueError, match=r"(?s)Record 0 of RecordSource\(list, num_records=40\) does "
+                       r"not fit the model.*expected axis -1 of input shape to have value 4"):
+        fit(model, RecordSource(wide))
+    assert model.privacy.steps == 0
+
+
+def test_record_0_with_a_label_out_of_range_is_refused_before_the_first_step():
+    model = build()
+    with pytest.raises(ValueError, match=r"Record 0 has label 9.*3 outputs"):
+        fit(model, RecordSource(records(bad_at=0)))
+    assert model.privacy.steps == 0
+
+
+def test_a_later_record_with_a_label_out_of_range_is_named_when_it_is_read():
+    """The old error came from the loss, without a record index."""
+    model = build()
+    with pytest.raises(tf.errors.OpError, match=r"Record 23 has label -1"):
+        model.fit(RecordSource(records(bad_at=23, label=-1)), batch_size=20, epochs=5, verbose=0)
+
+
+def test_a_record_weight_of_shape_1_is_refused_by_name():
+    items = [(x, int(y), np.ones(1, np.float32)) for x, y in zip(X, Y)]
+    model = build()
+    with pytest.raises(ValueError, match=r"sample_weight of record 0.*shape \(1,\)"):
+        fit(model, RecordSource(items))
+    assert model.privacy.steps == 0
+
+
+# -- sample_weight of shape [N, 1] ---------------------------------------------------------
+
+
+def test_sample_weight_of_shape_n_by_1_trains_as_one_weight_per_example():
+    """The old code passed the shape check, then failed while tracing the
+    step (taken for per-token weights)."""
+    weights = np.linspace(0.5, 2.0, N).astype(np.float32)
+    flat, column = build(), build()
+    fit(flat, sample_weight=weights, steps_per_epoch=3)
+    fit(column, sample_weight=weights[:, None], steps_per_epoch=3)
+    for a, b in zip(flat.get_weights(), column.get_weights()):
+        np.testing.assert_array_equal(a, b)
+    unweighted = build()
+    fit(unweighted, steps_per_epoch=3)
+    assert not np.array_equal(unweighted.trainable_weights[0].numpy(), flat.trainable_weights[0].numpy())
