@@ -285,3 +285,31 @@ def test_the_condensed_gpu_table_is_what_its_script_prints():
     table = "\n".join(line for line in kept.splitlines() if line.startswith("|"))
     assert table.strip() == completed.stdout.strip()
 
+
+def source_page_references(root):
+    """(file, page, anchor) for every `docs/....md[#anchor]` that tfdp's source names."""
+    pattern = re.compile(r"docs/([\w/.-]+?\.md)(?:#([\w-]+))?")
+    found = []
+    for path in sorted((root / "tfdp").rglob("*.py")):
+        for page, anchor in pattern.findall(path.read_text()):
+            found.append((path.relative_to(root), page, anchor))
+    return found
+
+
+def test_the_source_points_at_pages_that_exist(site):
+    """Docstrings and comments send the reader to docs/ pages (they used to
+    name MECHANISMS.md, which is not in the repository): each page and
+    anchor they name exists in the built site."""
+    references = source_page_references(ROOT)
+    assert len(references) >= 20
+    missing = []
+    for source, page, anchor in references:
+        html = site / page.replace(".md", ".html")
+        if not html.exists():
+            missing.append(f"{source}: docs/{page}")
+        elif anchor and f'id="{anchor}"' not in html.read_text():
+            missing.append(f"{source}: docs/{page}#{anchor}")
+    assert missing == []
+    mentions = [str(path.relative_to(ROOT)) for path in (ROOT / "tfdp").rglob("*.py")
+                if "MECHANISMS.md" in path.read_text()]
+    assert mentions == []
