@@ -1,5 +1,5 @@
-"""Every ```python block of the documentation pages runs (the convention:
-tests/docs/markdown_code.py).
+"""Every ```python block of the documentation pages and README.md runs
+(the convention: tests/docs/markdown_code.py).
 
 A page's blocks run in order in one namespace, inside this test process, in
 a fresh temporary folder; Keras's global settings a page may change (the
@@ -15,7 +15,7 @@ from markdown_code import code_blocks, python_blocks, run_blocks
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 DOCS = ROOT / "docs"
-PAGES = sorted(DOCS.rglob("*.md"))
+PAGES = sorted(DOCS.rglob("*.md")) + [ROOT / "README.md"]
 PAGES_WITH_CODE = [page for page in PAGES if python_blocks(page.read_text())]
 
 
