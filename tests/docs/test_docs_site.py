@@ -137,6 +137,14 @@ def test_the_site_loads_nothing_from_the_network(site):
         assert "fonts.googleapis" not in text and "fonts.gstatic" not in text, page
 
 
+def test_every_table_renders_as_a_table(site):
+    """A table included from a benchmark's output that Markdown did not read
+    as a table (no blank line before it) shows up as literal `|---|` text."""
+    broken = [str(page.relative_to(site)) for page in site.rglob("*.html")
+              if "|---" in page.read_text()]
+    assert broken == []
+
+
 def test_the_config_uses_no_plugin_that_fetches():
     """The build itself must work without a network: only plugins that read
     local files, and no mkdocstrings inventories (downloaded objects.inv)."""
