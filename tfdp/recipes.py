@@ -42,7 +42,7 @@ DEFAULTS = {
 
 
 # Tramer and Boneh's ScatterNet settings on Fashion-MNIST (their Table 9, eps 3,
-# delta 1e-5, 40 epochs, MECHANISMS.md section 7); the noise multiplier is
+# delta 1e-5, 40 epochs, docs/results/fashion-mnist.md#scatternet-features); the noise multiplier is
 # calibrated (they report 4.05 for the linear model and 2.15 for the CNN).
 SCATTERNET_DEFAULTS = {
     "scatternet": dict(
@@ -132,7 +132,7 @@ def digits_mlp():
 def tanh_cnn(input_shape=(28, 28, 1), num_classes=10):
     """The 4-layer tanh CNN of SA-DPSGD, DPIS and Papernot et al. (2021).
 
-    26,010 parameters on 28x28x1 inputs (MECHANISMS.md section 6).
+    26,010 parameters on 28x28x1 inputs (docs/results/fashion-mnist.md#the-models).
     """
     return [
         keras.Input(input_shape),

@@ -561,7 +561,7 @@ def audit_optimizer(
             claimed one-step epsilon.
         absent: what replaces the canaries in D: "zeros" (default; a record
             with gradient 0 contributes nothing to DP-SGD's sum) or "nan"
-            (a NaN record contributes nothing at all, MECHANISMS.md 0.1:
+            (a NaN record contributes nothing at all, docs/mechanisms/index.md#clipping:
             needed when every record's gradient gets an offset, as with
             weight decay before clipping).
         normalizer: `normalizer(model) -> (offset, scale)` (scalars or

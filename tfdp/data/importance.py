@@ -1,6 +1,6 @@
 """The DPIS sampler: importance-sampled batches, padded to a fixed shape.
 
-DPIS (MECHANISMS.md section 4) draws each step's batch in two stages. Stage 1
+DPIS (docs/mechanisms/dpis.md) draws each step's batch in two stages. Stage 1
 (here) includes record i independently with probability
 q_i = b * ghat_i / K~, where ghat_i is the record's current bound in the
 per-record table (k times its last clipped gradient norm, capped at K~ / b).

@@ -2,7 +2,7 @@
 training records.
 
 SA-DPSGD's energy set and AdaDP's public noise shape steer every step without
-noise, so they may read only public data (MECHANISMS.md sections 3 and 5.1).
+noise, so they may read only public data (docs/mechanisms/sadpsgd.md, adadp.md).
 Both take a public (x, y) pair through `public_arrays` and refuse one that
 shares examples with the training data (`check_disjoint_from_training_data`).
 

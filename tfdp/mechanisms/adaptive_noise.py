@@ -2,7 +2,7 @@
 
 AdaDP keeps, per parameter coordinate j, a statistic s_j of squared
 gradients that sets the SHAPE of its per-coordinate clip bounds
-(MECHANISMS.md sections 5 and 5.1). s is post-processing of released or
+(docs/mechanisms/adadp.md). s is post-processing of released or
 public values only: the EMA of squared NOISY gradients
 
     s_j <- gamma' s_j + (1 - gamma') g~_j^2

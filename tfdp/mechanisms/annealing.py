@@ -7,7 +7,7 @@ probability P = 1 if dE <= 0 else exp(-dE * Q), or unconditionally when the
 previous `rejection_threshold` (mu0) candidates were all rejected. The
 temperature Q starts at Q0 (Algorithm 2, line 1) and after every candidate
 becomes Q0 * tau, tau the number of accepted candidates so far (line 22).
-See MECHANISMS.md section 3.
+See docs/mechanisms/sadpsgd.md.
 
 Every function here is branch-free (tf.where, no Python `if` on tensors), so
 it runs inside a compiled train step. The decision reads only the released

@@ -3,7 +3,7 @@
 One private step: clip every per-example gradient to L2 norm at most
 `l2_norm_clip`, sum, add Gaussian noise N(0, (noise_multiplier * l2_norm_clip)^2)
 to every coordinate of the sum, and divide by the *expected* batch size (the
-realised size of a Poisson batch is private). See MECHANISMS.md sections 0-1.
+realised size of a Poisson batch is private). See docs/mechanisms/dpsgd.md.
 
 Example:
 
@@ -22,7 +22,7 @@ def clip_factors(sq_norms, l2_norm_clip, weights=None):
     """Per-example factors `min(1, C / ||g_i||)` that clip each gradient to C.
 
     A non-finite norm (NaN or Inf gradient) gets factor 0: such an example
-    contributes nothing, so it can never bypass clipping (MECHANISMS.md 0.1).
+    contributes nothing, so it can never bypass clipping (docs/mechanisms/index.md#clipping).
 
     Args:
         sq_norms: float tensor [B], squared L2 norms of per-example gradients.

@@ -2,7 +2,7 @@
 
 DPIS samples record i with probability pi_i proportional to its clipped
 gradient norm and weights it by 1/pi_i, so the noisy mean stays unbiased while
-every sampled term has the same norm K~/N~ (MECHANISMS.md section 4):
+every sampled term has the same norm K~/N~ (docs/mechanisms/dpis.md):
 
 * released once: N~ = N + N(0, sigma_N^2)                  (`noisy_count`)
 * released per epoch: K~, a clamped, subsampled, noisy sum of the clipped
@@ -19,7 +19,7 @@ every sampled term has the same norm K~/N~ (MECHANISMS.md section 4):
   epoch from the target epsilon by projecting the privacy ledger
   (`allocate_noise_multiplier`).
 
-Soundness fixes against the paper (MECHANISMS.md 4): ghat_i <= K~ / b (else
+Soundness fixes against the paper (docs/mechanisms/dpis.md): ghat_i <= K~ / b (else
 q_i is cut at 1, pi_i falls below b ||g_i|| / K~, and the term's norm exceeds
 the K~ / N~ the analysis assumes); the K release is accounted with the
 sensitivity it has (C on the unscaled sum, noise sigma_K C before the 1 / p_K
@@ -231,7 +231,7 @@ def adaptive_clip(k_star_tilde, n_tilde, quantile, external_clip, minimum):
 def first_stage_bounds(clipped_norms, k, floor, k_tilde, batch_size):
     """ghat_i = min(k max(||g_i clipped||, g_L), K~ / b).
 
-    The cap at K~ / b is tfdp's fix (MECHANISMS.md 4): it keeps the stage-1
+    The cap at K~ / b is tfdp's fix (docs/mechanisms/dpis.md): it keeps the stage-1
     probability b ghat_i / K~ <= 1, so the inclusion probability is exactly
     b ||g_i clipped|| / K~. A non-finite norm gets the cap.
 

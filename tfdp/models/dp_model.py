@@ -282,7 +282,7 @@ class DPTrainingMixin:
         validation_freq=1,
         physical_batch_size=None,
     ):
-        """Keras `fit` on Poisson-sampled batches (MECHANISMS.md 0.2).
+        """Keras `fit` on Poisson-sampled batches (docs/mechanisms/index.md#poisson-sampling).
 
         Each of `steps_per_epoch` steps (default: dataset size / batch_size)
         includes every training record independently with probability

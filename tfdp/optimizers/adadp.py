@@ -1,6 +1,6 @@
 """`AdaDP` (Xu et al., seed 004): adaptive learning rate and adaptive noise.
 
-See MECHANISMS.md sections 5 and 5.1 and `tfdp.mechanisms.adaptive_noise`
+See docs/mechanisms/adadp.md and `tfdp.mechanisms.adaptive_noise`
 for the math and why it is private.
 """
 
@@ -81,7 +81,7 @@ class AdaDP(DPOptimizer):
     `keras.optimizers.RMSprop(rho=1 - gamma, epsilon=epsilon)`: AdaDP runs
     one as its inner optimizer, and v is its "velocity" slot.
 
-    Adaptive noise (MECHANISMS.md sections 5 and 5.1): a statistic s
+    Adaptive noise (docs/mechanisms/adadp.md): a statistic s
     ("noise_second_moment", one slot per variable) sets the SHAPE of
     per-coordinate clip bounds whose SCALE is C's:
 

@@ -480,7 +480,7 @@ class DPOptimizer(keras.optimizers.Optimizer):
         return []
 
     def make_training_data(self, model, arrays, batch_size, steps_per_epoch=None, budgets=()):
-        """Poisson-sampled training data for `DPModel.fit` (MECHANISMS.md 0.2).
+        """Poisson-sampled training data for `DPModel.fit` (docs/mechanisms/index.md).
 
         `budgets` are the fit's `PrivacyBudget` callbacks: a mechanism that
         makes releases outside its steps (DPIS) checks them before each

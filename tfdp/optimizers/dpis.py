@@ -3,7 +3,7 @@
 DPIS (Wei et al. 2022) samples each record with probability proportional to
 its clipped gradient norm and weights it by the inverse probability, so every
 sampled term has the same norm K~ / N~ and the noise can shrink as gradients
-do. The math, with the fixes that keep it sound, is MECHANISMS.md section 4
+do. The math, with the fixes that keep it sound, is docs/mechanisms/dpis.md
 and `tfdp.mechanisms.importance_sampling`; this module binds it to Keras:
 
 * `make_training_data` releases N~ once and starts the first epoch of a
@@ -25,7 +25,7 @@ and `tfdp.mechanisms.importance_sampling`; this module binds it to Keras:
 
 What a saved model keeps: N~, K~, C_e, sigma_G and the epoch count (optimizer
 variables) and the ledger. The ghat table is NOT saved: it holds each
-record's raw gradient norm, and a saved file is a release (MECHANISMS.md 0).
+record's raw gradient norm, and a saved file is a release (docs/mechanisms/guarantee.md).
 Nothing is lost: a resumed `fit` recomputes the whole table in one pass,
 either for the epoch begun before the checkpoint (K~ released, no step run
 yet: it goes on with the released values, releasing nothing new) or for a
@@ -106,8 +106,8 @@ class DPIS(DPOptimizer):
     batch in two stages by gradient norm (an expected `batch_size` records are
     accepted per step, about `k * batch_size` gradients computed), and the
     noise multiplier sigma_G of each epoch is the smallest that keeps the
-    projected epsilon of all `epochs` within `target_epsilon` (MECHANISMS.md
-    section 4; Wei et al. 2022, Algorithm 1). Each Keras epoch is one DPIS
+    projected epsilon of all `epochs` within `target_epsilon` (docs/mechanisms/dpis.md;
+    Wei et al. 2022, Algorithm 1). Each Keras epoch is one DPIS
     epoch; training stops after `epochs` of them. Everything DPIS releases is
     in `model.privacy`: N~ once, K~ (and K~*) per epoch, and every step.
 
@@ -732,7 +732,7 @@ class DPIS(DPOptimizer):
         return tf.cast(self._sigma_g, tf.float32) * tf.cast(self._clip, tf.float32)
 
     def step_event(self, sampling_probability=None):
-        """The current epoch's per-step event (MECHANISMS.md 4; the argument is unused)."""
+        """The current epoch's per-step event (docs/mechanisms/dpis.md; the argument is unused)."""
         run = self._run
         if run is None or self.k_tilde is None:
             raise ValueError("DPIS has no epoch yet: its step event is set when fit() starts an epoch.")

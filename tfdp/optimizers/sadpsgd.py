@@ -4,7 +4,7 @@ Each step proposes a DP-SGD candidate (the inner optimizer's update with the
 noisy gradient, its slots included), measures its energy (mean loss) on a
 PUBLIC energy set, and keeps it with the annealing probability of
 `tfdp.mechanisms.annealing`; a rejected candidate is rolled back, weights and
-slots alike. MECHANISMS.md section 3 gives the math and the two soundness
+slots alike. docs/mechanisms/sadpsgd.md gives the math and the two soundness
 fixes: the energy set must be public, and every candidate is charged to the
 privacy ledger (the paper charges accepted ones only; that figure is
 available as `paper_claimed_epsilon`, which is not a guarantee).
