@@ -34,6 +34,7 @@ def test_public_names():
     assert sorted(tfdp.accounting.__all__) == sorted(
         [
             "PrivacyLedger",
+            "bandmf",
             "dpsgd_event",
             "event_to_dict",
             "event_from_dict",

@@ -39,10 +39,8 @@ def keras_settings_restored(tmp_path, monkeypatch):
 OPTIONAL = {"keras_hub": "keras_hub", "TensorBoard(": "tensorboard"}
 
 
-def _require_optional(blocks):
+def _require_optional(blocks, require_installed):
     import importlib.util
-
-    from conftest import require_installed
 
     code = "".join(block.source for block in blocks if block.skip_reason is None)
     for marker, module in OPTIONAL.items():
@@ -51,9 +49,9 @@ def _require_optional(blocks):
 
 
 @pytest.mark.parametrize("page", PAGES_WITH_CODE, ids=_name)
-def test_the_python_blocks_of_a_page_run(page, keras_settings_restored):
+def test_the_python_blocks_of_a_page_run(page, keras_settings_restored, installed):
     blocks = python_blocks(page.read_text())
-    _require_optional(blocks)
+    _require_optional(blocks, installed)
     ran = run_blocks(blocks, _name(page))
     assert ran == sum(1 for block in blocks if block.skip_reason is None)
 

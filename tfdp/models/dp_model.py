@@ -346,7 +346,7 @@ class DPTrainingMixin:
         units = self.outputs[0].shape[-1] if getattr(self, "outputs", None) else None
         if isinstance(x, sources.RecordSource):
             arrays = input_checks.check_record_source(x, units)
-        else:
+        elif not isinstance(x, FixedOrderData):  # a pipeline's labels arrive as it runs
             input_checks.check_label_values(y, units)
         validation_data = input_checks.check_validation_data_fits(self, validation_data, units)
         if not self.trainable_variables:
