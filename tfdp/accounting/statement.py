@@ -100,6 +100,10 @@ def privacy_statement(
         "Covered: the trained weights and anything derived from them alone (predictions, "
         "exports, fine-tuning on other data), and every release recorded in the privacy "
         "ledger (the noisy gradients and any extra noisy statistics the mechanism released).",
+        "Noise: every Gaussian draw has the whole Gaussian tail (no truncation, which would "
+        "add to delta); like every floating-point implementation, the analysis treats the "
+        "noise as real-valued, so attacks on floating-point granularity (Mironov 2012) and "
+        "timing are not covered.",
         "Not covered: hyperparameters tuned by looking at results on the private data, "
         "training-set loss and metrics shown in the logs, decisions callbacks take from that "
         "logged loss or those metrics (ReduceLROnPlateau, EarlyStopping on the training loss: "
