@@ -61,6 +61,11 @@ _NOT_SAMPLEABLE = (
 class DPTrainingMixin:
     """The private training path shared by `DPModel` and `DPSequential`."""
 
+    # A subclass that overrides train_step is refused by fit unless it sets
+    # this to True: its step only hands each record's own data to
+    # super().train_step() and releases nothing more (`_check_train_step`).
+    train_step_is_private = False
+
     def _init_dp(self, per_example_gradients):
         if per_example_gradients not in METHODS:
             raise ValueError(
@@ -304,6 +309,7 @@ class DPTrainingMixin:
 
         if self.optimizer is None or self._per_example_loss is None:
             raise ValueError("Compile the model with a tfdp optimizer before calling fit().")
+        _check_train_step(self)
         physical_batch_size = chunked_step.check_physical_batch_size(
             self.optimizer, physical_batch_size
         )
@@ -525,6 +531,35 @@ class DPTrainingMixin:
         config = super().get_config()
         config["per_example_gradients"] = self.per_example_gradients
         return config
+
+
+def _check_train_step(model):
+    """Refuses, before any release, a subclass whose `train_step` is its own.
+
+    tfdp's guarantee is a property of its own step (each record's gradient
+    clipped on its own, the noise added once, the ledger charging exactly
+    that); an override can mix records (mixup's tf.roll over the batch moved
+    one record's effect to 2.55 C) or release more, and nothing in the
+    ledger would say so. A warning would leave the reported epsilon wrong, so
+    the override is refused unless its class declares, with
+    `train_step_is_private = True`, that it only wraps the DP step with each
+    record's data unmixed and releases nothing more.
+    """
+    cls = type(model)
+    if cls.train_step is DPTrainingMixin.train_step or cls.train_step_is_private:
+        return
+    owner = next(c for c in cls.__mro__ if "train_step" in vars(c))
+    raise ValueError(
+        f"{cls.__name__} overrides train_step() (in {owner.__module__}.{owner.__qualname__}), "
+        "so tfdp cannot vouch for the epsilon its ledger would report: the guarantee holds "
+        "for tfdp's own step, which clips each record's gradient on its own, and a step "
+        "that mixes records (mixup, tf.roll or statistics over the batch) lets one record "
+        "move the update by more than the clipping norm. Customise the loss, the model's "
+        "call() or a callback instead; or, if your train_step only hands each record's own "
+        "data to super().train_step() and releases nothing more, set "
+        f"`train_step_is_private = True` on {cls.__name__}. Training was not started. "
+        f"Received: a {cls.__name__} with its own train_step"
+    )
 
 
 def _finite_weights(losses, weights):
