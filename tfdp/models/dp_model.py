@@ -22,6 +22,7 @@ from tfdp.accounting import PrivacyLedger
 from tfdp.data import sources
 from tfdp.models import chunked_step, float32_precision, input_checks
 from tfdp.models.atomic_save import atomic_write, is_local_path
+from tfdp.models.chosen_checkpoint import keep_chosen_checkpoints_charged, note_save
 from tfdp.models.jit import resolve_jit_compile
 from tfdp.models.losses import per_example_loss
 from tfdp.models.restore import LedgerGuard, restore_backups
@@ -348,6 +349,8 @@ class DPTrainingMixin:
             )
         # Keras would restore a backup (weights, ledger) after the releases below.
         callbacks = restore_backups(self, list(callbacks or []))
+        # A file kept by save_best_only is rewritten with the ledger of each check.
+        callbacks = keep_chosen_checkpoints_charged(callbacks)
         dataset, steps = self.optimizer.make_training_data(
             self, arrays, batch_size, steps_per_epoch=steps_per_epoch,
             budgets=[c for c in callbacks if isinstance(c, PrivacyBudget)],
@@ -472,23 +475,32 @@ class DPTrainingMixin:
         """Keras `save`, written to a temporary file then renamed over
         `filepath` (`tfdp.models.atomic_save`): a process killed mid-save
         leaves the previous file intact. `keras.callbacks.ModelCheckpoint`
-        saves through this method, so its checkpoints are atomic too."""
+        saves through this method, so its checkpoints are atomic too (and a
+        file it keeps with `save_best_only` is rewritten with each check's
+        ledger: `tfdp.models.chosen_checkpoint`)."""
         if not (is_local_path(filepath) and (overwrite or not os.path.exists(filepath))):
-            return super().save(filepath, overwrite=overwrite, zipped=zipped, **kwargs)
-        return atomic_write(
-            filepath, lambda tmp: super(DPTrainingMixin, self).save(
-                tmp, overwrite=True, zipped=zipped, **kwargs)
-        )
+            result = super().save(filepath, overwrite=overwrite, zipped=zipped, **kwargs)
+        else:
+            result = atomic_write(
+                filepath, lambda tmp: super(DPTrainingMixin, self).save(
+                    tmp, overwrite=True, zipped=zipped, **kwargs)
+            )
+        note_save(self, filepath)
+        return result
 
     def save_weights(self, filepath, overwrite=True, max_shard_size=None):
         """Keras `save_weights`, atomic as `save` (unsharded files)."""
         if max_shard_size is not None or not (
             is_local_path(filepath) and (overwrite or not os.path.exists(filepath))
         ):
-            return super().save_weights(filepath, overwrite=overwrite, max_shard_size=max_shard_size)
-        return atomic_write(
-            filepath, lambda tmp: super(DPTrainingMixin, self).save_weights(tmp, overwrite=True)
-        )
+            result = super().save_weights(
+                filepath, overwrite=overwrite, max_shard_size=max_shard_size)
+        else:
+            result = atomic_write(
+                filepath, lambda tmp: super(DPTrainingMixin, self).save_weights(tmp, overwrite=True)
+            )
+        note_save(self, filepath)
+        return result
 
     # -- the ledger travels with the weights ------------------------------
 
