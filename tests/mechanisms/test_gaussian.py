@@ -11,7 +11,7 @@ from scipy import stats
 
 import tfdp
 from tfdp.mechanisms import gaussian
-from tfdp.mechanisms.gaussian import numpy_normal, standard_normal
+from tfdp.mechanisms.gaussian import normals, numpy_normal, standard_normal
 
 SEED = tf.constant([11, 3], tf.int64)
 
@@ -167,3 +167,16 @@ def test_every_gaussian_draw_in_tfdp_goes_through_the_uncapped_generator():
             if draws.search(code) and ">>>" not in code and "..." not in code[:8]:
                 found.append(f"{path.relative_to(root)}:{number}: {line.strip()}")
     assert found == [], "\n".join(found)
+
+
+def test_small_tensors_share_a_draw_and_stay_independent():
+    """Tensors of at most 2^16 entries are cut from one draw: each is still
+    N(0, 1), and no two share entries."""
+    shapes = [[300, 100], [17], [], [0], [2**16], [2**16 + 1]]
+    seeds = [tf.constant([4, i], tf.int64) for i in range(len(shapes))]
+    z = normals(shapes, seeds, [tf.float32] * len(shapes))
+    assert [t.shape.as_list() for t in z] == shapes
+    flat = np.concatenate([t.numpy().ravel() for t in z])
+    assert stats.kstest(flat, "norm").pvalue > 1e-4
+    assert np.intersect1d(z[1].numpy(), z[0].numpy()).size == 0  # no entry reused
+    assert abs(np.corrcoef(z[0].numpy().ravel()[:2**14], z[4].numpy()[:2**14])[0, 1]) < 0.03

@@ -83,8 +83,9 @@ def gaussian_noise_like(tensors, stddev, seed):
         stddev: scalar standard deviation (a float, or a tensor broadcastable
             to each tensor for per-coordinate noise).
         seed: int64 tensor [2] (see `step_seed`); each tensor gets its own
-            stream, folded with its index, drawn by the vectorised
-            Box-Muller transform of `tfdp.mechanisms.gaussian` (whole tail).
+            stream, folded with its index (small tensors share the first
+            one's, split), drawn by the vectorised Box-Muller transform of
+            `tfdp.mechanisms.gaussian` (whole tail).
 
     Returns:
         List of noise tensors.
@@ -96,7 +97,7 @@ def gaussian_noise_like(tensors, stddev, seed):
     TensorShape([3])
     """
     streams = [tf.random.experimental.stateless_fold_in(seed, i) for i in range(len(tensors))]
-    shapes = [tf.shape(t) for t in tensors]
+    shapes = [t.shape if t.shape.is_fully_defined() else tf.shape(t) for t in tensors]
     dtypes = [t.dtype for t in tensors]
     if tf.convert_to_tensor(stddev).shape.rank == 0:  # folded into the radius
         return normals(shapes, streams, dtypes, stddev=stddev)
