@@ -52,7 +52,6 @@ import tensorflow as tf
 
 _WORD = 2.0**-32  # a word's cell: V = w0 2^-32 is the bottom of V's cell
 _ANGLE_PER_WORD = 2.0 * math.pi * _WORD
-_DEEPEST_LOG = 32.0 * math.log(2.0)  # -ln 2^-32: E's part from a word 0
 
 
 def _words(shape, seed):
