@@ -61,8 +61,10 @@ def test_noise_is_fresh_per_step_and_per_tensor():
     b = dpsgd.gaussian_noise_like([tf.zeros([64])], 1.0, dpsgd.step_seed(key, 1))
     assert not np.allclose(a[0].numpy(), a[1].numpy())
     assert not np.allclose(a[0].numpy(), b[0].numpy())
-    again = dpsgd.gaussian_noise_like([tf.zeros([64])], 1.0, dpsgd.step_seed(key, 0))
+    zeros = [tf.zeros([64]), tf.zeros([64])]
+    again = dpsgd.gaussian_noise_like(zeros, 1.0, dpsgd.step_seed(key, 0))
     np.testing.assert_array_equal(a[0].numpy(), again[0].numpy())
+    np.testing.assert_array_equal(a[1].numpy(), again[1].numpy())
 
 
 @pytest.mark.parametrize("expected", [4.0, 10.0])

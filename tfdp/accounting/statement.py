@@ -117,7 +117,14 @@ def privacy_statement(
         f"probability at most delta = {_format_delta(delta)}.",
         "Covered: the trained weights and anything derived from them alone (predictions, "
         "exports, fine-tuning on other data), and every release recorded in the privacy "
-        "ledger (the noisy gradients and any extra noisy statistics the mechanism released).",
+        "ledger (the noisy gradients and any extra noisy statistics the mechanism released). "
+        "A saved checkpoint carries the ledger of every step that ran before it was chosen: "
+        "a file kept by ModelCheckpoint(save_best_only=True) is charged for every step up "
+        "to its last comparison, not only those before its weights were saved.",
+        "Noise: every Gaussian draw has the whole Gaussian tail (no truncation, which would "
+        "add to delta); like every floating-point implementation, the analysis treats the "
+        "noise as real-valued, so attacks on floating-point granularity (Mironov 2012) and "
+        "timing are not covered.",
         "Not covered: hyperparameters tuned by looking at results on the private data, "
         "training-set loss and metrics shown in the logs, decisions callbacks take from that "
         "logged loss or those metrics (ReduceLROnPlateau, EarlyStopping on the training loss: "

@@ -33,6 +33,8 @@ import dp_accounting
 import keras
 import numpy as np
 
+from tfdp.mechanisms.gaussian import numpy_normal
+
 
 @dataclasses.dataclass(frozen=True)
 class ChannelStatistics:
@@ -108,7 +110,7 @@ def private_channel_statistics(
     with np.errstate(over="ignore", invalid="ignore"):  # non-finite rows are dropped
         statistics = ((flat.mean(axis=1), mean_clip), ((flat**2).mean(axis=1), square_clip))
     for per_example, clip in statistics:
-        noise = rng.normal(scale=noise_multiplier * clip, size=k)
+        noise = numpy_normal(rng, noise_multiplier * clip, size=k)
         sums.append(_clip_rows(per_example, clip).sum(axis=0) + noise)
     mean, square = sums[0] / n, sums[1] / n
     variance = np.maximum(square - mean**2, 0.0)

@@ -15,7 +15,7 @@ array([0.5, 1. , 0. ], dtype=float32)
 
 import tensorflow as tf
 
-from tfdp.mechanisms.gaussian import standard_normal
+from tfdp.mechanisms.gaussian import normals
 
 
 def clip_factors(sq_norms, l2_norm_clip, weights=None):
@@ -83,8 +83,9 @@ def gaussian_noise_like(tensors, stddev, seed):
         stddev: scalar standard deviation (a float, or a tensor broadcastable
             to each tensor for per-coordinate noise).
         seed: int64 tensor [2] (see `step_seed`); each tensor gets its own
-            stream, folded with its index, drawn by the vectorised
-            Box-Muller transform of `tfdp.mechanisms.gaussian`.
+            stream, folded with its index (small tensors share the first
+            one's, split), drawn by the vectorised Box-Muller transform of
+            `tfdp.mechanisms.gaussian` (whole tail).
 
     Returns:
         List of noise tensors.
@@ -95,12 +96,13 @@ def gaussian_noise_like(tensors, stddev, seed):
     >>> n[0].shape
     TensorShape([3])
     """
-    noise = []
-    for index, tensor in enumerate(tensors):
-        stream = tf.random.experimental.stateless_fold_in(seed, index)
-        unit = standard_normal(tf.shape(tensor), stream, dtype=tensor.dtype)
-        noise.append(unit * tf.cast(stddev, tensor.dtype))
-    return noise
+    streams = [tf.random.experimental.stateless_fold_in(seed, i) for i in range(len(tensors))]
+    shapes = [t.shape if t.shape.is_fully_defined() else tf.shape(t) for t in tensors]
+    dtypes = [t.dtype for t in tensors]
+    if tf.convert_to_tensor(stddev).shape.rank == 0:  # folded into the radius
+        return normals(shapes, streams, dtypes, stddev=stddev)
+    units = normals(shapes, streams, dtypes)
+    return [u * tf.cast(stddev, t.dtype) for u, t in zip(units, tensors)]
 
 
 def noisy_mean(clipped_sums, noise_stddev, expected_batch_size, seed):

@@ -46,6 +46,7 @@ import tensorflow as tf
 
 from tfdp import accounting
 from tfdp.accounting import _engine
+from tfdp.mechanisms.gaussian import numpy_normal
 
 __all__ = [
     "noisy_count",
@@ -117,7 +118,7 @@ def noisy_count(num_examples, sigma_n, rng):
         N~ as a float. Its release is `count_event(sigma_n)`.
     """
     sigma_n = _check_real("sigma_n", sigma_n, low=0.0)
-    return float(num_examples) + float(rng.normal(0.0, sigma_n))
+    return float(num_examples) + numpy_normal(rng, sigma_n)
 
 
 def count_event(sigma_n):
@@ -156,7 +157,7 @@ def noisy_norm_sum(clipped_norms, clip, sigma_k, sampling_probability, rng):
     p = _check_real("sampling_probability", sampling_probability, low=0.0, high=1.0)
     norms = np.minimum(np.asarray(clipped_norms, np.float64), clip)
     sampled = rng.random(norms.shape[0]) < p
-    total = float(np.sum(norms[sampled])) + float(rng.normal(0.0, sigma_k * clip))
+    total = float(np.sum(norms[sampled])) + numpy_normal(rng, sigma_k * clip)
     return total / p
 
 

@@ -23,6 +23,7 @@ from tfdp.data import sources
 from tfdp.data.fixed_order import FixedOrderData
 from tfdp.models import chunked_step, float32_precision, input_checks
 from tfdp.models.atomic_save import atomic_write, is_local_path
+from tfdp.models.chosen_checkpoint import keep_chosen_checkpoints_charged, note_save
 from tfdp.models.jit import resolve_jit_compile
 from tfdp.models.losses import per_example_loss
 from tfdp.models.restore import LedgerGuard, restore_backups
@@ -62,6 +63,11 @@ _NOT_SAMPLEABLE = (
 
 class DPTrainingMixin:
     """The private training path shared by `DPModel` and `DPSequential`."""
+
+    # A subclass that overrides train_step is refused by fit unless it sets
+    # this to True: its step only hands each record's own data to
+    # super().train_step() and releases nothing more (`_check_train_step`).
+    train_step_is_private = False
 
     def _init_dp(self, per_example_gradients):
         if per_example_gradients not in METHODS:
@@ -306,6 +312,7 @@ class DPTrainingMixin:
 
         if self.optimizer is None or self._per_example_loss is None:
             raise ValueError("Compile the model with a tfdp optimizer before calling fit().")
+        _check_train_step(self)
         physical_batch_size = chunked_step.check_physical_batch_size(
             self.optimizer, physical_batch_size
         )
@@ -357,6 +364,8 @@ class DPTrainingMixin:
             )
         # Keras would restore a backup (weights, ledger) after the releases below.
         callbacks = restore_backups(self, list(callbacks or []))
+        # A file kept by save_best_only is rewritten with the ledger of each check.
+        callbacks = keep_chosen_checkpoints_charged(callbacks)
         dataset, steps = self.optimizer.make_training_data(
             self, arrays, batch_size, steps_per_epoch=steps_per_epoch,
             budgets=[c for c in callbacks if isinstance(c, PrivacyBudget)],
@@ -492,23 +501,32 @@ class DPTrainingMixin:
         """Keras `save`, written to a temporary file then renamed over
         `filepath` (`tfdp.models.atomic_save`): a process killed mid-save
         leaves the previous file intact. `keras.callbacks.ModelCheckpoint`
-        saves through this method, so its checkpoints are atomic too."""
+        saves through this method, so its checkpoints are atomic too (and a
+        file it keeps with `save_best_only` is rewritten with each check's
+        ledger: `tfdp.models.chosen_checkpoint`)."""
         if not (is_local_path(filepath) and (overwrite or not os.path.exists(filepath))):
-            return super().save(filepath, overwrite=overwrite, zipped=zipped, **kwargs)
-        return atomic_write(
-            filepath, lambda tmp: super(DPTrainingMixin, self).save(
-                tmp, overwrite=True, zipped=zipped, **kwargs)
-        )
+            result = super().save(filepath, overwrite=overwrite, zipped=zipped, **kwargs)
+        else:
+            result = atomic_write(
+                filepath, lambda tmp: super(DPTrainingMixin, self).save(
+                    tmp, overwrite=True, zipped=zipped, **kwargs)
+            )
+        note_save(self, filepath)
+        return result
 
     def save_weights(self, filepath, overwrite=True, max_shard_size=None):
         """Keras `save_weights`, atomic as `save` (unsharded files)."""
         if max_shard_size is not None or not (
             is_local_path(filepath) and (overwrite or not os.path.exists(filepath))
         ):
-            return super().save_weights(filepath, overwrite=overwrite, max_shard_size=max_shard_size)
-        return atomic_write(
-            filepath, lambda tmp: super(DPTrainingMixin, self).save_weights(tmp, overwrite=True)
-        )
+            result = super().save_weights(
+                filepath, overwrite=overwrite, max_shard_size=max_shard_size)
+        else:
+            result = atomic_write(
+                filepath, lambda tmp: super(DPTrainingMixin, self).save_weights(tmp, overwrite=True)
+            )
+        note_save(self, filepath)
+        return result
 
     # -- the ledger travels with the weights ------------------------------
 
@@ -551,6 +569,35 @@ class DPTrainingMixin:
         config = super().get_config()
         config["per_example_gradients"] = self.per_example_gradients
         return config
+
+
+def _check_train_step(model):
+    """Refuses, before any release, a subclass whose `train_step` is its own.
+
+    tfdp's guarantee is a property of its own step (each record's gradient
+    clipped on its own, the noise added once, the ledger charging exactly
+    that); an override can mix records (mixup's tf.roll over the batch moved
+    one record's effect to 2.55 C) or release more, and nothing in the
+    ledger would say so. A warning would leave the reported epsilon wrong, so
+    the override is refused unless its class declares, with
+    `train_step_is_private = True`, that it only wraps the DP step with each
+    record's data unmixed and releases nothing more.
+    """
+    cls = type(model)
+    if cls.train_step is DPTrainingMixin.train_step or cls.train_step_is_private:
+        return
+    owner = next(c for c in cls.__mro__ if "train_step" in vars(c))
+    raise ValueError(
+        f"{cls.__name__} overrides train_step() (in {owner.__module__}.{owner.__qualname__}), "
+        "so tfdp cannot vouch for the epsilon its ledger would report: the guarantee holds "
+        "for tfdp's own step, which clips each record's gradient on its own, and a step "
+        "that mixes records (mixup, tf.roll or statistics over the batch) lets one record "
+        "move the update by more than the clipping norm. Customise the loss, the model's "
+        "call() or a callback instead; or, if your train_step only hands each record's own "
+        "data to super().train_step() and releases nothing more, set "
+        f"`train_step_is_private = True` on {cls.__name__}. Training was not started. "
+        f"Received: a {cls.__name__} with its own train_step"
+    )
 
 
 def _finite_weights(losses, weights):
