@@ -85,11 +85,15 @@ def expected_covariance(coefficients, n):
 
 
 def covariance_gap(noise, coefficients):
-    """Largest gap between the measured and expected std (relative) and
-    correlation (absolute) of the noise across steps."""
+    """(gap of the std pooled over steps, relative; largest gap of a
+    correlation between two steps, absolute) against the strategy's.
+
+    With 20,000 coordinates the pooled std's standard error is about
+    1 / sqrt(2 * 16 * 20,000) = 0.0013 and a correlation's about
+    1 / sqrt(20,000) = 0.007: the checks below sit at 4 and 5 of them."""
     expected = expected_covariance(coefficients, noise.shape[0])
     measured = np.cov(noise)
-    std_gap = np.max(np.abs(np.sqrt(np.diag(measured)) / np.sqrt(np.diag(expected)) - 1))
+    std_gap = abs(np.sqrt(np.mean(np.diag(measured) / np.diag(expected))) - 1)
     scale = np.sqrt(np.outer(np.diag(expected), np.diag(expected)))
     corr_gap = np.max(np.abs(measured - expected) / scale)
     return std_gap, corr_gap
@@ -98,16 +102,17 @@ def covariance_gap(noise, coefficients):
 def test_the_noise_has_the_banded_strategys_covariance_and_uncorrelated_noise_fails():
     noise, opt = noise_of_steps(bands=4)
     std_gap, corr_gap = covariance_gap(noise, opt.coefficients)
-    assert std_gap < 0.01 and corr_gap < 0.02, (std_gap, corr_gap)
+    assert std_gap < 0.005 and corr_gap < 0.035, (std_gap, corr_gap)
     compiled, _ = noise_of_steps(bands=4, jit_compile=True)  # the same under XLA
-    assert max(covariance_gap(compiled, opt.coefficients)) < 0.02
+    std_gap, corr_gap = covariance_gap(compiled, opt.coefficients)
+    assert std_gap < 0.005 and corr_gap < 0.035, (std_gap, corr_gap)
     # the noise is really correlated: neighbouring steps are far from independent
     assert abs(np.corrcoef(noise[4], noise[5])[0, 1]) > 0.3
     # negative controls: DP-SGD's uncorrelated noise (one band), and a 1% smaller
     # noise, fail the same check
     plain, _ = noise_of_steps(bands=1)
     assert max(covariance_gap(plain, opt.coefficients)) > 0.1
-    assert covariance_gap(noise * 0.985, opt.coefficients)[0] > 0.01
+    assert covariance_gap(noise * 0.985, opt.coefficients)[0] > 0.005
 
 
 def test_one_band_adds_exactly_dp_sgds_noise_for_the_same_draws():
