@@ -185,7 +185,10 @@ def train_exact_source(replicas):
     with patched("replica_shares", recording):
         model.fit(source, batch_size=24, epochs=2, verbose=0)
     weights = np.concatenate([v.numpy().ravel() for v in model.trainable_variables])
-    reads = np.asarray(records.reads[1:], np.int64)  # after the build read of record 0
+    # after fit's two pre-flight reads of record 0: the build and the check
+    # of its shapes and labels (tfdp.models.input_checks.check_record_source)
+    assert records.reads[:2] == [0, 0], records.reads[:2]
+    reads = np.asarray(records.reads[2:], np.int64)
     return weights, model.privacy.steps, model.privacy.epsilon(1e-5), reads, np.asarray(shares_seen)
 
 
