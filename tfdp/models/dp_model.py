@@ -27,6 +27,8 @@ from tfdp.models.jit import resolve_jit_compile
 from tfdp.models.losses import per_example_loss
 from tfdp.models.restore import LedgerGuard, restore_backups
 from tfdp.models.sequence_loss import token_weighted_loss
+from tfdp.models.tied_layers import retie, tied_layers
+from tfdp.models.training_state import LoraVariables, restore_training_state, training_state
 from tfdp.per_example import (
     METHODS,
     check_per_example_support,
@@ -82,6 +84,8 @@ class DPTrainingMixin:
         self._per_example_loss = None
         self._physical_batch_size = None
         self._add_nonfinite_counter()
+        # Saved with the model after its layers (tfdp.models.training_state).
+        self._lora_variables = LoraVariables(self)
 
     @no_automatic_dependency_tracking
     def _add_nonfinite_counter(self):
@@ -550,7 +554,18 @@ class DPTrainingMixin:
     def get_config(self):
         config = super().get_config()
         config["per_example_gradients"] = self.per_example_gradients
+        if self.built:  # LoRA and which variables train (tfdp.models.training_state)
+            config["training_state"] = training_state(self)
         return config
+
+    @staticmethod
+    def _restore_training_state(model, saved):
+        """Sets back what `get_config` added and Keras's `from_config` lost."""
+        model.per_example_gradients = saved.pop("per_example_gradients", "auto")
+        state = saved.pop("training_state", None)
+        if state is not None and model.built:
+            restore_training_state(model, state)
+        return model
 
 
 def _finite_weights(losses, weights):
@@ -617,13 +632,22 @@ class DPModel(DPTrainingMixin, keras.Model):
         super().__init__(*args, **kwargs)
         self._init_dp(per_example_gradients)
 
+    def get_config(self):
+        config = super().get_config()
+        tied = tied_layers(self)
+        if tied:  # a KerasHub causal LM's output projection (tfdp.models.tied_layers)
+            config["tied_layers"] = tied
+        return config
+
     @classmethod
     def from_config(cls, config, custom_objects=None):
         config = dict(config)
-        method = config.pop("per_example_gradients", "auto")
+        saved = {key: config.pop(key) for key in ("per_example_gradients", "training_state",
+                                                  "tied_layers") if key in config}
         model = super().from_config(config, custom_objects=custom_objects)
-        model.per_example_gradients = method
-        return model
+        if saved.get("tied_layers"):
+            model = cls(model.input, retie(model, saved["tied_layers"]), name=model.name)
+        return cls._restore_training_state(model, saved)
 
 
 @keras.saving.register_keras_serializable(package="tfdp")
@@ -655,7 +679,7 @@ class DPSequential(DPTrainingMixin, keras.Sequential):
     @classmethod
     def from_config(cls, config, custom_objects=None):
         config = dict(config)
-        method = config.pop("per_example_gradients", "auto")
+        saved = {key: config.pop(key) for key in ("per_example_gradients", "training_state")
+                 if key in config}
         model = super().from_config(config, custom_objects=custom_objects)
-        model.per_example_gradients = method
-        return model
+        return cls._restore_training_state(model, saved)
