@@ -27,6 +27,7 @@ from tfdp.models.jit import resolve_jit_compile
 from tfdp.models.losses import per_example_loss
 from tfdp.models.restore import LedgerGuard, restore_backups
 from tfdp.models.sequence_loss import token_weighted_loss
+from tfdp.models.task_inputs import check_graph_arguments, check_no_text
 from tfdp.models.tied_layers import retie, tied_layers
 from tfdp.models.training_state import LoraVariables, restore_training_state, training_state
 from tfdp.per_example import (
@@ -464,6 +465,7 @@ class DPTrainingMixin:
             sample = tf.nest.map_structure(lambda a: a[None], arrays[0])
         else:
             sample = _take(arrays, slice(0, 1))
+        check_no_text(sample[0])  # raw text for a KerasHub task: say task.preprocessor
         data = tuple(sample) + ((None,) if len(sample) == 2 else ())
         strategy = self.distribute_strategy
         try:
@@ -629,6 +631,7 @@ class DPModel(DPTrainingMixin, keras.Model):
     """
 
     def __init__(self, *args, per_example_gradients="auto", **kwargs):
+        check_graph_arguments(args, kwargs)  # DPModel(task): say DPModel(task.inputs, ...)
         super().__init__(*args, **kwargs)
         self._init_dp(per_example_gradients)
 
