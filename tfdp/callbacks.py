@@ -14,6 +14,8 @@ import math
 import keras
 from keras.src.utils import io_utils
 
+from tfdp.accounting._validation import warn_if_delta_exceeds_one_over_n
+
 logger = logging.getLogger("tfdp")
 
 
@@ -49,7 +51,8 @@ class PrivacyBudget(keras.callbacks.Callback):
 
     Args:
         epsilon: the budget, a float > 0, or None to only report epsilon.
-        delta: the target delta in (0, 1) (default 1e-5).
+        delta: the target delta in (0, 1) (default 1e-5); `fit` warns
+            (`tfdp.accounting.LargeDeltaWarning`) when it is above 1/N.
         accountant: "rdp" (default) or "pld".
 
     Example:
@@ -106,8 +109,16 @@ class PrivacyBudget(keras.callbacks.Callback):
         self.model.stop_training = True
         self._stop_epoch = self._epoch
 
-    def check_can_start(self, ledger):
-        """Raises ValueError if the budget leaves no room for one more step."""
+    def check_can_start(self, ledger, num_examples=None):
+        """Raises ValueError if the budget leaves no room for one more step.
+
+        Args:
+            ledger: the model's privacy ledger.
+            num_examples: N, the training set's size, if known: a `delta`
+                above 1/N gets a `tfdp.accounting.LargeDeltaWarning`.
+        """
+        if num_examples is not None:
+            warn_if_delta_exceeds_one_over_n(self.delta, num_examples)
         if self.epsilon is None:
             return
         if ledger.steps_within_budget(self.epsilon, self.delta, accountant=self.accountant) == 0:

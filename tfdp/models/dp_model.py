@@ -380,7 +380,7 @@ class DPTrainingMixin:
         mark_step_log_readers(callbacks, verbose)  # no epsilon per step that nobody reads
         for callback in callbacks:
             if isinstance(callback, PrivacyBudget):
-                callback.check_can_start(self.privacy)
+                callback.check_can_start(self.privacy, num_examples)
         callbacks.append(LedgerGuard(self.privacy, callbacks))
         float32_precision.keep_float32_exact()  # per-example norms in float32, not TF32
         return super().fit(
