@@ -245,7 +245,8 @@ def _load_fashion_mnist_tfds():
         raise ImportError(
             "Fashion-MNIST was not found as IDX files (no `data_dir` given and "
             f"none in {DEBIAN_FASHION_MNIST_DIR!r}) and tensorflow-datasets is "
-            "not installed. Install it with `pip install tfdp[examples]`, or "
+            "not installed. Install it with `pip install -e \".[examples]\"` in the tfdp "
+            "repository, or "
             "install the Debian package `dataset-fashion-mnist`, or pass "
             "`data_dir` pointing to the IDX files."
         ) from e
