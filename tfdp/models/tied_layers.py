@@ -35,15 +35,16 @@ def tied_layers(model):
     Returns:
         A dict of layer names.
     """
-    tied = {}
     layers = [layer for layer in model.layers if not isinstance(layer, keras.layers.InputLayer)]
+    owned = [
+        (owner, {id(sublayer) for sublayer in owner._flatten_layers(include_self=False)})
+        for owner in layers
+    ]
+    tied = {}
     for layer in layers:
-        for owner in layers:
-            if owner is not layer and any(
-                sublayer is layer for sublayer in owner._flatten_layers(include_self=False)
-            ):
-                tied[layer.name] = owner.name
-                break
+        owner = next((o for o, sublayers in owned if id(layer) in sublayers), None)
+        if owner is not None:
+            tied[layer.name] = owner.name
     return tied
 
 
