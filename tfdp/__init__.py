@@ -15,10 +15,14 @@ privacy ledger. `tfdp.accounting` answers privacy questions without training.
 `import tfdp` itself is light: each name below is imported on first use, so
 `tfdp.accounting` (and the `tfdp epsilon` / `tfdp calibrate` commands) never
 load TensorFlow or Keras; `tfdp.DPModel`, `tfdp.optimizers` and the other
-training names do.
+training names do. tfdp's Keras classes are registered as soon as the
+program imports Keras, so `keras.models.load_model` reads the files tfdp
+saves (`tfdp._keras_registration`).
 """
 
 import importlib
+
+from tfdp import _keras_registration
 
 __version__ = "0.1.0"
 
@@ -45,3 +49,6 @@ def __getattr__(name):
 
 def __dir__():
     return sorted(set(globals()) | set(_MODELS) | set(_SUBMODULES))
+
+
+_keras_registration.install()

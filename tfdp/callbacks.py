@@ -8,9 +8,15 @@ killed mid-epoch and resumed from a checkpoint never under-counts.
 the budget ends at the steps that ran.
 """
 
+import logging
 import math
 
 import keras
+from keras.src.utils import io_utils
+
+from tfdp.accounting._validation import warn_if_delta_exceeds_one_over_n
+
+logger = logging.getLogger("tfdp")
 
 
 class PrivacyBudget(keras.callbacks.Callback):
@@ -21,7 +27,14 @@ class PrivacyBudget(keras.callbacks.Callback):
     stops after the last such step, so the final epsilon never exceeds the
     budget. A budget already spent stops training before its first step.
     `stopped_for_budget` is True only when the budget cut training short
-    (not when the last planned step also used up the budget).
+    (not when the last planned step also used up the budget); then the
+    stop is said once, as `stop_message` ("Epoch 2: the privacy budget
+    stopped training after step 6: epsilon=2.9871 (delta=1e-05) of the
+    budget epsilon=3.0000; one more step would spend epsilon=3.1042."): printed after
+    the progress bar (verbose 1 or 2, like EarlyStopping's "early
+    stopping"), logged to the logger "tfdp" (INFO), and in the stopping
+    epoch's logs as "stopped_for_budget": 1.0 (History, CSVLogger,
+    TensorBoard), next to its "epsilon".
 
     `DPModel.fit` runs this callback before all others, so every logger sees
     "epsilon": after every step (the live progress bar with verbose=1,
@@ -38,7 +51,8 @@ class PrivacyBudget(keras.callbacks.Callback):
 
     Args:
         epsilon: the budget, a float > 0, or None to only report epsilon.
-        delta: the target delta in (0, 1) (default 1e-5).
+        delta: the target delta in (0, 1) (default 1e-5); `fit` warns
+            (`tfdp.accounting.LargeDeltaWarning`) when it is above 1/N.
         accountant: "rdp" (default) or "pld".
 
     Example:
@@ -65,9 +79,11 @@ class PrivacyBudget(keras.callbacks.Callback):
         self.delta = delta
         self.accountant = accountant
         self.stopped_for_budget = False
+        self.stop_message = None
         self.step_logs_read = True  # set by DPModel.fit (mark_step_log_readers)
         self._step_limit = None
         self._epoch = 0
+        self._stop_epoch = None
 
     @property
     def async_safe(self):
@@ -91,9 +107,18 @@ class PrivacyBudget(keras.callbacks.Callback):
     def _stop(self):
         self.stopped_for_budget = True
         self.model.stop_training = True
+        self._stop_epoch = self._epoch
 
-    def check_can_start(self, ledger):
-        """Raises ValueError if the budget leaves no room for one more step."""
+    def check_can_start(self, ledger, num_examples=None):
+        """Raises ValueError if the budget leaves no room for one more step.
+
+        Args:
+            ledger: the model's privacy ledger.
+            num_examples: N, the training set's size, if known: a `delta`
+                above 1/N gets a `tfdp.accounting.LargeDeltaWarning`.
+        """
+        if num_examples is not None:
+            warn_if_delta_exceeds_one_over_n(self.delta, num_examples)
         if self.epsilon is None:
             return
         if ledger.steps_within_budget(self.epsilon, self.delta, accountant=self.accountant) == 0:
@@ -112,6 +137,8 @@ class PrivacyBudget(keras.callbacks.Callback):
                 f"{self.model.steps_per_execution}"
             )
         self.stopped_for_budget = False
+        self.stop_message = None
+        self._stop_epoch = None
         self._plan()
 
     def on_epoch_begin(self, epoch, logs=None):
@@ -142,6 +169,23 @@ class PrivacyBudget(keras.callbacks.Callback):
         if logs is not None:
             _hide_zero_count(logs)
             logs["epsilon"] = self._ledger().epsilon(self.delta, accountant=self.accountant)
+            if self._stop_epoch == epoch:
+                logs["stopped_for_budget"] = 1.0
+
+    def on_train_end(self, logs=None):
+        if not self.stopped_for_budget:
+            return
+        ledger = self._ledger()
+        spent = ledger.epsilon(self.delta, accountant=self.accountant)
+        following = ledger.epsilon(self.delta, accountant=self.accountant, extra_steps=1)
+        self.stop_message = (
+            f"Epoch {self._stop_epoch + 1}: the privacy budget stopped training after step "
+            f"{ledger.steps}: epsilon={spent:.4f} (delta={self.delta:g}) of the budget "
+            f"epsilon={self.epsilon:.4f}; one more step would spend epsilon={following:.4f}."
+        )
+        logger.info(self.stop_message)
+        if (self.params or {}).get("verbose", 0) != 0:
+            io_utils.print_msg(self.stop_message)
 
 
 def mark_step_log_readers(callbacks, verbose):

@@ -18,6 +18,7 @@ import re
 import sys
 import tempfile
 import time
+import warnings
 
 MECHANISMS = ("dpsgd", "sadpsgd", "dpis", "adadp",)
 DATASETS = ("digits", "fashion_mnist")
@@ -188,6 +189,27 @@ class _NegativeDivergenceFilter(logging.Filter):
 
 
 @contextlib.contextmanager
+def _large_delta_said(command):
+    """Shows each `LargeDeltaWarning` (delta > 1/N) once, as one line
+    "tfdp COMMAND: warning: ..." on stderr, instead of Python's two-line form."""
+    from tfdp.accounting import LargeDeltaWarning
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", LargeDeltaWarning)
+        try:
+            yield
+        finally:
+            said = set()
+            for warning in caught:
+                if not issubclass(warning.category, LargeDeltaWarning):
+                    warnings.showwarning(warning.message, warning.category, warning.filename,
+                                         warning.lineno)
+                elif str(warning.message) not in said:
+                    said.add(str(warning.message))
+                    sys.stderr.write(f"tfdp {command}: warning: {warning.message}\n")
+
+
+@contextlib.contextmanager
 def _negative_divergence_hidden():
     absl_logger = logging.getLogger("absl")
     hidden = _NegativeDivergenceFilter()
@@ -228,7 +250,7 @@ def main(argv=None):
     handlers = {"epsilon": _epsilon, "calibrate": _calibrate, "train": _train}
     started = time.time()
     try:
-        with _negative_divergence_hidden():
+        with _negative_divergence_hidden(), _large_delta_said(args.command):
             result = handlers[args.command](args)
     except (ValueError, TypeError, FileNotFoundError, ImportError) as error:
         parser.exit(2, f"tfdp {args.command}: error: {error}\n")

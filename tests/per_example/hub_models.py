@@ -12,7 +12,8 @@ def import_keras_hub():
     try:
         import keras_hub
     except ImportError:
-        message = "keras_hub is not installed; install it with: pip install 'tfdp[hub]'"
+        message = ('keras_hub is not installed; install it in the tfdp repository with: '
+                   'pip install -e ".[hub]"')
         if os.environ.get("CI", "").strip().lower() in ("true", "1", "yes"):
             pytest.fail(f"CI=true and an install step did not run: {message}", pytrace=False)
         pytest.skip(message, allow_module_level=True)

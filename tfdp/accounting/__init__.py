@@ -18,6 +18,7 @@ Example:
 """
 
 from tfdp.accounting import bandmf
+from tfdp.accounting._validation import LargeDeltaWarning
 from tfdp.accounting.calibration import (
     calibrate_dpsgd,
     calibrate_noise_multiplier,
@@ -29,6 +30,7 @@ from tfdp.accounting.ledger import PrivacyLedger
 from tfdp.accounting.statement import privacy_statement
 
 __all__ = [
+    "LargeDeltaWarning",
     "PrivacyLedger",
     "bandmf",
     "calibrate_dpsgd",

@@ -15,6 +15,7 @@ Example:
 import math
 import numbers
 import operator
+import warnings
 
 import numpy as np
 
@@ -143,3 +144,35 @@ def check_choice(name, value, choices):
 def check_delta(delta, name="delta"):
     """A target delta: a number in (0, 1)."""
     return check_real(name, delta, low=0.0, high=1.0)
+
+
+class LargeDeltaWarning(UserWarning):
+    """A target delta above 1/N, where N is the number of training records."""
+
+
+def warn_if_delta_exceeds_one_over_n(delta, num_examples):
+    """Warns (`LargeDeltaWarning`) when `delta` > 1/`num_examples`.
+
+    An (epsilon, delta) guarantee allows anything with probability delta: a
+    mechanism that publishes each record in full with probability delta is
+    (0, delta)-DP, and above 1/N it publishes more than one record on
+    average. 1/N itself is allowed (`fit`'s default delta is min(1e-5, 1/N)).
+
+    Args:
+        delta: the target delta, already checked to be in (0, 1).
+        num_examples: N, the number of training records.
+
+    Example:
+
+    >>> warn_if_delta_exceeds_one_over_n(1e-5, 60000)  # nothing to say
+    """
+    if delta * num_examples > 1:
+        warnings.warn(
+            f"delta={delta:g} is larger than 1/N = {1 / num_examples:.3g} for N = "
+            f"{num_examples} training records: a guarantee with such a delta allows "
+            "publishing a whole record (each one with probability delta), so it protects "
+            "no one. Choose delta well below 1/N (1e-5 or less is common). Received: "
+            f"delta={delta:g}, num_examples={num_examples}",
+            LargeDeltaWarning,
+            stacklevel=3,
+        )

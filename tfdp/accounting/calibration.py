@@ -26,6 +26,7 @@ from tfdp.accounting._validation import (
     check_delta,
     check_int,
     check_real,
+    warn_if_delta_exceeds_one_over_n,
 )
 from tfdp.accounting.events import dpsgd_event
 
@@ -168,7 +169,8 @@ def compute_dpsgd_epsilon(
         batch_size: expected batch size, an integer in [1, N].
         noise_multiplier: sigma, a finite number > 0.
         epochs: a finite number >= 0.
-        delta: target delta in (0, 1).
+        delta: target delta in (0, 1); above 1/N a `LargeDeltaWarning`
+            (a guarantee that allows publishing a whole record).
         accountant: "rdp" (default) or "pld".
         conversion: "tight" (default) or "classic" (papers only).
 
@@ -181,6 +183,7 @@ def compute_dpsgd_epsilon(
     0.724223
     """
     steps = dpsgd_steps(num_examples, batch_size, epochs)
+    warn_if_delta_exceeds_one_over_n(check_delta(delta), num_examples)
     return compute_epsilon(
         noise_multiplier, batch_size / num_examples, steps, delta, accountant, conversion
     )
@@ -392,7 +395,7 @@ def calibrate_dpsgd(
         batch_size: expected batch size, an integer in [1, N].
         epochs: a finite number > 0.
         target_epsilon: the target, a finite number > 0.
-        delta: target delta in (0, 1).
+        delta: target delta in (0, 1); above 1/N a `LargeDeltaWarning`.
         accountant: "rdp" (default) or "pld".
         tolerance: relative precision of the answer, in (0, 1).
         conversion: "tight" (default) or "classic" (papers only).
@@ -407,6 +410,7 @@ def calibrate_dpsgd(
     """
     check_real("epochs", epochs, low=0.0)
     steps = dpsgd_steps(num_examples, batch_size, epochs)
+    warn_if_delta_exceeds_one_over_n(check_delta(delta), num_examples)
     return calibrate_noise_multiplier(
         target_epsilon,
         delta,

@@ -20,7 +20,7 @@ import os
 
 import numpy as np
 
-__all__ = ["load_digits", "load_fashion_mnist", "load_dataset", "read_idx"]
+__all__ = ["load_digits", "load_fashion_mnist", "load_dataset", "read_idx", "write_idx"]
 
 DEBIAN_FASHION_MNIST_DIR = "/usr/share/datasets/fashion-mnist"
 
@@ -103,11 +103,15 @@ def read_idx(path):
         ValueError: the file is not a valid IDX file (bad magic number,
             unknown type code, or a size that does not match its header).
 
-    Example:
+    Example (Fashion-MNIST's `t10k-labels-idx1-ubyte.gz` reads as 10,000
+    labels; this one, written by `write_idx`, holds three):
 
-    >>> labels = read_idx("/usr/share/datasets/fashion-mnist/t10k-labels-idx1-ubyte.gz")
-    >>> labels.shape
-    (10000,)
+    >>> import os, tempfile
+    >>> import numpy as np
+    >>> path = os.path.join(tempfile.mkdtemp(), "labels-idx1-ubyte")
+    >>> write_idx(path, np.array([7, 2, 1], np.uint8))
+    >>> read_idx(path)
+    array([7, 2, 1], dtype=uint8)
     """
     with open(path, "rb") as f:
         raw = f.read()
@@ -138,6 +142,39 @@ def read_idx(path):
         )
     data = np.frombuffer(raw, dtype=dtype, offset=header).reshape(shape)
     return data.astype(dtype.newbyteorder("="), copy=True)
+
+
+def write_idx(path, array):
+    """Writes `array` as one (uncompressed) IDX file, as `read_idx` reads it.
+
+    Args:
+        path: path of the file to write.
+        array: an array of dtype uint8, int8, int16, int32, float32 or
+            float64, with 1 to 255 dimensions.
+
+    Raises:
+        ValueError: for another dtype or number of dimensions.
+
+    Example:
+
+    >>> import os, tempfile
+    >>> import numpy as np
+    >>> path = os.path.join(tempfile.mkdtemp(), "images-idx3-ubyte")
+    >>> write_idx(path, np.zeros((2, 28, 28), np.uint8))
+    >>> read_idx(path).shape
+    (2, 28, 28)
+    """
+    array = np.asarray(array)
+    codes = {dtype.newbyteorder("=").str[1:]: code for code, dtype in _IDX_DTYPES.items()}
+    code = codes.get(array.dtype.str[1:])
+    if code is None or not 1 <= array.ndim <= 255:
+        raise ValueError(
+            "Expected an array of dtype uint8, int8, int16, int32, float32 or float64 with "
+            f"1 to 255 dimensions. Received: array of dtype {array.dtype} and shape {array.shape}"
+        )
+    header = bytes([0, 0, code, array.ndim]) + np.asarray(array.shape, ">u4").tobytes()
+    with open(path, "wb") as f:
+        f.write(header + array.astype(_IDX_DTYPES[code]).tobytes())
 
 
 def _find_idx_file(directory, stem):
@@ -208,7 +245,8 @@ def _load_fashion_mnist_tfds():
         raise ImportError(
             "Fashion-MNIST was not found as IDX files (no `data_dir` given and "
             f"none in {DEBIAN_FASHION_MNIST_DIR!r}) and tensorflow-datasets is "
-            "not installed. Install it with `pip install tfdp[examples]`, or "
+            "not installed. Install it with `pip install -e \".[examples]\"` in the tfdp "
+            "repository, or "
             "install the Debian package `dataset-fashion-mnist`, or pass "
             "`data_dir` pointing to the IDX files."
         ) from e
@@ -242,11 +280,18 @@ def load_fashion_mnist(data_dir=None):
         ImportError: no IDX files were found and tensorflow-datasets is not
             installed.
 
-    Example:
+    Example (the real files give 60,000 and 10,000 images; these, written
+    by `write_idx`, hold 6 and 4):
 
-    >>> (x_train, y_train), (x_test, y_test) = load_fashion_mnist()
-    >>> x_train.shape, int(y_test.max())
-    ((60000, 28, 28, 1), 9)
+    >>> import os, tempfile
+    >>> import numpy as np
+    >>> folder = tempfile.mkdtemp()
+    >>> for split, n in (("train", 6), ("t10k", 4)):
+    ...     write_idx(os.path.join(folder, f"{split}-images-idx3-ubyte"), np.zeros((n, 28, 28), np.uint8))
+    ...     write_idx(os.path.join(folder, f"{split}-labels-idx1-ubyte"), np.arange(n, dtype=np.uint8))
+    >>> (x_train, y_train), (x_test, y_test) = load_fashion_mnist(data_dir=folder)
+    >>> x_train.shape, y_test.tolist()
+    ((6, 28, 28, 1), [0, 1, 2, 3])
     """
     if data_dir is not None:
         data_dir = os.fspath(data_dir)

@@ -29,13 +29,14 @@ model.fit(source, batch_size=256, epochs=10)
 ```
 """
 
-import concurrent.futures
 import mmap
 import os
 import random
 
 import numpy as np
 import tensorflow as tf
+
+from tfdp.data.read_threads import ReadThreads
 
 __all__ = [
     "RecordSource", "ArraySource", "is_memory_mapped", "as_source", "require_in_memory",
@@ -386,9 +387,9 @@ class RecordSource(_Source):
 
     def _pool_map(self, function, indices):
         if self._pool is None:
-            self._pool = concurrent.futures.ThreadPoolExecutor(
-                self.num_threads, thread_name_prefix="tfdp-records"
-            )
+            # Daemon threads: a read that never returns cannot keep Python
+            # from exiting (a ThreadPoolExecutor's workers are joined at exit).
+            self._pool = ReadThreads(self.num_threads, name="tfdp-records")
         return self._pool.map(function, indices)
 
     def read_batch(self, indices, out):

@@ -4,12 +4,22 @@ from tfdp.models.dp_model import DPModel, DPSequential
 
 
 def load_model(filepath, **kwargs):
-    """`keras.models.load_model` for files tfdp saved.
+    """`keras.models.load_model` for files tfdp saved (also `tfdp.load_model`).
 
-    `import tfdp` loads its Keras classes only on first use, so a bare
-    `keras.models.load_model` right after `import tfdp` cannot find
-    `DPSequential`, `DPSGD` or `Scattering2D`; this function (also
-    `tfdp.load_model`) imports every class tfdp saves first.
+    After `import tfdp`, `keras.models.load_model` reads them as well: tfdp
+    registers its Keras classes when Keras is imported
+    (`tfdp._keras_registration`). Either way the model loads ready to train
+    on as it was saved: its privacy ledger, its optimizer's state, which
+    variables train and its LoRA factors (`tfdp.models.training_state`), and
+    a KerasHub causal LM's output projection tied to its token embedding
+    (`tfdp.models.tied_layers`).
+
+    Args:
+        filepath: a `.keras` file.
+        **kwargs: passed to `keras.models.load_model`.
+
+    Returns:
+        The model.
 
     Example: `model = tfdp.load_model("run/last.keras")`.
     """

@@ -28,6 +28,9 @@ from tfdp.models.jit import resolve_jit_compile
 from tfdp.models.losses import per_example_loss
 from tfdp.models.restore import LedgerGuard, restore_backups
 from tfdp.models.sequence_loss import token_weighted_loss
+from tfdp.models.task_inputs import check_graph_arguments, check_no_text
+from tfdp.models.tied_layers import retie, tied_layers
+from tfdp.models.training_state import LoraVariables, restore_training_state, training_state
 from tfdp.per_example import (
     METHODS,
     check_per_example_support,
@@ -88,6 +91,8 @@ class DPTrainingMixin:
         self._per_example_loss = None
         self._physical_batch_size = None
         self._add_nonfinite_counter()
+        # Saved with the model after its layers (tfdp.models.training_state).
+        self._lora_variables = LoraVariables(self)
 
     @no_automatic_dependency_tracking
     def _add_nonfinite_counter(self):
@@ -384,7 +389,7 @@ class DPTrainingMixin:
         mark_step_log_readers(callbacks, verbose)  # no epsilon per step that nobody reads
         for callback in callbacks:
             if isinstance(callback, PrivacyBudget):
-                callback.check_can_start(self.privacy)
+                callback.check_can_start(self.privacy, num_examples)
         callbacks.append(LedgerGuard(self.privacy, callbacks))
         float32_precision.keep_float32_exact()  # per-example norms in float32, not TF32
         return super().fit(
@@ -469,6 +474,7 @@ class DPTrainingMixin:
             sample = tf.nest.map_structure(lambda a: a[None], arrays[0])
         else:
             sample = _take(arrays, slice(0, 1))
+        check_no_text(sample[0])  # raw text for a KerasHub task: say task.preprocessor
         data = tuple(sample) + ((None,) if len(sample) == 2 else ())
         strategy = self.distribute_strategy
         try:
@@ -568,7 +574,18 @@ class DPTrainingMixin:
     def get_config(self):
         config = super().get_config()
         config["per_example_gradients"] = self.per_example_gradients
+        if self.built:  # LoRA and which variables train (tfdp.models.training_state)
+            config["training_state"] = training_state(self)
         return config
+
+    @staticmethod
+    def _restore_training_state(model, saved):
+        """Sets back what `get_config` added and Keras's `from_config` lost."""
+        model.per_example_gradients = saved.pop("per_example_gradients", "auto")
+        state = saved.pop("training_state", None)
+        if state is not None and model.built:
+            restore_training_state(model, state)
+        return model
 
 
 def _check_train_step(model):
@@ -661,16 +678,26 @@ class DPModel(DPTrainingMixin, keras.Model):
     """
 
     def __init__(self, *args, per_example_gradients="auto", **kwargs):
+        check_graph_arguments(args, kwargs)  # DPModel(task): say DPModel(task.inputs, ...)
         super().__init__(*args, **kwargs)
         self._init_dp(per_example_gradients)
+
+    def get_config(self):
+        config = super().get_config()
+        tied = tied_layers(self)
+        if tied:  # a KerasHub causal LM's output projection (tfdp.models.tied_layers)
+            config["tied_layers"] = tied
+        return config
 
     @classmethod
     def from_config(cls, config, custom_objects=None):
         config = dict(config)
-        method = config.pop("per_example_gradients", "auto")
+        saved = {key: config.pop(key) for key in ("per_example_gradients", "training_state",
+                                                  "tied_layers") if key in config}
         model = super().from_config(config, custom_objects=custom_objects)
-        model.per_example_gradients = method
-        return model
+        if saved.get("tied_layers"):
+            model = cls(model.input, retie(model, saved["tied_layers"]), name=model.name)
+        return cls._restore_training_state(model, saved)
 
 
 @keras.saving.register_keras_serializable(package="tfdp")
@@ -702,7 +729,7 @@ class DPSequential(DPTrainingMixin, keras.Sequential):
     @classmethod
     def from_config(cls, config, custom_objects=None):
         config = dict(config)
-        method = config.pop("per_example_gradients", "auto")
+        saved = {key: config.pop(key) for key in ("per_example_gradients", "training_state")
+                 if key in config}
         model = super().from_config(config, custom_objects=custom_objects)
-        model.per_example_gradients = method
-        return model
+        return cls._restore_training_state(model, saved)
