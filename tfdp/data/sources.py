@@ -36,6 +36,8 @@ import os
 import numpy as np
 import tensorflow as tf
 
+from tfdp.data import interrupts
+
 __all__ = ["RecordSource", "ArraySource", "is_memory_mapped", "as_source", "require_in_memory"]
 
 _NAMES = ("x", "y", "sample_weight")
@@ -131,8 +133,10 @@ class _Source:
             for spec in self._leaf_specs()
         ]
 
-    def read_batch(self, indices, out):
-        """Reads the records at `indices` into rows 0.. of the flat `out`."""
+    def read_batch(self, indices, out, stop=None):
+        """Reads the records at `indices` into rows 0.. of the flat `out`;
+        once `stop` (a `threading.Event`, or None) is set, raises
+        `tfdp.data.interrupts.ReadsStopped` instead of reading a record."""
         raise NotImplementedError
 
     def padding_row(self):
@@ -285,33 +289,40 @@ class RecordSource(_Source):
             arrays.append(array)
         return arrays
 
-    def _pool_map(self, function, indices):
+    def _pool_map(self, function, indices, stop=None):
         if self._pool is None:
             self._pool = concurrent.futures.ThreadPoolExecutor(
                 self.num_threads, thread_name_prefix="tfdp-records"
             )
-        return self._pool.map(function, indices)
 
-    def read_batch(self, indices, out):
+        def unless_stopped(index):  # a stopped pipeline reads no further record
+            interrupts.check(stop)
+            return function(index)
+
+        return self._pool.map(unless_stopped, indices)
+
+    def read_batch(self, indices, out, stop=None):
         # A batch read where the records offer one (tfds and grain sources:
         # `__getitems__`, parallel inside), else one read per record in threads.
         if self.batch_transform is not None:
-            return self._read_batch_transformed(indices, out)
+            return self._read_batch_transformed(indices, out, stop)
         if hasattr(self.records, "__getitems__"):
+            interrupts.check(stop)
             items = self.records.__getitems__([int(i) for i in indices])
             rows = (self._leaves(i, item) for i, item in zip(indices, items))
         else:
-            rows = self._pool_map(self._leaves, indices)
+            rows = self._pool_map(self._leaves, indices, stop)
         for row, leaves in enumerate(rows):
             for target, leaf in zip(out, leaves):
                 target[row] = leaf
 
-    def _read_batch_transformed(self, indices, out):
+    def _read_batch_transformed(self, indices, out, stop=None):
         """The items at `indices`, decoded by one `batch_transform` call."""
         if hasattr(self.records, "__getitems__"):
+            interrupts.check(stop)
             items = list(self.records.__getitems__([int(i) for i in indices]))
         else:
-            items = list(self._pool_map(self._read_item, indices))
+            items = list(self._pool_map(self._read_item, indices, stop))
         shown = ", ".join(str(int(i)) for i in indices[:5]) + (", ..." if len(indices) > 5 else "")
         where = f"records [{shown}]"
         try:
@@ -383,7 +394,8 @@ class ArraySource(_Source):
     def __getitem__(self, index):
         return tf.nest.map_structure(lambda a: np.asarray(a[int(index)]), self.arrays)
 
-    def read_batch(self, indices, out):
+    def read_batch(self, indices, out, stop=None):
+        interrupts.check(stop)
         count = len(indices)
         for target, leaf in zip(out, tf.nest.flatten(self.arrays)):
             target[:count] = leaf[indices]
