@@ -302,12 +302,6 @@ class DPTrainingMixin:
         """
         if self.optimizer is None or self._per_example_loss is None:
             raise ValueError("Compile the model with a tfdp optimizer before calling fit().")
-        physical_batch_size = chunked_step.check_physical_batch_size(
-            self.optimizer, physical_batch_size
-        )
-        if physical_batch_size != self._physical_batch_size:
-            self._physical_batch_size = physical_batch_size
-            self.train_function = None  # retrace the step with the new chunking
         x, y, sample_weight = self._check_training_arrays(x, y, sample_weight, class_weight)
         input_checks.check_validation_data(validation_data)
         if validation_split and isinstance(x, sources.RecordSource):
@@ -328,6 +322,12 @@ class DPTrainingMixin:
                 f"Expected `batch_size` <= the number of training examples "
                 f"({num_examples}). Received: batch_size={batch_size}"
             )
+        physical_batch_size = chunked_step.check_physical_batch_size(
+            self.optimizer, physical_batch_size, num_examples, batch_size
+        )
+        if physical_batch_size != self._physical_batch_size:
+            self._physical_batch_size = physical_batch_size
+            self.train_function = None  # retrace the step with the new chunking
         arrays = (x, y) if sample_weight is None else (x, y, sample_weight)
         if isinstance(x, sources.RecordSource):
             arrays = x
