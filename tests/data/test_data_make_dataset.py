@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from tfdp.data import PoissonSampler, make_dataset
+from tfdp.data import PoissonSampler, make_dataset, sampling
 
 N = 300
 
@@ -103,16 +103,27 @@ def test_same_seed_same_dataset():
         np.testing.assert_array_equal(mask_a.numpy(), mask_b.numpy())
 
 
-def test_repeat_is_endless_and_numbers_steps_from_first_step():
+def test_repeat_is_endless_reproducible_and_numbers_steps_from_first_step():
     sampler = PoissonSampler(N, 30, seed=3)
+
+    def steps(dataset, count):
+        return [tuple(x.numpy()[m.numpy() > 0, 0, 0]) for (x, _), m in dataset.take(count)]
+
     endless = make_dataset(sampler, source(), repeat=True)
     assert int(endless.cardinality()) == tf.data.INFINITE_CARDINALITY
-    rows = [tuple(x.numpy()[m.numpy() > 0, 0, 0]) for (x, _), m in
-            endless.take(3 * sampler.steps_per_epoch)]
-    later = make_dataset(sampler, source(), first_step=5, repeat=True)
-    for ((x, _), mask), expected in zip(later.take(4), rows[5:]):
-        assert tuple(x.numpy()[mask.numpy() > 0, 0, 0]) == expected  # step t is step t
+    rows = steps(endless, 3 * sampler.steps_per_epoch)
     assert len(set(rows)) == len(rows)  # fresh draws, epoch after epoch
+    def later():
+        return make_dataset(PoissonSampler(N, 30, seed=3), source(), first_step=5, repeat=True)
+
+    assert steps(later(), 4) == steps(later(), 4) != rows[:4]  # a seeded rerun; another start
+
+    class Steps:  # the sampler sees the step numbers from first_step on
+        def draw(self, key, step):
+            return sampling.padded_draw(tf.reshape(step, [1]), 1)
+
+    numbered = sampling.draws(Steps(), sampler.key, first_step=5)
+    assert [int(d["indices"][0]) for d in numbered.take(3)] == [5, 6, 7]
     with pytest.raises(ValueError, match="first_step=-1"):
         make_dataset(sampler, source(), first_step=-1)
 

@@ -173,16 +173,16 @@ def padded_draw(indices, length):
 
 
 def draws(sampler, key, first_step=0, steps=None):
-    """A `tf.data.Dataset` of `sampler.draw(key', step)`, one per step.
+    """A `tf.data.Dataset` of the sampler's draws, one per step.
 
     Steps run from `first_step`: `steps` of them, or endlessly when `steps`
     is None (`fit` passes Keras `steps_per_epoch` and keeps one iterator for
-    the whole run, so no iterator is torn down at an epoch end). Each new
-    iteration of the dataset draws fresh batches: its key `key'` is `key`
-    folded with a number that changes at every iteration (a
-    `Dataset.random` with `rerandomize_each_iteration`, seeded from `key`,
-    so the n-th iteration is the same on every worker and in every rerun of
-    a seeded run).
+    the whole run, so no iterator is torn down at an epoch end). Step t's
+    draw is `sampler.draw(fold_key(key, r), t)`, where r is the t-th number
+    of a `Dataset.random` stream seeded from `key` that restarts differently
+    at each new iteration: every iteration draws fresh batches, and the n-th
+    iteration is the same on every worker and in every rerun of a seeded
+    run.
 
     Args:
         sampler: an object with `draw(key, step)` (see the module doc).
@@ -203,15 +203,12 @@ def draws(sampler, key, first_step=0, steps=None):
     """
     key = np.asarray(key, np.int64)
     nonce_seed = int(np.random.SeedSequence(key.view(np.uint64).tolist()).generate_state(1)[0])
-    iterations = tf.data.Dataset.random(seed=nonce_seed, rerandomize_each_iteration=True).take(1)
     first_step = int(first_step)
-
-    def iteration(nonce):
-        iteration_key = fold_key(key, nonce)
-        if steps is None:
-            numbers = tf.data.Dataset.counter(first_step, dtype=tf.int64)
-        else:
-            numbers = tf.data.Dataset.range(first_step, first_step + int(steps))
-        return numbers.map(lambda step: sampler.draw(iteration_key, step))
-
-    return iterations.flat_map(iteration)
+    if steps is None:
+        numbers = tf.data.Dataset.counter(first_step, dtype=tf.int64)
+    else:
+        numbers = tf.data.Dataset.range(first_step, first_step + int(steps))
+    nonces = tf.data.Dataset.random(seed=nonce_seed, rerandomize_each_iteration=True)
+    return tf.data.Dataset.zip((numbers, nonces)).map(
+        lambda step, nonce: sampler.draw(fold_key(key, nonce), step)
+    )
