@@ -35,7 +35,7 @@ model.fit(x, y, batch_size=1024)   # global expected batch size
 ```
 """
 
-import itertools
+import hashlib
 import math
 import os
 
@@ -43,6 +43,7 @@ import numpy as np
 import tensorflow as tf
 
 from tfdp.data.poisson import PoissonSampler, gathered_batches, padded_batch_size
+from tfdp.data.sampling import draws, padded_draw
 from tfdp.data.sources import as_source
 
 __all__ = [
@@ -94,26 +95,33 @@ def replica_shares(indices, mask, num_replicas):
     The batch is padded (index 0, mask 0) to a multiple of `num_replicas`;
     share r holds rows r, r + R, r + 2R, ... Sampled rows come first in a
     padded batch, so interleaving spreads them evenly over the replicas.
-    The split does not change which records the step uses.
+    The split does not change which records the step uses. TensorFlow ops:
+    it runs in the input pipeline's graph.
 
     Args:
-        indices: int array [L], a padded Poisson draw (`PoissonSampler.pad`).
-        mask: float array [L], 1 for sampled rows, 0 for padding.
+        indices: int tensor [L], a padded Poisson draw (`PoissonSampler.pad`).
+        mask: float tensor [L], 1 for sampled rows, 0 for padding.
         num_replicas: int R >= 1.
 
     Returns:
-        List of R pairs `(indices, mask)`, each of length ceil(L / R).
+        `(indices, mask)` of shape [R, ceil(L / R)]: row r is share r.
 
     Example:
 
-    >>> shares = replica_shares(np.array([4, 9, 7, 0]), np.array([1., 1., 1., 0.]), 2)
-    >>> [s[0].tolist() for s in shares]
+    >>> shares, _ = replica_shares([4, 9, 7, 0], [1., 1., 1., 0.], 2)
+    >>> shares.numpy().tolist()
     [[4, 7], [9, 0]]
     """
-    length = -(-len(indices) // num_replicas) * num_replicas
-    indices = np.pad(np.asarray(indices, np.int64), (0, length - len(indices)))
-    mask = np.pad(np.asarray(mask, np.float32), (0, length - len(mask)))
-    return [(indices[r::num_replicas], mask[r::num_replicas]) for r in range(num_replicas)]
+    indices = tf.cast(indices, tf.int64)
+    mask = tf.cast(mask, tf.float32)
+    rows = tf.shape(indices)[0]
+    length = (rows + num_replicas - 1) // num_replicas * num_replicas
+    indices = tf.pad(indices, [[0, length - rows]])
+    mask = tf.pad(mask, [[0, length - rows]])
+    # Row-major [L / R, R]: element (i, r) is row i R + r; transposed, row r
+    # of the result is share r.
+    return (tf.transpose(tf.reshape(indices, [-1, num_replicas])),
+            tf.transpose(tf.reshape(mask, [-1, num_replicas])))
 
 
 def worker_shard(indices, mask, worker, num_workers, length):
@@ -123,7 +131,8 @@ def worker_shard(indices, mask, worker, num_workers, length):
     Each record joins the global draw independently with probability q, so
     the shard's sampled records are a Poisson sample of the shard with the
     same q, and the workers' samples together are the global draw, each
-    record in exactly one.
+    record in exactly one. TensorFlow ops: it runs in the input pipeline's
+    graph.
 
     Args:
         indices, mask: a padded global draw (`PoissonSampler.pad`).
@@ -138,23 +147,33 @@ def worker_shard(indices, mask, worker, num_workers, length):
 
     Example:
 
-    >>> idx, mask = worker_shard(np.array([3, 4, 8, 0]), np.array([1., 1., 1., 0.]), 0, 2, 4)
-    >>> idx.tolist(), mask.tolist()
+    >>> idx, mask = worker_shard([3, 4, 8, 0], [1., 1., 1., 0.], 0, 2, 4)
+    >>> idx.numpy().tolist(), mask.numpy().tolist()
     ([4, 8, 0, 0], [1.0, 1.0, 0.0, 0.0])
     """
+    indices = tf.cast(indices, tf.int64)
+    mask = tf.cast(mask, tf.float32)
     if num_workers == 1:
         return indices, mask
-    real = np.asarray(indices)[np.asarray(mask) > 0]
-    mine = real[real % num_workers == worker]
-    padded = max(length, -(-len(mine) // length) * length)
-    out = np.zeros(padded, np.int64)
-    out[: len(mine)] = mine
-    out_mask = np.zeros(padded, np.float32)
-    out_mask[: len(mine)] = 1.0
-    return out, out_mask
+    real = tf.boolean_mask(indices, mask > 0)
+    mine = tf.boolean_mask(real, real % num_workers == worker)
+    count = tf.size(mine, out_type=tf.int64)
+    padded = tf.maximum(tf.constant(length, tf.int64), (count + length - 1) // length * length)
+    draw = padded_draw(mine, padded)
+    return draw["indices"], draw["mask"]
 
 
-def shared_sampling_seed(strategy, num_examples):
+def _setting_value(value):
+    """A setting as a float64 every collective carries exactly: numbers as
+    they are, anything else (a class name, a configuration) as a 48-bit
+    digest of its text."""
+    if isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, bool):
+        return float(value)
+    digest = hashlib.sha256(str(value).encode("utf-8")).digest()
+    return float(int.from_bytes(digest[:6], "big"))
+
+
+def shared_sampling_seed(strategy, num_examples, settings=None):
     """A secret sampling seed that every worker of `strategy` agrees on.
 
     Every worker must draw the same global Poisson batches, so they need one
@@ -164,29 +183,40 @@ def shared_sampling_seed(strategy, num_examples):
     and broadcasts them with one all-gather over the strategy's own
     collective channel (the workers already share the training data); the
     seed is never logged or saved. The same all-gather checks that all
-    workers hold the same number of training examples.
+    workers hold the same number of training examples and run with the same
+    `settings`: one global step is one DP-SGD release only if every replica
+    samples, clips, noises and steps alike, and each worker's ledger charges
+    its own settings (a worker with a larger sigma would report an epsilon
+    the run does not have).
 
     Must be called by every worker (as `fit` is), like any collective.
 
     Args:
         strategy: a `tf.distribute.Strategy`.
         num_examples: this worker's number of training examples N.
+        settings: None or a dict of this worker's run settings (name to a
+            number, or to text compared by a digest: an optimizer's class and
+            configuration, the mechanism's step event).
 
     Returns:
         A non-negative Python int.
 
     Raises:
-        ValueError: when workers hold different numbers of examples.
+        ValueError: when workers hold different numbers of examples, or
+            differ in a setting (each is named).
 
     Example:
 
-    >>> seed = shared_sampling_seed(tf.distribute.get_strategy(), 100)
+    >>> seed = shared_sampling_seed(tf.distribute.get_strategy(), 100, {"noise_multiplier": 1.1})
     >>> seed >= 0
     True
     """
-    # 32-bit words and N in float64: exact, and every collective supports it.
+    settings = dict(settings or {})
+    names = list(settings)
+    values = [_setting_value(settings[name]) for name in names]
+    # 32-bit words and numbers in float64: exact, and every collective supports it.
     words = np.frombuffer(os.urandom(16), dtype=np.uint32).astype(np.float64)
-    local = np.concatenate([words, [float(num_examples)]])[None]
+    local = np.concatenate([words, [float(num_examples)], values])[None]
 
     @tf.function(autograph=False)
     def exchange():
@@ -196,7 +226,7 @@ def shared_sampling_seed(strategy, num_examples):
 
         return strategy.experimental_local_results(strategy.run(replica_fn))[0]
 
-    gathered = exchange().numpy()  # [R, 5], the same on every worker
+    gathered = exchange().numpy()  # [R, 5 + settings], the same on every worker
     counts = gathered[:, 4]
     if np.any(counts != counts[0]):
         raise ValueError(
@@ -205,29 +235,44 @@ def shared_sampling_seed(strategy, num_examples):
             f"batch). Received: num_examples={num_examples} on this worker, "
             f"{sorted(set(int(c) for c in counts))} across the replicas"
         )
+    differing = [i for i in range(len(names)) if np.any(gathered[:, 5 + i] != gathered[0, 5 + i])]
+    if differing:
+        shown = []
+        for i in differing:
+            name, value = names[i], settings[names[i]]
+            if isinstance(value, str):
+                variants = len(set(gathered[:, 5 + i]))
+                shown.append(f"{name}={value[:200]!r} on this worker ({variants} different "
+                             "values across the replicas)")
+            else:
+                across = sorted(set(float(v) for v in gathered[:, 5 + i]))
+                shown.append(f"{name}={value!r} on this worker, {across} across the replicas")
+        raise ValueError(
+            "Every worker must train with the same privacy settings, optimizer and "
+            "steps: one global step is one DP-SGD release only if every replica "
+            "samples, clips and adds noise alike, and each worker's ledger charges "
+            f"its own settings. Differing: {', '.join(names[i] for i in differing)}. "
+            "Training was not started. Received: " + "; ".join(shown)
+        )
     seed = 0
     for word in gathered[0, :4]:  # the first replica's (the chief's) entropy
         seed = (seed << 32) | int(word)
     return seed
 
 
-def distribute_poisson_batches(strategy, sampler, arrays, to_element):
+def distribute_poisson_batches(strategy, sampler, arrays, to_element, first_step=0):
     """A distributed dataset of global Poisson batches split over the replicas.
 
-    Every worker runs the same `sampler` (same seed: `shared_sampling_seed`
-    or a user seed), so all draw the same global batch each step; with
-    several workers each takes the sampled records of its shard
-    (`worker_shard`) and reads only those (arrays, memmaps or a source);
-    its local replicas get equal shares of them (`replica_shares`). The
-    per-replica element is `to_element(batch, mask)`. The dataset repeats
-    with fresh draws: pass `steps_per_epoch`.
-
-    Workers read ahead (prefetch) by different amounts, so a shared random
-    stream would put them out of step if the dataset were iterated again.
-    Each iteration therefore draws from its own stream, keyed by the seed
-    and the iteration's number (the first uses `sampler` itself): every
-    worker's n-th iteration draws the same batches, and no two iterations
-    replay each other's.
+    Every worker uses the same `sampler` key (`shared_sampling_seed` or a
+    user seed), so all draw the same global batch each step: the draws
+    happen in TensorFlow, keyed by the step's number, so they agree whatever
+    each worker reads ahead. With several workers each takes the sampled
+    records of its shard (`worker_shard`) and reads only those (arrays,
+    memmaps or a source); its local replicas get equal shares of them
+    (`replica_shares`). The per-replica element is `to_element(batch,
+    mask)`. The dataset is endless (steps `first_step`, `first_step + 1`,
+    ...): pass `steps_per_epoch`. A new iteration draws fresh batches
+    (`tfdp.data.sampling.draws`), the same on every worker.
 
     Args:
         strategy: a `tf.distribute.Strategy`.
@@ -236,6 +281,7 @@ def distribute_poisson_batches(strategy, sampler, arrays, to_element):
             `sampler.num_examples` (the same on every worker).
         to_element: function `(batch_arrays, mask) -> element`, run in the
             tf.data pipeline.
+        first_step: int >= 0, the first step's number.
 
     Returns:
         A `tf.distribute.DistributedDataset` (one global step per element).
@@ -267,38 +313,19 @@ def distribute_poisson_batches(strategy, sampler, arrays, to_element):
         tensors = arrays if as_source(arrays) is not None else tf.nest.map_structure(
             tf.convert_to_tensor, arrays
         )
-        iterations = itertools.count()
 
-        def generator():
-            source = _iteration_sampler(sampler, next(iterations))
-            while True:  # every pass over the sampler draws fresh batches
-                for indices, mask in source.epoch():
-                    indices, mask = worker_shard(indices, mask, worker, workers, shard_length)
-                    yield from replica_shares(indices, mask, local)
+        def shares(draw):
+            indices, mask = worker_shard(
+                draw["indices"], draw["mask"], worker, workers, shard_length
+            )
+            return replica_shares(indices, mask, local)
 
         # tf.data keeps the order (deterministic by default): consecutive
         # elements go to consecutive local replicas.
-        shares = gathered_batches(generator, tensors)
-        return shares.map(to_element).prefetch(tf.data.AUTOTUNE)
+        pairs = draws(sampler, sampler.key, first_step).map(shares).unbatch()
+        return gathered_batches(pairs, tensors).map(to_element).prefetch(tf.data.AUTOTUNE)
 
     return strategy.distribute_datasets_from_function(dataset_fn)
-
-
-def _iteration_sampler(sampler, iteration):
-    """`sampler` for iteration 0, else a sampler keyed by (seed, iteration)."""
-    if iteration == 0:
-        return sampler
-    if sampler.seed is None:
-        raise ValueError(
-            "A distributed DP dataset needs a sampler seed shared by all workers. "
-            "Received: seed=None"
-        )
-    words = np.random.SeedSequence([sampler.seed, iteration]).generate_state(4)
-    seed = int.from_bytes(np.asarray(words, np.uint32).tobytes(), "little")
-    return PoissonSampler(
-        sampler.num_examples, sampler.expected_batch_size,
-        steps_per_epoch=sampler.steps_per_epoch, seed=seed,
-    )
 
 
 def noise_scale():

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from tfdp.data import PoissonSampler, make_dataset
+from tfdp.data import PoissonSampler, make_dataset, sampling
 
 N = 300
 
@@ -74,11 +74,10 @@ def test_single_array():
     sampler = PoissonSampler(N, 30, seed=1)
     dataset = make_dataset(sampler, x)
     assert dataset.element_spec[0].shape.as_list() == [None, 3, 2]
-    first_draw = PoissonSampler(N, 30, seed=1).sample_indices()  # the same seed's first draw
     batch, mask = next(iter(dataset))
     batch, real = batch.numpy(), mask.numpy() == 1
     rows = batch[real, 0, 0].astype(np.int64)
-    np.testing.assert_array_equal(np.sort(rows), np.sort(first_draw))
+    assert np.all(np.diff(rows) > 0)  # a draw: sorted, distinct
     np.testing.assert_array_equal(batch[real], x[rows])  # whole records gathered
     assert np.all(batch[~real] == 0)  # padding is record 0, masked out
 
@@ -86,7 +85,7 @@ def test_single_array():
 def test_oversized_draw_passes_through(monkeypatch):
     sampler = PoissonSampler(N, 30, seed=0)
     forced = np.arange(sampler.padded_size + 5, dtype=np.int64)
-    monkeypatch.setattr(sampler, "sample_indices", lambda: forced)
+    monkeypatch.setattr(sampler, "sample_indices", lambda key, step: tf.constant(forced))
     dataset = make_dataset(sampler, source())
     count = 0
     for (batch_x, batch_y), mask in dataset:
@@ -102,6 +101,31 @@ def test_same_seed_same_dataset():
     b = make_dataset(PoissonSampler(N, 30, seed=5), source())
     for (_, mask_a), (_, mask_b) in zip(a, b):
         np.testing.assert_array_equal(mask_a.numpy(), mask_b.numpy())
+
+
+def test_repeat_is_endless_reproducible_and_numbers_steps_from_first_step():
+    sampler = PoissonSampler(N, 30, seed=3)
+
+    def steps(dataset, count):
+        return [tuple(x.numpy()[m.numpy() > 0, 0, 0]) for (x, _), m in dataset.take(count)]
+
+    endless = make_dataset(sampler, source(), repeat=True)
+    assert int(endless.cardinality()) == tf.data.INFINITE_CARDINALITY
+    rows = steps(endless, 3 * sampler.steps_per_epoch)
+    assert len(set(rows)) == len(rows)  # fresh draws, epoch after epoch
+    def later():
+        return make_dataset(PoissonSampler(N, 30, seed=3), source(), first_step=5, repeat=True)
+
+    assert steps(later(), 4) == steps(later(), 4) != rows[:4]  # a seeded rerun; another start
+
+    class Steps:  # the sampler sees the step numbers from first_step on
+        def draw(self, key, step):
+            return sampling.padded_draw(tf.reshape(step, [1]), 1)
+
+    numbered = sampling.draws(Steps(), sampler.key, first_step=5)
+    assert [int(d["indices"][0]) for d in numbered.take(3)] == [5, 6, 7]
+    with pytest.raises(ValueError, match="first_step=-1"):
+        make_dataset(sampler, source(), first_step=-1)
 
 
 def test_mismatched_first_dimensions_raise():

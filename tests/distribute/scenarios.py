@@ -88,6 +88,15 @@ def patched(name, value):
         setattr(distribute, name, original)
 
 
+def logged(record, *tensors):
+    """`tensors`, with `record(*arrays)` called on their values when they are
+    computed (in the input pipeline's graph: the draws happen there)."""
+    done = tf.numpy_function(lambda *arrays: record(*arrays) or np.int64(0), list(tensors),
+                             tf.int64)
+    with tf.control_dependencies([done]):
+        return tuple(tf.identity(t) for t in tensors)
+
+
 def scope(replicas):
     return STRATEGY.scope() if replicas > 1 else contextlib.nullcontext()
 
@@ -178,10 +187,9 @@ def train_exact_source(replicas):
     original = distribute.replica_shares
 
     def recording(indices, mask, num_replicas):  # this worker's local replicas
-        shares = original(indices, mask, num_replicas)
-        for rows, mask_rows in shares:
-            shares_seen.extend(int(i) for i in rows[mask_rows > 0])
-        return shares
+        rows, rows_mask = original(indices, mask, num_replicas)  # [R, L / R] each
+        return logged(lambda r, m: shares_seen.extend(int(i) for i in r[m > 0]),
+                      rows, rows_mask)
 
     with scope(replicas):
         model = exact_model()
@@ -319,7 +327,7 @@ def unseeded_draws(replicas, fits=2):
     original = distribute.worker_shard
 
     def recording(indices, mask, *args):  # the global draw, before the worker's shard
-        records.append((np.asarray(indices).copy(), np.asarray(mask).copy()))
+        indices, mask = logged(lambda i, m: records.append((i.copy(), m.copy())), indices, mask)
         return original(indices, mask, *args)
 
     per_fit = []
@@ -340,6 +348,33 @@ def unseeded_draws(replicas, fits=2):
                 draws[step, : len(real)] = real
             per_fit.append(draws)
     return np.stack(per_fit)  # [fits, 4 steps, N]: sampled indices, -1 after
+
+
+def mismatched_settings(task):
+    """fit on two workers whose settings differ in one thing each (worker 1
+    has sigma 2x, then batch 25 for 24, then Adam for SGD): both must refuse
+    before a step. Returns "message | steps=..." per case."""
+    x, y, _ = exact_data()
+    cases = {
+        "sigma": (lambda: tfdp.optimizers.DPSGD(0.1, l2_norm_clip=1.0,
+                                                noise_multiplier=1.0 + task), 24),
+        "batch": (lambda: tfdp.optimizers.DPSGD(0.1, l2_norm_clip=1.0, noise_multiplier=1.0),
+                  24 + task),
+        "optimizer": (lambda: tfdp.optimizers.DPOptimizer(
+            [keras.optimizers.SGD(0.1), keras.optimizers.Adam(0.1)][task],
+            l2_norm_clip=1.0, noise_multiplier=1.0), 24),
+    }
+    messages = []
+    for make_optimizer, batch_size in cases.values():
+        with scope(2):
+            model = exact_model()
+            model.compile(optimizer=make_optimizer(), loss=LOSS)
+        try:
+            model.fit(x, y, batch_size=batch_size, epochs=1, verbose=0)
+            messages.append(f"TRAINED | steps={model.privacy.steps}")
+        except ValueError as error:
+            messages.append(f"{error} | steps={model.privacy.steps}")
+    return np.array(messages)
 
 
 # -- 5. the rest of Keras under the strategy ---------------------------------
@@ -436,6 +471,8 @@ def worker(out):
             results["mismatch"] = "accepted"
         except ValueError as error:
             results["mismatch"] = str(error)
+    with timed("settings"):
+        results["settings_refusals"] = mismatched_settings(task)
     # single-device reference, outside the strategy (after all collectives)
     with timed("single"):
         w, steps, eps, _ = train_exact("dpsgd", 1)

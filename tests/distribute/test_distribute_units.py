@@ -12,31 +12,37 @@ from tfdp import distribute
 from tfdp.data import PoissonSampler
 
 
-def test_shares_partition_the_global_batch_evenly():
+def global_draws(steps=20):
     sampler = PoissonSampler(1000, 97, seed=3)
-    for indices, mask in sampler.epoch():
+    for step in range(steps):
+        draw = sampler.draw(sampler.key, step)
+        yield draw["indices"], draw["mask"]
+
+
+def test_shares_partition_the_global_batch_evenly():
+    for indices, mask in global_draws():
+        real_rows = np.sort(indices.numpy()[mask.numpy() > 0])
         for replicas in (1, 2, 3, 5):
-            shares = distribute.replica_shares(indices, mask, replicas)
-            assert len(shares) == replicas
-            assert len({len(i) for i, _ in shares}) == 1  # one shape per step
-            real = np.concatenate([i[m > 0] for i, m in shares])
-            np.testing.assert_array_equal(np.sort(real), np.sort(indices[mask > 0]))
-            counts = [int(m.sum()) for _, m in shares]
+            rows, rows_mask = (t.numpy() for t in distribute.replica_shares(indices, mask, replicas))
+            assert rows.shape[0] == replicas  # one share a replica, one shape
+            real = rows[rows_mask > 0]
+            np.testing.assert_array_equal(np.sort(real), real_rows)
+            counts = rows_mask.sum(axis=1)
             assert max(counts) - min(counts) <= 1  # interleaved: balanced
 
 
 def test_worker_shards_partition_each_global_draw_by_index():
-    sampler = PoissonSampler(1000, 97, seed=3)
-    for indices, mask in sampler.epoch():
-        shards = [distribute.worker_shard(indices, mask, w, 3, 40) for w in range(3)]
+    for indices, mask in global_draws():
+        shards = [[t.numpy() for t in distribute.worker_shard(indices, mask, w, 3, 40)]
+                  for w in range(3)]
         for worker, (rows, rows_mask) in enumerate(shards):
             real = rows[rows_mask > 0]
             assert np.all(real % 3 == worker)  # only its own shard
             assert np.all(rows_mask[: len(real)] == 1) and len(rows) % 40 == 0
         together = np.concatenate([r[m > 0] for r, m in shards])
-        np.testing.assert_array_equal(np.sort(together), np.sort(indices[mask > 0]))
+        np.testing.assert_array_equal(np.sort(together), np.sort(indices.numpy()[mask.numpy() > 0]))
     rows, rows_mask = distribute.worker_shard(np.arange(100), np.ones(100, np.float32), 1, 2, 8)
-    assert len(rows) == 56 and rows_mask.sum() == 50  # an oversized draw is never cut
+    assert len(rows) == 56 and rows_mask.numpy().sum() == 50  # an oversized draw is never cut
 
 
 def test_one_replica_changes_nothing():
@@ -52,19 +58,25 @@ def test_shared_seed_on_one_device_is_fresh_and_checks_nothing_else():
     strategy = tf.distribute.get_strategy()
     seeds = {distribute.shared_sampling_seed(strategy, 50) for _ in range(3)}
     assert len(seeds) == 3 and all(0 <= s < 2**128 for s in seeds)
+    settings = {"noise_multiplier": 1.1, "optimizer": "DPSGD {...}"}
+    assert distribute.shared_sampling_seed(strategy, 50, settings) >= 0
 
 
-def test_later_iterations_draw_new_batches_and_need_a_seed():
+def test_a_distributed_dataset_draws_fresh_batches_each_iteration_and_step():
+    strategy = tf.distribute.get_strategy()
+    x = np.arange(500, dtype=np.float32)[:, None]
     sampler = PoissonSampler(500, 50, seed=9)
-    first = distribute._iteration_sampler(sampler, 0)
-    assert first is sampler
-    again = [distribute._iteration_sampler(sampler, 1).sample_indices() for _ in range(2)]
-    np.testing.assert_array_equal(again[0], again[1])  # same on every worker
-    other = distribute._iteration_sampler(sampler, 2).sample_indices()
-    fresh = PoissonSampler(500, 50, seed=9).sample_indices()
-    assert not np.array_equal(again[0], other) and not np.array_equal(again[0], fresh)
-    with pytest.raises(ValueError, match="seed=None"):
-        distribute._iteration_sampler(PoissonSampler(500, 50), 1)
+    dataset = distribute.distribute_poisson_batches(
+        strategy, sampler, x, lambda batch, mask: batch[:, 0][mask > 0])
+
+    def first_steps(data):
+        return [tuple(rows.numpy()) for rows, _ in zip(data, range(3))]
+
+    once, again = first_steps(dataset), first_steps(dataset)
+    assert len(set(once + again)) == 6  # no step and no iteration replays a draw
+    same = distribute.distribute_poisson_batches(
+        strategy, PoissonSampler(500, 50, seed=9), x, lambda batch, mask: batch[:, 0][mask > 0])
+    assert first_steps(same) == once  # what every worker with the shared seed draws
 
 
 class _TwoReplicas:

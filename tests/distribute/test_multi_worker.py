@@ -88,3 +88,16 @@ def test_validation_evaluate_and_predict_work_across_workers(workers):
         val_loss, loss, rows = worker["keras_paths"]
         assert np.isfinite(val_loss) and np.isfinite(loss) and rows == 10
         assert abs(val_loss - loss) < 1e-5  # same weights, same 40 examples
+
+
+def test_workers_with_different_settings_are_refused_before_a_step(workers):
+    """Worker 1 with sigma 2 (its ledger read 209.9 against the chief's 2.02
+    before), a batch of 25 for 24, or Adam for SGD: every worker refuses."""
+    for worker in workers:
+        sigma, batch, optimizer = (str(m) for m in worker["settings_refusals"])
+        for message, name in ((sigma, "noise_multiplier"), (batch, "batch_size"),
+                              (optimizer, "optimizer")):
+            assert "Every worker must train with the same privacy settings" in message, message
+            assert f"Differing: {name}" in message and message.endswith("steps=0"), message
+        assert "[1.0, 2.0] across the replicas" in sigma
+        assert "[24.0, 25.0] across the replicas" in batch

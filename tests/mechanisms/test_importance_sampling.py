@@ -241,21 +241,20 @@ SIZE_30 = {"expected_size": 30.0, "population": 300.0}
 
 def test_sampler_never_truncates_and_is_reproducible():
     ghat = np.full(300, 0.1, np.float32)
-    table = {"ghat": ghat}
     sampler = ImportanceSampler(300, 10, steps_per_epoch=3, seed=5)
-    sampler.start_epoch(10.0, lambda: table["ghat"], **SIZE_30)  # q = 0.1, ~30 drawn
-    table["ghat"] = np.full(300, 0.9, np.float32)  # the table grew: q = 0.9, ~270 drawn
-    draw = sampler.draw()
+    sampler.start_epoch(10.0, ghat, **SIZE_30)  # q = 0.1, ~30 drawn
+    sampler.ghat_table.assign(np.full(300, 0.9, np.float32))  # grew: q = 0.9, ~270 drawn
+    draw = sampler.draw()  # reads the table as it is now
     count = int(draw["mask"].sum())
     assert count > sampler.padded_size
     assert len(draw["indices"]) % sampler.padded_size == 0 and len(draw["indices"]) >= count
     assert sampler.overflow_count == 1
     again = ImportanceSampler(300, 10, steps_per_epoch=3, seed=5)
-    again.start_epoch(10.0, lambda: table["ghat"], **SIZE_30)
+    again.start_epoch(10.0, np.full(300, 0.9, np.float32), **SIZE_30)
     drawn = draw["indices"][draw["mask"] == 1]
     replay = again.draw()
     np.testing.assert_array_equal(replay["indices"][replay["mask"] == 1], drawn)
-    again.start_epoch(10.0, lambda: table["ghat"], epoch_index=1, **SIZE_30)
+    again.start_epoch(10.0, None, epoch_index=1, **SIZE_30)
     other = again.draw()
     assert not np.array_equal(other["indices"][other["mask"] == 1], drawn)
 

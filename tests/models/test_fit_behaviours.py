@@ -17,6 +17,7 @@ import pytest
 import tfdp
 from tfdp import cli, recipes
 from tfdp.data import PoissonSampler
+from tests.forced_draws import force_draws
 from tests.noiseless import NoiselessDPSGD
 
 LOSS = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
@@ -93,9 +94,9 @@ def test_jit_compile_gives_the_eager_step_even_for_an_oversized_poisson_draw(mon
     y = rng.integers(0, 2, 64)
     draws = [np.arange(0, 64, 4), np.arange(64)]
 
+    force_draws(monkeypatch, draws)
+
     def run(jit_compile):
-        calls = iter(draws * 2)
-        monkeypatch.setattr(PoissonSampler, "sample_indices", lambda self: next(calls))
         model = linear_model(4)
         model.compile(optimizer=NoiselessDPSGD(0.5, l2_norm_clip=0.5, noise_multiplier=1.0), loss=LOSS,
                       jit_compile=jit_compile)

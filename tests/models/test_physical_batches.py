@@ -1,11 +1,17 @@
 """fit(physical_batch_size=k): chunked per-example work, one noise per logical step."""
 
+import os
+import subprocess
+import sys
+
 import keras
 import numpy as np
 import pytest
 import tensorflow as tf
 
 import tfdp
+from tests.forced_draws import force_draws
+from tests.noiseless import NoiselessDPSGD
 from tfdp.models import chunked_step
 
 LOSS = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
@@ -148,14 +154,93 @@ def test_chunks_have_k_rows_under_xla(monkeypatch):
     assert set(traced) == {16}
 
 
-@pytest.mark.parametrize("value", [0, -3, 2.5, True, "8"])
+@pytest.mark.parametrize("value", [0, -3, 2.5, True, "8", 65, 2**31 - 16, 2**31, 2**32, 2**32 + 16])
 def test_bad_physical_batch_size_is_refused_before_training(value):
+    # Batch 32 of 300 pads to 64 rows: a chunk of more rows computes padding
+    # only, and 2**31 overflowed the chunk count (the step trained on noise).
     model = tfdp.DPSequential([keras.Input((6,)), keras.layers.Dense(3)])
     model.compile(optimizer=dpsgd(), loss=LOSS)
     x, y, _ = data()
     with pytest.raises(ValueError, match=r"physical_batch_size=" + repr(value).replace(".", r"\.")):
         model.fit(x, y, batch_size=32, physical_batch_size=value, verbose=0)
     assert model.privacy.steps == 0
+    assert chunked_step.check_physical_batch_size(dpsgd(), 64, 300, 32) == 64
+
+
+XLA_COMPILATIONS = """
+import keras, numpy as np, tfdp
+rng = np.random.default_rng(0)
+x, y = rng.normal(size=(64, 4)).astype(np.float32), rng.integers(0, 2, 64)
+model = tfdp.DPSequential([keras.Input((4,)), keras.layers.Dense(2)])
+model.compile(optimizer=tfdp.optimizers.DPSGD(0.1, l2_norm_clip=1.0, noise_multiplier=1.0, seed=1),
+              loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True), jit_compile=True)
+model.fit(x, y, batch_size=16, physical_batch_size=4, epochs=1, steps_per_epoch=12, verbose=0)
+"""
+
+
+def test_xla_compiles_the_chunked_step_once(tmp_path):
+    """12 Poisson draws of about 16 rows in chunks of 4: the chunk counts
+    differ from step to step, the compiled step must not (it compiled once
+    per distinct count, about 5 s each on a GPU). XLA dumps one module per
+    compilation."""
+    env = dict(os.environ, XLA_FLAGS=f"--xla_dump_to={tmp_path}", TF_CPP_MIN_LOG_LEVEL="2")
+    done = subprocess.run([sys.executable, "-c", XLA_COMPILATIONS], env=env, capture_output=True,
+                          text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    steps = [f for f in os.listdir(tmp_path)
+             if "one_step_on_data" in f and f.endswith("before_optimizations.txt")]
+    assert len(steps) == 1, sorted(steps)
+
+
+def test_a_draw_that_fills_the_padded_batch_equals_the_unsplit_step_under_xla(monkeypatch):
+    """Draws of exactly the padded length (64 rows, batch 32 of 300) in
+    chunks of 6: the last chunk reaches 2 rows past the batch, which XLA's
+    static chunks fill with the last row and must mask out."""
+    padded = tfdp.data.PoissonSampler(300, 32).padded_size
+    assert padded == 64 and padded % 6 != 0
+    rng = np.random.default_rng(5)
+    force_draws(monkeypatch, [np.sort(rng.choice(300, padded, replace=False)) for _ in range(2)])
+
+    def run(physical_batch_size, jit_compile):
+        keras.utils.set_random_seed(0)
+        model = tfdp.DPSequential([keras.Input((6,)), keras.layers.Dense(3)])
+        model.compile(optimizer=NoiselessDPSGD(0.5, l2_norm_clip=0.3, noise_multiplier=1.0),
+                      loss=LOSS, jit_compile=jit_compile)
+        x, y, _ = data()
+        model.fit(x, y, batch_size=32, epochs=1, steps_per_epoch=2, verbose=0,
+                  physical_batch_size=physical_batch_size)
+        assert model.privacy.steps == 2
+        return model.get_weights()
+
+    unsplit = run(None, False)
+    for got, want in zip(run(6, True), unsplit):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_an_optimizer_overriding_privatize_is_refused_in_the_chunked_step():
+    """Refused at fit, and also when compiled after a chunked fit and its
+    train step driven by hand (the chunked step bypassed its privatize)."""
+
+    class Custom(tfdp.optimizers.DPSGD):
+        def privatize(self, per_example, step_info):
+            return super().privatize(per_example, step_info)
+
+    x, y, _ = data()
+    model = tfdp.DPSequential([keras.Input((6,)), keras.layers.Dense(3)])
+    model.compile(optimizer=Custom(0.5, l2_norm_clip=0.3, noise_multiplier=1.0), loss=LOSS)
+    with pytest.raises(ValueError, match="Custom cannot split.*overrides privatize"):
+        model.fit(x, y, batch_size=32, physical_batch_size=8, verbose=0)
+    model.compile(optimizer=dpsgd(), loss=LOSS)
+    model.fit(x, y, batch_size=32, physical_batch_size=8, epochs=1, steps_per_epoch=1, verbose=0)
+    instance = dpsgd()
+    instance.privatize = lambda per_example, step_info: (_ for _ in ()).throw(AssertionError)
+    for optimizer in (Custom(0.5, l2_norm_clip=0.3, noise_multiplier=1.0), instance):
+        model.compile(optimizer=optimizer, loss=LOSS)
+        steps = model.privacy.steps
+        step_info = {"mask": tf.ones([8]), "expected_batch_size": tf.constant(32.0)}
+        with pytest.raises(ValueError, match="cannot split.*overrides privatize"):
+            model.train_step(((x[:8], y[:8]), step_info))
+        assert model.privacy.steps == steps
 
 
 @pytest.mark.parametrize(

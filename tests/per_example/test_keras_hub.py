@@ -195,13 +195,11 @@ def test_causal_lm_fits_with_keras_hub_per_token_sample_weight(physical_batch_si
 def test_lora_fine_tuning_under_xla_equals_the_eager_step(name, monkeypatch):
     """jit_compile="auto" is XLA on a GPU: there a LoRA fine-tune in physical
     batches must take the same steps as without XLA (run here on CPU)."""
-    from tfdp.data import PoissonSampler
+    from tests.forced_draws import force_draws
 
-    draws = [np.arange(0, 32, 3), np.arange(1, 32, 4)]
+    force_draws(monkeypatch, [np.arange(0, 32, 3), np.arange(1, 32, 4)])
 
     def run(jit_compile):
-        calls = iter(draws)
-        monkeypatch.setattr(PoissonSampler, "sample_indices", lambda self: next(calls))
         model, _ = _task(name)
         start = [v.numpy() for v in model.trainable_variables]
         rng = np.random.default_rng(3)

@@ -36,7 +36,6 @@ draw["indices"][draw["mask"] == 1]    # stage-1 records of one step
 """
 
 import numbers
-import threading
 
 import numpy as np
 import tensorflow as tf
@@ -45,10 +44,10 @@ from tfdp.data.poisson import (
     DEFAULT_OVERFLOW_PROBABILITY,
     _check_num_examples,
     _is_int,
-    _round_up,
     default_steps_per_epoch,
     padded_batch_size,
 )
+from tfdp.data.sampling import ALGORITHM, fold_key, padded_draw, sampling_key
 from tfdp.mechanisms import importance_sampling
 
 __all__ = ["ImportanceSampler", "make_importance_dataset"]
@@ -58,14 +57,12 @@ __all__ = ["ImportanceSampler", "make_importance_dataset"]
 STEP_INFO_KEYS = ("indices", "ghat", "uniform", "num_examples")
 
 
-def _entropy(seed):
-    """Entropy words for numpy's SeedSequence (OS entropy when seed is None)."""
-    if seed is None:
-        return np.random.SeedSequence().entropy
+def _check_seed(seed):
+    """`seed` for `sampling_key`: None, an int >= 0 or a 1-D sequence of ints."""
+    if seed is None or (_is_int(seed) and seed >= 0):
+        return seed
     if _is_int(seed):
-        if seed < 0:
-            raise ValueError(f"Expected `seed` >= 0. Received: seed={seed}")
-        return int(seed)
+        raise ValueError(f"Expected `seed` >= 0. Received: seed={seed}")
     words = np.asarray(seed)
     if words.ndim != 1 or words.size == 0 or words.dtype.kind not in "iu":
         raise TypeError(
@@ -78,10 +75,16 @@ def _entropy(seed):
 class ImportanceSampler:
     """Stage 1 of DPIS: draws records with probability b * ghat_i / K~.
 
-    Call `start_epoch(k_tilde, ghat, ...)` at the start of each epoch (DPIS does,
-    after it releases K~); then each `draw()` (or each element of `epoch()`)
-    is one step's stage-1 set, padded with a mask, together with the ghat_i
-    it used and one U[0, 1) number per row for stage 2.
+    Call `start_epoch(k_tilde, ...)` at the start of each epoch (DPIS does,
+    after it releases K~); then each draw (an element of
+    `make_importance_dataset`, or `draw()` by hand) is one step's stage-1
+    set, padded with a mask, together with the ghat_i it used and one
+    U[0, 1) number per row for stage 2.
+
+    The draws happen in the TensorFlow graph, reading the per-record table
+    `ghat_table` (a variable the train step refreshes) at each draw; the
+    draw of an epoch's n-th step is keyed by (seed, epoch index, n), so no
+    Python runs in the input pipeline.
 
     Args:
         num_examples: int, the number of records N (>= 1).
@@ -89,12 +92,16 @@ class ImportanceSampler:
         steps_per_epoch: int >= 1, the draws per epoch (default
             round(N / b), as `PoissonSampler`).
         seed: None (OS entropy), an int, or a sequence of ints. Epoch e's
-            draws come from a generator keyed by (seed, e), so a resumed run
-            (later epoch index) never replays earlier draws.
+            draws are keyed by (seed, e), so a resumed run (later epoch
+            index) never replays earlier draws.
         overflow_probability: float in (0, 1), passed to `padded_batch_size`.
         multiple: int >= 1, passed to `padded_batch_size`.
+        ghat_table: None (the sampler makes its own float32 [N] variable) or
+            a float32 `tf.Variable` holding one ghat per record, read at
+            every draw.
 
     Attributes:
+        ghat_table: the per-record table the draws read.
         padded_size: the current epoch's padded batch length.
         k_tilde: the current epoch's K~.
         epoch_index: the current epoch's index.
@@ -121,6 +128,7 @@ class ImportanceSampler:
         *,
         overflow_probability=DEFAULT_OVERFLOW_PROBABILITY,
         multiple=8,
+        ghat_table=None,
     ):
         self.num_examples = _check_num_examples(num_examples)
         if isinstance(expected_batch_size, bool) or not isinstance(
@@ -144,18 +152,26 @@ class ImportanceSampler:
                 f"Received: steps_per_epoch={steps_per_epoch!r}"
             )
         self.steps_per_epoch = int(steps_per_epoch)
-        self._entropy = _entropy(seed)
+        self.key = sampling_key(_check_seed(seed))
         self._overflow_probability = overflow_probability
         self._multiple = multiple
-        self._ghat_source = None
-        self._rng = None
-        self._lock = threading.Lock()
+        if ghat_table is None:
+            ghat_table = tf.Variable(tf.ones([self.num_examples], tf.float32), trainable=False)
+        elif not isinstance(ghat_table, tf.Variable) or ghat_table.dtype != tf.float32:
+            raise TypeError(
+                "Expected `ghat_table` to be None or a float32 tf.Variable. Received: "
+                f"ghat_table={ghat_table!r}"
+            )
+        self.ghat_table = ghat_table
+        # What the graph reads at each draw (assigned by start_epoch).
+        self._scale = tf.Variable(0.0, dtype=tf.float32, trainable=False)  # b / K~
+        self._padded = tf.Variable(0, dtype=tf.int64, trainable=False)
+        self._epoch = tf.Variable(-1, dtype=tf.int64, trainable=False)
+        self._epoch_draws = tf.Variable(0, dtype=tf.int64, trainable=False)
+        self._counts = tf.Variable([0, 0, 0], dtype=tf.int64, trainable=False)  # draws, overflows, stage 1
         self.k_tilde = None
         self.padded_size = None
         self.epoch_index = None
-        self.overflow_count = 0
-        self.draw_count = 0
-        self.stage1_count = 0
 
     def __repr__(self):
         return (
@@ -164,25 +180,27 @@ class ImportanceSampler:
             f"steps_per_epoch={self.steps_per_epoch}, padded_size={self.padded_size})"
         )
 
-    def _read_ghat(self):
-        source = self._ghat_source
-        ghat = source() if callable(source) else source
-        ghat = np.asarray(ghat, np.float32).reshape(-1)
-        if ghat.shape[0] != self.num_examples:
-            raise ValueError(
-                f"Expected one ghat per record ({self.num_examples}). Received: "
-                f"ghat with {ghat.shape[0]} entries"
-            )
-        return ghat
+    @property
+    def draw_count(self):
+        return int(self._counts[0].numpy())
 
-    def start_epoch(self, k_tilde, ghat, epoch_index=0, *, expected_size, population):
-        """Sets the epoch's K~ and ghat table, and sizes its padded batches.
+    @property
+    def overflow_count(self):
+        return int(self._counts[1].numpy())
+
+    @property
+    def stage1_count(self):
+        return int(self._counts[2].numpy())
+
+    def start_epoch(self, k_tilde, ghat=None, epoch_index=0, *, expected_size, population):
+        """Sets the epoch's K~ (and ghat table), and sizes its padded batches.
 
         Args:
             k_tilde: the epoch's released K~ (> 0).
-            ghat: array [N] of per-record bounds, or a zero-argument callable
-                returning it (read at every draw, so the train step's
-                refreshes take effect).
+            ghat: None (`ghat_table` already holds the epoch's bounds) or an
+                array [N] of per-record bounds, assigned to `ghat_table`.
+                The table is read at every draw, so the train step's
+                refreshes take effect.
             epoch_index: int >= 0, keys this epoch's random draws.
             expected_size: the stage-1 size (sum_i q_i) the padding is sized
                 for, a number > 0. Compute it from released values (DPIS
@@ -201,20 +219,33 @@ class ImportanceSampler:
                 np.isfinite(value) and value > 0
             ):
                 raise ValueError(f"Expected `{name}` > 0. Received: {name}={value!r}")
-        trials = max(1, int(round(population)), int(np.ceil(expected_size)))
-        with self._lock:
-            self.k_tilde = k_tilde
-            self._ghat_source = ghat
-            self._read_ghat()  # checks its length now
-            self.padded_size = padded_batch_size(
-                trials,
-                min(1.0, max(float(expected_size), 1.0) / trials),
-                overflow_probability=self._overflow_probability,
-                multiple=self._multiple,
+        if ghat is not None:
+            ghat = np.asarray(ghat, np.float32).reshape(-1)
+            if ghat.shape[0] != self.num_examples:
+                raise ValueError(
+                    f"Expected one ghat per record ({self.num_examples}). Received: "
+                    f"ghat with {ghat.shape[0]} entries"
+                )
+            self.ghat_table.assign(ghat)
+        entries = int(tf.size(self.ghat_table))
+        if entries != self.num_examples:
+            raise ValueError(
+                f"Expected one ghat per record ({self.num_examples}) in `ghat_table`. "
+                f"Received: a table of {entries} entries"
             )
-            self.epoch_index = int(epoch_index)
-            sequence = np.random.SeedSequence(self._entropy, spawn_key=(self.epoch_index,))
-            self._rng = np.random.default_rng(sequence)
+        trials = max(1, int(round(population)), int(np.ceil(expected_size)))
+        self.padded_size = padded_batch_size(
+            trials,
+            min(1.0, max(float(expected_size), 1.0) / trials),
+            overflow_probability=self._overflow_probability,
+            multiple=self._multiple,
+        )
+        self.k_tilde = k_tilde
+        self.epoch_index = int(epoch_index)
+        self._scale.assign(np.float32(self.expected_batch_size / k_tilde))
+        self._padded.assign(self.padded_size)
+        self._epoch.assign(self.epoch_index)
+        self._epoch_draws.assign(0)
 
     def expected_stage1_size(self):
         """sum_i q_i for the current ghat table (the mean stage-1 count).
@@ -222,43 +253,52 @@ class ImportanceSampler:
         Private (it reads the ghat table): for tests and diagnostics only.
         """
         q = importance_sampling.first_stage_probabilities(
-            self._read_ghat(), self.k_tilde, self.expected_batch_size
+            self.ghat_table.numpy(), self.k_tilde, self.expected_batch_size
         )
         return float(np.sum(q, dtype=np.float64))
 
-    def draw(self):
-        """One step's stage-1 draw.
+    def draw_tensors(self):
+        """The next step's stage-1 draw, in the graph (advances the counts).
+
+        Record i joins with probability q_i = min(1, b ghat_i / K~) (float32,
+        as `importance_sampling.first_stage_probabilities`), by comparing
+        q_i with a float64 uniform keyed by (seed, epoch, draw number).
 
         Returns:
-            dict of arrays of length L (`padded_size`, or a multiple of it for
-            a rare larger draw): "indices" (int64, 0 on padding), "mask"
+            dict of tensors of length L (`padded_size`, or a multiple of it
+            for a rare larger draw): "indices" (int64, 0 on padding), "mask"
             (float32, 1 for drawn records), "ghat" (float32, the bound each
             drawn record was sampled with; 1 on padding) and "uniform"
             (float32 U[0, 1) draws for stage 2).
         """
-        if self._rng is None:
-            raise ValueError("Call start_epoch(k_tilde, ghat, ...) before drawing batches.")
-        with self._lock:
-            ghat = self._read_ghat()
-            q = importance_sampling.first_stage_probabilities(
-                ghat, self.k_tilde, self.expected_batch_size
-            )
-            chosen = np.flatnonzero(self._rng.random(self.num_examples) < q)
-            count = len(chosen)
-            length = self.padded_size
-            if count > length:
-                length = _round_up(count, self.padded_size)
-                self.overflow_count += 1
-            indices = np.zeros(length, np.int64)
-            indices[:count] = chosen
-            mask = np.zeros(length, np.float32)
-            mask[:count] = 1.0
-            bounds = np.ones(length, np.float32)
-            bounds[:count] = ghat[chosen]
-            uniform = self._rng.random(length, dtype=np.float32)
-            self.draw_count += 1
-            self.stage1_count += count
-        return {"indices": indices, "mask": mask, "ghat": bounds, "uniform": uniform}
+        number = self._epoch_draws.assign_add(1) - 1
+        key = fold_key(self.key, self._epoch.read_value(), number)
+        table = tf.reshape(self.ghat_table.read_value(), [-1])
+        probabilities = tf.clip_by_value(table * self._scale.read_value(), 0.0, 1.0)
+        coins = tf.random.stateless_uniform(
+            [self.num_examples], seed=fold_key(key, 0), dtype=tf.float64, alg=ALGORITHM
+        )
+        chosen = tf.where(coins < tf.cast(probabilities, tf.float64))[:, 0]
+        count = tf.size(chosen, out_type=tf.int64)
+        unit = self._padded.read_value()
+        length = tf.maximum(unit, (count + unit - 1) // unit * unit)
+        draw = padded_draw(chosen, length)
+        draw["ghat"] = tf.pad(tf.gather(table, chosen), [[0, length - count]], constant_values=1.0)
+        draw["uniform"] = tf.random.stateless_uniform(
+            [length], seed=fold_key(key, 1), dtype=tf.float32, alg=ALGORITHM
+        )
+        self._counts.assign_add(tf.stack([1, tf.cast(count > unit, tf.int64), count]))
+        return draw
+
+    def draw(self):
+        """One step's stage-1 draw, run eagerly (see `draw_tensors`).
+
+        Returns:
+            dict of NumPy arrays: "indices", "mask", "ghat", "uniform".
+        """
+        if self.k_tilde is None:
+            raise ValueError("Call start_epoch(k_tilde, ...) before drawing batches.")
+        return {name: value.numpy() for name, value in self.draw_tensors().items()}
 
     def epoch(self):
         """Yields `steps_per_epoch` draws (see `draw`)."""
@@ -298,7 +338,9 @@ def make_importance_dataset(sampler, arrays):
 
     Args:
         sampler: an `ImportanceSampler` (its `start_epoch` is called before
-            each epoch is iterated).
+            each epoch is iterated). The draws happen in the graph
+            (`ImportanceSampler.draw_tensors`): no Python runs in the
+            pipeline.
         arrays: nested structure of arrays with first dimension N.
 
     Returns:
@@ -314,29 +356,14 @@ def make_importance_dataset(sampler, arrays):
     expected = tf.constant(sampler.expected_batch_size, tf.float32)
     num_examples = tf.constant(float(sampler.num_examples), tf.float32)
 
-    def generator():
-        for draw in sampler.epoch():
-            yield draw["indices"], draw["mask"], draw["ghat"], draw["uniform"]
-
-    spec = tf.TensorSpec(shape=[None], dtype=tf.float32)
-    dataset = tf.data.Dataset.from_generator(
-        generator,
-        output_signature=(tf.TensorSpec(shape=[None], dtype=tf.int64), spec, spec, spec),
-    )
-
-    def gather(indices, mask, ghat, uniform):
-        batch = tf.nest.map_structure(lambda t: tf.gather(t, indices), structure)
-        info = {
-            "mask": mask,
-            "expected_batch_size": expected,
-            "indices": indices,
-            "ghat": ghat,
-            "uniform": uniform,
-            "num_examples": num_examples,
-        }
+    def gather(_):
+        draw = sampler.draw_tensors()
+        batch = tf.nest.map_structure(lambda t: tf.gather(t, draw["indices"]), structure)
+        info = dict(draw, expected_batch_size=expected, num_examples=num_examples)
         return batch, info
 
-    dataset = dataset.map(gather)
+    # Sequential: each draw reads the ghat table as the previous step left it.
+    dataset = tf.data.Dataset.range(sampler.steps_per_epoch).map(gather)
     dataset = dataset.apply(tf.data.experimental.assert_cardinality(sampler.steps_per_epoch))
     options = tf.data.Options()
     options.experimental_optimization.apply_default_optimizations = False

@@ -23,14 +23,14 @@ for (x, y), mask in dataset:   # one element per DP-SGD step
 
 import math
 import numbers
-import threading
 from collections.abc import Mapping
 
 import numpy as np
 import tensorflow as tf
 
 from tfdp.accounting.calibration import steps_per_epoch as default_steps_per_epoch
-from tfdp.data.reader import index_batches, read_batches
+from tfdp.data.reader import read_batches
+from tfdp.data.sampling import draws, fold_key, padded_draw, poisson_indices, sampling_key
 from tfdp.data.sources import as_source
 
 __all__ = ["PoissonSampler", "padded_batch_size", "make_dataset", "gathered_batches"]
@@ -231,14 +231,18 @@ class PoissonSampler:
     `multiple` rows (at least `multiple`): for a step that is traced once for
     any batch length (TensorFlow without XLA), padding rows are wasted work.
 
+    The draws happen in the TensorFlow graph (`tfdp.data.sampling`): step
+    `t`'s draw is a function of the secret `key` and `t` alone.
+
     Args:
         num_examples: int, the number of records `N` (>= 1).
         expected_batch_size: number in [1, num_examples], the expected batch
             size `b`.
-        steps_per_epoch: int >= 1, the steps `epoch()` yields. Defaults to
-            `round(num_examples / expected_batch_size)` (at least 1).
-        seed: int or None. None (the default) seeds from OS entropy, so no two
-            runs share a sampling stream; an int makes the draws reproducible.
+        steps_per_epoch: int >= 1, the steps an epoch of `make_dataset` has.
+            Defaults to `round(num_examples / expected_batch_size)` (at least 1).
+        seed: int or None. None (the default) keys the draws with OS entropy,
+            so no two runs share a sampling stream; an int makes them
+            reproducible. Neither is ever saved.
         overflow_probability: float in (0, 1), passed to `padded_batch_size`
             (default 1e-6, see `DEFAULT_OVERFLOW_PROBABILITY`).
         multiple: int >= 1, passed to `padded_batch_size`.
@@ -246,18 +250,18 @@ class PoissonSampler:
             shape, for XLA); False pads to a multiple of `multiple` only.
 
     Attributes:
-        num_examples, expected_batch_size, steps_per_epoch: as given.
+        num_examples, expected_batch_size, steps_per_epoch, seed: as given.
         sampling_probability: `q = expected_batch_size / num_examples`.
         padded_size: the padded batch length.
-        overflow_count: how many drawn batches were longer than `padded_size`.
+        key: the secret sampling key (int64 [2]).
 
     Example:
 
     >>> sampler = PoissonSampler(1000, 50, seed=0)
     >>> sampler.steps_per_epoch, sampler.padded_size
     (20, 88)
-    >>> for indices, mask in sampler.epoch():
-    ...     real = indices[mask == 1]   # this step's records
+    >>> draw = sampler.draw(sampler.key, step=0)
+    >>> real = draw["indices"][draw["mask"] == 1]   # step 0's records
     """
 
     def __init__(
@@ -308,10 +312,7 @@ class PoissonSampler:
         )
         self.multiple = int(multiple)
         self.fixed_shape = bool(fixed_shape)
-        self.overflow_count = 0
-        # seed=None: fresh OS entropy. Never saved with a model.
-        self._rng = np.random.default_rng(seed)
-        self._lock = threading.Lock()
+        self.key = sampling_key(seed)  # seed=None: fresh OS entropy. Never saved.
 
     def __repr__(self):
         return (
@@ -321,89 +322,94 @@ class PoissonSampler:
             f"padded_size={self.padded_size})"
         )
 
-    def sample_indices(self):
-        """Draws one Poisson batch.
+    def sample_indices(self, key, step):
+        """Step `step`'s Poisson draw (`tfdp.data.sampling.poisson_indices`).
 
-        Each record is included independently with probability `q`. The draw
-        walks the records with i.i.d. Geometric(q) gaps between successive
-        included records, which is the same distribution as N independent
-        Bernoulli(q) coins but costs O(q N) instead of O(N).
+        Each record is included independently with probability `q`; the draw
+        is a function of (`key`, `step`) only.
+
+        Args:
+            key: int64 [2], the stream's key (`key`, or a key derived from it).
+            step: integer scalar, the step's number.
 
         Returns:
-            np.ndarray of int64: the sorted indices of the included records
+            int64 tensor: the sorted indices of the included records
             (possibly empty).
 
         Example:
 
-        >>> PoissonSampler(10, 10, seed=0).sample_indices()
+        >>> sampler = PoissonSampler(10, 10, seed=0)
+        >>> sampler.sample_indices(sampler.key, 0).numpy()
         array([0, 1, 2, 3, 4, 5, 6, 7, 8, 9])
         """
-        n, q = self.num_examples, self.sampling_probability
-        chunks = []
-        last = -1
-        with self._lock:
-            while True:
-                remaining = n - 1 - last
-                expected = q * remaining
-                size = int(expected + 6.0 * math.sqrt(expected) + 16)
-                positions = last + np.cumsum(self._rng.geometric(q, size=size))
-                if positions[-1] >= n:
-                    chunks.append(positions[positions < n])
-                    break
-                chunks.append(positions)
-                last = int(positions[-1])
-        indices = chunks[0] if len(chunks) == 1 else np.concatenate(chunks)
-        return indices.astype(np.int64, copy=False)
+        return poisson_indices(
+            fold_key(key, step), self.num_examples, self.sampling_probability
+        )
+
+    def padded_length(self, count):
+        """The padded length of a draw of `count` records (a tensor).
+
+        `padded_size` if the draw fits, else the smallest multiple of
+        `padded_size` that holds it (with `fixed_shape=False`: the smallest
+        positive multiple of `multiple` that holds it): never shorter than
+        the draw.
+        """
+        count = tf.cast(count, tf.int64)
+        unit = self.padded_size if self.fixed_shape else self.multiple
+        return tf.maximum(tf.constant(unit, tf.int64), (count + unit - 1) // unit * unit)
 
     def pad(self, indices):
-        """Pads a draw to `padded_size` (or a multiple of it, never truncating).
+        """Pads a draw (see `padded_length`); it is never truncated.
 
         Args:
-            indices: 1-D integer array, one step's sampled indices.
+            indices: 1-D integer tensor, one step's sampled indices.
 
         Returns:
-            `(indices, mask)`: int64 and float32 arrays of length L, where L is
-            `padded_size` if the draw fits, else the smallest multiple of
-            `padded_size` that holds it (with `fixed_shape=False`: the
-            smallest positive multiple of `multiple` that holds it). Padding
+            dict with "indices" (int64 [L]) and "mask" (float32 [L]); padding
             rows have index 0 and mask 0.
 
         Example:
 
         >>> sampler = PoissonSampler(100, 10, seed=0)
-        >>> idx, mask = sampler.pad(np.array([3, 7]))
-        >>> idx[:3], mask[:3]
+        >>> draw = sampler.pad(tf.constant([3, 7]))
+        >>> draw["indices"].numpy()[:3], draw["mask"].numpy()[:3]
         (array([3, 7, 0]), array([1., 1., 0.], dtype=float32))
         """
-        count = len(indices)
-        length = self.padded_size
-        if not self.fixed_shape:
-            length = max(self.multiple, _round_up(count, self.multiple))
-        elif count > length:
-            length = _round_up(count, self.padded_size)
-            self.overflow_count += 1
-        padded = np.zeros(length, dtype=np.int64)
-        padded[:count] = indices
-        mask = np.zeros(length, dtype=np.float32)
-        mask[:count] = 1.0
-        return padded, mask
+        return padded_draw(indices, self.padded_length(tf.size(indices)))
 
-    def epoch(self):
-        """Yields one epoch of padded Poisson batches.
+    def draw(self, key, step):
+        """Step `step`'s padded draw: `pad(sample_indices(key, step))`.
 
-        Yields:
-            `steps_per_epoch` pairs `(indices, mask)` as returned by `pad`, each
-            from a fresh independent draw. An empty draw is a valid step (its
-            mask is all 0).
-
-        Example:
-
-        >>> sampler = PoissonSampler(1000, 50, seed=0)
-        >>> sum(1 for _ in sampler.epoch())
-        20
+        The sampler interface of `tfdp.data.sampling.draws`: in the graph,
+        a function of (`key`, `step`) only. Traced once per configuration
+        (`fit` makes a sampler a call; retracing the draw cost about 0.2 s
+        a `fit`).
         """
-        for _ in range(self.steps_per_epoch):
-            yield self.pad(self.sample_indices())
+        return _traced_draw(self)(tf.cast(key, tf.int64), tf.cast(step, tf.int64))
+
+
+_TRACED_DRAWS = {}
+_MOST_TRACED_DRAWS = 32
+
+
+def _traced_draw(sampler):
+    """A `tf.function` of `sampler`'s draw, shared by samplers that draw alike
+    (same class, `sample_indices`, N, q and padding)."""
+    pick = sampler.sample_indices
+    config = (type(sampler), getattr(pick, "__func__", pick), sampler.num_examples,
+              sampler.sampling_probability, sampler.padded_size, sampler.multiple,
+              sampler.fixed_shape)
+    traced = _TRACED_DRAWS.get(config)
+    if traced is None:
+        if len(_TRACED_DRAWS) >= _MOST_TRACED_DRAWS:
+            del _TRACED_DRAWS[next(iter(_TRACED_DRAWS))]
+        traced = tf.function(
+            lambda key, step: sampler.pad(sampler.sample_indices(key, step)),
+            input_signature=[tf.TensorSpec([2], tf.int64), tf.TensorSpec([], tf.int64)],
+            autograph=False,
+        )
+        _TRACED_DRAWS[config] = traced
+    return traced
 
 
 # tf.data ------------------------------------------------------------------------
@@ -423,7 +429,7 @@ def _leaf_paths(structure, path=""):
     return paths
 
 
-def make_dataset(sampler, arrays):
+def make_dataset(sampler, arrays, *, first_step=0, repeat=False):
     """A `tf.data.Dataset` of Poisson-sampled, padded batches.
 
     Each element is one training step: `(batch_arrays, mask)`, where
@@ -431,24 +437,32 @@ def make_dataset(sampler, arrays):
     the step's indices (leading dimension L, usually `sampler.padded_size`)
     and `mask` is float32 `[L]` (1 for a sampled record, 0 for padding).
     Iterating the dataset yields exactly `sampler.steps_per_epoch` elements,
-    and every iteration (every Keras epoch) draws fresh batches. The leading
-    dimension in `element_spec` is None so that a rare oversized draw (padded
-    to a multiple of `padded_size`) fits the same signature.
+    and every iteration (every Keras epoch) draws fresh batches. With
+    `repeat=True` it yields steps endlessly instead (pass Keras
+    `steps_per_epoch`; Keras then keeps one iterator for the whole `fit`).
+    The leading dimension in `element_spec` is None so that a rare oversized
+    draw (padded to a multiple of `padded_size`) fits the same signature.
 
-    In-memory arrays are converted to tensors once; only the index and mask
-    arrays come from Python, the gathering happens in TensorFlow. A source
-    (`tfdp.data.RecordSource`, `ArraySource`) or a tuple `(x, y[, w])`
-    holding a NumPy memmap is never loaded whole: each step reads only its
-    sampled records (`tfdp.data.reader`).
+    The draws happen in TensorFlow (`tfdp.data.sampling`): step t's draw is
+    a function of the sampler's secret key and t, so no Python runs on the
+    pipeline's threads for in-memory arrays, which are converted to tensors
+    once and gathered in TensorFlow. A source (`tfdp.data.RecordSource`,
+    `ArraySource`) or a tuple `(x, y[, w])` holding a NumPy memmap is never
+    loaded whole: each step reads only its sampled records
+    (`tfdp.data.reader`).
 
     Args:
         sampler: a `PoissonSampler`.
         arrays: a nested structure (tuple, list, dict) of numpy arrays or
             tensors, all with first dimension `sampler.num_examples`, or a
             source of `sampler.num_examples` records.
+        first_step: int >= 0, the number of the first step (the draws of
+            steps t and t' differ; `fit` starts at the steps already run).
+        repeat: False (one epoch per iteration) or True (endless).
 
     Returns:
-        A `tf.data.Dataset` with known cardinality `sampler.steps_per_epoch`.
+        A `tf.data.Dataset` with known cardinality `sampler.steps_per_epoch`
+        (infinite with `repeat=True`).
 
     Example:
 
@@ -464,6 +478,14 @@ def make_dataset(sampler, arrays):
             "Expected `sampler` to be a `PoissonSampler`. "
             f"Received: sampler={sampler!r} of type {type(sampler).__name__}"
         )
+    if not _is_int(first_step) or first_step < 0:
+        raise ValueError(
+            f"Expected `first_step` to be an integer >= 0. Received: first_step={first_step!r}"
+        )
+    steps = None if repeat else sampler.steps_per_epoch
+    pairs = draws(sampler, sampler.key, first_step, steps).map(
+        lambda draw: (draw["indices"], draw["mask"])
+    )
     source = as_source(arrays)
     if source is not None:
         if len(source) != sampler.num_examples:
@@ -471,7 +493,7 @@ def make_dataset(sampler, arrays):
                 "Expected the source to hold the sampler's num_examples "
                 f"({sampler.num_examples}) records. Received: {len(source)} records"
             )
-        return _finish(sampler, read_batches(sampler.epoch, source))
+        return _finish(steps, read_batches(pairs, source))
     leaves = tf.nest.flatten(arrays)
     paths = _leaf_paths(arrays)
     if len(paths) != len(leaves):
@@ -504,56 +526,55 @@ def make_dataset(sampler, arrays):
                 f"(first dimensions: {first_dims})"
             )
     structure = tf.nest.pack_sequence_as(arrays, tensors)
-    return _finish(sampler, gathered_batches(sampler.epoch, structure))
+    return _finish(steps, gathered_batches(pairs, structure))
 
 
 PREFETCHED_STEPS = 2
 
 
-def _finish(sampler, dataset):
-    """Cardinality, prefetch of `PREFETCHED_STEPS` batches, no autotuning.
+def _finish(steps, dataset):
+    """Cardinality (`steps`, or infinite for None), prefetch of
+    `PREFETCHED_STEPS` batches, no autotuning.
 
-    Keras makes a new iterator over the dataset at every epoch end, and
+    Keras makes a new iterator over a finite dataset at every epoch end, and
     with tf.data's autotuning on, deleting the old one waited for its
     tuning thread: about 0.5 s at one epoch end in two (tanh CNN at batch
     2048, 6-step epochs: 0.75 s an epoch, 1.25 s with the wait). Without it
     the map keeps its default parallelism (one call per core).
     """
-    dataset = dataset.apply(
-        tf.data.experimental.assert_cardinality(sampler.steps_per_epoch)
-    )
+    cardinality = tf.data.INFINITE_CARDINALITY if steps is None else steps
+    dataset = dataset.apply(tf.data.experimental.assert_cardinality(cardinality))
     options = tf.data.Options()
     options.autotune.enabled = False
     return dataset.prefetch(PREFETCHED_STEPS).with_options(options)
 
 
-def gathered_batches(generator, tensors):
-    """`(batch, mask)` elements from a generator of `(indices, mask)` arrays.
+def gathered_batches(pairs, tensors):
+    """`(batch, mask)` elements from a dataset of `(indices, mask)` pairs.
 
     Args:
-        generator: a callable returning an iterator of `(indices, mask)`
-            (int64 and float32 1-D arrays of one length), e.g. a sampler's
-            `epoch`.
+        pairs: a `tf.data.Dataset` of (int64 [L], float32 [L]) pairs, e.g.
+            a sampler's draws (`tfdp.data.sampling.draws`).
         tensors: a nested structure of tensors, gathered at `indices`, or
             a source (`tfdp.data.sources.as_source`), read at `indices`.
 
     Returns:
         A `tf.data.Dataset` of `(batch, mask)`, batches gathered in
-        TensorFlow (or read from the source), in the generator's order.
+        TensorFlow (or read from the source), in the order of `pairs`.
 
     Example:
 
-    >>> sampler = PoissonSampler(10, 10, seed=0)
-    >>> batch, mask = next(iter(gathered_batches(sampler.epoch, tf.range(10) * 2)))
-    >>> batch.numpy()[:3], mask.numpy()[:3]
-    (array([0, 2, 4], dtype=int32), array([1., 1., 1.], dtype=float32))
+    >>> pairs = tf.data.Dataset.from_tensors((tf.constant([4, 1, 0], tf.int64),
+    ...                                       tf.constant([1.0, 1.0, 0.0])))
+    >>> batch, mask = next(iter(gathered_batches(pairs, tf.range(10) * 2)))
+    >>> batch.numpy(), mask.numpy()
+    (array([8, 2, 0], dtype=int32), array([1., 1., 0.], dtype=float32))
     """
     source = as_source(tensors)
     if source is not None:
-        return read_batches(generator, source)
-    indices = index_batches(generator)
+        return read_batches(pairs, source)
 
     def gather(rows, mask):
         return tf.nest.map_structure(lambda t: tf.gather(t, rows), tensors), mask
 
-    return indices.map(gather, num_parallel_calls=tf.data.AUTOTUNE)
+    return pairs.map(gather, num_parallel_calls=tf.data.AUTOTUNE)

@@ -36,6 +36,7 @@ import random
 import numpy as np
 import tensorflow as tf
 
+from tfdp.data import interrupts
 from tfdp.data.read_threads import ReadThreads
 
 __all__ = [
@@ -192,8 +193,10 @@ class _Source:
             for spec in self._leaf_specs()
         ]
 
-    def read_batch(self, indices, out):
-        """Reads the records at `indices` into rows 0.. of the flat `out`."""
+    def read_batch(self, indices, out, stop=None):
+        """Reads the records at `indices` into rows 0.. of the flat `out`;
+        once `stop` (a `threading.Event`, or None) is set, raises
+        `tfdp.data.interrupts.ReadsStopped` instead of reading a record."""
         raise NotImplementedError
 
     def padding_row(self):
@@ -312,12 +315,13 @@ class RecordSource(_Source):
             raise _failed(error, f"Reading record {index} of {type(self.records).__name__} "
                           f"failed: {error}") from error
 
-    def _read_items(self, indices):
+    def _read_items(self, indices, stop=None):
         """The items at `indices`: one batch read if the records offer one
         (tfds and grain sources: `__getitems__`, parallel inside), else one
-        read per record in threads."""
+        read per record in threads; none once `stop` is set."""
         if not hasattr(self.records, "__getitems__"):
-            return list(self._pool_map(self._read_item, indices))
+            return list(self._pool_map(self._read_item, indices, stop))
+        interrupts.check(stop)
         name = f"{type(self.records).__name__}.__getitems__"
         try:
             items = list(self.records.__getitems__([int(i) for i in indices]))
@@ -385,21 +389,26 @@ class RecordSource(_Source):
             arrays.append(array)
         return arrays
 
-    def _pool_map(self, function, indices):
+    def _pool_map(self, function, indices, stop=None):
         if self._pool is None:
             # Daemon threads: a read that never returns cannot keep Python
             # from exiting (a ThreadPoolExecutor's workers are joined at exit).
             self._pool = ReadThreads(self.num_threads, name="tfdp-records")
-        return self._pool.map(function, indices)
 
-    def read_batch(self, indices, out):
+        def unless_stopped(index):  # a stopped pipeline reads no further record
+            interrupts.check(stop)
+            return function(index)
+
+        return self._pool.map(unless_stopped, indices)
+
+    def read_batch(self, indices, out, stop=None):
         if self.batch_transform is not None:
-            return self._read_batch_transformed(indices, out)
+            return self._read_batch_transformed(indices, out, stop)
         if hasattr(self.records, "__getitems__"):
-            items = self._read_items(indices)
+            items = self._read_items(indices, stop)
             rows = (self._leaves(i, item) for i, item in zip(indices, items))
         else:
-            rows = self._pool_map(self._leaves, indices)
+            rows = self._pool_map(self._leaves, indices, stop)
         for row, leaves in enumerate(rows):
             for target, leaf in zip(out, leaves):
                 target[row] = leaf
@@ -447,10 +456,10 @@ class RecordSource(_Source):
                     f"batch_transform={name}"
                 )
 
-    def _read_batch_transformed(self, indices, out):
+    def _read_batch_transformed(self, indices, out, stop=None):
         """The items at `indices`, decoded by one `batch_transform` call, of
         which one row, drawn at random, is checked against its item alone."""
-        items = self._read_items(indices)
+        items = self._read_items(indices, stop)
         leaves = self._transformed(items, indices)
         self._check_row(items, indices, leaves, self._random.randrange(len(items)))
         for target, leaf in zip(out, leaves):
@@ -528,7 +537,8 @@ class ArraySource(_Source):
                     f"{size} bytes"
                 )
 
-    def read_batch(self, indices, out):
+    def read_batch(self, indices, out, stop=None):
+        interrupts.check(stop)
         self._check_files()
         count = len(indices)
         for target, leaf in zip(out, tf.nest.flatten(self.arrays)):
@@ -554,8 +564,8 @@ class _Checked(_Source):
     def padding_row(self):
         return self.source.padding_row()
 
-    def read_batch(self, indices, out):
-        self.source.read_batch(indices, out)
+    def read_batch(self, indices, out, stop=None):
+        self.source.read_batch(indices, out, stop)
         self.check([array[: len(indices)] for array in out], indices)
 
 

@@ -32,26 +32,73 @@ Example:
 import numpy as np
 import tensorflow as tf
 
+from tfdp.data.poisson import DEFAULT_OVERFLOW_PROBABILITY, padded_batch_size
 from tfdp.per_example import compute_per_example_gradients
 
 
-def check_physical_batch_size(optimizer, physical_batch_size):
-    """Validates `fit`'s `physical_batch_size` against `optimizer`.
+def unsplittable_reason(optimizer):
+    """Why `optimizer`'s step cannot be split into physical batches, or None.
+
+    A mechanism says so itself (`physical_batches_unsupported`); a subclass
+    (or an instance) that overrides `privatize()` cannot either: the chunked
+    step sums `clipped_sum` over chunks and calls `noisy_gradients`, so an
+    override would be bypassed.
+    """
+    from tfdp.optimizers import DPOptimizer
+
+    reason = getattr(optimizer, "physical_batches_unsupported", None)
+    privatize = getattr(optimizer, "privatize", None)
+    if reason is None and getattr(privatize, "__func__", privatize) is not DPOptimizer.privatize:
+        reason = "it overrides privatize(), so its step is not a sum of clipped chunks."
+    return reason
+
+
+def _refusal(optimizer, physical_batch_size, reason):
+    name = type(optimizer).__name__
+    return ValueError(
+        f"{name} cannot split a logical batch into physical batches: {reason} "
+        "Leave physical_batch_size=None (the whole logical batch at once) and "
+        "lower batch_size if memory is short, or train with DPSGD, "
+        f"DPOptimizer or SADPSGD. Received: physical_batch_size={physical_batch_size} "
+        f"with optimizer={name}"
+    )
+
+
+def check_physical_batch_size(optimizer, physical_batch_size, num_examples, batch_size):
+    """Validates `fit`'s `physical_batch_size` against `optimizer` and the data.
+
+    A chunk never needs more rows than a padded logical batch has (a larger
+    value would only compute padding, and past 2^31 - 1 it overflows the
+    step's int32 row arithmetic), so values above the padded batch length
+    (`PoissonSampler(num_examples, batch_size).padded_size`) are refused
+    with the largest useful value.
 
     Args:
         optimizer: the model's tfdp optimizer.
         physical_batch_size: None (the whole logical batch at once) or an
             int >= 1.
+        num_examples: the number of training records N.
+        batch_size: the expected logical batch size b.
 
     Returns:
         The value as a Python int, or None.
 
     Raises:
-        ValueError: for a value that is not an int >= 1, or a mechanism that
-            cannot split its step (it says why and what to do instead).
-    """
-    from tfdp.optimizers import DPOptimizer
+        ValueError: for a value that is not an int in [1, padded batch
+            length], or a mechanism that cannot split its step (it says why
+            and what to do instead).
 
+    Example:
+
+    >>> import tfdp
+    >>> optimizer = tfdp.optimizers.DPSGD(0.1, l2_norm_clip=1.0, noise_multiplier=1.0)
+    >>> check_physical_batch_size(optimizer, 64, num_examples=60000, batch_size=256)
+    64
+    >>> check_physical_batch_size(optimizer, 2**31, num_examples=60000, batch_size=256)
+    Traceback (most recent call last):
+    ...
+    ValueError: Expected `physical_batch_size` <= 336, ...
+    """
     if physical_batch_size is None:
         return None
     if isinstance(physical_batch_size, bool) or not isinstance(
@@ -61,17 +108,18 @@ def check_physical_batch_size(optimizer, physical_batch_size):
             "Expected `physical_batch_size` to be an int >= 1 or None. "
             f"Received: physical_batch_size={physical_batch_size!r}"
         )
-    name = type(optimizer).__name__
-    reason = getattr(optimizer, "physical_batches_unsupported", None)
-    if reason is None and type(optimizer).privatize is not DPOptimizer.privatize:
-        reason = "it overrides privatize(), so its step is not a sum of clipped chunks."
+    reason = unsplittable_reason(optimizer)
     if reason:
+        raise _refusal(optimizer, physical_batch_size, reason)
+    rows = padded_batch_size(num_examples, batch_size / num_examples,
+                             overflow_probability=DEFAULT_OVERFLOW_PROBABILITY)
+    if physical_batch_size > rows:
         raise ValueError(
-            f"{name} cannot split a logical batch into physical batches: {reason} "
-            "Leave physical_batch_size=None (the whole logical batch at once) and "
-            "lower batch_size if memory is short, or train with DPSGD, "
-            f"DPOptimizer or SADPSGD. Received: physical_batch_size={physical_batch_size} "
-            f"with optimizer={name}"
+            f"Expected `physical_batch_size` <= {rows}, the padded length of a logical "
+            f"batch (batch_size={batch_size} of {num_examples} examples): a chunk of "
+            f"more rows would only compute padding. Pass physical_batch_size={rows} or "
+            f"less, or None for the whole batch at once. Received: "
+            f"physical_batch_size={physical_batch_size}"
         )
     return int(physical_batch_size)
 
@@ -100,6 +148,9 @@ def chunked_private_gradients(model, x, y, weights, step_info, physical_batch_si
         have loss 0 (their weight is 0).
     """
     optimizer = model.optimizer
+    reason = unsplittable_reason(optimizer)
+    if reason:  # e.g. an optimizer compiled after a chunked fit: never bypass it
+        raise _refusal(optimizer, physical_batch_size, reason)
     variables = list(model.trainable_variables)
     mask = tf.cast(step_info["mask"], tf.float32)
     k = int(physical_batch_size)
@@ -142,8 +193,11 @@ def chunked_private_gradients(model, x, y, weights, step_info, physical_batch_si
         tf.constant(0),
         [tf.zeros(v.shape, tf.float32) for v in variables],
         tf.constant(0.0),
-        tf.TensorArray(tf.float32, size=num_chunks, element_shape=[k if static_chunks else None],
-                       infer_shape=static_chunks),
+        # Under XLA the array's size must be a compile-time constant: sized
+        # from the batch's (static) length, not from the draw, it compiles
+        # once for every draw; the loop still stops after the last drawn row.
+        tf.TensorArray(tf.float32, size=(rows + k - 1) // k if static_chunks else num_chunks,
+                       element_shape=[k if static_chunks else None], infer_shape=static_chunks),
     )
     _, sums, nonfinite, losses = tf.while_loop(
         lambda i, *_: i < num_chunks, body, start, parallel_iterations=1

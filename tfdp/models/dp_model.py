@@ -19,7 +19,7 @@ from keras.src.utils.tracking import no_automatic_dependency_tracking
 
 from tfdp import distribute
 from tfdp.accounting import PrivacyLedger
-from tfdp.data import sources
+from tfdp.data import interrupts, sources
 from tfdp.data.fixed_order import FixedOrderData
 from tfdp.models import chunked_step, float32_precision, input_checks
 from tfdp.models.atomic_save import atomic_write, is_local_path
@@ -313,17 +313,9 @@ class DPTrainingMixin:
         result and privacy, per-example memory bounded by k
         (`tfdp.models.chunked_step`).
         """
-        from tfdp.callbacks import PrivacyBudget, ProgbarLogger, mark_step_log_readers
-
         if self.optimizer is None or self._per_example_loss is None:
             raise ValueError("Compile the model with a tfdp optimizer before calling fit().")
         _check_train_step(self)
-        physical_batch_size = chunked_step.check_physical_batch_size(
-            self.optimizer, physical_batch_size
-        )
-        if physical_batch_size != self._physical_batch_size:
-            self._physical_batch_size = physical_batch_size
-            self.train_function = None  # retrace the step with the new chunking
         if isinstance(x, tf.data.Dataset) and getattr(self.optimizer, "trains_on_datasets", False):
             x = self.optimizer.fixed_order_data(  # a pipeline in a fixed order (DP-BandMF)
                 x, y, batch_size, sample_weight, class_weight, validation_split,
@@ -350,9 +342,18 @@ class DPTrainingMixin:
                 f"Expected `batch_size` <= the number of training examples "
                 f"({num_examples}). Received: batch_size={batch_size}"
             )
+        physical_batch_size = chunked_step.check_physical_batch_size(
+            self.optimizer, physical_batch_size, num_examples, batch_size
+        )
+        if physical_batch_size != self._physical_batch_size:
+            self._physical_batch_size = physical_batch_size
+            self.train_function = None  # retrace the step with the new chunking
         arrays = (x, y) if sample_weight is None else (x, y, sample_weight)
         if isinstance(x, (sources.RecordSource, FixedOrderData)):
             arrays = x
+        # Workers agree (settings checked, sampling seed shared) before any of
+        # them builds variables: differing optimizers would break that.
+        self.optimizer.agree_with_workers(self, num_examples, batch_size, steps_per_epoch)
         self._build_for(arrays)
         # Outputs are known once built (a model without keras.Input has none before).
         units = self.outputs[0].shape[-1] if getattr(self, "outputs", None) else None
@@ -371,6 +372,27 @@ class DPTrainingMixin:
         callbacks = restore_backups(self, list(callbacks or []))
         # A file kept by save_best_only is rewritten with the ledger of each check.
         callbacks = keep_chosen_checkpoints_charged(callbacks)
+        # Reads of records stop at Ctrl-C and when training ends (interrupts).
+        with interrupts.reading_scope() as reads:
+            try:
+                return self._fit_in_scope(
+                    reads, arrays, num_examples, batch_size, callbacks, epochs, verbose,
+                    validation_data, initial_epoch, steps_per_epoch, validation_steps,
+                    validation_batch_size, validation_freq,
+                )
+            except Exception as error:
+                # SIGINT stopped the step's reads: the step failed for it (TF
+                # may also mangle the error while KeyboardInterrupt is pending).
+                if reads.interrupted:
+                    raise KeyboardInterrupt("training interrupted (SIGINT)") from error
+                raise
+
+    def _fit_in_scope(self, reads, arrays, num_examples, batch_size, callbacks, epochs,
+                      verbose, validation_data, initial_epoch, steps_per_epoch,
+                      validation_steps, validation_batch_size, validation_freq):
+        """The rest of `fit`, inside its `interrupts.reading_scope`."""
+        from tfdp.callbacks import PrivacyBudget, ProgbarLogger, mark_step_log_readers
+
         dataset, steps = self.optimizer.make_training_data(
             self, arrays, batch_size, steps_per_epoch=steps_per_epoch,
             budgets=[c for c in callbacks if isinstance(c, PrivacyBudget)],
@@ -391,6 +413,7 @@ class DPTrainingMixin:
             if isinstance(callback, PrivacyBudget):
                 callback.check_can_start(self.privacy, num_examples)
         callbacks.append(LedgerGuard(self.privacy, callbacks))
+        callbacks.append(reads.callback())
         float32_precision.keep_float32_exact()  # per-example norms in float32, not TF32
         return super().fit(
             dataset,

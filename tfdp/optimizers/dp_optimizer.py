@@ -6,6 +6,7 @@ release to the privacy ledger); the inner optimizer only post-processes the
 noisy mean, like `keras.optimizers.LossScaleOptimizer` wraps its inner one.
 """
 
+import json
 import math
 import os
 
@@ -14,6 +15,7 @@ import numpy as np
 import tensorflow as tf
 
 from tfdp import accounting, distribute
+from tfdp.accounting.calibration import steps_per_epoch as default_steps_per_epoch
 from tfdp.data.poisson import PoissonSampler, make_dataset
 from tfdp.mechanisms import dpsgd
 
@@ -121,6 +123,16 @@ def _noise_key(seed):
             np.iinfo(np.int64).min, np.iinfo(np.int64).max, size=2, dtype=np.int64
         )
     return words.copy()
+
+
+def _without_names(config):
+    """`config` without its "name" entries (Keras numbers default names by
+    how many optimizers a process made, which workers need not share)."""
+    if isinstance(config, dict):
+        return {k: _without_names(v) for k, v in config.items() if k != "name"}
+    if isinstance(config, (list, tuple)):
+        return [_without_names(v) for v in config]
+    return config
 
 
 class _ModelSteps:
@@ -469,6 +481,45 @@ class DPOptimizer(keras.optimizers.Optimizer):
                     f"Received: {name}={value} with {replicas} replicas"
                 )
 
+    def agree_with_workers(self, model, num_examples, batch_size, steps_per_epoch=None):
+        """Under several replicas: checks that every worker runs the same
+        settings (`run_settings`) and returns the chief's secret sampling
+        seed, in one all-gather (`tfdp.distribute.shared_sampling_seed`).
+
+        `fit` calls it before it builds the optimizer: optimizers that differ
+        (Adam on one worker, SGD on another) would otherwise make different
+        collectives while creating their variables and fail unclearly there.
+        Returns None on one replica.
+        """
+        strategy = model.distribute_strategy
+        if strategy.num_replicas_in_sync <= 1:
+            return None
+        self.check_distributable(strategy)
+        if steps_per_epoch is None:
+            steps_per_epoch = default_steps_per_epoch(num_examples, batch_size)
+        settings = self.run_settings(model, num_examples, batch_size, steps_per_epoch)
+        self.__dict__["_workers_seed"] = distribute.shared_sampling_seed(
+            strategy, num_examples, settings
+        )
+        return self.__dict__["_workers_seed"]
+
+    def run_settings(self, model, num_examples, batch_size, steps_per_epoch):
+        """What every worker of a multi-worker run must share (checked by
+        `tfdp.distribute.shared_sampling_seed`): the batch, the steps, the
+        ledger's steps so far, sigma and C, the optimizer (class and
+        configuration) and the mechanism's step event."""
+        config = json.dumps(_without_names(self.get_config()), sort_keys=True,
+                            default=lambda v: v.item() if hasattr(v, "item") else type(v).__name__)
+        return {
+            "batch_size": float(batch_size),
+            "steps_per_epoch": steps_per_epoch,
+            "steps_run": int(model.privacy.steps),
+            "noise_multiplier": float(self.noise_multiplier),
+            "l2_norm_clip": float(self.l2_norm_clip),
+            "optimizer": f"{type(self).__module__}.{type(self).__qualname__} {config}",
+            "mechanism": repr(self.step_event(float(batch_size) / num_examples)),
+        }
+
     def training_callbacks(self):
         """Keras callbacks this mechanism needs during `DPModel.fit`.
 
@@ -501,9 +552,12 @@ class DPOptimizer(keras.optimizers.Optimizer):
         self.bind_model_steps(model)
         seed = self.sampling_seed(model.privacy.steps)
         if strategy.num_replicas_in_sync > 1:
-            self.check_distributable(strategy)
+            shared = self.__dict__.pop("_workers_seed", None)  # fit agreed already
+            if shared is None:
+                shared = self.agree_with_workers(model, num_examples, batch_size, steps_per_epoch)
+                del self.__dict__["_workers_seed"]
             if seed is None:  # every worker must draw the same global batches
-                seed = distribute.shared_sampling_seed(strategy, num_examples)
+                seed = shared
         # Without XLA the compiled step takes any batch length without
         # retracing, so batches are not padded to one fixed shape (padding
         # rows cost as much as real ones). XLA and replicas keep one shape.
@@ -517,12 +571,15 @@ class DPOptimizer(keras.optimizers.Optimizer):
             expected = tf.constant(float(batch_size))
             return batch, {"mask": mask, "expected_batch_size": expected}
 
+        # Step t's draw is keyed by t: the run's steps continue the ledger's.
+        first_step = model.privacy.steps
         if strategy.num_replicas_in_sync > 1:
             dataset = distribute.distribute_poisson_batches(
-                strategy, sampler, arrays, to_element
+                strategy, sampler, arrays, to_element, first_step=first_step
             )
         else:
-            dataset = make_dataset(sampler, arrays).map(to_element)
+            dataset = make_dataset(sampler, arrays, first_step=first_step, repeat=True)
+            dataset = dataset.map(to_element)
         model.privacy.begin_steps(self.step_event(batch_size / num_examples))
         return dataset, sampler.steps_per_epoch
 

@@ -416,6 +416,16 @@ class DPIS(DPOptimizer):
     def training_callbacks(self):
         return [self._epoch_starter]
 
+    def agree_with_workers(self, model, num_examples, batch_size, steps_per_epoch=None):
+        """Refuses several replicas (before `fit` builds anything); None on one."""
+        strategy = model.distribute_strategy
+        if strategy.num_replicas_in_sync > 1:
+            raise ValueError(
+                "DPIS samples and refreshes its per-record table on one replica; it does "
+                "not support tf.distribute strategies with several replicas. Received: "
+                f"{strategy.num_replicas_in_sync} replicas"
+            )
+
     def make_training_data(self, model, arrays, batch_size, steps_per_epoch=None, budgets=()):
         """DPIS batches for `DPModel.fit`, after starting a DPIS epoch.
 
@@ -430,13 +440,7 @@ class DPIS(DPOptimizer):
         no step fits in a budget.
         """
         self._check_built()
-        strategy = model.distribute_strategy
-        if strategy.num_replicas_in_sync > 1:
-            raise ValueError(
-                "DPIS samples and refreshes its per-record table on one replica; it does "
-                "not support tf.distribute strategies with several replicas. Received: "
-                f"{strategy.num_replicas_in_sync} replicas"
-            )
+        self.agree_with_workers(model, None, batch_size)
         resumable = self._begun_epoch_without_steps(model, batch_size)
         if self.epochs_begun >= self.epochs and not resumable:
             raise ValueError(
@@ -448,13 +452,6 @@ class DPIS(DPOptimizer):
         require_in_memory(arrays, "DPIS", "computes every record's gradient norm each epoch")
         num_examples = len(tf.nest.flatten(arrays)[0])
         self.bind_model_steps(model)
-        sampler = ImportanceSampler(
-            num_examples,
-            batch_size,
-            steps_per_epoch=steps_per_epoch,
-            seed=[int(w) for w in np.asarray(self._noise_key, np.int64)]
-            + [_SAMPLING_STREAM, model.privacy.steps],
-        )
         if self._state.ghat is None:
             self._state.ghat = tf.Variable(
                 tf.zeros([num_examples], tf.float32),
@@ -464,6 +461,14 @@ class DPIS(DPOptimizer):
             )
         else:
             self._state.ghat.assign(tf.zeros([num_examples], tf.float32))
+        sampler = ImportanceSampler(
+            num_examples,
+            batch_size,
+            steps_per_epoch=steps_per_epoch,
+            seed=[int(w) for w in np.asarray(self._noise_key, np.int64)]
+            + [_SAMPLING_STREAM, model.privacy.steps],
+            ghat_table=self._state.ghat,  # read in the graph at every draw
+        )
         self._run = _Run(
             model, arrays, batch_size, sampler.steps_per_epoch, sampler,
             self._make_norm_fn(model), budgets,
@@ -642,7 +647,6 @@ class DPIS(DPOptimizer):
         )
         run.sampler.start_epoch(
             k_tilde,
-            self._state.ghat.numpy,
             epoch_index=epoch,
             # The padded length is observable: sized from released values only.
             expected_size=isp.released_first_stage_size(

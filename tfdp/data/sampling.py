@@ -1,0 +1,214 @@
+"""Step samplers drawn in the TensorFlow graph: (key, step) -> the step's rows.
+
+A step sampler maps the run's secret key and a step number to that step's
+draw with stateless TensorFlow ops only. So:
+
+- no Python runs on tf.data's threads to draw a batch (a Python generator
+  there can deadlock the iterator's teardown: the thread deleting the
+  iterator waits for a pipeline thread that waits for Python);
+- a draw is a pure function of (key, step): every worker draws the same
+  global batch whatever each one prefetches, a seeded run is reproduced
+  exactly, and a later step (a second `fit`, a resumed run) never replays an
+  earlier draw;
+- without the key the draws are unpredictable: the key is 128 bits of OS
+  entropy unless a seed is given, and it is never saved.
+
+A sampler is any object with `draw(key, step)` returning a dict of tensors
+with at least "indices" (int64 [L], the rows to read, real rows first) and
+"mask" (float32 [L], 1 for a real row, 0 for padding); it may add entries the
+train step reads (DPIS adds each row's bound and a uniform). `draws(sampler,
+key, first_step)` turns it into a `tf.data.Dataset` of draws, one per step.
+
+Example:
+
+>>> key = sampling_key(seed=0)
+>>> indices = poisson_indices(fold_key(key, 7), num_examples=10, sampling_probability=0.5)
+>>> bool(tf.reduce_all(indices[1:] > indices[:-1]))   # sorted, distinct
+True
+"""
+
+import math
+import os
+
+import numpy as np
+import tensorflow as tf
+
+__all__ = ["sampling_key", "fold_key", "poisson_indices", "padded_draw", "draws"]
+
+# One algorithm everywhere: the same (key, step) gives the same draw on every
+# device and worker ("auto_select" may differ between devices).
+ALGORITHM = "philox"
+
+
+def sampling_key(seed=None):
+    """The secret key of a sampling stream: two int64 words.
+
+    Args:
+        seed: None (the default: 128 bits of OS entropy, so no two runs share
+            a stream), an int >= 0, or a sequence of ints (reproducible).
+
+    Returns:
+        np.ndarray of int64, shape [2].
+
+    Example:
+
+    >>> bool(np.array_equal(sampling_key(3), sampling_key(3)))
+    True
+    >>> bool(np.array_equal(sampling_key(), sampling_key()))
+    False
+    """
+    if seed is None:
+        return np.frombuffer(os.urandom(16), dtype=np.int64).copy()
+    entropy = seed if isinstance(seed, (int, np.integer)) else [int(word) for word in seed]
+    words = np.random.SeedSequence(entropy).generate_state(2, np.uint64)
+    return words.view(np.int64).copy()
+
+
+def fold_key(key, *data):
+    """`key` folded with each of `data` in turn (stateless, in the graph).
+
+    Args:
+        key: int64 [2] key (array or tensor).
+        *data: integer scalars (Python ints or tensors).
+
+    Returns:
+        int64 tensor [2], a key as independent of `key` as a fresh one.
+
+    Example:
+
+    >>> fold_key(sampling_key(0), 1, 2).shape
+    TensorShape([2])
+    """
+    key = tf.cast(key, tf.int64)
+    for value in data:
+        key = tf.random.experimental.stateless_fold_in(
+            key, tf.cast(value, tf.int64), alg=ALGORITHM
+        )
+    return key
+
+
+def chunk_size(expected):
+    """Gaps drawn at once for a draw of `expected` records: 6 standard
+    deviations (and 16) above the mean, so a second chunk is needed about
+    once in 10^9 draws (it is drawn then: the walk is never cut)."""
+    return int(expected + 6.0 * math.sqrt(expected) + 16)
+
+
+def poisson_indices(key, num_examples, sampling_probability):
+    """One Poisson draw: each of N records independently with probability q.
+
+    The draw walks the records with i.i.d. Geometric(q) gaps between
+    successive included records (the same distribution as N independent
+    Bernoulli(q) coins, at O(q N) instead of O(N) work). A gap is
+    floor(log(1 - u) / log(1 - q)) + 1 for a float64 uniform u, so its
+    distribution is exact up to float64 rounding (each probability within
+    about 2^-52). Gaps come in chunks sized to cover N with overwhelming
+    probability; a chunk that ends short of N is followed by another, drawn
+    from the next key, so the draw is never cut.
+
+    Args:
+        key: int64 [2], the step's key (`fold_key(run key, step)`).
+        num_examples: int N >= 1 (a Python int: it sizes the chunks).
+        sampling_probability: float q in (0, 1].
+
+    Returns:
+        int64 tensor [count]: the sorted indices of the included records.
+
+    Example:
+
+    >>> poisson_indices(sampling_key(0), 5, 1.0).numpy()
+    array([0, 1, 2, 3, 4])
+    """
+    n, q = int(num_examples), float(sampling_probability)
+    if q >= 1.0:
+        return tf.range(n, dtype=tf.int64)
+    log_keep = math.log1p(-q)
+    chunk = chunk_size(q * n)
+
+    def positions(part, last):
+        uniform = tf.random.stateless_uniform(
+            [chunk], seed=fold_key(key, part), dtype=tf.float64, alg=ALGORITHM
+        )
+        gaps = tf.floor(tf.math.log1p(-uniform) / log_keep) + 1.0
+        # A gap past N ends the walk: cap it so the int64 sum cannot overflow.
+        gaps = tf.cast(tf.minimum(gaps, float(n + 1)), tf.int64)
+        return last + tf.cumsum(gaps)
+
+    def more(part, walked):
+        return walked[-1] < n
+
+    def extend(part, walked):
+        return part + 1, tf.concat([walked, positions(part, walked[-1])], axis=0)
+
+    _, walked = tf.while_loop(
+        more, extend, (tf.constant(1, tf.int64), positions(0, tf.constant(-1, tf.int64))),
+        shape_invariants=(tf.TensorShape([]), tf.TensorShape([None])),
+    )
+    return tf.boolean_mask(walked, walked < n)
+
+
+def padded_draw(indices, length):
+    """`indices` padded to `length` rows with index 0, and their mask.
+
+    Args:
+        indices: int64 [count], real rows (count <= length).
+        length: int32 or int64 scalar, the padded length.
+
+    Returns:
+        dict with "indices" (int64 [length]) and "mask" (float32 [length],
+        1 on the first `count` rows).
+
+    Example:
+
+    >>> draw = padded_draw(tf.constant([4, 2], tf.int64), 4)
+    >>> draw["indices"].numpy(), draw["mask"].numpy()
+    (array([4, 2, 0, 0]), array([1., 1., 0., 0.], dtype=float32))
+    """
+    count = tf.shape(indices, out_type=tf.int64)[0]
+    length = tf.cast(length, tf.int64)
+    return {
+        "indices": tf.pad(tf.cast(indices, tf.int64), [[0, length - count]]),
+        "mask": tf.cast(tf.range(length) < count, tf.float32),
+    }
+
+
+def draws(sampler, key, first_step=0, steps=None):
+    """A `tf.data.Dataset` of the sampler's draws, one per step.
+
+    Steps run from `first_step`: `steps` of them, or endlessly when `steps`
+    is None (`fit` passes Keras `steps_per_epoch` and keeps one iterator for
+    the whole run, so no iterator is torn down at an epoch end). Step t's
+    draw is `sampler.draw(fold_key(key, r), t)`, where r is the t-th number
+    of a `Dataset.random` stream seeded from `key` that restarts differently
+    at each new iteration: every iteration draws fresh batches, and the n-th
+    iteration is the same on every worker and in every rerun of a seeded
+    run.
+
+    Args:
+        sampler: an object with `draw(key, step)` (see the module doc).
+        key: int64 [2], the run's secret key (`sampling_key`).
+        first_step: int >= 0, the first step's number.
+        steps: None (endless) or an int >= 1.
+
+    Returns:
+        A `tf.data.Dataset` of the sampler's draw dicts.
+
+    Example:
+
+    >>> class Single:
+    ...     def draw(self, key, step):
+    ...         return padded_draw(tf.reshape(step, [1]), 2)
+    >>> [d["indices"].numpy().tolist() for d in draws(Single(), sampling_key(0), 5, steps=2)]
+    [[5, 0], [6, 0]]
+    """
+    key = np.asarray(key, np.int64)
+    nonce_seed = int(np.random.SeedSequence(key.view(np.uint64).tolist()).generate_state(1)[0])
+    first_step = int(first_step)
+    if steps is None:
+        numbers = tf.data.Dataset.counter(first_step, dtype=tf.int64)
+    else:
+        numbers = tf.data.Dataset.range(first_step, first_step + int(steps))
+    nonces = tf.data.Dataset.random(seed=nonce_seed, rerandomize_each_iteration=True)
+    return tf.data.Dataset.zip((numbers, nonces)).map(
+        lambda step, nonce: sampler.draw(fold_key(key, nonce), step)
+    )
