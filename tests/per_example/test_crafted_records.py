@@ -158,3 +158,19 @@ def test_weight_decay_offsets_cancel_a_factored_gradient(seed):
     part = LinearGrads(tf.constant(x, tf.float32), tf.constant(g, tf.float32), kernel)
     per_example = PerExampleGradients([kernel], [part], offsets=[tf.constant(offset)])
     assert _clipped_norm(per_example) <= CLIP * TOLERANCE
+
+
+@pytest.mark.parametrize("records", [2, 5])
+def test_a_users_cancelling_records_stay_clipped(records):
+    """User-level DP clips a user's summed gradient: its records play the
+    positions of the factored form, and records crafted to cancel (each of
+    size 1e12, summing to a vector of norm 10) must not escape clipping."""
+    rng = np.random.default_rng(records)
+    kernel = tf.Variable(tf.zeros([16, 32]))
+    x = np.tile(_unit(rng, 16), (records, 1, 1)).astype(np.float32)         # [records, 1, 16]
+    g = _cancelling_rows(rng, records, 32, 1e12, 10.0)[:, None].astype(np.float32)
+    per_record = PerExampleGradients([kernel], [LinearGrads(tf.constant(x), tf.constant(g), kernel)])
+    per_user = per_record.grouped(records)
+    exact = np.einsum("bsk,bso->ko", x.astype(np.float64), g.astype(np.float64))
+    assert per_user.sq_norms().numpy()[0] >= np.sum(exact**2)
+    assert _clipped_norm(per_user) <= CLIP * TOLERANCE

@@ -97,3 +97,22 @@ def test_batched_rules_match_one_example_at_a_time(name, check_batched_pass):
 def test_prelu_takes_the_per_layer_fallback():
     plan = plan_for(MODELS["prelu_fallback"]())
     assert plan.fallback_layers and "p_re_lu" in plan.fallback_layers[0]
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_grouped_rules_match_each_user_summed_one_example_at_a_time(
+        name, mse, reference_gradients, assert_matches_reference):
+    """User-level DP joins every k consecutive examples (a user's records):
+    its gradient is the sum of theirs, on every rule (6 records, 3 users)."""
+    from tfdp.per_example import compute_per_example_gradients
+
+    keras.utils.set_random_seed(1)
+    model = CASES[name]()
+    rng = np.random.default_rng(0)
+    x = _inputs(model, 6, rng)
+    y = tf.constant(rng.normal(size=(6, 2)), tf.float32)
+    weights = tf.constant([1.0, 0.5, 2.0, 1.0, 0.0, 0.25])
+    grads, _, _ = compute_per_example_gradients(model, x, y, weights, mse, "batched", training=False)
+    per_record = reference_gradients(model, x, y, weights.numpy(), mse)
+    per_user = [r.reshape((3, 2) + r.shape[1:]).sum(1) for r in per_record]
+    assert_matches_reference(grads.grouped(2), per_user)

@@ -15,7 +15,11 @@ covering some variables, with one interface (`Part`):
   float64 [B], a bound on its rounding;
 * `weighted_sum(weights)`: sum_i weights_i g_i per variable (rows with weight 0
   are skipped, so a NaN row cannot poison the sum);
-* `materialize()`: [B, *shape] per variable (memory: batch x parameters).
+* `materialize()`: [B, *shape] per variable (memory: batch x parameters);
+* `grouped(k)`: the same gradients with every k consecutive examples joined
+  into one (their gradients summed): a user's gradient from its k records
+  (user-level DP). A linear map's joined gradient keeps the factored form,
+  its records' positions becoming the user's positions.
 
 Clipping reads `PerExampleGradients.sq_norms()`, which joins these into an
 upper bound of the squared norm of what the weighted sum adds for each
@@ -81,12 +85,20 @@ def norm_of(vectors):
     return tf.sqrt(tf.add_n([tf.reduce_sum(tf.square(tf.cast(v, tf.float64))) for v in vectors]))
 
 
+def joined_rows(tensor, k):
+    """[B, S, C] rows as [B / k, k S, C]: k consecutive examples' positions
+    joined (a static k S when S is static)."""
+    positions = tensor.shape[1]
+    joined = k * positions if positions is not None else -1
+    return tf.reshape(tensor, [-1, joined] + tensor.shape[2:].as_list())
+
+
 class Part:
     """Base of per-example gradient parts (see the module docstring).
 
-    Subclasses give `variables`, `sq_norm_bounds`, `dots`, `weighted_sum` and
-    `materialize`; the defaults below suit a part that sums exactly the
-    tensors it measured.
+    Subclasses give `variables`, `sq_norm_bounds`, `dots`, `weighted_sum`,
+    `materialize` and `grouped`; the defaults below suit a part that sums
+    exactly the tensors it measured.
     """
 
     def summation_errors(self):
@@ -252,6 +264,10 @@ class LinearGrads(Part):
             sums.append(tf.reshape(bias, self.variables[1].shape))
         return sums
 
+    def grouped(self, k):
+        return LinearGrads(joined_rows(self.x, k), joined_rows(self.g, k), self.variables[0],
+                           self.variables[1] if len(self.variables) == 2 else None, self._perm)
+
     def materialize(self):
         batch = tf.shape(self.x)[0:1]
         grads = [self._to_kernel(self._per_example_matrix(), batch)]
@@ -297,6 +313,13 @@ class MaterializedGrads(Part):
     def materialize(self):
         return list(self.grads)
 
+    def grouped(self, k):
+        def joined(g):
+            shape = tf.concat([[-1, k], tf.shape(g)[1:]], 0)
+            return tf.reduce_sum(tf.reshape(g, shape), 1)
+
+        return MaterializedGrads(self.variables, [joined(g) for g in self.grads])
+
 
 class PerExampleGradients:
     """Per-example gradients of a model's trainable variables.
@@ -337,6 +360,23 @@ class PerExampleGradients:
                 "exactly once."
             )
         self._order = covered
+
+    def grouped(self, k):
+        """The gradients of every k consecutive examples summed into one: a
+        user's gradient from its k records (rows u k .. u k + k - 1).
+        Offsets (weight decay in the loss) stay one per joined example.
+
+        Example:
+
+        >>> v = tf.Variable([0.0, 0.0])
+        >>> g = PerExampleGradients([v], [MaterializedGrads([v], [tf.eye(2)])])
+        >>> g.grouped(2).materialize()[0].numpy()
+        array([[1., 1.]], dtype=float32)
+        """
+        if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+            raise ValueError(f"Expected `k` to be an int >= 1. Received: k={k!r}")
+        return PerExampleGradients(self.variables, [part.grouped(k) for part in self.parts],
+                                   self.offsets, self.path)
 
     def with_offsets(self, offsets):
         """Returns the same gradients with `offsets` added to every example's."""

@@ -21,7 +21,7 @@ import keras
 import tensorflow as tf
 
 from tfdp.per_example import rounding
-from tfdp.per_example.grads import Part, as_float32, masked, norm_of
+from tfdp.per_example.grads import Part, as_float32, joined_rows, masked, norm_of
 from tfdp.per_example.registry import register_rule
 from tfdp.per_example.rules.common import concat_positions, plain_weights
 
@@ -83,6 +83,10 @@ class EmbeddingGrads(Part):
             tf.shape(self._table, out_type=tf.int32),
         )
         return [table]
+
+    def grouped(self, k):
+        return EmbeddingGrads(tf.reshape(self.ids, [tf.shape(self.ids)[0] // k, -1]),
+                              joined_rows(self.g, k), self._table)
 
     def materialize(self):
         """[B, V, D] per-example tables (batch x vocabulary x dim floats)."""

@@ -94,6 +94,9 @@ class TiedGrads(Part):
     def materialize(self):
         return [a + b for a, b in zip(self.lookup.materialize(), self.projection.materialize())]
 
+    def grouped(self, k):
+        return TiedGrads(self.lookup.grouped(k), self.projection.grouped(k))
+
 
 # Lookups and x E^T per example: keeps examples independent.
 ALLOWED.add(keras.layers.ReversibleEmbedding)
