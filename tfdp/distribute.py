@@ -269,7 +269,9 @@ def distribute_poisson_batches(strategy, sampler, arrays, to_element, first_step
     each worker reads ahead. With several workers each takes the sampled
     records of its shard (`worker_shard`) and reads only those (arrays,
     memmaps or a source); its local replicas get equal shares of them
-    (`replica_shares`). The per-replica element is `to_element(batch,
+    (`replica_shares`). A `tfdp.data.users.UserSampler`'s draw is split by
+    user instead (worker w takes the users u with u % W == w), so a worker's
+    shard and a replica's share hold whole users, k records each. The per-replica element is `to_element(batch,
     mask)`. The dataset is endless (steps `first_step`, `first_step + 1`,
     ...): pass `steps_per_epoch`. A new iteration draws fresh batches
     (`tfdp.data.sampling.draws`), the same on every worker.
@@ -315,6 +317,12 @@ def distribute_poisson_batches(strategy, sampler, arrays, to_element, first_step
         )
 
         def shares(draw):
+            if "users" in draw:  # user-level: shards and shares are whole users
+                users, user_mask = worker_shard(
+                    draw["users"], draw["user_mask"], worker, workers, shard_length
+                )
+                users, user_mask = replica_shares(users, user_mask, local)
+                return sampler.user_rows(draw["offset_key"], users, user_mask)
             indices, mask = worker_shard(
                 draw["indices"], draw["mask"], worker, workers, shard_length
             )

@@ -139,18 +139,21 @@ def exact_model():
     return model
 
 
-def train_exact(name, replicas, physical_batch_size=None):
+def train_exact(name, replicas, physical_batch_size=None, users=False):
     """8 seeded Poisson steps; returns (weights, steps, epsilon, first-epoch
-    [loss, nonfinite_examples])."""
+    [loss, nonfinite_examples]). With `users`: user-level, 3 records of each
+    sampled user of 20 (a replica's share is whole users)."""
     x, y, sample_weight = exact_data()
     # Three non-finite rows: dropped and counted, the same way on every replica count.
     x[[5, 40, 77]] = [[np.nan] * 6, [np.inf] + [0.0] * 5, [0.0] * 5 + [-np.inf]]
     with scope(replicas):
         model = exact_model()
         model.compile(optimizer=EXACT_OPTIMIZERS[name](), loss=LOSS)
+    by_user = dict(user_ids=np.arange(len(x)) % 20, examples_per_user=3, batch_size=5,
+                   steps_per_epoch=4) if users else dict(batch_size=24)
     history = model.fit(
-        x, y, sample_weight=sample_weight, batch_size=24, epochs=2, verbose=0,
-        physical_batch_size=physical_batch_size,
+        x, y, sample_weight=sample_weight, epochs=2, verbose=0,
+        physical_batch_size=physical_batch_size, **by_user,
     )
     weights = np.concatenate([v.numpy().ravel() for v in model.trainable_variables])
     logs = np.array([history.history["loss"][0], history.history["nonfinite_examples"][0]])
@@ -435,6 +438,9 @@ def mirrored(out):
         with timed("physical batches"):  # each replica's share in chunks of 5
             chunked = train_exact("dpsgd", replicas, physical_batch_size=5)
             results["exact_dpsgd_chunked_2"], _, _, results["logs_dpsgd_chunked_2"] = chunked
+        with timed("user level"):
+            for r in (1, replicas):
+                results[f"exact_users_{r}"] = train_exact("dpsgd", r, users=True)[0]
         with timed("refusals"):
             for name, message in refusal_messages(replicas).items():
                 results[f"refusal_{name}"] = message

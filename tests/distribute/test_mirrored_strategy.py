@@ -69,6 +69,14 @@ def test_physical_batches_on_each_replica_reproduce_single_device_training(runs)
     np.testing.assert_allclose(run["logs_dpsgd_chunked_2"], run["logs_dpsgd_1"], rtol=1e-5)
 
 
+def test_user_level_training_on_two_replicas_reproduces_single_device_training(runs):
+    """Each replica's share holds whole users (3 records each), clipped per user."""
+    run = runs[2]
+    np.testing.assert_allclose(run["exact_users_2"], run["exact_users_1"], rtol=0, atol=1e-5)
+    # Not vacuous: user-level training differs from record-level training.
+    assert np.max(np.abs(run["exact_users_1"] - run["exact_dpsgd_1"])) > 1e-2
+
+
 def test_decay_added_in_full_on_every_replica_is_caught(runs):
     # Negative control for the test above: without the 1/R share the
     # classic weight decay is applied R times per step.

@@ -53,7 +53,9 @@ _VERSION = 1
 _ROUNDS_VERSION = 2
 _CACHE_SIZE = 256
 
-RELATIONS = ("add_or_remove", "zero_out")
+RELATIONS = ("add_or_remove", "zero_out", "add_or_remove_user")
+# Segments of one ledger must all protect records, or all protect users.
+_USER_RELATION = "add_or_remove_user"
 
 
 class Counting(collections.namedtuple("Counting", ["steps_per_round", "relation"])):
@@ -240,6 +242,14 @@ class PrivacyLedger:
         counting = _check_counting(steps_per_round, relation)
         now = self.steps
         self._check_counter(now)
+        if any((c.relation == _USER_RELATION) != (relation == _USER_RELATION)
+               for _, start, end, c in self._spans(now) if end > start):
+            raise ValueError(
+                "A ledger's steps must all be user-level or all record-level: a record-level "
+                "guarantee does not protect a person with several records, and a user-level "
+                "one is not charged per record. Received: relation="
+                f"{relation!r} after steps under {self.relation!r}"
+            )
         if self._open is not None:
             open_event, start, open_counting = self._open
             if open_event == event and open_counting == counting and not new_segment:
@@ -323,20 +333,28 @@ class PrivacyLedger:
     def relation(self):
         """The neighbouring relation every epsilon of this ledger holds under.
 
-        "add_or_remove" (adding or removing one record), unless a segment with
+        "add_or_remove" (adding or removing one record), "add_or_remove_user"
+        (adding or removing one person with all their records: user-level
+        DP, `fit(user_ids=...)`; a ledger's steps are all user-level or none
+        are), or "zero_out" when a segment with
         steps ran under "zero_out" (one record replaced by one that
         contributes nothing: DP-BandMF in a fixed data order). Add-or-remove
         guarantees of the other segments imply zero-out ones (a record that
         contributes nothing is as good as absent), so the ledger's epsilon
         then holds under "zero_out" for the whole run.
         """
-        now = self.steps
-        spans = [(start, end, counting) for _, start, end, counting in self._segments]
-        if self._open is not None:
-            spans.append((self._open[1], now, self._open[2]))
-        if any(end > start and counting.relation == "zero_out" for start, end, counting in spans):
-            return "zero_out"
+        spans = [(start, end, c) for _, start, end, c in self._spans(self.steps) if end > start]
+        for relation in ("zero_out", _USER_RELATION):
+            if any(counting.relation == relation for _, _, counting in spans):
+                return relation
         return "add_or_remove"
+
+    def _spans(self, now):
+        """(event, start, end, counting) of every segment, the open one ending `now`."""
+        spans = list(self._segments)
+        if self._open is not None:
+            spans.append((self._open[0], self._open[1], now, self._open[2]))
+        return spans
 
     def _spent_parts(self):
         """The releases so far as (event, count) pairs (for calibration)."""
@@ -495,10 +513,8 @@ class PrivacyLedger:
     def _description(self, now):
         """`describe_releases` of the releases, with what a rounds segment means."""
         text = describe_releases(self._parts(now))
-        spans = [(start, end, counting) for _, start, end, counting in self._segments]
-        if self._open is not None:
-            spans.append((self._open[1], now, self._open[2]))
-        rounds = [(end - start, c) for start, end, c in spans if end > start and not c.is_default]
+        rounds = [(end - start, c) for _, start, end, c in self._spans(now)
+                  if end > start and (c.steps_per_round > 1 or c.relation == "zero_out")]
         for steps, counting in rounds:
             every = counting.steps_per_round
             pattern = (

@@ -54,7 +54,14 @@ _MEANINGS = {
         "(the zero-out relation: with a fixed data order the number and positions of "
         "the records are public, so the guarantee is about a record's content)"
     ),
+    "add_or_remove_user": (
+        "adding or removing any one person (user id) together with all of their training "
+        "records (user-level differential privacy: each step samples people, and a "
+        "person's contribution to a step is clipped as one unit, however many records "
+        "they have)"
+    ),
 }
+_LEVELS = {"add_or_remove_user": "the user level"}
 
 
 def privacy_statement(
@@ -73,8 +80,9 @@ def privacy_statement(
         mechanism_description: what was released, in words.
         accountant: optional "rdp" or "pld", named in the statement.
         relation: the neighbouring relation the guarantee holds under:
-            "add_or_remove" (default) or "zero_out" (DP-BandMF in a fixed
-            data order; see `PrivacyLedger.relation`).
+            "add_or_remove" (default), "zero_out" (DP-BandMF in a fixed
+            data order) or "add_or_remove_user" (user-level DP); see
+            `PrivacyLedger.relation`.
 
     Returns:
         The statement, one sentence group per line.
@@ -110,7 +118,8 @@ def privacy_statement(
         factor = "more than 1e300"
     lines = [
         f"This model was trained with (epsilon={eps_text}, delta={_format_delta(delta)})-"
-        f"differential privacy at the record level, over {steps} private training steps.",
+        f"differential privacy at {_LEVELS.get(relation, 'the record level')}, over {steps} "
+        "private training steps.",
         mechanism,
         f"Meaning: {_MEANINGS[relation]} changes the probability of "
         f"any outcome of training by at most a factor e^epsilon = {factor}, except with "

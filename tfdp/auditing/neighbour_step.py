@@ -39,6 +39,10 @@ Relations (D has `records` real rows, the batch `records + 1` rows):
   record 0 of the data set).
 * "replace": the full batch with its first record replaced (bound 2C/b).
 
+With `examples_per_user=k` the step is user-level (`fit(user_ids=...)`):
+every row above is a user whose k records are copies of it, each user's
+gradient of their mean loss clipped as one unit, and the bound is per user.
+
 Example (a record far outside the data is clipped to C: ratio 1):
 
 >>> import keras, numpy as np, tfdp
@@ -74,7 +78,7 @@ _REFUSED = {
 _MAX_JITTER = 1e-7
 
 # The model's attributes a borrowed step replaces, restored on leaving.
-_BORROWED = ("optimizer", "train_function", "_physical_batch_size")
+_BORROWED = ("optimizer", "train_function", "_physical_batch_size", "_examples_per_user")
 _ABSENT = object()
 
 
@@ -109,15 +113,18 @@ class NeighbourStep:
         steps: train steps run so far.
     """
 
-    def __init__(self, model, data, records, batch_size, physical_batch_size):
+    def __init__(self, model, data, records, batch_size, physical_batch_size,
+                 examples_per_user=None):
         from tfdp.models import chunked_step
 
         self.model = model
         self.records = records
         self.batch_size = float(batch_size)
+        self.examples_per_user = examples_per_user
         self.optimizer = _noiseless_optimizer(model.optimizer)
+        # The batches hold records + 1 rows (users, with examples_per_user).
         self.physical_batch_size = chunked_step.check_physical_batch_size(
-            self.optimizer, physical_batch_size
+            self.optimizer, physical_batch_size, records + 1, records + 1
         )
         count = len(tf.nest.flatten(data)[0])
         self.rows = [_row(data, i % count) for i in range(records + 1)]
@@ -132,6 +139,7 @@ class NeighbourStep:
         try:
             _set_optimizer(model, self.optimizer)
             model._physical_batch_size = self.physical_batch_size
+            model._examples_per_user = self.examples_per_user
             model.train_function = None
             model._build_for(_stack(self.rows[:1]))  # metrics, the stand-in optimizer
             if not self.optimizer.built:
@@ -230,6 +238,9 @@ class NeighbourStep:
         returns the weights after it, float64, and restores every variable."""
         mask = np.zeros(len(rows), np.float32)
         mask[:drawn] = 1.0
+        if self.examples_per_user:  # each row is a user holding k copies of it
+            k = self.examples_per_user
+            rows, mask = [row for row in rows for _ in range(k)], np.repeat(mask, k)
         step_info = {"mask": tf.constant(mask), "expected_batch_size": tf.constant(self.batch_size)}
         data = (tf.nest.map_structure(tf.constant, _stack(rows)), step_info)
         try:

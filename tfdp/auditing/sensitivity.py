@@ -63,6 +63,7 @@ import tensorflow as tf
 
 from tfdp.auditing import crafted_records, record_search
 from tfdp.auditing.neighbour_step import RELATIONS, NeighbourStep
+from tfdp.data.users import check_examples_per_user
 from tfdp.models import float32_precision
 from tfdp.models.dp_model import _lists_to_tuples
 
@@ -224,7 +225,8 @@ def _settings(model, step):
 
 
 def sensitivity_search(model, x, y, sample_weight=None, *, records=7, batch_size=None,
-                       physical_batch_size=None, search_steps=48, seed=0):
+                       physical_batch_size=None, search_steps=48, seed=0,
+                       examples_per_user=None):
     """Searches for a record that moves the model's DP step beyond its bound.
 
     See the module docstring for what it runs, what it costs and what it
@@ -247,6 +249,10 @@ def sensitivity_search(model, x, y, sample_weight=None, *, records=7, batch_size
         search_steps: train steps spent on gradient ascent and the discrete
             search, on top of the fixed constructions.
         seed: seeds the random directions and the searches.
+        examples_per_user: None (record-level), or k to check the user-level
+            step of `fit(user_ids=..., examples_per_user=k)`: every row of
+            the batches is then a user holding k copies of it, and the bound
+            is per user (default: the k the last `fit` used, if any).
 
     Returns:
         `SensitivityResult`; call `.check()` to raise if the bound broke.
@@ -259,7 +265,18 @@ def sensitivity_search(model, x, y, sample_weight=None, *, records=7, batch_size
     if physical_batch_size is None:
         physical_batch_size = getattr(model, "_physical_batch_size", None)
     started = time.perf_counter()
-    step = NeighbourStep(model, data, records, batch_size or records + 1, physical_batch_size)
+    if examples_per_user is None:
+        examples_per_user = getattr(model, "_examples_per_user", None)
+    if examples_per_user is not None:
+        check_examples_per_user(examples_per_user)
+        reason = getattr(model.optimizer, "user_level_unsupported", None)
+        if reason:
+            raise ValueError(
+                f"{type(model.optimizer).__name__} cannot train user-level: {reason} "
+                f"Received: examples_per_user={examples_per_user}"
+            )
+    step = NeighbourStep(model, data, records, batch_size or records + 1, physical_batch_size,
+                         examples_per_user)
     settings = _settings(model, step)
     # The arithmetic fit trains in: on a GPU, fit turns TensorFloat-32 off first.
     float32_precision.keep_float32_exact()

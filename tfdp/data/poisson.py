@@ -322,6 +322,11 @@ class PoissonSampler:
             f"padded_size={self.padded_size})"
         )
 
+    @property
+    def num_records(self):
+        """The records the draws index: `num_examples` (a user sampler's differ)."""
+        return self.num_examples
+
     def sample_indices(self, key, step):
         """Step `step`'s Poisson draw (`tfdp.data.sampling.poisson_indices`).
 
@@ -488,10 +493,10 @@ def make_dataset(sampler, arrays, *, first_step=0, repeat=False):
     )
     source = as_source(arrays)
     if source is not None:
-        if len(source) != sampler.num_examples:
+        if len(source) != sampler.num_records:
             raise ValueError(
-                "Expected the source to hold the sampler's num_examples "
-                f"({sampler.num_examples}) records. Received: {len(source)} records"
+                "Expected the source to hold the sampler's records "
+                f"({sampler.num_records}). Received: {len(source)} records"
             )
         return _finish(steps, read_batches(pairs, source))
     leaves = tf.nest.flatten(arrays)
@@ -515,13 +520,13 @@ def make_dataset(sampler, arrays, *, first_step=0, repeat=False):
             )
         tensors.append(tensor)
     for path, tensor in zip(paths, tensors):
-        if tensor.shape[0] != sampler.num_examples:
+        if tensor.shape[0] != sampler.num_records:
             first_dims = ", ".join(
                 f"{p}: {t.shape[0]}" for p, t in zip(paths, tensors)
             )
             raise ValueError(
                 "Expected every array in `arrays` to have first dimension "
-                f"equal to the sampler's num_examples ({sampler.num_examples}). "
+                f"equal to the sampler's number of records ({sampler.num_records}). "
                 f"Received: {path} with first dimension {tensor.shape[0]} "
                 f"(first dimensions: {first_dims})"
             )

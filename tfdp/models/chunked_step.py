@@ -33,6 +33,7 @@ import numpy as np
 import tensorflow as tf
 
 from tfdp.data.poisson import DEFAULT_OVERFLOW_PROBABILITY, padded_batch_size
+from tfdp.models.user_level import per_user_gradients
 from tfdp.per_example import compute_per_example_gradients
 
 
@@ -125,7 +126,7 @@ def check_physical_batch_size(optimizer, physical_batch_size, num_examples, batc
 
 
 def chunked_private_gradients(model, x, y, weights, step_info, physical_batch_size,
-                              loss_fn=None, update_metrics=None):
+                              loss_fn=None, update_metrics=None, examples_per_user=None):
     """The private part of a train step, over chunks of the logical batch.
 
     Args:
@@ -141,6 +142,10 @@ def chunked_private_gradients(model, x, y, weights, step_info, physical_batch_si
             mask, losses)` called with each chunk's rows, so the chunk's
             predictions (a language model's [k, S, vocabulary] logits) are
             dropped with the chunk instead of being stacked for the batch.
+        examples_per_user: None, or k for user-level DP: the batch's rows are
+            users' k consecutive records, a chunk holds `physical_batch_size`
+            whole users (k times as many rows) and is clipped per user
+            (`tfdp.models.user_level`).
 
     Returns:
         (noisy gradients aligned with `model.trainable_variables`, stats
@@ -153,7 +158,8 @@ def chunked_private_gradients(model, x, y, weights, step_info, physical_batch_si
         raise _refusal(optimizer, physical_batch_size, reason)
     variables = list(model.trainable_variables)
     mask = tf.cast(step_info["mask"], tf.float32)
-    k = int(physical_batch_size)
+    per_user = examples_per_user
+    k = int(physical_batch_size) * (per_user or 1)  # rows a chunk: whole users
     rows = tf.shape(mask)[0]
     # Padding rows sit after the drawn ones; chunks past the last drawn row hold none.
     live_rows = tf.reduce_max(tf.where(mask > 0, tf.range(1, rows + 1), 0))
@@ -180,9 +186,10 @@ def chunked_private_gradients(model, x, y, weights, step_info, physical_batch_si
         )
         if [id(v) for v in per_example.variables] != [id(v) for v in variables]:
             raise ValueError("Per-example gradients must follow model.trainable_variables.")
-        chunk_sums, chunk_nonfinite = optimizer.clipped_sum(
-            per_example, dict(step_info, mask=cmask)
-        )
+        unit_info = dict(step_info, mask=cmask)
+        if per_user is not None:
+            per_example, unit_info = per_user_gradients(per_example, unit_info, per_user)
+        chunk_sums, chunk_nonfinite = optimizer.clipped_sum(per_example, unit_info)
         sums = [s + tf.cast(c, s.dtype) for s, c in zip(sums, chunk_sums)]
         chunk_losses = tf.cast(chunk_losses, tf.float32)
         if update_metrics is not None:

@@ -21,7 +21,7 @@ from tfdp import distribute
 from tfdp.accounting import PrivacyLedger
 from tfdp.data import interrupts, sources
 from tfdp.data.fixed_order import FixedOrderData
-from tfdp.models import chunked_step, float32_precision, input_checks
+from tfdp.models import chunked_step, float32_precision, input_checks, user_level
 from tfdp.models.atomic_save import atomic_write, is_local_path
 from tfdp.models.chosen_checkpoint import keep_chosen_checkpoints_charged, note_save
 from tfdp.models.jit import resolve_jit_compile
@@ -90,6 +90,7 @@ class DPTrainingMixin:
         self._privacy_ledger = PrivacyLedger(step_counter=self._read_dp_steps)
         self._per_example_loss = None
         self._physical_batch_size = None
+        self._examples_per_user = None  # k when training user-level
         self._add_nonfinite_counter()
         # Saved with the model after its layers (tfdp.models.training_state).
         self._lora_variables = LoraVariables(self)
@@ -223,15 +224,22 @@ class DPTrainingMixin:
                 sample_weight=drawn(_finite_weights(losses, weights)),
             )
 
+        per_user = self._examples_per_user
+        if per_user is not None:  # a user's gradient: of the mean loss of their k records
+            weights = weights / per_user
         if self._physical_batch_size is None:
             per_example, y_pred, losses = compute_per_example_gradients(
                 self, x, targets, weights, loss_fn, self.per_example_gradients
             )
-            grads, stats = self.optimizer.privatize(per_example, step_info)
+            unit_info = step_info
+            if per_user is not None:  # clipped per user, not per record
+                per_example, unit_info = user_level.per_user_gradients(
+                    per_example, step_info, per_user)
+            grads, stats = self.optimizer.privatize(per_example, unit_info)
         else:
             grads, stats, losses = chunked_step.chunked_private_gradients(
                 self, x, targets, weights, step_info, self._physical_batch_size, loss_fn,
-                update_metrics=update_metrics,
+                update_metrics=update_metrics, examples_per_user=per_user,
             )
             y_pred = None  # the metrics were updated chunk by chunk
         path = self.per_example_path
@@ -292,6 +300,8 @@ class DPTrainingMixin:
         validation_batch_size=None,
         validation_freq=1,
         physical_batch_size=None,
+        user_ids=None,
+        examples_per_user=None,
     ):
         """Keras `fit` on Poisson-sampled batches (docs/mechanisms/index.md#poisson-sampling).
 
@@ -312,6 +322,14 @@ class DPTrainingMixin:
         the clipped chunks and adding noise once per logical step: same
         result and privacy, per-example memory bounded by k
         (`tfdp.models.chunked_step`).
+
+        `user_ids=ids, examples_per_user=k` (one id per record) protect
+        people instead of records (user-level DP, `tfdp.models.user_level`):
+        each step samples users with probability batch_size / U (U distinct
+        ids; `batch_size` is then the expected number of users a step and
+        `physical_batch_size` counts users), takes k records of each, and
+        clips each user's gradient of their mean loss as one unit. Epsilon
+        is then per person.
         """
         if self.optimizer is None or self._per_example_loss is None:
             raise ValueError("Compile the model with a tfdp optimizer before calling fit().")
@@ -334,12 +352,21 @@ class DPTrainingMixin:
                 x, y, sample_weight, validation_split
             )
         num_examples = _first_dim(x)
+        users = user_level.check_user_level(
+            self, user_ids, examples_per_user, num_examples, validation_split)
+        if users is not None:
+            num_examples = users.num_users  # what is sampled and counted: people
+        per_user = None if users is None else int(examples_per_user)
+        if per_user != self._examples_per_user:
+            self._examples_per_user = per_user
+            self.train_function = None  # retrace the step with the new grouping
         batch_size = 32 if batch_size is None else batch_size
         if isinstance(batch_size, bool) or not isinstance(batch_size, (int, np.integer)) or batch_size < 1:
             raise ValueError(f"Expected `batch_size` to be an int >= 1. Received: batch_size={batch_size!r}")
         if batch_size > num_examples:
             raise ValueError(
-                f"Expected `batch_size` <= the number of training examples "
+                f"Expected `batch_size` <= the number of training "
+                f"{'examples' if users is None else 'users (distinct user_ids)'} "
                 f"({num_examples}). Received: batch_size={batch_size}"
             )
         physical_batch_size = chunked_step.check_physical_batch_size(
@@ -378,7 +405,7 @@ class DPTrainingMixin:
                 return self._fit_in_scope(
                     reads, arrays, num_examples, batch_size, callbacks, epochs, verbose,
                     validation_data, initial_epoch, steps_per_epoch, validation_steps,
-                    validation_batch_size, validation_freq,
+                    validation_batch_size, validation_freq, users,
                 )
             except Exception as error:
                 # SIGINT stopped the step's reads: the step failed for it (TF
@@ -389,13 +416,15 @@ class DPTrainingMixin:
 
     def _fit_in_scope(self, reads, arrays, num_examples, batch_size, callbacks, epochs,
                       verbose, validation_data, initial_epoch, steps_per_epoch,
-                      validation_steps, validation_batch_size, validation_freq):
+                      validation_steps, validation_batch_size, validation_freq, users):
         """The rest of `fit`, inside its `interrupts.reading_scope`."""
         from tfdp.callbacks import PrivacyBudget, ProgbarLogger, mark_step_log_readers
 
+        by_user = {} if users is None else dict(
+            users=users, examples_per_user=self._examples_per_user)
         dataset, steps = self.optimizer.make_training_data(
             self, arrays, batch_size, steps_per_epoch=steps_per_epoch,
-            budgets=[c for c in callbacks if isinstance(c, PrivacyBudget)],
+            budgets=[c for c in callbacks if isinstance(c, PrivacyBudget)], **by_user,
         )
         if not any(isinstance(c, PrivacyBudget) for c in callbacks):
             callbacks.append(PrivacyBudget(epsilon=None, delta=min(DEFAULT_DELTA, 1.0 / num_examples)))

@@ -194,6 +194,10 @@ class AdaDP(DPOptimizer):
         "local_clipping", "adaptive_learning_rate", "adaptive_noise",
     )
 
+    user_level_unsupported = (
+        "its adaptive noise is driven by per-record gradient statistics and its analysis "
+        "(MECHANISMS.md's AdaDP section) is stated per record, not per person."
+    )
     physical_batches_unsupported = (
         "its adaptive phase clips materialized per-example gradients "
         "coordinate-wise inside one tf.cond over the whole batch, which it does "

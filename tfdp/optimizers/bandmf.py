@@ -110,6 +110,10 @@ class DPBandMF(DPOptimizer):
         "bands", "noise_state", "fresh_noise_history",
     )
 
+    user_level_unsupported = (
+        "its participation accounting counts records in a fixed order or cyclic "
+        "Poisson groups of records, not people."
+    )
     multi_replica_unsupported = (
         "its noise history (the last bands - 1 noise vectors) is kept once per "
         "optimizer, not per replica."

@@ -17,6 +17,7 @@ import tensorflow as tf
 from tfdp import accounting, distribute
 from tfdp.accounting.calibration import steps_per_epoch as default_steps_per_epoch
 from tfdp.data.poisson import PoissonSampler, make_dataset
+from tfdp.data.users import UserSampler
 from tfdp.mechanisms import dpsgd
 
 WEIGHT_DECAY_PLACEMENTS = ("before_clip", "after_noise")
@@ -530,7 +531,11 @@ class DPOptimizer(keras.optimizers.Optimizer):
         """
         return []
 
-    def make_training_data(self, model, arrays, batch_size, steps_per_epoch=None, budgets=()):
+    # Why a subclass cannot train user-level (`fit(user_ids=...)`; None: it can).
+    user_level_unsupported = None
+
+    def make_training_data(self, model, arrays, batch_size, steps_per_epoch=None, budgets=(),
+                           users=None, examples_per_user=None):
         """Poisson-sampled training data for `DPModel.fit` (docs/mechanisms/index.md).
 
         `budgets` are the fit's `PrivacyBudget` callbacks: a mechanism that
@@ -546,8 +551,15 @@ class DPOptimizer(keras.optimizers.Optimizer):
         the chief) and each replica gets its share of it as its element
         (`tfdp.distribute.distribute_poisson_batches`); "expected_batch_size"
         stays the global b.
+
+        With `users` (a `tfdp.data.users.UserRecords`) and
+        `examples_per_user` k, the step samples users instead of records
+        (`tfdp.data.users.UserSampler`: q = batch_size / U, k records a
+        user) and the ledger's steps are user-level ("add_or_remove_user").
         """
         num_examples = len(tf.nest.flatten(arrays)[0])
+        if users is not None:
+            num_examples = users.num_users  # the sampled units: people
         strategy = model.distribute_strategy
         self.bind_model_steps(model)
         seed = self.sampling_seed(model.privacy.steps)
@@ -562,10 +574,14 @@ class DPOptimizer(keras.optimizers.Optimizer):
         # retracing, so batches are not padded to one fixed shape (padding
         # rows cost as much as real ones). XLA and replicas keep one shape.
         fixed_shape = bool(model.jit_compile) or strategy.num_replicas_in_sync > 1
-        sampler = PoissonSampler(
-            num_examples, batch_size, steps_per_epoch=steps_per_epoch, seed=seed,
-            fixed_shape=fixed_shape, multiple=8 if fixed_shape else draw_multiple(batch_size),
-        )
+        padding = dict(fixed_shape=fixed_shape,
+                       multiple=8 if fixed_shape else draw_multiple(batch_size))
+        if users is None:
+            sampler = PoissonSampler(num_examples, batch_size, steps_per_epoch=steps_per_epoch,
+                                     seed=seed, **padding)
+        else:
+            sampler = UserSampler(users, examples_per_user, batch_size,
+                                  steps_per_epoch=steps_per_epoch, seed=seed, **padding)
 
         def to_element(batch, mask):
             expected = tf.constant(float(batch_size))
@@ -580,7 +596,8 @@ class DPOptimizer(keras.optimizers.Optimizer):
         else:
             dataset = make_dataset(sampler, arrays, first_step=first_step, repeat=True)
             dataset = dataset.map(to_element)
-        model.privacy.begin_steps(self.step_event(batch_size / num_examples))
+        relation = "add_or_remove" if users is None else "add_or_remove_user"
+        model.privacy.begin_steps(self.step_event(batch_size / num_examples), relation=relation)
         return dataset, sampler.steps_per_epoch
 
     # -- serialization --------------------------------------------------------

@@ -178,6 +178,10 @@ class DPIS(DPOptimizer):
         "clip_quantile", "accountant", "log_sampling_stats",
     )
 
+    user_level_unsupported = (
+        "its importance sampling draws records by their own gradient bounds and its "
+        "analysis is per record, not per person."
+    )
     physical_batches_unsupported = (
         "its second-stage acceptance and the refresh of each drawn record's "
         "gradient bound run over the whole drawn batch at once, which it does "

@@ -161,6 +161,9 @@ class SADPSGD(DPOptimizer):
         "energy_batch_size",
     )
 
+    user_level_unsupported = (
+        "its acceptance test and its analysis are stated per record, not per person."
+    )
     multi_replica_unsupported = (
         "its accept/reject decision and the roll-back of weights and optimizer "
         "slots are one cross-replica decision, which it does not synchronise "
