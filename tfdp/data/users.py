@@ -56,7 +56,7 @@ def check_examples_per_user(examples_per_user):
         raise ValueError(
             "Expected `examples_per_user` to be an int >= 1: the number of each sampled "
             "user's records a step uses (a typical choice is about the median number of "
-            "records per user; see docs/guides/user_level.md). Received: "
+            "records per user; see docs/guides/user-level.md). Received: "
             f"examples_per_user={examples_per_user!r}"
         )
     return int(examples_per_user)

@@ -1,7 +1,7 @@
 """User-level DP in `DPModel.fit`: checks before the first step, and the step.
 
 `fit(x, y, user_ids=ids, examples_per_user=k)` makes a person, not a record,
-the unit of privacy (docs/guides/user_level.md). Each step samples users
+the unit of privacy (docs/guides/user-level.md). Each step samples users
 (`tfdp.data.users.UserSampler`), reads k records of each, weighs every
 record's loss by 1/k (so a user's summed gradient is the gradient of their
 mean loss over those k records), joins each user's k per-record gradients
