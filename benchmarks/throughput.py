@@ -24,6 +24,7 @@ table.
     python benchmarks/throughput.py --only tanh_cnn_256 text_pooling --no-memory
     python benchmarks/throughput.py --only mlp mlp_2048 --dtypes float32 mixed_bfloat16
     python benchmarks/throughput.py --no-memory --jit-compile false true --steps-scale 10   # a GPU
+    python benchmarks/throughput.py --only mlp tanh_cnn_256 --examples-per-user 4   # user-level
 
 `--steps-scale k` runs k times as many steps an epoch (with k times the
 data): the zoo's epochs are sized for 2 CPU cores, and on a GPU the
@@ -38,6 +39,8 @@ import statistics
 import subprocess
 import sys
 import time
+
+import numpy as np
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
@@ -175,15 +178,24 @@ def make_models(name, dtype="float32", jit_compile=False):
     return plain, private, x, y
 
 
+# k for user-level DP (--examples-per-user): the DP model's records belong to
+# users of k records each and a step samples batch / k users, k records each.
+EXAMPLES_PER_USER = [None]
+
+
 def fit_once(model, x, y, name):
     batch, steps = ZOO[name]
+    k = EXAMPLES_PER_USER[0]
+    settings = dict(batch_size=batch, epochs=1, steps_per_epoch=steps, verbose=0)
+    if k and hasattr(model, "privacy"):  # the same records a step, sampled by user
+        settings.update(user_ids=np.arange(len(y)) // k, examples_per_user=k,
+                        batch_size=max(1, batch // k))
     skip = 2
     start = time.perf_counter()
-    model.fit(x, y, batch_size=batch, epochs=1, steps_per_epoch=steps, verbose=0)
+    model.fit(x, y, **settings)
     wall = time.perf_counter() - start
     clock = StepClock(skip, steps - 1)
-    model.fit(x, y, batch_size=batch, epochs=1, steps_per_epoch=steps, verbose=0,
-              callbacks=[clock])
+    model.fit(x, y, callbacks=[clock], **settings)
     return {
         "step": batch * (steps - 1 - skip) / clock.seconds(),
         "epoch": batch * steps / wall,
@@ -259,6 +271,8 @@ def scale_steps(factor):
 
 def run_child(steps_scale, *args):
     command = [sys.executable, __file__, "--steps-scale", str(steps_scale), "--child", json.dumps(args)]
+    if EXAMPLES_PER_USER[0]:
+        command[2:2] = ["--examples-per-user", str(EXAMPLES_PER_USER[0])]
     done = subprocess.run(command, capture_output=True, text=True)
     if done.returncode:
         last = (done.stderr.strip().splitlines() or ["failed"])[-1]
@@ -278,8 +292,13 @@ def main():
     parser.add_argument("--no-memory", action="store_true", help="skip the peak-memory children")
     parser.add_argument("--steps-scale", type=int, default=1,
                         help="run this many times each model's steps per epoch (for a fast GPU)")
+    parser.add_argument("--examples-per-user", type=int, default=None,
+                        help="user-level DP: tfdp samples batch/k users of k records a step")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.examples_per_user is not None and args.examples_per_user < 1:
+        parser.error(f"--examples-per-user must be >= 1. Received: {args.examples_per_user}")
+    EXAMPLES_PER_USER[0] = args.examples_per_user
     if args.steps_scale < 1:
         parser.error(f"--steps-scale must be >= 1. Received: {args.steps_scale}")
     scale_steps(args.steps_scale)
@@ -289,6 +308,9 @@ def main():
         print(json.dumps(result))
         return
     jit_values = [value == "true" for value in args.jit_compile]
+    if args.examples_per_user:
+        print(f"User-level DP: tfdp samples batch / {args.examples_per_user} users a step, "
+              f"{args.examples_per_user} records each (ex/s counts records).\n")
     compare, compare_jit = len(args.dtypes) > 1, len(jit_values) > 1
     print("| model | batch | dtype | XLA | params | per-example path | Keras ex/s (step / fit) "
           "| tfdp ex/s (step / fit) | DP/plain (step / fit) | noise ms | "
