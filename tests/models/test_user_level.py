@@ -273,3 +273,36 @@ def test_record_and_user_level_steps_do_not_mix_in_one_ledger():
     ledger.advance(3)
     with pytest.raises(ValueError, match="must all be user-level or all record-level"):
         ledger.begin_steps(tfdp.accounting.dpsgd_event(1.0, 0.1), relation="add_or_remove_user")
+
+
+def text_model(policy):
+    keras.config.set_dtype_policy(policy)
+    try:
+        keras.utils.set_random_seed(0)
+        model = tfdp.DPSequential([
+            keras.Input((6,), dtype="int32"), keras.layers.Embedding(20, 8),
+            keras.layers.Dense(8, activation="relu"), keras.layers.GlobalAveragePooling1D(),
+            keras.layers.Dense(2),
+        ])
+    finally:
+        keras.config.set_dtype_policy("float32")
+    model.compile(optimizer=tfdp.optimizers.DPSGD(0.5, l2_norm_clip=CLIP, noise_multiplier=0.5,
+                                                  seed=0),
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    return model
+
+
+@pytest.mark.parametrize("policy", ["float32", "mixed_bfloat16"])
+def test_a_sequence_model_trains_user_level_and_keeps_the_bound(policy):
+    rng = np.random.default_rng(5)
+    x = rng.integers(0, 20, size=(60, 6)).astype("int32")
+    y = rng.integers(0, 2, size=60)
+    ids = rng.integers(0, 12, size=60)
+    model = text_model(policy)
+    before = weights(model)
+    model.fit(x, y, user_ids=ids, examples_per_user=3, batch_size=4, epochs=2, verbose=0)
+    after = weights(model)
+    assert all(np.all(np.isfinite(a)) for a in after)
+    assert max(np.max(np.abs(a - b)) for a, b in zip(after, before)) > 1e-3
+    result = tfdp.auditing.sensitivity_search(model, x, y, records=3, search_steps=6)
+    assert result.worst_ratio <= 1 + 1e-5, result.summary()

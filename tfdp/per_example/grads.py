@@ -88,9 +88,13 @@ def norm_of(vectors):
 def joined_rows(tensor, k):
     """[B, S, C] rows as [B / k, k S, C]: k consecutive examples' positions
     joined (a static k S when S is static)."""
-    positions = tensor.shape[1]
-    joined = k * positions if positions is not None else -1
-    return tf.reshape(tensor, [-1, joined] + tensor.shape[2:].as_list())
+    shape = tf.shape(tensor)
+    dims = [tensor.shape[i] if tensor.shape[i] is not None else shape[i]
+            for i in range(1, tensor.shape.rank)]
+    joined = tf.reshape(tensor, tf.stack([shape[0] // k, k * dims[0]] + dims[1:]))
+    static = [None if tensor.shape[0] is None else tensor.shape[0] // k,
+              None if tensor.shape[1] is None else k * tensor.shape[1]]
+    return tf.ensure_shape(joined, static + tensor.shape[2:].as_list())
 
 
 class Part:
