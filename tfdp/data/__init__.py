@@ -15,6 +15,7 @@ from tfdp.data.datasets import load_dataset, load_digits, load_fashion_mnist
 from tfdp.data.poisson import PoissonSampler, make_dataset, padded_batch_size
 from tfdp.data.records import read_records, write_records
 from tfdp.data.sources import ArraySource, RecordSource
+from tfdp.data.users import UserRecords, UserSampler
 
 __all__ = [
     "PoissonSampler",
@@ -27,4 +28,6 @@ __all__ = [
     "load_digits",
     "load_fashion_mnist",
     "load_dataset",
+    "UserRecords",
+    "UserSampler",
 ]
