@@ -58,7 +58,9 @@ _MEANINGS = {
         "adding or removing any one person (user id) together with all of their training "
         "records (user-level differential privacy: each step samples people, and a "
         "person's contribution to a step is clipped as one unit, however many records "
-        "they have)"
+        "they have: one with fewer than the k records a step takes contributes theirs "
+        "repeated, one with more contributes k of them, and all get this same guarantee; "
+        "the number of people is treated as public, as the number of records is in DP-SGD)"
     ),
 }
 _LEVELS = {"add_or_remove_user": "the user level"}
