@@ -33,6 +33,7 @@ def test_accounting_imports_neither_tensorflow_nor_keras():
 def test_public_names():
     assert sorted(tfdp.accounting.__all__) == sorted(
         [
+            "LargeDeltaWarning",
             "PrivacyLedger",
             "bandmf",
             "dpsgd_event",

@@ -179,7 +179,7 @@ def test_a_missing_install_fails_under_ci_and_skips_otherwise(tmp_path, monkeypa
 def test_fashion_mnist_without_files_or_tfds(tmp_path, monkeypatch):
     monkeypatch.setattr(datasets, "DEBIAN_FASHION_MNIST_DIR", str(tmp_path))
     monkeypatch.setitem(sys.modules, "tensorflow_datasets", None)
-    with pytest.raises(ImportError, match=r'pip install -e "\.\[examples\]" in the tfdp repository') as info:
+    with pytest.raises(ImportError, match=r'pip install -e "\.\[examples\]"` in the tfdp repository') as info:
         load_fashion_mnist()
     assert "dataset-fashion-mnist" in str(info.value)
 
