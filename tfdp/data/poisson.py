@@ -495,8 +495,8 @@ def make_dataset(sampler, arrays, *, first_step=0, repeat=False):
     if source is not None:
         if len(source) != sampler.num_records:
             raise ValueError(
-                "Expected the source to hold the sampler's records "
-                f"({sampler.num_records}). Received: {len(source)} records"
+                f"Expected the source to hold the sampler's {_records_name(sampler)} "
+                f"({sampler.num_records}) records. Received: {len(source)} records"
             )
         return _finish(steps, read_batches(pairs, source))
     leaves = tf.nest.flatten(arrays)
@@ -526,12 +526,18 @@ def make_dataset(sampler, arrays, *, first_step=0, repeat=False):
             )
             raise ValueError(
                 "Expected every array in `arrays` to have first dimension "
-                f"equal to the sampler's number of records ({sampler.num_records}). "
+                f"equal to the sampler's {_records_name(sampler)} ({sampler.num_records}). "
                 f"Received: {path} with first dimension {tensor.shape[0]} "
                 f"(first dimensions: {first_dims})"
             )
     structure = tf.nest.pack_sequence_as(arrays, tensors)
     return _finish(steps, gathered_batches(pairs, structure))
+
+
+def _records_name(sampler):
+    """How errors name the sampler's record count: a user sampler's
+    `num_examples` counts users, not the records its draws index."""
+    return "num_examples" if sampler.num_records == sampler.num_examples else "num_records"
 
 
 PREFETCHED_STEPS = 2
