@@ -185,8 +185,31 @@ def test_every_rule_family_keeps_each_record_within_the_bound(family, policy, ph
     result.check(TOLERANCE)
 
 
-@pytest.mark.parametrize("task", ["bert", "gpt2"])
-def test_keras_hub_tiny_models_keep_each_record_within_the_bound(task):
+USER_CASES = [  # user-level steps (fit(user_ids=..., examples_per_user=3))
+    ("dense", "float32", None, False),
+    ("sequence_dense", "mixed_bfloat16", 2, False),
+    ("conv2d", "float32", None, True),
+    ("embedding", "float32", 2, False),
+    ("lora", "float32", None, True),
+    ("tied", "mixed_bfloat16", None, False),
+]
+
+
+@pytest.mark.parametrize(
+    "family, policy, physical, jit", USER_CASES,
+    ids=[f"{f}-{p}-chunks{k}-{'xla' if j else 'tf'}" for f, p, k, j in USER_CASES],
+)
+def test_user_level_steps_keep_each_person_within_the_bound(family, policy, physical, jit):
+    """Every row a user of 3 records, clipped as one unit: chunks hold whole users."""
+    model, x, y = _compiled(family, policy, jit)
+    result = sensitivity_search(model, x, y, physical_batch_size=physical, search_steps=6,
+                                examples_per_user=3)
+    assert result.steps > 40
+    result.check(TOLERANCE)
+
+
+@pytest.mark.parametrize("task, users", [("bert", None), ("gpt2", None), ("bert", 3)])
+def test_keras_hub_tiny_models_keep_each_record_within_the_bound(task, users):
     keras_hub = hub_models.import_keras_hub()
     keras.utils.set_random_seed(4)
     built = getattr(hub_models, task)(keras_hub)
@@ -199,7 +222,7 @@ def test_keras_hub_tiny_models_keep_each_record_within_the_bound(task):
         y, loss = np.roll(x["token_ids"], -1, axis=1), _loss("classes")
     model.compile(optimizer=tfdp.optimizers.DPSGD(0.1, l2_norm_clip=CLIP, noise_multiplier=1.0),
                   loss=loss)
-    result = sensitivity_search(model, x, y, search_steps=8)
+    result = sensitivity_search(model, x, y, search_steps=8, examples_per_user=users)
     result.check(TOLERANCE)
 
 
