@@ -178,11 +178,12 @@ def draws(sampler, key, first_step=0, steps=None):
     Steps run from `first_step`: `steps` of them, or endlessly when `steps`
     is None (`fit` passes Keras `steps_per_epoch` and keeps one iterator for
     the whole run, so no iterator is torn down at an epoch end). Step t's
-    draw is `sampler.draw(fold_key(key, r), t)`, where r is the t-th number
-    of a `Dataset.random` stream seeded from `key` that restarts differently
-    at each new iteration: every iteration draws fresh batches, and the n-th
-    iteration is the same on every worker and in every rerun of a seeded
-    run.
+    draw in the n-th iteration over the dataset is
+    `sampler.draw(fold_key(key, s, n), t)`, s a number derived from `key`:
+    every iteration draws fresh batches, and the n-th iteration is the same
+    on every worker and in every rerun of a seeded run, whatever ran before
+    in the process. (The dataset counts its iterations in a variable, when
+    an iteration draws its first step.)
 
     Args:
         sampler: an object with `draw(key, step)` (see the module doc).
@@ -208,7 +209,15 @@ def draws(sampler, key, first_step=0, steps=None):
         numbers = tf.data.Dataset.counter(first_step, dtype=tf.int64)
     else:
         numbers = tf.data.Dataset.range(first_step, first_step + int(steps))
-    nonces = tf.data.Dataset.random(seed=nonce_seed, rerandomize_each_iteration=True)
-    return tf.data.Dataset.zip((numbers, nonces)).map(
-        lambda step, nonce: sampler.draw(fold_key(key, nonce), step)
-    )
+    # The iteration's number, counted when its first step is drawn (the map
+    # runs in order). Dataset.random(rerandomize_each_iteration=True), used
+    # before, gave Keras epochs the same numbers again after an earlier fit
+    # in the same process (two epochs trained on the same batches).
+    iterations = tf.Variable(tf.constant(0, tf.int64), trainable=False)
+
+    def draw(step):
+        iteration = tf.cond(step == first_step, lambda: iterations.assign_add(1),
+                            lambda: iterations.read_value())
+        return sampler.draw(fold_key(key, nonce_seed, iteration), step)
+
+    return numbers.map(draw)
