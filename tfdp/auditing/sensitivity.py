@@ -28,8 +28,8 @@ path the model takes.
 Cost: one train step of `records + 1` rows per candidate (about 60 to 100
 candidates plus `search_steps`), and one trace (or XLA compilation) of the
 train step and of the surrogate's gradient: seconds for a small model on a
-CPU. Under XLA with `physical_batch_size`, the step compiles once for each
-count of drawn rows (four counts here). The search borrows your model (its
+CPU (under XLA with `physical_batch_size` too: the chunked step compiles
+once whatever the count of drawn rows). The search borrows your model (its
 own layers, weights and settings) with a noiseless stand-in optimizer and
 puts everything back on leaving, even after an error: its weights,
 optimizer and optimizer state, ledger, step counter and train function are
