@@ -322,6 +322,8 @@ class DPTrainingMixin:
                 steps_per_epoch, epochs, initial_epoch)
             y = sample_weight = class_weight = steps_per_epoch = None
             validation_split, batch_size = 0.0, x.batch_size
+        elif hasattr(self.optimizer, "plan_epochs"):  # DP-BandMF's amplified mode
+            self.optimizer.plan_epochs(epochs, initial_epoch)
         x, y, sample_weight = self._check_training_arrays(x, y, sample_weight, class_weight)
         input_checks.check_validation_data(validation_data)
         if validation_split and isinstance(x, sources.RecordSource):
