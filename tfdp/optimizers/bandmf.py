@@ -222,8 +222,9 @@ class DPBandMF(DPOptimizer):
         stream = self.__dict__["_stream"]
         if stream is None:
             raise ValueError(
-                "DPBandMF has no noise stream: train it with DPModel.fit on a "
-                "tf.data.Dataset, which starts or resumes the stream."
+                "DPBandMF has no noise stream: train it with DPModel.fit (on a "
+                "tf.data.Dataset in a fixed order, or on arrays or a record source), "
+                "which starts or resumes the stream."
             )
         coefficients = tf.constant(self.__dict__["_coefficients"], tf.float32)
         draws = dpsgd.gaussian_noise_like(
