@@ -85,8 +85,10 @@ class DPBandMF(DPOptimizer):
     trained parameters in float32. They are secret (whoever holds them can
     subtract them), so they are never in model files or exports; with
     `noise_state` they are written to that file (permissions 0600) at each
-    epoch's end and when training ends, and read from it when `fit` resumes
-    the run. A `fit` that continues a model trained by DP-BandMF needs the
+    epoch's end and when training ends (the file it replaces is kept as
+    `<noise_state>.prev`), and read from it when `fit` resumes the run (from
+    the `.prev` file when the model is one save behind: a run killed after
+    writing the state and before its `BackupAndRestore` backup). A `fit` that continues a model trained by DP-BandMF needs the
     stream's state: from this optimizer (a second `fit` in the same process),
     from `noise_state` (after a restart: the file must be at the model's
     step), or a new stream with `fresh_noise_history=True`; otherwise `fit`
@@ -448,8 +450,21 @@ class DPBandMF(DPOptimizer):
         return stream
 
     def _load_stream(self, variables, layout, planned, now, open_segment, expected):
-        path = self.noise_state
-        meta, history, fingerprints = bandmf_state.load(path)
+        path, (meta, history, fingerprints) = self._state_at(
+            now, open_segment, expected, lambda meta, path: self._check_state(meta, path, layout))
+        shapes = [tuple(v.shape) for v in variables]
+        if [tuple(h.shape[1:]) for h in history] != (shapes if self.bands > 1 else []):
+            raise _noise_state_error(
+                "The noise state's noise vectors do not match this model's trainable "
+                "variables.", path,
+            )
+        self._fix_coefficients(planned, from_state=meta["settings"]["coefficients"])
+        stream = self._new_stream(variables, layout, planned, now)
+        bandmf_state.restore(stream, meta, history, fingerprints)
+        return stream
+
+    def _check_state(self, meta, path, layout):
+        """Refuses a state written with other privacy settings or data."""
         settings = meta.get("settings", {})
         mine = self._state_settings()
         differ = sorted(
@@ -466,23 +481,36 @@ class DPBandMF(DPOptimizer):
                 f"The noise state's data layout is {_describe(meta['layout'])}, this "
                 f"fit's {_describe(layout)}.", path,
             )
-        saved_step = int(meta["start"]) + int(meta["steps"])
-        if saved_step != now or not _continues(open_segment, expected, int(meta["start"])):
-            raise _noise_state_error(
-                f"The noise state was saved at model step {saved_step}, but the model is at "
-                f"step {now} (the model and the noise state come from different moments "
-                "of the run).", path,
-            )
-        shapes = [tuple(v.shape) for v in variables]
-        if [tuple(h.shape[1:]) for h in history] != (shapes if self.bands > 1 else []):
-            raise _noise_state_error(
-                "The noise state's noise vectors do not match this model's trainable "
-                "variables.", path,
-            )
-        self._fix_coefficients(planned, from_state=settings["coefficients"])
-        stream = self._new_stream(variables, layout, planned, now)
-        bandmf_state.restore(stream, meta, history, fingerprints)
-        return stream
+
+    def _state_at(self, now, open_segment, expected, check):
+        """(path, loaded state) of the noise state at model step `now`: the
+        file `noise_state`, or the previous one it replaced (a run killed
+        after writing the state and before writing its backup resumes from
+        that backup, one epoch back). `check(meta, path)` refuses a state
+        of other settings or data."""
+        path = self.noise_state
+        loaded = bandmf_state.load(path)
+        check(loaded[0], path)
+
+        def at_now(meta):
+            return _saved_step(meta) == now and _continues(open_segment, expected,
+                                                           int(meta["start"]))
+
+        if at_now(loaded[0]):
+            return path, loaded
+        previous = bandmf_state.previous_path(path)
+        older = ""
+        if os.path.exists(previous):
+            candidate = bandmf_state.load(previous)
+            if at_now(candidate[0]):
+                check(candidate[0], previous)
+                return previous, candidate
+            older = f" (and the previous one, {previous!r}, at step {_saved_step(candidate[0])})"
+        raise _noise_state_error(
+            f"The noise state was saved at model step {_saved_step(loaded[0])}{older}, but the "
+            f"model is at step {now} (the model and the noise state come from different "
+            "moments of the run).", path,
+        )
 
     def _state_settings(self):
         coefficients = self.__dict__["_coefficients"]
@@ -532,6 +560,11 @@ class DPBandMF(DPOptimizer):
         if config["coefficients"] is not None:
             config["coefficients"] = [float(c) for c in config["coefficients"]]
         return config
+
+
+def _saved_step(meta):
+    """The model step a saved noise state continues at."""
+    return int(meta["start"]) + int(meta["steps"])
 
 
 def _describe(layout):

@@ -16,6 +16,11 @@ N records, expected batch size B), the fixed order's label fingerprints
 secret key of the record groups (`tfdp.data.cyclic_poisson`), so that a
 resumed stream keeps every record in its group.
 
+Each save first moves the file it replaces to `<path>.prev`: a run killed
+between writing the noise state and writing its last backup
+(`keras.callbacks.BackupAndRestore`) resumes from that backup with the
+previous state, which is at the backup's step.
+
 Example:
 
 ```python
@@ -49,6 +54,11 @@ def fixed_order_layout(steps_per_epoch, batch_size):
     """The layout of a fixed-order stream: P batches of B records."""
     return {"order": FIXED_ORDER, "steps_per_epoch": int(steps_per_epoch),
             "batch_size": int(batch_size)}
+
+
+def previous_path(path):
+    """Where a save keeps the state file it replaces."""
+    return str(path) + ".prev"
 
 
 def cyclic_poisson_layout(num_examples, batch_size):
@@ -122,6 +132,10 @@ class NoiseStream:
 def save(stream, path, settings):
     """Writes `stream` to `path` atomically (a temporary file renamed), 0600.
 
+    The file it replaces is kept as `previous_path(path)`, unless it holds
+    this stream at this very step (a save at an epoch's end and at the end of
+    training): then the previous one stays.
+
     Args:
         stream: the `NoiseStream`.
         path: the file (".npz" is appended by NumPy if missing: give it).
@@ -154,11 +168,22 @@ def save(stream, path, settings):
             np.savez(file, **arrays)
             file.flush()
             os.fsync(file.fileno())
+        if os.path.exists(path) and not _same_moment(path, meta):
+            os.replace(path, previous_path(path))
         os.replace(temporary, path)
     except BaseException:
         if os.path.exists(temporary):
             os.remove(temporary)
         raise
+
+
+def _same_moment(path, meta):
+    """Whether the state file at `path` is this stream at this step."""
+    try:
+        saved, _, _ = load(path)
+    except ValueError:
+        return False
+    return (saved.get("stream_id"), saved.get("steps")) == (meta["stream_id"], meta["steps"])
 
 
 def load(path):
