@@ -191,3 +191,23 @@ def test_a_resume_on_other_data_is_refused(tmp_path):
                                          "size 16, this fit's cyclic Poisson sampling of 128"):
         loaded.fit(x[:128], y[:128], batch_size=16, epochs=1, verbose=0)
     assert loaded.privacy.steps == 4
+
+
+@pytest.mark.parametrize("kind", ["memmap", "records"])
+def test_memmaps_and_record_sources_train_as_the_arrays(tmp_path, kind):
+    x, y = data()
+    if kind == "memmap":
+        np.save(tmp_path / "x.npy", x)
+        np.save(tmp_path / "y.npy", y)
+        args = (np.load(tmp_path / "x.npy", mmap_mode="r"), np.load(tmp_path / "y.npy", mmap_mode="r"))
+    else:
+        tfdp.data.write_records(tf.data.Dataset.from_tensor_slices((x, y)), str(tmp_path / "r"))
+        args = (tfdp.data.read_records(str(tmp_path / "r")),)
+    reference = classifier(bandmf_opt(seed=5))
+    reference.fit(x, y, batch_size=16, epochs=1, steps_per_epoch=8, verbose=0)
+    model = classifier(bandmf_opt(seed=5))
+    model.fit(*args, batch_size=16, epochs=1, steps_per_epoch=8, verbose=0)
+    # the same groups, draws and noise, read from disk
+    np.testing.assert_allclose(model.layers[0].kernel.numpy(), reference.layers[0].kernel.numpy(),
+                               rtol=1e-6, atol=1e-7)
+    assert model.privacy.epsilon(1e-5) == reference.privacy.epsilon(1e-5)
