@@ -301,6 +301,11 @@ class DPTrainingMixin:
         is NumPy arrays or tensors, memmaps (read row by row), or a
         `tfdp.data.RecordSource` / `read_records` source as `x` alone: a
         tf.data pipeline cannot be Poisson-sampled. `shuffle` is ignored (sampling is random).
+        With a `tfdp.optimizers.DPBandMF` optimizer, `x` may also be a
+        `tf.data.Dataset` read in a fixed order, and arrays or sources are
+        sampled cyclically: step t draws only group t mod `bands` of the
+        records, each member with probability batch_size * bands / N, so
+        `batch_size` stays a step's expected batch size (at most N / bands).
         Everything else is as in Keras. Epsilon appears in the logs; add
         `tfdp.callbacks.PrivacyBudget` to set delta or stop at a budget.
         A `keras.callbacks.BackupAndRestore` is restored before any release
