@@ -1,5 +1,6 @@
-"""DP-BandMF from a tf.data pipeline in a fixed order against DP-SGD with
-Poisson sampling on Fashion-MNIST, at the same epsilon (delta 1e-5).
+"""DP-BandMF (from a tf.data pipeline in a fixed order, and amplified by
+cyclic Poisson sampling from arrays) against DP-SGD with Poisson sampling on
+Fashion-MNIST, at the same epsilon (delta 1e-5).
 
 Models and settings (the papers' where they exist):
 - tanh CNN (MECHANISMS.md section 6, `tfdp.recipes`): SGD lr 4, momentum
@@ -15,8 +16,14 @@ Both mechanisms use the same model, optimizer, clip, batch size and epochs:
   steps per epoch, `bands` (default P, the most the fixed order allows),
   the strategy optimised for the planned steps, sigma calibrated so that
   ceil(steps / P) = epochs Gaussian participations spend epsilon
-  (`tfdp.accounting.bandmf.calibrate_fixed_order`, zero-out relation).
-The two guarantees are under different neighbouring relations (the table
+  (`tfdp.accounting.bandmf.calibrate_fixed_order`, zero-out relation);
+- DP-BandMF amplified (`--mechanisms bandmf_amplified`): `fit(x, y,
+  batch_size=B)` on the arrays, `--amplified-bands` b (default 4, not
+  tuned) secret groups, step t Poisson-samples group t mod b with
+  q = B b / N (expected batch B, as DP-SGD's), round(N / B) steps per epoch,
+  sigma calibrated so that ceil(steps / b) DP-SGD steps of rate q spend
+  epsilon (`tfdp.accounting.bandmf.calibrate_amplified`, add-or-remove).
+The guarantees are under different neighbouring relations (the table
 says which); zero-out is what a fixed order allows (positions are public).
 Every epsilon is read from the model's ledger after training.
 
@@ -29,9 +36,10 @@ private data). Nothing else was tuned.
 
 Printed: a Markdown table, one row per (model, epsilon, mechanism, seed),
 then the mean over seeds, in the form of RESULTS.md's tables; each run is
-also written to benchmarks/results/bandmf/NAME.json.
+also written to benchmarks/results/bandmf/NAME.json, and with `--output
+FILE.md` the tables and the command are written to that file as well.
 
-    python benchmarks/bandmf_fashion_mnist.py                     # 2 models x 2 eps x 2 mechs x 2 seeds x 40 epochs: hours
+    python benchmarks/bandmf_fashion_mnist.py                     # 2 models x 2 eps x 3 mechs x 2 seeds x 40 epochs: hours
     python benchmarks/bandmf_fashion_mnist.py --epochs 1 --epsilons 3 --seeds 0 \\
         --models tanh_cnn --train-subset 12288                     # a smoke run (minutes)
 """
@@ -59,6 +67,9 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 RESULTS_DIR = os.path.join(HERE, "results", "bandmf")
 DELTA = 1e-5
+MECHANISMS = ("dpsgd", "bandmf", "bandmf_amplified")
+NAMES = {"dpsgd": "DP-SGD (Poisson)", "bandmf": "DP-BandMF (fixed order)",
+         "bandmf_amplified": "DP-BandMF (amplified)"}
 VALIDATION = 5000
 SETTINGS = {
     "tanh_cnn": dict(features="none", batch_size=2048, learning_rate=4.0, momentum=0.9,
@@ -104,7 +115,7 @@ def cached_features(features, split, images):
 
 
 def train(model_name, mechanism, epsilon, seed, epochs, train_data, eval_data, bands=None,
-          verbose=0):
+          verbose=0, amplified_bands=4):
     """One run; returns its result dict (accuracy on `eval_data`)."""
     settings = SETTINGS[model_name]
     x, y = train_data
@@ -117,6 +128,14 @@ def train(model_name, mechanism, epsilon, seed, epochs, train_data, eval_data, b
         steps = epochs * max(1, round(len(x) / batch))
         sigma = tfdp.accounting.calibrate_noise_multiplier(epsilon, DELTA, batch / len(x), steps)
         optimizer = tfdp.optimizers.DPOptimizer(inner, clip, sigma, seed=seed)
+        fit_args = dict(x=x, y=y, batch_size=batch)
+        relation = "add or remove"
+    elif mechanism == "bandmf_amplified":
+        steps = epochs * max(1, round(len(x) / batch))
+        bands = amplified_bands
+        q = batch * bands / len(x)
+        sigma = bandmf_accounting.calibrate_amplified(epsilon, DELTA, steps, bands, q)
+        optimizer = tfdp.optimizers.DPBandMF(inner, clip, sigma, bands=bands, seed=seed)
         fit_args = dict(x=x, y=y, batch_size=batch)
         relation = "add or remove"
     else:
@@ -168,8 +187,13 @@ def main(argv=None):
     parser.add_argument("--epsilons", type=float, nargs="+", default=[1.0, 3.0])
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
     parser.add_argument("--epochs", type=int, default=40)
+    parser.add_argument("--mechanisms", nargs="+", choices=MECHANISMS, default=list(MECHANISMS))
     parser.add_argument("--bands", type=int, default=None,
-                        help="DP-BandMF's bands (default: the steps per epoch)")
+                        help="fixed-order DP-BandMF's bands (default: the steps per epoch)")
+    parser.add_argument("--amplified-bands", type=int, default=4,
+                        help="amplified DP-BandMF's bands (groups); q = batch * bands / N <= 1")
+    parser.add_argument("--output", default=None,
+                        help="also write the tables and the command to this Markdown file")
     parser.add_argument("--tune-bands", type=int, nargs="+", default=None,
                         help="choose bands among these on a validation split of the training data")
     parser.add_argument("--train-subset", type=int, default=None,
@@ -183,41 +207,85 @@ def main(argv=None):
     command = "python benchmarks/bandmf_fashion_mnist.py " + " ".join(
         shlex.quote(a) for a in (sys.argv[1:] if argv is None else argv))
     rows = []
-    print("| model | epsilon | mechanism | seed | bands | sigma | test acc | epsilon spent "
-          "(relation) | steps | s/epoch |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    lines = []
+
+    def emit(line=""):
+        print(line, flush=True)
+        lines.append(line)
+
+    emit("| model | epsilon | mechanism | seed | bands | sigma | test acc | epsilon spent "
+         "(relation) | steps | s/epoch |")
+    emit("|---|---|---|---|---|---|---|---|---|---|")
     for model_name in args.models:
         train_data, test_data = inputs(model_name, data, args.train_subset)
         for epsilon in args.epsilons:
             for seed in args.seeds:
-                for mechanism in ("dpsgd", "bandmf"):
+                for mechanism in args.mechanisms:
                     bands = args.bands
                     if mechanism == "bandmf" and args.tune_bands:
                         bands, _ = tuned_bands(model_name, epsilon, seed, args.epochs,
                                                train_data, args.tune_bands, args.verbose)
                     result = train(model_name, mechanism, epsilon, seed, args.epochs,
-                                   train_data, test_data, bands=bands, verbose=args.verbose)
+                                   train_data, test_data, bands=bands, verbose=args.verbose,
+                                   amplified_bands=args.amplified_bands)
                     result["command"] = command
                     rows.append(result)
                     save(result)
-                    print(f"| {model_name} | {epsilon:g} | {mechanism} | {seed} | "
-                          f"{result['bands'] or '-'} | {result['noise_multiplier']:.3f} | "
-                          f"{result['accuracy']:.4f} | {result['epsilon']:.3f} "
-                          f"({result['relation']}) | {result['steps']} | "
-                          f"{result['seconds_per_epoch']:.1f} |", flush=True)
-    print()
-    print("| model | epsilon | DP-SGD (Poisson) test acc | DP-BandMF (fixed order) test acc | seeds |")
-    print("|---|---|---|---|---|")
+                    emit(f"| {model_name} | {epsilon:g} | {NAMES[mechanism]} | {seed} | "
+                         f"{result['bands'] or '-'} | {result['noise_multiplier']:.3f} | "
+                         f"{result['accuracy']:.4f} | {result['epsilon']:.3f} "
+                         f"({result['relation']}) | {result['steps']} | "
+                         f"{result['seconds_per_epoch']:.1f} |")
+                    if args.output:  # the runs so far, should the rest not finish
+                        write_output(args.output, lines + [""] + summary(rows, args, command))
+    for line in [""] + summary(rows, args, command):
+        emit(line)
+    if args.output:
+        write_output(args.output, lines)
+
+
+def summary(rows, args, command):
+    """The mean (and spread) over seeds, as Markdown lines, then the command."""
+    out = ["| model | epsilon | " + " | ".join(f"{NAMES[m]} test acc %" for m in args.mechanisms)
+           + " | seeds | epochs |",
+           "|---|---|" + "---|" * len(args.mechanisms) + "---|---|"]
     for model_name in args.models:
         for epsilon in args.epsilons:
             cells = []
-            for mechanism in ("dpsgd", "bandmf"):
+            for mechanism in args.mechanisms:
                 values = [r["accuracy"] for r in rows if r["model"] == model_name
                           and r["target_epsilon"] == epsilon and r["mechanism"] == mechanism]
                 spread = f" ± {100 * statistics.stdev(values):.1f}" if len(values) > 1 else ""
-                cells.append(f"{100 * statistics.mean(values):.1f}{spread}")
-            print(f"| {model_name} | {epsilon:g} | {cells[0]} | {cells[1]} | {len(args.seeds)} |")
-    print(f"\nCommand: {command}")
+                cells.append(f"{100 * statistics.mean(values):.1f}{spread}" if values else "-")
+            seeds = len({r["seed"] for r in rows if r["model"] == model_name
+                         and r["target_epsilon"] == epsilon})
+            out.append(f"| {model_name} | {epsilon:g} | {' | '.join(cells)} | {seeds} | "
+                       f"{args.epochs} |")
+    return out + ["", f"Command: `{command}`"]
+
+
+def write_output(path, lines):
+    """The printed tables, with the machine they ran on, as a Markdown file."""
+    import platform
+
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as file:
+            names = [line.split(":", 1)[1].strip() for line in file if line.startswith("model name")]
+        cpu = f"{names[0]} x {len(names)}" if names else cpu
+    except OSError:
+        pass
+    header = [
+        "# DP-BandMF against DP-SGD on Fashion-MNIST (delta 1e-5)",
+        "",
+        f"Written by benchmarks/bandmf_fashion_mnist.py on {time.strftime('%Y-%m-%d')}, "
+        f"CPU: {cpu}, TensorFlow {tf.__version__}. Test accuracy on the full test split; "
+        "each epsilon read from the model's ledger after training.",
+        "",
+    ]
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as file:
+        file.write("\n".join(header + lines) + "\n")
 
 
 def save(result):

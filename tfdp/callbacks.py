@@ -248,6 +248,20 @@ class ProgbarLogger(keras.callbacks.ProgbarLogger):
             super().on_epoch_end(epoch, logs)
 
 
+def _valid_rounds(entry):
+    """Whether a journal entry's optional round counting is well formed."""
+    if "steps_per_round" not in entry and "relation" not in entry and "segment_start" not in entry:
+        return True
+    from tfdp.accounting.ledger import RELATIONS
+
+    per_round, start = entry.get("steps_per_round"), entry.get("segment_start")
+    return (
+        isinstance(per_round, int) and not isinstance(per_round, bool) and per_round >= 1
+        and entry.get("relation") in RELATIONS
+        and isinstance(start, int) and not isinstance(start, bool) and 0 <= start <= entry["start"]
+    )
+
+
 class PrivacyJournal(keras.callbacks.Callback):
     """A write-ahead journal of private steps: a crash never under-counts.
 
@@ -260,7 +274,12 @@ class PrivacyJournal(keras.callbacks.Callback):
     `recover(model)` charges every journaled step the loaded checkpoint does
     not cover to its ledger, so epsilon covers every step that ran. It may
     over-count (steps journaled ahead that never ran: up to one epoch with
-    `frequency="epoch"`, none with "batch"), never under-count.
+    `frequency="epoch"`, none with "batch"), never under-count. A segment
+    counted in rounds (DP-BandMF: one release per P or b steps, under its
+    neighbouring relation) is journaled with its rounds, its relation and
+    the step its noise stream began at, so a replay charges what the ledger
+    charged: the rounds of a stream that began before the checkpoint go on
+    counting from its start, and two streams are counted apart.
 
     While training, a model whose ledger counts fewer steps than the journal
     records is refused before its first step (call `recover` first), and so
@@ -288,6 +307,9 @@ class PrivacyJournal(keras.callbacks.Callback):
     """
 
     FORMAT = "tfdp.PrivacyJournal"
+    # Version 2 entries may carry "steps_per_round", "relation" and
+    # "segment_start" (a segment counted in rounds); version 1 files are read.
+    VERSION = 2
     FREQUENCIES = ("epoch", "batch")
 
     def __init__(self, path, frequency="epoch"):
@@ -304,7 +326,9 @@ class PrivacyJournal(keras.callbacks.Callback):
     # -- the file ----------------------------------------------------------
 
     def entries(self):
-        """The journal's entries: dicts with "start", "end" and "event".
+        """The journal's entries: dicts with "start", "end" and "event" (and,
+        for a segment counted in rounds, "steps_per_round", "relation" and
+        "segment_start").
 
         A last line cut short (the process was killed, or the disk filled,
         while writing it) is ignored: its steps had not started, since they
@@ -333,7 +357,8 @@ class PrivacyJournal(keras.callbacks.Callback):
                     f"Corrupt privacy journal {self.path!r}: line {number} is not JSON ({error})."
                 ) from None
             if number == 1:
-                if entry != {"format": self.FORMAT, "version": 1}:
+                if entry not in ({"format": self.FORMAT, "version": 1},
+                                 {"format": self.FORMAT, "version": self.VERSION}):
                     raise ValueError(
                         f"Corrupt privacy journal {self.path!r}: expected a "
                         f"{self.FORMAT} header on line 1. Received: {line[:80]!r}"
@@ -345,6 +370,7 @@ class PrivacyJournal(keras.callbacks.Callback):
                 and isinstance(entry.get("end"), int)
                 and 0 <= entry["start"] < entry["end"]
                 and isinstance(entry.get("event"), dict)
+                and _valid_rounds(entry)
             ):
                 raise ValueError(
                     f"Corrupt privacy journal {self.path!r}: line {number} is not an entry "
@@ -382,7 +408,8 @@ class PrivacyJournal(keras.callbacks.Callback):
         new = not os.path.exists(self.path) or os.path.getsize(self.path) == 0
         with open(self.path, "ab") as file:
             if new:
-                file.write(json.dumps({"format": self.FORMAT, "version": 1}).encode() + b"\n")
+                header = {"format": self.FORMAT, "version": self.VERSION}
+                file.write(json.dumps(header).encode() + b"\n")
             file.write(json.dumps(entry, allow_nan=False).encode("utf-8") + b"\n")
             file.flush()
             os.fsync(file.fileno())
@@ -420,14 +447,30 @@ class PrivacyJournal(keras.callbacks.Callback):
             return 0
         saved_open = json.loads(ledger.to_json())["open"]
         position = now
+        replaying = None  # the journal's segment the ledger's open one replays
         for entry in sorted(entries, key=lambda e: e["start"]):
             if entry["end"] <= position:
                 continue
-            ledger.begin_steps(event_from_dict(entry["event"]))
+            event = event_from_dict(entry["event"])
+            counting = (entry.get("steps_per_round", 1), entry.get("relation", "add_or_remove"))
+            segment = (event, entry.get("segment_start")) + counting
+            # Rounds go on counting only within the same stream: the checkpoint's
+            # open segment, or the one this replay opened for it; any other
+            # segment starts anew (at worst over-counting, never under).
+            open_segment = ledger.open_segment
+            continues = open_segment is not None and (
+                open_segment == segment or (open_segment[2:] == counting and replaying == segment))
+            ledger.begin_steps(event, steps_per_round=counting[0], relation=counting[1],
+                               new_segment=not continues)
+            replaying = segment
             position = entry["end"]
             model._dp_steps.assign(position)
         if saved_open is not None:
-            ledger.begin_steps(event_from_dict(saved_open["event"]))
+            ledger.begin_steps(
+                event_from_dict(saved_open["event"]),
+                steps_per_round=saved_open.get("steps_per_round", 1),
+                relation=saved_open.get("relation", "add_or_remove"),
+            )
         return high - now
 
     def _check_belongs(self, now, high):
@@ -460,7 +503,12 @@ class PrivacyJournal(keras.callbacks.Callback):
         if saved["open"] is None:
             raise ValueError("No step event is open: nothing to journal.")
         now = saved["steps"]
-        self._append({"start": now, "end": now + steps, "event": saved["open"]["event"]})
+        entry = {"start": now, "end": now + steps, "event": saved["open"]["event"]}
+        if "steps_per_round" in saved["open"]:  # counted in rounds (DP-BandMF)
+            entry.update(steps_per_round=saved["open"]["steps_per_round"],
+                         relation=saved["open"]["relation"],
+                         segment_start=saved["open"]["start"])
+        self._append(entry)
 
     def on_epoch_begin(self, epoch, logs=None):
         if self.frequency == "epoch":

@@ -193,4 +193,5 @@ def test_a_torn_header_is_rewritten(tmp_path):
     x, y = child.data()
     model.fit(x, y, batch_size=child.BATCH, epochs=1, steps_per_epoch=2, verbose=0, callbacks=[journal])
     assert journal.journaled_steps() == 2
-    assert open(path, "rb").read().startswith(b'{"format": "tfdp.PrivacyJournal", "version": 1}\n')
+    header = {"format": "tfdp.PrivacyJournal", "version": tfdp.callbacks.PrivacyJournal.VERSION}
+    assert open(path, "rb").read().startswith(json.dumps(header).encode() + b"\n")

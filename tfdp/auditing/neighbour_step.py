@@ -122,9 +122,14 @@ class NeighbourStep:
         self.batch_size = float(batch_size)
         self.examples_per_user = examples_per_user
         self.optimizer = _noiseless_optimizer(model.optimizer)
-        # The batches hold records + 1 rows (users, with examples_per_user).
+        # A batch here has records + 1 rows (users, with examples_per_user): a
+        # larger chunk is the whole batch.
+        if isinstance(physical_batch_size, (int, np.integer)) and not isinstance(
+                physical_batch_size, bool):
+            physical_batch_size = min(int(physical_batch_size), records + 1)
         self.physical_batch_size = chunked_step.check_physical_batch_size(
-            self.optimizer, physical_batch_size, records + 1, records + 1
+            self.optimizer, physical_batch_size, num_examples=records + 1,
+            batch_size=records + 1,
         )
         count = len(tf.nest.flatten(data)[0])
         self.rows = [_row(data, i % count) for i in range(records + 1)]
@@ -300,11 +305,19 @@ def _noiseless_optimizer(optimizer):
         name, why = refused
         raise ValueError(
             f"sensitivity_search cannot measure {name}: {why}. It measures DPSGD, "
-            f"DPOptimizer (and their subclasses) and SADPSGD's candidate step. "
+            f"DPOptimizer (and their subclasses, DPBandMF included) and SADPSGD's "
+            f"candidate step. "
             f"Received: optimizer={type(optimizer).__name__}"
         )
+    from tfdp.optimizers import DPBandMF
+
     cls = type(optimizer)
     members = {"noise_stddev": lambda self: 0.0}
+    if isinstance(optimizer, DPBandMF):
+        # Without noise a DP-BandMF step is DP-SGD's: its banded noise of zero
+        # draws is zero, so the update is the clipped sum over b. The copy
+        # needs no noise stream, and the user's (secret) stream is not touched.
+        members["noisy_gradients"] = DPOptimizer.noisy_gradients
     if isinstance(optimizer, SADPSGD):
         # The accept/reject test after the update reads only the released
         # candidate and public data (post-processing): measure the candidate.

@@ -234,8 +234,10 @@ def sensitivity_search(model, x, y, sample_weight=None, *, records=7, batch_size
 
     Args:
         model: a compiled `tfdp.DPModel` / `tfdp.DPSequential` (DPSGD,
-            DPOptimizer and its subclasses, or SADPSGD, whose candidate step
-            is measured; DPIS and AdaDP are refused). Only read.
+            DPOptimizer and its subclasses, DPBandMF (its step without noise
+            is DP-SGD's: the clipped sum over b; its noise stream is not
+            touched), or SADPSGD, whose candidate step is measured; DPIS and
+            AdaDP are refused). Only read.
         x, y: a few real records (arrays; x may be a tuple or dict of arrays
             for a multi-input model); the first `records + 1` are used
             (repeated if fewer).

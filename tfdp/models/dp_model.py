@@ -311,6 +311,11 @@ class DPTrainingMixin:
         is NumPy arrays or tensors, memmaps (read row by row), or a
         `tfdp.data.RecordSource` / `read_records` source as `x` alone: a
         tf.data pipeline cannot be Poisson-sampled. `shuffle` is ignored (sampling is random).
+        With a `tfdp.optimizers.DPBandMF` optimizer, `x` may also be a
+        `tf.data.Dataset` read in a fixed order, and arrays or sources are
+        sampled cyclically: step t draws only group t mod `bands` of the
+        records, each member with probability batch_size * bands / N, so
+        `batch_size` stays a step's expected batch size (at most N / bands).
         Everything else is as in Keras. Epsilon appears in the logs; add
         `tfdp.callbacks.PrivacyBudget` to set delta or stop at a budget.
         A `keras.callbacks.BackupAndRestore` is restored before any release
@@ -340,6 +345,8 @@ class DPTrainingMixin:
                 steps_per_epoch, epochs, initial_epoch)
             y = sample_weight = class_weight = steps_per_epoch = None
             validation_split, batch_size = 0.0, x.batch_size
+        elif hasattr(self.optimizer, "plan_epochs"):  # DP-BandMF's amplified mode
+            self.optimizer.plan_epochs(epochs, initial_epoch)
         x, y, sample_weight = self._check_training_arrays(x, y, sample_weight, class_weight)
         input_checks.check_validation_data(validation_data)
         if validation_split and isinstance(x, sources.RecordSource):

@@ -24,21 +24,18 @@ import tensorflow as tf
 
 from tfdp import distribute
 from tfdp.accounting import bandmf as bandmf_accounting
+from tfdp.data.cyclic_poisson import CyclicPoissonSampler, cyclic_sampling_probability
 from tfdp.data.fixed_order import FixedOrderData
+from tfdp.data.poisson import make_dataset
+from tfdp.data.sampling import sampling_key
 from tfdp.mechanisms import bandmf, dpsgd
 from tfdp.optimizers import bandmf_state
-from tfdp.optimizers.dp_optimizer import DPOptimizer
+from tfdp.accounting.calibration import steps_per_epoch as default_steps_per_epoch
+from tfdp.optimizers.dp_optimizer import DPOptimizer, draw_multiple
 
 ZERO_OUT = "zero_out"
 
-_NO_ARRAYS = (
-    "DPBandMF trains from a tf.data.Dataset read in a fixed order (each record once "
-    "per epoch, at the same position). Arrays, memmaps and record sources would need "
-    "cyclic Poisson sampling (the amplified mode), which is not wired into fit yet. "
-    "Pass tf.data.Dataset.from_tensor_slices((x, y)).shuffle(len(x), seed=0, "
-    "reshuffle_each_iteration=False).batch(batch_size, drop_remainder=True), or train "
-    "with DPSGD / DPOptimizer. Received: x of type {}"
-)
+AMPLIFIED = "add_or_remove"
 
 
 def _noise_state_error(message, path):
@@ -56,22 +53,42 @@ def _noise_state_error(message, path):
 class DPBandMF(DPOptimizer):
     """Any Keras optimizer, private with banded correlated noise (DP-BandMF).
 
-    `model.fit(dataset, epochs=...)` takes a `tf.data.Dataset` of batches in
-    a fixed order (see `tfdp.data.fixed_order` for the pipelines that
-    qualify; `fit` refuses the others by name). Each step clips every
-    example's gradient to `l2_norm_clip`, sums, adds the banded noise w_t and
-    divides by the batch size. The ledger counts one Gaussian mechanism of
-    `noise_multiplier` per epoch started (each record takes part once per
-    epoch; P steps per epoch must be >= `bands`), under the zero-out
-    relation: the guarantee protects a record's content, with the number of
-    records and their positions public.
+    Two ways to train, chosen by what `fit` gets:
+
+    - Fixed order, `model.fit(dataset, epochs=...)` on a `tf.data.Dataset`
+      of batches in a fixed order (see `tfdp.data.fixed_order` for the
+      pipelines that qualify; `fit` refuses the others by name). The
+      ledger counts one Gaussian mechanism of `noise_multiplier` per epoch
+      started (each record takes part once per epoch; P steps per epoch
+      must be >= `bands`), under the zero-out relation: the guarantee
+      protects a record's content, with the number of records and their
+      positions public.
+    - Amplified, `model.fit(x, y, batch_size=B, epochs=...)` on arrays,
+      memmaps or a `tfdp.data.RecordSource` (cyclic Poisson sampling,
+      `tfdp.data.cyclic_poisson`): each record gets a secret group in
+      {0, ..., bands - 1}; step t of the stream samples only group
+      t mod bands, each member with probability q = B * bands / N. So
+      `batch_size` B is a step's EXPECTED batch size, as for DP-SGD (it
+      must be <= N / bands), and an epoch has round(N / B) steps unless
+      `steps_per_epoch` is given. The ledger counts one DP-SGD step event
+      (Poisson rate q, `noise_multiplier`) per `bands` steps
+      (`amplified_segment`), under add-or-remove. For a target epsilon:
+      `tfdp.accounting.bandmf.calibrate_amplified(epsilon, delta, steps,
+      bands, q)`. The groups' key is secret sampling randomness: it is kept
+      with the noise history (and in `noise_state`), so a resumed stream
+      keeps every record in its group.
+
+    Each step clips every example's gradient to `l2_norm_clip`, sums, adds
+    the banded noise w_t and divides by the (expected) batch size.
 
     Memory: the last `bands - 1` noise vectors, (bands - 1) x the number of
     trained parameters in float32. They are secret (whoever holds them can
     subtract them), so they are never in model files or exports; with
     `noise_state` they are written to that file (permissions 0600) at each
-    epoch's end and when training ends, and read from it when `fit` resumes
-    the run. A `fit` that continues a model trained by DP-BandMF needs the
+    epoch's end and when training ends (the file it replaces is kept as
+    `<noise_state>.prev`), and read from it when `fit` resumes the run (from
+    the `.prev` file when the model is one save behind: a run killed after
+    writing the state and before its `BackupAndRestore` backup). A `fit` that continues a model trained by DP-BandMF needs the
     stream's state: from this optimizer (a second `fit` in the same process),
     from `noise_state` (after a restart: the file must be at the model's
     step), or a new stream with `fresh_noise_history=True`; otherwise `fit`
@@ -89,8 +106,9 @@ class DPBandMF(DPOptimizer):
             steps per epoch.
         coefficients: optional c_0 ... c_{b-1} (normalised to unit norm).
             Default: `tfdp.mechanisms.bandmf.optimal_coefficients(b, n)`
-            for the n steps the first `fit` plans (epochs x steps per epoch),
-            then fixed (saved with the optimizer's config).
+            for the n steps the first `fit` plans ((epochs - initial_epoch)
+            x steps per epoch), then fixed (saved with the optimizer's
+            config).
         noise_state: optional path of the secret file holding the noise
             stream (written during `fit`, read to resume).
         fresh_noise_history: if True, the first `fit` starts a new noise
@@ -210,8 +228,9 @@ class DPBandMF(DPOptimizer):
         stream = self.__dict__["_stream"]
         if stream is None:
             raise ValueError(
-                "DPBandMF has no noise stream: train it with DPModel.fit on a "
-                "tf.data.Dataset, which starts or resumes the stream."
+                "DPBandMF has no noise stream: train it with DPModel.fit (on a "
+                "tf.data.Dataset in a fixed order, or on arrays or a record source), "
+                "which starts or resumes the stream."
             )
         coefficients = tf.constant(self.__dict__["_coefficients"], tf.float32)
         draws = dpsgd.gaussian_noise_like(
@@ -326,22 +345,29 @@ class DPBandMF(DPOptimizer):
         data.planned_steps = planned * data.steps_per_epoch
         return data
 
-    def make_training_data(self, model, arrays, batch_size, steps_per_epoch=None, budgets=()):
-        """The fixed-order stream for `DPModel.fit`; opens the ledger segment.
+    def plan_epochs(self, epochs, initial_epoch=0):
+        """Called by `DPModel.fit` on arrays or a source: the epochs the
+        call plans, for the strategy's coefficients (fixed at the first
+        `fit`)."""
+        self.__dict__["_planned_epochs"] = max(1, int(epochs) - int(initial_epoch))
 
+    def make_training_data(self, model, arrays, batch_size, steps_per_epoch=None, budgets=()):
+        """The training stream for `DPModel.fit`; opens the ledger segment.
+
+        A `FixedOrderData` (a tf.data pipeline) trains in its fixed order;
+        arrays, memmaps or a record source are sampled cyclically
+        (`tfdp.data.cyclic_poisson`, expected batch size `batch_size`).
         Starts a new noise stream, continues this optimizer's, or resumes the
         one in `noise_state`; refuses to start afresh where the model's last
         steps ran a DP-BandMF stream that is not continued (unless
-        `fresh_noise_history`). Opens the ledger segment: one
-        GaussianDpEvent(sigma) per P steps (`fixed_order_segment`), a new
-        segment for a new stream.
+        `fresh_noise_history`). Opens the ledger segment
+        (`fixed_order_segment` or `amplified_segment`), a new segment for a
+        new stream.
 
         Returns:
-            (dataset, P): the infinite stream from the model's position, P
-            steps per Keras epoch.
+            (dataset, steps per Keras epoch): the infinite stream from the
+            model's position.
         """
-        if not isinstance(arrays, FixedOrderData):
-            raise ValueError(_NO_ARRAYS.format(type(arrays).__name__))
         strategy = model.distribute_strategy
         if strategy.num_replicas_in_sync > 1:
             self.check_distributable(strategy)
@@ -349,32 +375,58 @@ class DPBandMF(DPOptimizer):
         variables = list(model.trainable_variables)
         ledger = model.privacy
         now = ledger.steps
-        stream, new = self._stream_for(model, variables, arrays, now)
-        event, per_round, relation = self.fixed_order_segment(arrays.steps_per_epoch)
+        if isinstance(arrays, FixedOrderData):
+            layout = bandmf_state.fixed_order_layout(arrays.steps_per_epoch, arrays.batch_size)
+            segment = self.fixed_order_segment(arrays.steps_per_epoch)
+            planned = arrays.planned_steps
+        else:
+            num_examples = len(tf.nest.flatten(arrays)[0])
+            q = cyclic_sampling_probability(batch_size, self.bands, num_examples)
+            layout = bandmf_state.cyclic_poisson_layout(num_examples, batch_size)
+            segment = self.amplified_segment(q)
+            if steps_per_epoch is None:
+                steps_per_epoch = default_steps_per_epoch(num_examples, batch_size)
+            planned = self.__dict__.get("_planned_epochs", 1) * steps_per_epoch
+        stream, new = self._stream_for(model, variables, layout, segment, planned, now)
+        event, per_round, relation = segment
         ledger.begin_steps(event, steps_per_round=per_round, relation=relation, new_segment=new)
-        position = now - stream.start
-        return arrays.stream(position, stream.order_check), arrays.steps_per_epoch
+        if isinstance(arrays, FixedOrderData):
+            position = now - stream.start
+            return arrays.stream(position, stream.order_check), arrays.steps_per_epoch
+        return self._amplified_stream(model, arrays, batch_size, steps_per_epoch, stream, now)
 
-    def _stream_for(self, model, variables, data, now):
+    def _amplified_stream(self, model, arrays, batch_size, steps_per_epoch, stream, now):
+        """Cyclic Poisson batches from model step `now` (groups from the stream)."""
+        fixed_shape = bool(model.jit_compile)
+        sampler = CyclicPoissonSampler(
+            stream.layout["num_examples"], batch_size, self.bands, stream.groups_key,
+            stream_start=stream.start, steps_per_epoch=steps_per_epoch,
+            seed=self.sampling_seed(now), fixed_shape=fixed_shape,
+            multiple=8 if fixed_shape else draw_multiple(batch_size),
+        )
+
+        def to_element(batch, mask):
+            return batch, {"mask": mask, "expected_batch_size": tf.constant(float(batch_size))}
+
+        dataset = make_dataset(sampler, arrays, first_step=now, repeat=True)
+        return dataset.map(to_element), sampler.steps_per_epoch
+
+    def _stream_for(self, model, variables, layout, segment, planned, now):
         """(the stream to train, whether it is new)."""
         stream = self.__dict__["_stream"]
-        ledger = model.privacy
-        open_segment = ledger.open_segment
-        expected = self.fixed_order_segment(data.steps_per_epoch)
-        fits = (
-            stream is not None
-            and stream.matches(variables, self.bands, data.steps_per_epoch, data.batch_size)
-        )
-        if fits and stream.model_step() == now and _continues(open_segment, expected, stream.start):
+        open_segment = model.privacy.open_segment
+        fits = stream is not None and stream.matches(variables, self.bands, layout)
+        if fits and stream.model_step() == now and _continues(open_segment, segment, stream.start):
             return stream, False
         ran_bandmf = (
-            open_segment is not None and open_segment[3] == ZERO_OUT and now > open_segment[1]
+            open_segment is not None and now > open_segment[1]
+            and (open_segment[3] == ZERO_OUT or open_segment[2] > 1)
         )
         if self.fresh_noise_history and not self.__dict__.get("_fresh_used", False):
             self.__dict__["_fresh_used"] = True
-            return self._new_stream(variables, data, now), True
+            return self._new_stream(variables, layout, planned, now), True
         if self.noise_state is not None and os.path.exists(self.noise_state) and ran_bandmf:
-            return self._load_stream(variables, data, now, open_segment, expected), False
+            return self._load_stream(variables, layout, planned, now, open_segment, segment), False
         if ran_bandmf:
             where = (
                 f"the file {self.noise_state!r} does not exist."
@@ -385,24 +437,38 @@ class DPBandMF(DPOptimizer):
                 f"stream, but this optimizer does not hold it at step {now}, and {where}",
                 self.noise_state,
             )
-        return self._new_stream(variables, data, now), True
+        return self._new_stream(variables, layout, planned, now), True
 
-    def _new_stream(self, variables, data, now):
-        self._fix_coefficients(data.planned_steps)
+    def _new_stream(self, variables, layout, planned, now):
+        self._fix_coefficients(planned)
+        groups_key = None
+        if layout["order"] == bandmf_state.CYCLIC_POISSON:
+            # secret, like the sampling key: OS entropy unless the optimizer is seeded
+            groups_key = sampling_key(None if self.seed is None else [self.seed, now, 1])
         stream = self.__dict__["_stream"]
-        if stream is not None and stream.matches(variables, self.bands, stream.steps_per_epoch,
-                                                 stream.batch_size):
-            stream.reset(now, data.steps_per_epoch, data.batch_size)
+        if stream is not None and stream.matches(variables, self.bands, stream.layout):
+            stream.reset(now, layout, groups_key)
         else:  # the traced step captures these variables: made once per optimizer
-            stream = bandmf_state.NoiseStream(
-                variables, self.bands, now, data.steps_per_epoch, data.batch_size
-            )
+            stream = bandmf_state.NoiseStream(variables, self.bands, now, layout, groups_key)
             self.__dict__["_stream"] = stream
         return stream
 
-    def _load_stream(self, variables, data, now, open_segment, expected):
-        path = self.noise_state
-        meta, history, fingerprints = bandmf_state.load(path)
+    def _load_stream(self, variables, layout, planned, now, open_segment, expected):
+        path, (meta, history, fingerprints) = self._state_at(
+            now, open_segment, expected, lambda meta, path: self._check_state(meta, path, layout))
+        shapes = [tuple(v.shape) for v in variables]
+        if [tuple(h.shape[1:]) for h in history] != (shapes if self.bands > 1 else []):
+            raise _noise_state_error(
+                "The noise state's noise vectors do not match this model's trainable "
+                "variables.", path,
+            )
+        self._fix_coefficients(planned, from_state=meta["settings"]["coefficients"])
+        stream = self._new_stream(variables, layout, planned, now)
+        bandmf_state.restore(stream, meta, history, fingerprints)
+        return stream
+
+    def _check_state(self, meta, path, layout):
+        """Refuses a state written with other privacy settings or data."""
         settings = meta.get("settings", {})
         mine = self._state_settings()
         differ = sorted(
@@ -414,29 +480,41 @@ class DPBandMF(DPOptimizer):
                 f"The noise state was written with other settings ({', '.join(differ)}: "
                 f"{ {k: settings.get(k) for k in differ} }).", path,
             )
-        if (meta["steps_per_epoch"], meta["batch_size"]) != (data.steps_per_epoch, data.batch_size):
+        if meta["layout"] != layout:
             raise _noise_state_error(
-                f"The noise state's data order has {meta['steps_per_epoch']} batches of "
-                f"{meta['batch_size']}, this dataset {data.steps_per_epoch} of "
-                f"{data.batch_size}.", path,
+                f"The noise state's data layout is {_describe(meta['layout'])}, this "
+                f"fit's {_describe(layout)}.", path,
             )
-        saved_step = int(meta["start"]) + int(meta["steps"])
-        if saved_step != now or not _continues(open_segment, expected, int(meta["start"])):
-            raise _noise_state_error(
-                f"The noise state was saved at model step {saved_step}, but the model is at "
-                f"step {now} (the model and the noise state come from different moments "
-                "of the run).", path,
-            )
-        shapes = [tuple(v.shape) for v in variables]
-        if [tuple(h.shape[1:]) for h in history] != (shapes if self.bands > 1 else []):
-            raise _noise_state_error(
-                "The noise state's noise vectors do not match this model's trainable "
-                "variables.", path,
-            )
-        self._fix_coefficients(data.planned_steps, from_state=settings["coefficients"])
-        stream = self._new_stream(variables, data, now)
-        bandmf_state.restore(stream, meta, history, fingerprints)
-        return stream
+
+    def _state_at(self, now, open_segment, expected, check):
+        """(path, loaded state) of the noise state at model step `now`: the
+        file `noise_state`, or the previous one it replaced (a run killed
+        after writing the state and before writing its backup resumes from
+        that backup, one epoch back). `check(meta, path)` refuses a state
+        of other settings or data."""
+        path = self.noise_state
+        loaded = bandmf_state.load(path)
+        check(loaded[0], path)
+
+        def at_now(meta):
+            return _saved_step(meta) == now and _continues(open_segment, expected,
+                                                           int(meta["start"]))
+
+        if at_now(loaded[0]):
+            return path, loaded
+        previous = bandmf_state.previous_path(path)
+        older = ""
+        if os.path.exists(previous):
+            candidate = bandmf_state.load(previous)
+            if at_now(candidate[0]):
+                check(candidate[0], previous)
+                return previous, candidate
+            older = f" (and the previous one, {previous!r}, at step {_saved_step(candidate[0])})"
+        raise _noise_state_error(
+            f"The noise state was saved at model step {_saved_step(loaded[0])}{older}, but the "
+            f"model is at step {now} (the model and the noise state come from different "
+            "moments of the run).", path,
+        )
 
     def _state_settings(self):
         coefficients = self.__dict__["_coefficients"]
@@ -486,6 +564,18 @@ class DPBandMF(DPOptimizer):
         if config["coefficients"] is not None:
             config["coefficients"] = [float(c) for c in config["coefficients"]]
         return config
+
+
+def _saved_step(meta):
+    """The model step a saved noise state continues at."""
+    return int(meta["start"]) + int(meta["steps"])
+
+
+def _describe(layout):
+    if layout.get("order") == bandmf_state.CYCLIC_POISSON:
+        return (f"cyclic Poisson sampling of {layout['num_examples']} records, expected "
+                f"batch size {layout['batch_size']:g}")
+    return f"a fixed order of {layout['steps_per_epoch']} batches of {layout['batch_size']}"
 
 
 def _continues(open_segment, expected, start):

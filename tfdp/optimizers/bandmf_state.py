@@ -9,9 +9,17 @@ secret to keep like a key (created with permissions 0600), and read back
 from it to resume a run exactly.
 
 A stream is one run of correlated noise: the noise vectors in a ring buffer,
-the number of steps drawn, the model step it started at, the data order's
-steps per epoch P and batch size B, and the order's label fingerprints
-(`tfdp.data.fixed_order.OrderCheck`).
+the number of steps drawn, the model step it started at, its data layout
+(a fixed order: steps per epoch P and batch size B; cyclic Poisson sampling:
+N records, expected batch size B), the fixed order's label fingerprints
+(`tfdp.data.fixed_order.OrderCheck`) and, for cyclic Poisson sampling, the
+secret key of the record groups (`tfdp.data.cyclic_poisson`), so that a
+resumed stream keeps every record in its group.
+
+Each save first moves the file it replaces to `<path>.prev`: a run killed
+between writing the noise state and writing its last backup
+(`keras.callbacks.BackupAndRestore`) resumes from that backup with the
+previous state, which is at the backup's step.
 
 Example:
 
@@ -35,7 +43,28 @@ import tensorflow as tf
 from tfdp.data.fixed_order import OrderCheck
 
 FORMAT = "tfdp.DPBandMF.noise_state"
-VERSION = 1
+VERSION = 2
+# Version 1 (fixed order only) has no "layout" and no "groups_key".
+READABLE_VERSIONS = (1, 2)
+FIXED_ORDER = "fixed_order"
+CYCLIC_POISSON = "cyclic_poisson"
+
+
+def fixed_order_layout(steps_per_epoch, batch_size):
+    """The layout of a fixed-order stream: P batches of B records."""
+    return {"order": FIXED_ORDER, "steps_per_epoch": int(steps_per_epoch),
+            "batch_size": int(batch_size)}
+
+
+def previous_path(path):
+    """Where a save keeps the state file it replaces."""
+    return str(path) + ".prev"
+
+
+def cyclic_poisson_layout(num_examples, batch_size):
+    """The layout of a cyclic Poisson stream: N records, expected batch B."""
+    return {"order": CYCLIC_POISSON, "num_examples": int(num_examples),
+            "batch_size": float(batch_size)}
 
 
 class NoiseStream:
@@ -45,16 +74,18 @@ class NoiseStream:
         variables: the model's trainable variables (the noise's shapes).
         bands: b.
         start: the model step the stream started at.
-        steps_per_epoch: P of its data order.
-        batch_size: B of its data order.
+        layout: its data layout (`fixed_order_layout` or
+            `cyclic_poisson_layout`).
+        groups_key: int64 [2], the secret key of the record groups (cyclic
+            Poisson sampling), or None.
         stream_id: a random id naming the stream (not secret).
     """
 
-    def __init__(self, variables, bands, start, steps_per_epoch, batch_size, stream_id=None):
+    def __init__(self, variables, bands, start, layout, groups_key=None, stream_id=None):
         self.bands = int(bands)
         self.start = int(start)
-        self.steps_per_epoch = int(steps_per_epoch)
-        self.batch_size = int(batch_size)
+        self.layout = dict(layout)
+        self.groups_key = None if groups_key is None else np.asarray(groups_key, np.int64)
         self.stream_id = stream_id or secrets.token_hex(8)
         self.shapes = [tuple(v.shape) for v in variables]
         self.history = [
@@ -62,35 +93,48 @@ class NoiseStream:
             for shape in self.shapes
         ] if self.bands > 1 else []
         self.step = tf.Variable(0, dtype=tf.int64, trainable=False)
-        self.order_check = OrderCheck(self.steps_per_epoch)
+        self.order_check = OrderCheck(self.layout.get("steps_per_epoch", 1))
+
+    @property
+    def steps_per_epoch(self):
+        """P of a fixed order (None for cyclic Poisson sampling)."""
+        return self.layout.get("steps_per_epoch")
+
+    @property
+    def batch_size(self):
+        """B: the fixed order's batch size, or the expected batch size."""
+        return self.layout["batch_size"]
 
     def model_step(self):
         """The model step the next noise draw belongs to."""
         return self.start + int(self.step.numpy())
 
-    def matches(self, variables, bands, steps_per_epoch, batch_size):
+    def matches(self, variables, bands, layout):
         """Whether this stream can continue on these variables and data."""
         return (
             [tuple(v.shape) for v in variables] == self.shapes
             and self.bands == bands
-            and self.steps_per_epoch == steps_per_epoch
-            and self.batch_size == batch_size
+            and self.layout == layout
         )
 
-    def reset(self, start, steps_per_epoch, batch_size):
+    def reset(self, start, layout, groups_key=None):
         """Starts a new stream on the same variables (zero history)."""
         self.start = int(start)
-        self.steps_per_epoch = int(steps_per_epoch)
-        self.batch_size = int(batch_size)
+        self.layout = dict(layout)
+        self.groups_key = None if groups_key is None else np.asarray(groups_key, np.int64)
         self.stream_id = secrets.token_hex(8)
         for history in self.history:
             history.assign(tf.zeros_like(history))
         self.step.assign(0)
-        self.order_check = OrderCheck(self.steps_per_epoch)
+        self.order_check = OrderCheck(self.layout.get("steps_per_epoch", 1))
 
 
 def save(stream, path, settings):
     """Writes `stream` to `path` atomically (a temporary file renamed), 0600.
+
+    The file it replaces is kept as `previous_path(path)`, unless it holds
+    this stream at this very step (a save at an epoch's end and at the end of
+    training): then the previous one stays.
 
     Args:
         stream: the `NoiseStream`.
@@ -107,6 +151,8 @@ def save(stream, path, settings):
         "steps": int(stream.step.numpy()),
         "steps_per_epoch": stream.steps_per_epoch,
         "batch_size": stream.batch_size,
+        "layout": stream.layout,
+        "groups_key": None if stream.groups_key is None else [int(w) for w in stream.groups_key],
         "recorded_positions": recorded,
         "settings": settings,
     }
@@ -122,11 +168,22 @@ def save(stream, path, settings):
             np.savez(file, **arrays)
             file.flush()
             os.fsync(file.fileno())
+        if os.path.exists(path) and not _same_moment(path, meta):
+            os.replace(path, previous_path(path))
         os.replace(temporary, path)
     except BaseException:
         if os.path.exists(temporary):
             os.remove(temporary)
         raise
+
+
+def _same_moment(path, meta):
+    """Whether the state file at `path` is this stream at this step."""
+    try:
+        saved, _, _ = load(path)
+    except ValueError:
+        return False
+    return (saved.get("stream_id"), saved.get("steps")) == (meta["stream_id"], meta["steps"])
 
 
 def load(path):
@@ -147,11 +204,14 @@ def load(path):
             f"Cannot read the DP-BandMF noise state {path!r}: {error}. Received: "
             f"noise_state={path!r}"
         ) from error
-    if not isinstance(meta, dict) or meta.get("format") != FORMAT or meta.get("version") != VERSION:
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT or (
+            meta.get("version") not in READABLE_VERSIONS):
         raise ValueError(
             f"{path!r} is not a DP-BandMF noise state file ({FORMAT} version {VERSION}). "
             f"Received: noise_state={path!r}"
         )
+    if "layout" not in meta:
+        meta["layout"] = fixed_order_layout(meta["steps_per_epoch"], meta["batch_size"])
     return meta, history, fingerprints
 
 
@@ -159,9 +219,11 @@ def restore(stream, meta, history, fingerprints):
     """Puts a loaded state into `stream` (shapes already checked)."""
     stream.start = int(meta["start"])
     stream.stream_id = meta["stream_id"]
+    groups_key = meta.get("groups_key")
+    stream.groups_key = None if groups_key is None else np.asarray(groups_key, np.int64)
     for variable, value in zip(stream.history, history):
         variable.assign(value)
     stream.step.assign(int(meta["steps"]))
     stream.order_check = OrderCheck(
-        stream.steps_per_epoch, fingerprints, meta["recorded_positions"]
+        stream.layout.get("steps_per_epoch", 1), fingerprints, meta["recorded_positions"]
     )
