@@ -306,3 +306,15 @@ def test_a_sequence_model_trains_user_level_and_keeps_the_bound(policy):
     assert max(np.max(np.abs(a - b)) for a, b in zip(after, before)) > 1e-3
     result = tfdp.auditing.sensitivity_search(model, x, y, records=3, search_steps=6)
     assert result.worst_ratio <= 1 + 1e-5, result.summary()
+
+
+def test_a_privacy_journal_replays_user_level_steps_as_the_ledger(tmp_path):
+    x, y, ids = data([3] * 12)
+    journal = tfdp.callbacks.PrivacyJournal(str(tmp_path / "journal.jsonl"))
+    model = make_model(noiseless=False)
+    model.fit(x, y, user_ids=ids, examples_per_user=3, batch_size=4, epochs=2, verbose=0,
+              callbacks=[journal])
+    replay = make_model(noiseless=False)
+    assert journal.recover(replay) == model.privacy.steps == 6
+    assert replay.privacy.relation == "add_or_remove_user"
+    assert replay.privacy.epsilon(1e-5) == model.privacy.epsilon(1e-5)
