@@ -25,6 +25,7 @@ table.
     python benchmarks/throughput.py --only mlp mlp_2048 --dtypes float32 mixed_bfloat16
     python benchmarks/throughput.py --no-memory --jit-compile false true --steps-scale 10   # a GPU
     python benchmarks/throughput.py --only mlp tanh_cnn_256 --examples-per-user 4   # user-level
+    python benchmarks/throughput.py --only mlp tanh_cnn_256 --bands 4   # DP-BandMF
 
 `--steps-scale k` runs k times as many steps an epoch (with k times the
 data): the zoo's epochs are sized for 2 CPU cores, and on a GPU the
@@ -171,7 +172,7 @@ def make_models(name, dtype="float32", jit_compile=False):
     plain.compile(optimizer=keras.optimizers.SGD(0.01), loss=loss,
                   jit_compile=jit_compile)
     private.compile(
-        optimizer=tfdp.optimizers.DPSGD(0.01, l2_norm_clip=1.0, noise_multiplier=1.0),
+        optimizer=private_optimizer(),
         loss=loss,
         jit_compile=jit_compile,
     )
@@ -181,6 +182,19 @@ def make_models(name, dtype="float32", jit_compile=False):
 # k for user-level DP (--examples-per-user): the DP model's records belong to
 # users of k records each and a step samples batch / k users, k records each.
 EXAMPLES_PER_USER = [None]
+# b for DP-BandMF (--bands): the DP model trains with amplified DP-BandMF.
+BANDS = [None]
+
+
+def private_optimizer():
+    import keras
+
+    import tfdp
+
+    if BANDS[0]:
+        return tfdp.optimizers.DPBandMF(keras.optimizers.SGD(0.01), l2_norm_clip=1.0,
+                                        noise_multiplier=1.0, bands=BANDS[0])
+    return tfdp.optimizers.DPSGD(0.01, l2_norm_clip=1.0, noise_multiplier=1.0)
 
 
 def fit_once(model, x, y, name):
@@ -273,6 +287,8 @@ def run_child(steps_scale, *args):
     command = [sys.executable, __file__, "--steps-scale", str(steps_scale), "--child", json.dumps(args)]
     if EXAMPLES_PER_USER[0]:
         command[2:2] = ["--examples-per-user", str(EXAMPLES_PER_USER[0])]
+    if BANDS[0]:
+        command[2:2] = ["--bands", str(BANDS[0])]
     done = subprocess.run(command, capture_output=True, text=True)
     if done.returncode:
         last = (done.stderr.strip().splitlines() or ["failed"])[-1]
@@ -294,11 +310,16 @@ def main():
                         help="run this many times each model's steps per epoch (for a fast GPU)")
     parser.add_argument("--examples-per-user", type=int, default=None,
                         help="user-level DP: tfdp samples batch/k users of k records a step")
+    parser.add_argument("--bands", type=int, default=None,
+                        help="train the DP model with amplified DP-BandMF of this many bands")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.examples_per_user is not None and args.examples_per_user < 1:
         parser.error(f"--examples-per-user must be >= 1. Received: {args.examples_per_user}")
     EXAMPLES_PER_USER[0] = args.examples_per_user
+    if args.bands is not None and args.bands < 1:
+        parser.error(f"--bands must be >= 1. Received: {args.bands}")
+    BANDS[0] = args.bands
     if args.steps_scale < 1:
         parser.error(f"--steps-scale must be >= 1. Received: {args.steps_scale}")
     scale_steps(args.steps_scale)
@@ -308,6 +329,8 @@ def main():
         print(json.dumps(result))
         return
     jit_values = [value == "true" for value in args.jit_compile]
+    if args.bands:
+        print(f"tfdp trains with amplified DP-BandMF, {args.bands} bands (DP-SGD otherwise).\n")
     if args.examples_per_user:
         print(f"User-level DP: tfdp samples batch / {args.examples_per_user} users a step, "
               f"{args.examples_per_user} records each (ex/s counts records).\n")
