@@ -6,7 +6,8 @@
 epsilon; DPIS allocates its own) and writes benchmarks/results/NAME.json.
 It is resumable: a checkpoint per epoch under runs/ (Keras BackupAndRestore,
 which carries the privacy ledger), so an interrupted run continues where it
-stopped. `report` turns every JSON file into RESULTS.md and PNG plots.
+stopped. `report` turns every JSON file into RESULTS.md and PNG plots, and
+adds the table of benchmarks/user_level_fashion_mnist.py if it was written.
 
 Evaluation: the test split's second half (5,000 images) for every
 mechanism, because SA-DPSGD reads the first half as its public energy set;
@@ -438,6 +439,7 @@ def report(args):
     ]
     lines += paper_mode_table(everything)
     lines += bandmf_section()
+    lines += user_level_section()
     plots = plot(groups)
     if plots:
         lines += [""] + [f"![{title}]({path})" for title, path in plots]
@@ -498,6 +500,17 @@ def paper_mode_table(results):
     if not rows:
         lines.append("| (not run yet) | | | | | | | | |")
     return lines
+
+
+def user_level_section():
+    """RESULTS.md lines of the user-level benchmark: the table that
+    benchmarks/user_level_fashion_mnist.py writes, as it is (none before it ran)."""
+    path = os.path.join(RESULTS_DIR, "user_level_fashion_mnist.md")
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        table = f.read().rstrip("\n").split("\n")
+    return ["", "## User-level DP on pseudo-users", ""] + table
 
 
 # The plots `plot` draws: (title, file under benchmarks/results/), in its order.
