@@ -309,7 +309,8 @@ def table(epochs):
         f"{ids['zipf']['users']:,} users, largest {ids['zipf']['max_records']} records, "
         f"median {ids['zipf']['median_records']:g}, mean {ids['zipf']['mean_records']:.1f}.",
         "'user': user-level DP-SGD (k records of each sampled user, per-user clipping; "
-        "b = expected users a step, sigma calibrated at q = b / U).",
+        "b = expected users a step, sigma calibrated at q = b / U). Every sigma and epsilon: "
+        "the PLD accountant.",
         "'example': example-level DP-SGD (b = 2048 records) at eps_rec = epsilon / g, "
         "delta_rec = delta / (g e^((g-1) eps_rec)), so its group bound for the largest user "
         "(g records) is (epsilon, delta).",
