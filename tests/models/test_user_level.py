@@ -198,6 +198,8 @@ def test_epsilon_is_per_person_and_equals_dpsgd_at_users():
     statement = model.privacy.statement(1e-5)
     assert "at the user level" in statement and "one person" in statement
     assert "record level" not in statement
+    assert "number of people U (treated as public" in statement
+    assert "a person with k records gets" not in statement  # the record-level caveat
     restored = tfdp.accounting.PrivacyLedger.from_json(model.privacy.to_json())
     assert restored.relation == "add_or_remove_user"
 

@@ -64,6 +64,21 @@ _MEANINGS = {
     ),
 }
 _LEVELS = {"add_or_remove_user": "the user level"}
+# The end of the "Not covered" sentence: what is public, and which groups the
+# guarantee does not cover.
+_NOT_COVERED_UNITS = {
+    "add_or_remove": (
+        "the training set's size N (treated as public: it sets the steps per epoch and "
+        "the sampling probability q = batch_size / N), anything released outside tfdp, and "
+        "groups of records: a person with k records gets roughly a k-fold weaker guarantee."
+    ),
+    "add_or_remove_user": (
+        "the number of people U (treated as public: it sets the steps per epoch and the "
+        "sampling probability q = batch_size / U), anything released outside tfdp, and "
+        "groups of people: one person who holds several user ids is protected as a group "
+        "of that many people (roughly a k-fold weaker guarantee for k ids)."
+    ),
+}
 
 
 def privacy_statement(
@@ -142,11 +157,8 @@ def privacy_statement(
         "the learning rate and the stopping epoch they choose are not protected), "
         "validation data (validation_split or validation_data: the records held out get no "
         "protection at all, and neither do the validation metrics), data-independent choices "
-        "(model architecture, clipping norm, noise level, schedule), the training set's "
-        "size N (treated as public: it sets the steps per epoch and the sampling "
-        "probability q = batch_size / N), anything released "
-        "outside tfdp, and groups of records: a person with k records gets roughly a k-fold "
-        "weaker guarantee.",
+        "(model architecture, clipping norm, noise level, schedule), "
+        + _NOT_COVERED_UNITS.get(relation, _NOT_COVERED_UNITS["add_or_remove"]),
     ]
     if accountant is not None:
         name = _ACCOUNTANT_NAMES.get(accountant, str(accountant))

@@ -5,7 +5,7 @@ Each step samples users independently with probability q = b / U (U users,
 b the expected users per step), and takes `examples_per_user` = k records
 of each sampled user; the train step sums a user's k per-record gradients
 (each weighted 1/k: the gradient of the user's mean loss), clips that sum as
-one unit and adds noise once (`tfdp.models.user_step`). Whatever a person's
+one unit and adds noise once (`tfdp.models.user_level`). Whatever a person's
 records hold and however many they have, their contribution to a step is
 bounded by the clipping norm, so the DP-SGD accountant at (U, q, steps,
 sigma) bounds adding or removing one person with all their records.

@@ -196,7 +196,7 @@ class AdaDP(DPOptimizer):
 
     user_level_unsupported = (
         "its adaptive noise is driven by per-record gradient statistics and its analysis "
-        "(MECHANISMS.md's AdaDP section) is stated per record, not per person."
+        "(docs/mechanisms/adadp.md) is stated per record, not per person."
     )
     physical_batches_unsupported = (
         "its adaptive phase clips materialized per-example gradients "
