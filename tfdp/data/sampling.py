@@ -89,8 +89,8 @@ def fold_key(key, *data):
 
 def chunk_size(expected):
     """Gaps drawn at once for a draw of `expected` records: 6 standard
-    deviations (and 16) above the mean, so a second chunk is needed about
-    once in 10^9 draws (it is drawn then: the walk is never cut)."""
+    deviations (and 16) above the mean, so the walk ends short of N about
+    once in 10^9 draws (the rest is drawn then: the walk is never cut)."""
     return int(expected + 6.0 * math.sqrt(expected) + 16)
 
 
@@ -102,9 +102,11 @@ def poisson_indices(key, num_examples, sampling_probability):
     Bernoulli(q) coins, at O(q N) instead of O(N) work). A gap is
     floor(log(1 - u) / log(1 - q)) + 1 for a float64 uniform u, so its
     distribution is exact up to float64 rounding (each probability within
-    about 2^-52). Gaps come in chunks sized to cover N with overwhelming
-    probability; a chunk that ends short of N is followed by another, drawn
-    from the next key, so the draw is never cut.
+    about 2^-52). The gaps are drawn in one chunk sized to cover N with
+    overwhelming probability; if the walk still ends short of N, every record
+    after its last one joins independently with probability q (a float64
+    uniform below q, from the next key): by the gaps' memorylessness the
+    same distribution, so the draw is never cut.
 
     Args:
         key: int64 [2], the step's key (`fold_key(run key, step)`).
@@ -134,17 +136,18 @@ def poisson_indices(key, num_examples, sampling_probability):
         gaps = tf.cast(tf.minimum(gaps, float(n + 1)), tf.int64)
         return last + tf.cumsum(gaps)
 
-    def more(part, walked):
-        return walked[-1] < n
-
-    def extend(part, walked):
-        return part + 1, tf.concat([walked, positions(part, walked[-1])], axis=0)
-
-    _, walked = tf.while_loop(
-        more, extend, (tf.constant(1, tf.int64), positions(0, tf.constant(-1, tf.int64))),
-        shape_invariants=(tf.TensorShape([]), tf.TensorShape([None])),
+    walked = positions(0, tf.constant(-1, tf.int64))
+    last = walked[-1]
+    # Rarely the walk ends short of N: then each record after its last joins
+    # independently (a tail of max(0, N - 1 - last) uniforms, empty when the
+    # walk passed N). No control flow: a while loop or a cond here cost about
+    # 0.04 s to instantiate at every fit's first step.
+    tail = tf.random.stateless_uniform(
+        tf.reshape(tf.maximum(n - 1 - last, 0), [1]), seed=fold_key(key, 1),
+        dtype=tf.float64, alg=ALGORITHM,
     )
-    return tf.boolean_mask(walked, walked < n)
+    rest = last + 1 + tf.where(tail < q)[:, 0]
+    return tf.concat([tf.boolean_mask(walked, walked < n), rest], axis=0)
 
 
 def padded_draw(indices, length):
@@ -215,9 +218,11 @@ def draws(sampler, key, first_step=0, steps=None):
     # in the same process (two epochs trained on the same batches).
     iterations = tf.Variable(tf.constant(0, tf.int64), trainable=False)
 
-    def draw(step):
-        iteration = tf.cond(step == first_step, lambda: iterations.assign_add(1),
-                            lambda: iterations.read_value())
-        return sampler.draw(fold_key(key, nonce_seed, iteration), step)
+    stream = fold_key(key, nonce_seed)  # folded once, eagerly, not in every trace
+
+    @tf.autograph.experimental.do_not_convert
+    def draw(step):  # plain ops, no control flow: cheap to trace and instantiate
+        iteration = iterations.assign_add(tf.cast(tf.equal(step, first_step), tf.int64))
+        return sampler.draw(fold_key(stream, iteration), step)
 
     return numbers.map(draw)
