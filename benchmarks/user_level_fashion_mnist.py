@@ -81,6 +81,8 @@ import tfdp  # noqa: E402
 from tfdp import recipes  # noqa: E402
 from tfdp.data import load_fashion_mnist  # noqa: E402
 
+from results import EpochLog  # noqa: E402  (benchmarks/results.py)
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 RUNS_DIR = os.path.join(HERE, "results", "user_level")
 TABLE_PATH = os.path.join(HERE, "results", "user_level_fashion_mnist.md")
@@ -187,22 +189,6 @@ def group_bound_text(eps_rec, delta_rec, group):
 
 def run_name(split, method, epsilon, seed, epochs):
     return f"{split}_{method}_eps{epsilon:g}_seed{seed}_ep{epochs}"
-
-
-class EpochLog(keras.callbacks.Callback):
-    """Per-epoch training logs and wall time (no test data)."""
-
-    def __init__(self):
-        super().__init__()
-        self.rows = []
-
-    def on_epoch_begin(self, epoch, logs=None):
-        self._start = time.perf_counter()
-
-    def on_epoch_end(self, epoch, logs=None):
-        row = {k: float(v) for k, v in (logs or {}).items()}
-        row.update(epoch=epoch, seconds=time.perf_counter() - self._start)
-        self.rows.append(row)
 
 
 def run(split, method, epsilon, seed, epochs, verbose=2, command=None):
