@@ -136,7 +136,6 @@ class CyclicPoissonSampler(PoissonSampler):
             self._largest_group, self.sampling_probability,
             overflow_probability=overflow_probability, multiple=multiple,
         )
-        self._traced = None
 
     def __repr__(self):
         return (
@@ -172,13 +171,6 @@ class CyclicPoissonSampler(PoissonSampler):
         picks = tf.boolean_mask(picks, picks < size)
         return tf.gather(self._members, first + picks)
 
-    def draw(self, key, step):
-        """Step `step`'s padded draw (traced once per sampler: the groups
-        are this sampler's own)."""
-        if self._traced is None:
-            self._traced = tf.function(
-                lambda key, step: self.pad(self.sample_indices(key, step)),
-                input_signature=[tf.TensorSpec([2], tf.int64), tf.TensorSpec([], tf.int64)],
-                autograph=False,
-            )
-        return self._traced(tf.cast(key, tf.int64), tf.cast(step, tf.int64))
+    def traced_draw(self):
+        """Traced once per sampler: the groups are this sampler's own."""
+        return self._trace_own_draw()

@@ -313,6 +313,7 @@ class PoissonSampler:
         self.multiple = int(multiple)
         self.fixed_shape = bool(fixed_shape)
         self.key = sampling_key(seed)  # seed=None: fresh OS entropy. Never saved.
+        self._own_draw = None  # see _trace_own_draw
 
     def __repr__(self):
         return (
@@ -383,38 +384,53 @@ class PoissonSampler:
         return padded_draw(indices, self.padded_length(tf.size(indices)))
 
     def draw(self, key, step):
-        """Step `step`'s padded draw: `pad(sample_indices(key, step))`.
+        """Step `step`'s draw, `draw_in_graph(key, step)` run as traced.
 
         The sampler interface of `tfdp.data.sampling.draws`: in the graph,
-        a function of (`key`, `step`) only. Traced once per configuration
-        (`fit` makes a sampler a call; retracing the draw cost about 0.2 s
-        a `fit`).
+        a function of (`key`, `step`) only (`traced_draw` says how often it
+        is traced).
         """
-        return _traced_draw(self)(tf.cast(key, tf.int64), tf.cast(step, tf.int64))
+        return self.traced_draw()(tf.cast(key, tf.int64), tf.cast(step, tf.int64))
+
+    def draw_in_graph(self, key, step):
+        """The draw's ops: `pad(sample_indices(key, step))`."""
+        return self.pad(self.sample_indices(key, step))
+
+    def traced_draw(self):
+        """`draw_in_graph` as a `tf.function`, shared by samplers that draw
+        alike (same class, `sample_indices`, N, q and padding): `fit` makes a
+        sampler a call, and retracing the draw cost about 0.2 s a `fit`. A
+        sampler whose draw reads data of its own (record groups, users'
+        records) traces its own: `_trace_own_draw`."""
+        pick = self.sample_indices
+        config = (type(self), getattr(pick, "__func__", pick), self.num_examples,
+                  self.sampling_probability, self.padded_size, self.multiple,
+                  self.fixed_shape)
+        traced = _TRACED_DRAWS.get(config)
+        if traced is None:
+            if len(_TRACED_DRAWS) >= _MOST_TRACED_DRAWS:
+                del _TRACED_DRAWS[next(iter(_TRACED_DRAWS))]
+            traced = _TRACED_DRAWS[config] = _trace(self.draw_in_graph)
+        return traced
+
+    def _trace_own_draw(self):
+        """`draw_in_graph` traced once for this sampler alone (see `traced_draw`)."""
+        if self._own_draw is None:
+            self._own_draw = _trace(self.draw_in_graph)
+        return self._own_draw
 
 
 _TRACED_DRAWS = {}
 _MOST_TRACED_DRAWS = 32
 
 
-def _traced_draw(sampler):
-    """A `tf.function` of `sampler`'s draw, shared by samplers that draw alike
-    (same class, `sample_indices`, N, q and padding)."""
-    pick = sampler.sample_indices
-    config = (type(sampler), getattr(pick, "__func__", pick), sampler.num_examples,
-              sampler.sampling_probability, sampler.padded_size, sampler.multiple,
-              sampler.fixed_shape)
-    traced = _TRACED_DRAWS.get(config)
-    if traced is None:
-        if len(_TRACED_DRAWS) >= _MOST_TRACED_DRAWS:
-            del _TRACED_DRAWS[next(iter(_TRACED_DRAWS))]
-        traced = tf.function(
-            lambda key, step: sampler.pad(sampler.sample_indices(key, step)),
-            input_signature=[tf.TensorSpec([2], tf.int64), tf.TensorSpec([], tf.int64)],
-            autograph=False,
-        )
-        _TRACED_DRAWS[config] = traced
-    return traced
+def _trace(draw_in_graph):
+    """`draw_in_graph(key, step)` as a `tf.function` of an int64 [2] key and
+    an int64 step."""
+    return tf.function(
+        draw_in_graph, autograph=False,
+        input_signature=[tf.TensorSpec([2], tf.int64), tf.TensorSpec([], tf.int64)],
+    )
 
 
 # tf.data ------------------------------------------------------------------------

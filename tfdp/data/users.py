@@ -167,7 +167,6 @@ class UserSampler(PoissonSampler):
         super().__init__(users.num_users, expected_users, steps_per_epoch, seed, **padding)
         self.users = users
         self.examples_per_user = check_examples_per_user(examples_per_user)
-        self._traced = None
 
     def __repr__(self):
         return (
@@ -207,21 +206,14 @@ class UserSampler(PoissonSampler):
         flat = tf.concat([tf.shape(users, out_type=tf.int64)[:-1], [-1]], 0)
         return tf.reshape(rows, flat), tf.repeat(tf.cast(user_mask, tf.float32), k, axis=-1)
 
-    def draw(self, key, step):
-        """Step `step`'s draw of users, expanded to their records (see class doc).
+    def draw_in_graph(self, key, step):
+        """Step `step`'s draw of users, expanded to their records (see class doc)."""
+        users = self.pad(self.sample_indices(key, step))
+        offset_key = fold_key(key, step, _OFFSET_TAG)
+        rows, mask = self.user_rows(offset_key, users["indices"], users["mask"])
+        return {"indices": rows, "mask": mask, "users": users["indices"],
+                "user_mask": users["mask"], "offset_key": offset_key}
 
-        Traced once per sampler: a function of (`key`, `step`) only.
-        """
-        if self._traced is None:
-            def traced(key, step):
-                users = self.pad(self.sample_indices(key, step))
-                offset_key = fold_key(key, step, _OFFSET_TAG)
-                rows, mask = self.user_rows(offset_key, users["indices"], users["mask"])
-                return {"indices": rows, "mask": mask, "users": users["indices"],
-                        "user_mask": users["mask"], "offset_key": offset_key}
-
-            self._traced = tf.function(
-                traced, autograph=False,
-                input_signature=[tf.TensorSpec([2], tf.int64), tf.TensorSpec([], tf.int64)],
-            )
-        return self._traced(tf.cast(key, tf.int64), tf.cast(step, tf.int64))
+    def traced_draw(self):
+        """Traced once per sampler: the users' records are this sampler's own."""
+        return self._trace_own_draw()
