@@ -239,6 +239,15 @@ def test_mechanisms_analysed_per_record_refuse_user_ids(optimizer):
     assert model.privacy.steps == 0
 
 
+def test_the_sensitivity_search_refuses_users_for_a_mechanism_analysed_per_record():
+    model = make_model()
+    model.compile(optimizer=PER_RECORD_MECHANISMS["SADPSGD"](),
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    x, y, _ = data([2] * 4)
+    with pytest.raises(ValueError, match="SADPSGD cannot train with user_ids.*examples_per_user=3"):
+        tfdp.auditing.sensitivity_search(model, x, y, records=3, examples_per_user=3)
+
+
 @pytest.mark.parametrize("kwargs, message", [
     (dict(user_ids="ids"), "examples_per_user=None"),
     (dict(examples_per_user=2), "pass user_ids too"),

@@ -66,6 +66,7 @@ from tfdp.auditing.neighbour_step import RELATIONS, NeighbourStep
 from tfdp.data.users import check_examples_per_user
 from tfdp.models import float32_precision
 from tfdp.models.dp_model import _lists_to_tuples
+from tfdp.models.user_level import check_user_level_optimizer
 
 
 class SensitivityExceeded(AssertionError):
@@ -271,12 +272,7 @@ def sensitivity_search(model, x, y, sample_weight=None, *, records=7, batch_size
         examples_per_user = getattr(model, "_examples_per_user", None)
     if examples_per_user is not None:
         check_examples_per_user(examples_per_user)
-        reason = getattr(model.optimizer, "user_level_unsupported", None)
-        if reason:
-            raise ValueError(
-                f"{type(model.optimizer).__name__} cannot train user-level: {reason} "
-                f"Received: examples_per_user={examples_per_user}"
-            )
+        check_user_level_optimizer(model.optimizer, f"examples_per_user={examples_per_user}")
     step = NeighbourStep(model, data, records, batch_size or records + 1, physical_batch_size,
                          examples_per_user)
     settings = _settings(model, step)

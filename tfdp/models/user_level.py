@@ -26,7 +26,7 @@ import tensorflow as tf
 
 from tfdp.data.users import UserRecords, check_examples_per_user
 
-__all__ = ["check_user_level", "per_user_gradients"]
+__all__ = ["check_user_level", "check_user_level_optimizer", "per_user_gradients"]
 
 
 def check_user_level(model, user_ids, examples_per_user, num_records, validation_split):
@@ -65,13 +65,7 @@ def check_user_level(model, user_ids, examples_per_user, num_records, validation
             "Received: examples_per_user=None"
         )
     check_examples_per_user(examples_per_user)
-    reason = getattr(model.optimizer, "user_level_unsupported", None)
-    if reason:
-        name = type(model.optimizer).__name__
-        raise ValueError(
-            f"{name} cannot train with user_ids (user-level DP): {reason} Train "
-            f"user-level with DPSGD or DPOptimizer. Received: user_ids with optimizer={name}"
-        )
+    check_user_level_optimizer(model.optimizer, "user_ids")
     if validation_split:
         raise ValueError(
             "validation_split splits records, so one person's records would land on both "
@@ -92,6 +86,28 @@ def check_user_level(model, user_ids, examples_per_user, num_records, validation
             "from the start. Received: user_ids after record-level training"
         )
     return users
+
+
+def check_user_level_optimizer(optimizer, received):
+    """Raises unless `optimizer` can train user-level (`user_level_unsupported`).
+
+    Args:
+        optimizer: a tfdp optimizer.
+        received: what the caller was given, for the message ("user_ids",
+            "examples_per_user=3").
+
+    Example:
+
+    >>> import tfdp
+    >>> check_user_level_optimizer(tfdp.optimizers.DPSGD(0.1, noise_multiplier=1.0), "user_ids")
+    """
+    reason = getattr(optimizer, "user_level_unsupported", None)
+    if reason:
+        name = type(optimizer).__name__
+        raise ValueError(
+            f"{name} cannot train with user_ids (user-level DP): {reason} Train "
+            f"user-level with DPSGD or DPOptimizer. Received: {received} with optimizer={name}"
+        )
 
 
 def per_user_gradients(per_example, step_info, examples_per_user):
