@@ -172,10 +172,11 @@ CASES = [(family, "float32", None, False) for family in FAMILIES] + [
 ]
 
 
-@pytest.mark.parametrize(
-    "family, policy, physical, jit", CASES,
-    ids=[f"{f}-{p}-chunks{k}-{'xla' if j else 'tf'}" for f, p, k, j in CASES],
-)
+def _case_ids(cases):
+    return [f"{f}-{p}-chunks{k}-{'xla' if j else 'tf'}" for f, p, k, j in cases]
+
+
+@pytest.mark.parametrize("family, policy, physical, jit", CASES, ids=_case_ids(CASES))
 def test_every_rule_family_keeps_each_record_within_the_bound(family, policy, physical, jit):
     model, x, y = _compiled(family, policy, jit)
     weights = np.linspace(0.5, 2.0, len(y)) if family == "dense" else None  # crafted too
@@ -195,10 +196,7 @@ USER_CASES = [  # user-level steps (fit(user_ids=..., examples_per_user=3))
 ]
 
 
-@pytest.mark.parametrize(
-    "family, policy, physical, jit", USER_CASES,
-    ids=[f"{f}-{p}-chunks{k}-{'xla' if j else 'tf'}" for f, p, k, j in USER_CASES],
-)
+@pytest.mark.parametrize("family, policy, physical, jit", USER_CASES, ids=_case_ids(USER_CASES))
 def test_user_level_steps_keep_each_person_within_the_bound(family, policy, physical, jit):
     """Every row a user of 3 records, clipped as one unit: chunks hold whole users."""
     model, x, y = _compiled(family, policy, jit)
