@@ -53,6 +53,8 @@ __all__ = [
     "worker_shard",
     "shared_sampling_seed",
     "distribute_poisson_batches",
+    "distribute_fixed_batches",
+    "num_workers",
     "noise_scale",
     "sum_over_replicas",
     "logs_for_keras",
@@ -332,6 +334,71 @@ def distribute_poisson_batches(strategy, sampler, arrays, to_element, first_step
         # elements go to consecutive local replicas.
         pairs = draws(sampler, sampler.key, first_step).map(shares).unbatch()
         return gathered_batches(pairs, tensors).map(to_element).prefetch(tf.data.AUTOTUNE)
+
+    return strategy.distribute_datasets_from_function(dataset_fn)
+
+
+def num_workers(strategy):
+    """The number of workers (machines, processes) of `strategy`: 1 unless a
+    MultiWorkerMirroredStrategy runs in a cluster.
+
+    Example:
+
+    >>> num_workers(tf.distribute.get_strategy())
+    1
+    """
+    extended = strategy.extended
+    if not getattr(extended, "_in_multi_worker_mode", lambda: False)():
+        return 1
+    return int(getattr(extended, "_num_workers", 1))
+
+
+def distribute_fixed_batches(strategy, make_stream):
+    """A distributed dataset of fixed global batches split over the replicas.
+
+    For data the step does not sample (DP-BandMF's fixed order): every
+    worker reads the same global batch of B rows each step (`make_stream()`
+    on each worker gives the same stream); worker w keeps the rows r with
+    r % W == w (`worker_shard`) and its local replicas get equal shares of
+    them (`replica_shares`), so each row of the global batch goes to exactly
+    one replica. "expected_batch_size" stays the global B.
+
+    Args:
+        strategy: a `tf.distribute.Strategy`.
+        make_stream: function of no arguments returning a `tf.data.Dataset`
+            of global elements `(arrays, step_info)`, step_info with "mask"
+            (float [B]) and "expected_batch_size" (scalar), as
+            `tfdp.data.fixed_order.FixedOrderData.stream` gives.
+
+    Returns:
+        A `tf.distribute.DistributedDataset` (one global step per element).
+
+    Example:
+
+    ```python
+    dataset = distribute_fixed_batches(strategy, lambda: data.stream(0, order_check))
+    ```
+    """
+    num_replicas = strategy.num_replicas_in_sync
+
+    def dataset_fn(input_context):
+        workers = input_context.num_input_pipelines
+        worker = input_context.input_pipeline_id
+        local = num_replicas // workers
+
+        def shares(arrays, step_info):
+            mask = step_info["mask"]
+            rows = tf.range(tf.size(mask, out_type=tf.int64))
+            per_worker = -(-mask.shape[0] // workers)
+            length = -(-per_worker // local) * local
+            indices, mask = worker_shard(rows, mask, worker, workers, length)
+            indices, mask = replica_shares(indices, mask, local)  # [local, L / local]
+            arrays = tf.nest.map_structure(lambda a: tf.gather(a, indices), arrays)
+            expected = tf.fill([local], tf.cast(step_info["expected_batch_size"], tf.float32))
+            return arrays, {"mask": mask, "expected_batch_size": expected}
+
+        # consecutive elements go to consecutive local replicas
+        return make_stream().map(shares).unbatch().prefetch(tf.data.AUTOTUNE)
 
     return strategy.distribute_datasets_from_function(dataset_fn)
 

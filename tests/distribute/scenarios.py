@@ -398,6 +398,102 @@ def keras_paths(replicas):
     return np.array([history.history["val_loss"][0], evaluated, len(predicted)])
 
 
+# -- 6. DP-BandMF: every replica draws the same noise and adds 1/R of it -------
+
+
+def bandmf_optimizer(seed=7, noise_state=None, bands=3):
+    return tfdp.optimizers.DPBandMF(
+        keras.optimizers.SGD(0.5, momentum=0.9), l2_norm_clip=0.5, noise_multiplier=SIGMA,
+        bands=bands, weight_decay=0.05, weight_decay_placement="after_noise", seed=seed,
+        noise_state=noise_state,
+    )
+
+
+def fixed_order_pipeline(shuffle_seed=3):
+    x, y, sample_weight = exact_data()
+    return (tf.data.Dataset.from_tensor_slices((x, y, sample_weight))
+            .shuffle(len(x), seed=shuffle_seed, reshuffle_each_iteration=False)
+            .batch(24, drop_remainder=True))
+
+
+def fit_bandmf(model, mode, epochs=2, initial_epoch=0, shuffle_seed=3):
+    """A fixed order of 4 batches of 24, or cyclic Poisson (expected batch 8)."""
+    if mode == "fixed":
+        model.fit(fixed_order_pipeline(shuffle_seed), epochs=epochs,
+                  initial_epoch=initial_epoch, verbose=0)
+    else:
+        x, y, sample_weight = exact_data()
+        model.fit(x, y, sample_weight=sample_weight, batch_size=8, epochs=epochs,
+                  initial_epoch=initial_epoch, verbose=0)
+
+
+def flat_weights(model):
+    return np.concatenate([v.numpy().ravel() for v in model.trainable_variables])
+
+
+def train_bandmf(mode, replicas, **fit_args):
+    """Seeded DP-BandMF with noise (3 bands, momentum, decay after the noise):
+    (weights, steps, epsilon)."""
+    with scope(replicas):
+        model = exact_model()
+        model.compile(optimizer=bandmf_optimizer(), loss=LOSS)
+    fit_bandmf(model, mode, **fit_args)
+    return flat_weights(model), model.privacy.steps, model.privacy.epsilon(1e-5)
+
+
+def resumed_bandmf(replicas, folder):
+    """One epoch of the fixed order with a noise state file, then a new
+    optimizer resumes the stream from the file for the second epoch:
+    (the file's histories after epoch 1, the final weights)."""
+    path = os.path.join(folder, f"noise_state_{replicas}.npz")
+    with scope(replicas):
+        model = exact_model()
+        model.compile(optimizer=bandmf_optimizer(noise_state=path), loss=LOSS)
+    fit_bandmf(model, "fixed", epochs=1)
+    with np.load(path) as saved:
+        history = np.concatenate([saved[k].ravel() for k in sorted(saved.files)
+                                  if k.startswith("history_")])
+    with scope(replicas):
+        model.compile(optimizer=bandmf_optimizer(noise_state=path), loss=LOSS)
+    fit_bandmf(model, "fixed", epochs=2, initial_epoch=1)
+    return history, flat_weights(model)
+
+
+def bandmf_global_noise(replicas, shared_key=True):
+    """One fixed-order step of DP-BandMF with bands = 1 on zero gradients,
+    unseeded: noise / (sigma C / b), N(0, 1) when every replica adds 1/R of
+    the same draw. `shared_key=False` (negative control): each worker keeps
+    its own key, as a DP-SGD optimizer does."""
+    x = np.zeros((16, 100), np.float32)
+    y = np.zeros((16, 400), np.float32)
+    with scope(replicas):
+        model = noise_model()
+        model.compile(optimizer=tfdp.optimizers.DPBandMF(
+            keras.optimizers.SGD(1.0), l2_norm_clip=CLIP, noise_multiplier=SIGMA, bands=1),
+            loss="mse")
+    agree = tfdp.optimizers.DPBandMF.agree_with_workers
+    if not shared_key:
+        tfdp.optimizers.DPBandMF.agree_with_workers = tfdp.optimizers.DPOptimizer.agree_with_workers
+    try:
+        model.fit(tf.data.Dataset.from_tensor_slices((x, y)).batch(16, drop_remainder=True),
+                  epochs=1, verbose=0)
+    finally:
+        tfdp.optimizers.DPBandMF.agree_with_workers = agree
+    return -model.trainable_variables[0].numpy().ravel() / (SIGMA * CLIP / 16)
+
+
+def bandmf_mismatched_pipelines(task):
+    """Worker 1 shuffles with another seed: "message | steps=..."."""
+    with scope(2):
+        model = exact_model()
+        model.compile(optimizer=bandmf_optimizer(), loss=LOSS)
+    try:
+        fit_bandmf(model, "fixed", shuffle_seed=3 + task)
+        return f"TRAINED | steps={model.privacy.steps}"
+    except ValueError as error:
+        return f"{error} | steps={model.privacy.steps}"
+
+
 # -- main -----------------------------------------------------------------------
 
 
@@ -446,6 +542,18 @@ def mirrored(out):
                 results[f"refusal_{name}"] = message
         with timed("draws"):
             results["draws"] = unseeded_draws(replicas)
+        with timed("bandmf"):
+            for mode in ("fixed", "amplified"):
+                for r in (1, replicas):
+                    w, steps, eps = train_bandmf(mode, r)
+                    results.update({f"bandmf_{mode}_{r}": w, f"bandmf_{mode}_steps_{r}": steps,
+                                    f"bandmf_{mode}_epsilon_{r}": eps})
+            with patched("replica_share", lambda: 1.0):  # negative control: w_t R times
+                results["bandmf_fixed_unshared"] = train_bandmf("fixed", replicas)[0]
+            folder = os.path.dirname(os.path.abspath(out))
+            for r in (1, replicas):
+                results[f"bandmf_saved_{r}"], results[f"bandmf_resumed_{r}"] = resumed_bandmf(
+                    r, folder)
     np.savez(out, **results)
 
 
@@ -479,9 +587,17 @@ def worker(out):
             results["mismatch"] = str(error)
     with timed("settings"):
         results["settings_refusals"] = mismatched_settings(task)
+    with timed("bandmf"):
+        for mode in ("fixed", "amplified"):
+            results[f"bandmf_{mode}"], results[f"bandmf_{mode}_steps"], _ = train_bandmf(mode, 2)
+        results["bandmf_noise"] = bandmf_global_noise(2)
+        results["bandmf_noise_own_keys"] = bandmf_global_noise(2, shared_key=False)
+        results["bandmf_mismatch"] = bandmf_mismatched_pipelines(task)
     # single-device reference, outside the strategy (after all collectives)
     with timed("single"):
         w, steps, eps, _ = train_exact("dpsgd", 1)
+        for mode in ("fixed", "amplified"):
+            results[f"bandmf_{mode}_single"] = train_bandmf(mode, 1)[0]
     results.update(exact_dpsgd_single=w, steps_single=steps, epsilon_single=eps)
     np.savez(out, **results)
 

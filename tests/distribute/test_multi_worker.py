@@ -101,3 +101,30 @@ def test_workers_with_different_settings_are_refused_before_a_step(workers):
             assert f"Differing: {name}" in message and message.endswith("steps=0"), message
         assert "[1.0, 2.0] across the replicas" in sigma
         assert "[24.0, 25.0] across the replicas" in batch
+
+
+@pytest.mark.parametrize("mode", ["fixed", "amplified"])
+def test_bandmf_with_noise_on_two_workers_equals_single_device_training(workers, mode):
+    for worker in workers:
+        np.testing.assert_allclose(
+            worker[f"bandmf_{mode}"], worker[f"bandmf_{mode}_single"], rtol=0, atol=1e-5)
+        assert int(worker[f"bandmf_{mode}_steps"]) > 0
+
+
+def test_unseeded_bandmf_workers_share_one_noise_draw(workers):
+    """Unseeded, each worker adds 1/2 of w_t: the keys must agree (the
+    chief's secret), else the halves are independent and the total noise
+    is 1/sqrt(2) too small (negative control: each worker its own key)."""
+    noise = workers[0]["bandmf_noise"]
+    np.testing.assert_array_equal(noise, workers[1]["bandmf_noise"])
+    assert abs(np.std(noise) - 1.0) < NOISE_TOLERANCE
+    own_keys = np.std(workers[0]["bandmf_noise_own_keys"])
+    assert abs(own_keys - np.sqrt(0.5)) < NOISE_TOLERANCE
+
+
+def test_bandmf_workers_whose_pipelines_differ_refuse_before_a_step(workers):
+    """Worker 1 shuffles with another seed: a record would sit at two
+    positions of an epoch; both workers refuse before the first step."""
+    for worker in workers:
+        message = str(worker["bandmf_mismatch"])
+        assert "pipeline" in message and message.endswith("steps=0"), message

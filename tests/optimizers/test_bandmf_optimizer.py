@@ -343,6 +343,31 @@ def test_an_order_that_changes_between_epochs_stops_before_the_batch_is_trained(
     assert model.privacy.steps in (8, 9)
 
 
+def test_a_first_pass_tells_pipelines_in_another_order_apart_and_is_adopted_as_the_order():
+    """What workers compare before training (`FixedOrderData.first_pass`):
+    the same seeded shuffle reads the same, another seed does not; the pass
+    becomes the order every later pass is checked against, and a pass
+    that differs from positions already recorded is refused."""
+    from tfdp.data.fixed_order import FixedOrderData, OrderCheck
+
+    x, y = data()
+
+    def first_pass(seed):
+        return FixedOrderData(pipeline(x, y, seed=seed, reshuffle_each_iteration=False),
+                              planned_steps=8).first_pass()
+
+    fingerprints, digest = first_pass(3)
+    assert first_pass(3)[1] == digest
+    other_fingerprints, other_digest = first_pass(4)
+    assert other_digest != digest and not np.array_equal(other_fingerprints, fingerprints)
+    check = OrderCheck(8)
+    check.adopt(fingerprints)
+    assert check.state()[1] == 8
+    np.testing.assert_array_equal(check.state()[0], fingerprints)
+    with pytest.raises(ValueError, match="order changed.*position 0"):
+        check.adopt(other_fingerprints)
+
+
 @pytest.mark.parametrize("make,match", [
     (lambda ds: ds.unbatch().shuffle(64).batch(8, drop_remainder=True), "reshuffles each epoch"),
     (lambda ds: ds.repeat(2), "repeats"),

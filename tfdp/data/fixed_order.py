@@ -50,6 +50,8 @@ Traceback (most recent call last):
 ValueError: ...infinite (repeat())...Received: cardinality=infinite
 """
 
+import hashlib
+
 import numpy as np
 import tensorflow as tf
 
@@ -99,6 +101,7 @@ class FixedOrderData:
         self.steps_per_epoch = _finite_cardinality(dataset)
         _check_pipeline(dataset)
         self.planned_steps = int(planned_steps)
+        self._first_pass = None
 
     def __len__(self):
         """The number of records in one pass: P x B."""
@@ -113,6 +116,33 @@ class FixedOrderData:
             return tf.zeros([1] + spec.shape.as_list()[1:], spec.dtype)
 
         return tuple(tf.nest.map_structure(zeros, self.dataset.element_spec))
+
+    def first_pass(self):
+        """Reads the pipeline once: (each batch's `labels_fingerprint`, a
+        SHA-256 hex digest of every batch's tensors in order).
+
+        Under several workers each worker reads its own copy of the pipeline;
+        `DPBandMF` compares the digests of all workers before the first step
+        (a pipeline shuffled with another seed on one worker would put a
+        record in two places of an epoch). Computed once per `FixedOrderData`.
+
+        Example:
+
+        >>> import numpy as np, tensorflow as tf
+        >>> ds = tf.data.Dataset.from_tensor_slices((np.zeros((4, 1)), np.arange(4)))
+        >>> ds = ds.batch(2, drop_remainder=True)
+        >>> fingerprints, digest = FixedOrderData(ds, planned_steps=2).first_pass()
+        >>> fingerprints.shape, len(digest)
+        ((2,), 64)
+        """
+        if self._first_pass is None:
+            fingerprints, digest = [], hashlib.sha256()
+            for arrays in self.dataset:
+                fingerprints.append(int(labels_fingerprint(arrays[1:])))
+                for tensor in tf.nest.flatten(arrays):
+                    digest.update(tf.io.serialize_tensor(tensor).numpy())
+            self._first_pass = (np.asarray(fingerprints, np.int64), digest.hexdigest())
+        return self._first_pass
 
     def stream(self, position, order_check):
         """The training elements from stream position `position` on.
@@ -177,9 +207,7 @@ class OrderCheck:
 
         Returns an op that raises InvalidArgumentError on a mismatch.
         """
-        serialized = [tf.io.serialize_tensor(t) for t in tf.nest.flatten(labels)]
-        digest = tf.fingerprint(tf.reshape(tf.strings.reduce_join(serialized), [1]))
-        value = tf.bitcast(digest[0], tf.int64)
+        value = labels_fingerprint(labels)
 
         def record():
             with tf.control_dependencies([self.fingerprints.scatter_update(
@@ -193,6 +221,35 @@ class OrderCheck:
             )
 
         return tf.cond(position < self.recorded, compare, lambda: tf.group(record()))
+
+    def adopt(self, fingerprints):
+        """Takes a whole pass's fingerprints (`FixedOrderData.first_pass`) as
+        the order every later pass must keep.
+
+        Raises:
+            ValueError: if they differ from the positions recorded so far
+                (the pipeline's order changed since they were recorded).
+        """
+        fingerprints = np.asarray(fingerprints, np.int64)
+        known, recorded = self.state()
+        changed = np.flatnonzero(known[:recorded] != fingerprints[:recorded])
+        if changed.size:
+            raise ValueError(f"{ORDER_CHANGED} Received: batch position {int(changed[0])}")
+        self.fingerprints.assign(fingerprints)
+        self.recorded.assign(len(fingerprints))
+
+
+def labels_fingerprint(labels):
+    """An int64 fingerprint of a batch's labels (and sample weights).
+
+    Example:
+
+    >>> int(labels_fingerprint((tf.constant([1, 2]),))) == int(labels_fingerprint((tf.constant([2, 1]),)))
+    False
+    """
+    serialized = [tf.io.serialize_tensor(t) for t in tf.nest.flatten(labels)]
+    digest = tf.fingerprint(tf.reshape(tf.strings.reduce_join(serialized), [1]))
+    return tf.bitcast(digest[0], tf.int64)
 
 
 def _static_batch_size(spec):

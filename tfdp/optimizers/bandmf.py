@@ -92,8 +92,21 @@ class DPBandMF(DPOptimizer):
     stream's state: from this optimizer (a second `fit` in the same process),
     from `noise_state` (after a restart: the file must be at the model's
     step), or a new stream with `fresh_noise_history=True`; otherwise `fit`
-    refuses before the first step. Under a tf.distribute strategy with
-    several replicas it is refused (see `multi_replica_unsupported`).
+    refuses before the first step.
+
+    Under a tf.distribute strategy with R replicas (one machine's devices,
+    or several workers) every replica draws the same z_t (the same key; with
+    several workers an unseeded optimizer takes its key from the chief's
+    shared secret, `agree_with_workers`), keeps its own copy of the noise
+    history, runs the same recurrence, and adds w_t / R to the clipped sum
+    of its share of the batch; Keras's sum of the replicas' gradients
+    carries w_t once, as on one device. A fixed-order batch is split
+    row-wise over the replicas (`tfdp.distribute.distribute_fixed_batches`;
+    with several workers each reads the pipeline once before training and
+    the workers compare what they read: their pipelines must give the same
+    order); cyclic Poisson draws are shared and split as DP-SGD's are. The
+    history then takes (bands - 1) x the parameters on every replica, and
+    each step rewrites it whole (a replica's copy cannot be updated in place).
 
     Args:
         inner_optimizer: a `keras.optimizers.Optimizer`; it post-processes
@@ -132,11 +145,6 @@ class DPBandMF(DPOptimizer):
         "its participation accounting counts records in a fixed order or cyclic "
         "Poisson groups of records, not people."
     )
-    multi_replica_unsupported = (
-        "its noise history (the last bands - 1 noise vectors) is kept once per "
-        "optimizer, not per replica."
-    )
-
     # `DPModel.fit` hands a tf.data.Dataset to `fixed_order_data` instead of
     # refusing it.
     trains_on_datasets = True
@@ -233,9 +241,11 @@ class DPBandMF(DPOptimizer):
                 "which starts or resumes the stream."
             )
         coefficients = tf.constant(self.__dict__["_coefficients"], tf.float32)
-        draws = dpsgd.gaussian_noise_like(
-            sums, self.noise_stddev() * distribute.noise_scale(), self.noise_seed()
-        )
+        # Under R replicas each draws the same z_t (`noise_seed`), runs the
+        # recurrence on its own copy of the history and adds w_t / R: Keras's
+        # sum over the replicas carries w_t once.
+        share = distribute.replica_share()
+        draws = dpsgd.gaussian_noise_like(sums, self.noise_stddev(), self.noise_seed())
         step = stream.step.read_value()
         noise = []
         for index, draw in enumerate(draws):
@@ -244,15 +254,19 @@ class DPBandMF(DPOptimizer):
                 draw, None if history is None else history.read_value(), coefficients, step
             )
             if history is not None:
-                history.scatter_update(tf.IndexedSlices(value[None], slot[None]))
-            noise.append(value)
+                stream.write(index, value, slot)
+            noise.append(value * share)
         stream.step.assign_add(1)
         batch = step_info["expected_batch_size"]
         grads = [(s + w) / tf.cast(batch, s.dtype) for s, w in zip(sums, noise)]
         if self.weight_decay and self.weight_decay_placement == "after_noise":
-            share = distribute.replica_share()
             grads = [g + o * share for g, o in zip(grads, self._decay_offsets(variables))]
         return grads
+
+    def noise_seed(self):
+        """This step's noise seed: `step_key`, the same on every replica
+        (each adds 1/R of the same w_t, see `noisy_gradients`)."""
+        return self.step_key()
 
     # -- accounting -------------------------------------------------------------
 
@@ -343,6 +357,7 @@ class DPBandMF(DPOptimizer):
             )
         bandmf_accounting.check_separation(data.steps_per_epoch, self.bands)
         data.planned_steps = planned * data.steps_per_epoch
+        self.__dict__["_fixed_order"] = data  # this fit's data, for `run_settings`
         return data
 
     def plan_epochs(self, epochs, initial_epoch=0):
@@ -350,6 +365,7 @@ class DPBandMF(DPOptimizer):
         call plans, for the strategy's coefficients (fixed at the first
         `fit`)."""
         self.__dict__["_planned_epochs"] = max(1, int(epochs) - int(initial_epoch))
+        self.__dict__["_fixed_order"] = None  # this fit samples arrays or a source
 
     def make_training_data(self, model, arrays, batch_size, steps_per_epoch=None, budgets=()):
         """The training stream for `DPModel.fit`; opens the ledger segment.
@@ -362,20 +378,22 @@ class DPBandMF(DPOptimizer):
         steps ran a DP-BandMF stream that is not continued (unless
         `fresh_noise_history`). Opens the ledger segment
         (`fixed_order_segment` or `amplified_segment`), a new segment for a
-        new stream.
+        new stream. Under several replicas the batches are split over them
+        (`tfdp.distribute.distribute_fixed_batches`, or
+        `distribute_poisson_batches` for the cyclic draws).
 
         Returns:
             (dataset, steps per Keras epoch): the infinite stream from the
             model's position.
         """
         strategy = model.distribute_strategy
-        if strategy.num_replicas_in_sync > 1:
-            self.check_distributable(strategy)
+        replicas = strategy.num_replicas_in_sync
         self.bind_model_steps(model)
         variables = list(model.trainable_variables)
         ledger = model.privacy
         now = ledger.steps
         if isinstance(arrays, FixedOrderData):
+            num_examples = len(arrays)
             layout = bandmf_state.fixed_order_layout(arrays.steps_per_epoch, arrays.batch_size)
             segment = self.fixed_order_segment(arrays.steps_per_epoch)
             planned = arrays.planned_steps
@@ -387,33 +405,96 @@ class DPBandMF(DPOptimizer):
             if steps_per_epoch is None:
                 steps_per_epoch = default_steps_per_epoch(num_examples, batch_size)
             planned = self.__dict__.get("_planned_epochs", 1) * steps_per_epoch
-        stream, new = self._stream_for(model, variables, layout, segment, planned, now)
+        shared = None
+        if replicas > 1:
+            shared = self.__dict__.pop("_workers_seed", None)  # fit agreed already
+            if shared is None:
+                shared = self.agree_with_workers(model, num_examples, batch_size, steps_per_epoch)
+                del self.__dict__["_workers_seed"]
+        stream, new = self._stream_for(model, variables, layout, segment, planned, now, shared)
+        if isinstance(arrays, FixedOrderData) and distribute.num_workers(strategy) > 1:
+            stream.order_check.adopt(arrays.first_pass()[0])  # the pass the workers compared
         event, per_round, relation = segment
         ledger.begin_steps(event, steps_per_round=per_round, relation=relation, new_segment=new)
         if isinstance(arrays, FixedOrderData):
             position = now - stream.start
-            return arrays.stream(position, stream.order_check), arrays.steps_per_epoch
-        return self._amplified_stream(model, arrays, batch_size, steps_per_epoch, stream, now)
 
-    def _amplified_stream(self, model, arrays, batch_size, steps_per_epoch, stream, now):
-        """Cyclic Poisson batches from model step `now` (groups from the stream)."""
-        fixed_shape = bool(model.jit_compile)
+            def make_stream():
+                return arrays.stream(position, stream.order_check)
+
+            if replicas > 1:
+                return distribute.distribute_fixed_batches(strategy, make_stream), \
+                    arrays.steps_per_epoch
+            return make_stream(), arrays.steps_per_epoch
+        return self._amplified_stream(model, arrays, batch_size, steps_per_epoch, stream, now,
+                                      shared)
+
+    def _amplified_stream(self, model, arrays, batch_size, steps_per_epoch, stream, now, shared):
+        """Cyclic Poisson batches from model step `now` (groups from the
+        stream); under several replicas every worker draws with the same
+        key (a user seed, or `shared`, the chief's secret) and each replica
+        gets its share of the draw."""
+        strategy = model.distribute_strategy
+        replicas = strategy.num_replicas_in_sync
+        seed = self.sampling_seed(now)
+        if seed is None:
+            seed = shared
+        fixed_shape = bool(model.jit_compile) or replicas > 1
         sampler = CyclicPoissonSampler(
             stream.layout["num_examples"], batch_size, self.bands, stream.groups_key,
             stream_start=stream.start, steps_per_epoch=steps_per_epoch,
-            seed=self.sampling_seed(now), fixed_shape=fixed_shape,
+            seed=seed, fixed_shape=fixed_shape,
             multiple=8 if fixed_shape else draw_multiple(batch_size),
         )
 
         def to_element(batch, mask):
             return batch, {"mask": mask, "expected_batch_size": tf.constant(float(batch_size))}
 
+        if replicas > 1:
+            dataset = distribute.distribute_poisson_batches(
+                strategy, sampler, arrays, to_element, first_step=now)
+            return dataset, sampler.steps_per_epoch
         dataset = make_dataset(sampler, arrays, first_step=now, repeat=True)
         return dataset.map(to_element), sampler.steps_per_epoch
 
-    def _stream_for(self, model, variables, layout, segment, planned, now):
-        """(the stream to train, whether it is new)."""
+    # -- several workers ----------------------------------------------------------
+
+    def agree_with_workers(self, model, num_examples, batch_size, steps_per_epoch=None):
+        """`DPOptimizer.agree_with_workers`, and then, for an unseeded
+        optimizer, the noise key from the chief's shared secret: every
+        replica of every worker must draw the same z_t (`noisy_gradients`).
+        The key is taken once (the traced step keeps it)."""
+        shared = super().agree_with_workers(model, num_examples, batch_size, steps_per_epoch)
+        if shared is not None and self.seed is None and not self.__dict__.get("_shared_key"):
+            self._noise_key = np.random.default_rng([shared, 0xBA4D]).integers(
+                np.iinfo(np.int64).min, np.iinfo(np.int64).max, size=2, dtype=np.int64)
+            self.__dict__["_shared_key"] = True
+        return shared
+
+    def run_settings(self, model, num_examples, batch_size, steps_per_epoch):
+        """`DPOptimizer.run_settings` with the ledger segment for
+        "mechanism"; for a fixed order under several workers, also the
+        digest of the pipeline's first pass (`FixedOrderData.first_pass`):
+        every worker must read the same batches in the same order."""
+        settings = super().run_settings(model, num_examples, batch_size, steps_per_epoch)
+        data = self.__dict__.get("_fixed_order")
+        if data is not None and distribute.num_workers(model.distribute_strategy) > 1:
+            settings["pipeline (SHA-256 of its first pass)"] = data.first_pass()[1]
+        return settings
+
+    def mechanism_setting(self, num_examples, batch_size):
+        """The ledger segment this fit opens (a text every worker compares)."""
+        data = self.__dict__.get("_fixed_order")
+        if data is not None:
+            return repr(self.fixed_order_segment(data.steps_per_epoch))
+        q = cyclic_sampling_probability(batch_size, self.bands, num_examples)
+        return repr(self.amplified_segment(q))
+
+    def _stream_for(self, model, variables, layout, segment, planned, now, shared=None):
+        """(the stream to train, whether it is new); `shared` is the workers'
+        secret seed under several replicas (for an unseeded groups key)."""
         stream = self.__dict__["_stream"]
+        strategy = model.distribute_strategy
         open_segment = model.privacy.open_segment
         fits = stream is not None and stream.matches(variables, self.bands, layout)
         if fits and stream.model_step() == now and _continues(open_segment, segment, stream.start):
@@ -424,9 +505,10 @@ class DPBandMF(DPOptimizer):
         )
         if self.fresh_noise_history and not self.__dict__.get("_fresh_used", False):
             self.__dict__["_fresh_used"] = True
-            return self._new_stream(variables, layout, planned, now), True
+            return self._new_stream(variables, layout, planned, now, shared, strategy), True
         if self.noise_state is not None and os.path.exists(self.noise_state) and ran_bandmf:
-            return self._load_stream(variables, layout, planned, now, open_segment, segment), False
+            return self._load_stream(variables, layout, planned, now, open_segment, segment,
+                                     strategy), False
         if ran_bandmf:
             where = (
                 f"the file {self.noise_state!r} does not exist."
@@ -437,23 +519,27 @@ class DPBandMF(DPOptimizer):
                 f"stream, but this optimizer does not hold it at step {now}, and {where}",
                 self.noise_state,
             )
-        return self._new_stream(variables, layout, planned, now), True
+        return self._new_stream(variables, layout, planned, now, shared, strategy), True
 
-    def _new_stream(self, variables, layout, planned, now):
+    def _new_stream(self, variables, layout, planned, now, shared=None, strategy=None):
         self._fix_coefficients(planned)
         groups_key = None
         if layout["order"] == bandmf_state.CYCLIC_POISSON:
-            # secret, like the sampling key: OS entropy unless the optimizer is seeded
-            groups_key = sampling_key(None if self.seed is None else [self.seed, now, 1])
+            # secret, like the sampling key: OS entropy unless the optimizer is
+            # seeded; every worker's the same (the chief's) under several
+            seed = self.seed if self.seed is not None else shared
+            groups_key = sampling_key(None if seed is None else [seed, now, 1])
         stream = self.__dict__["_stream"]
         if stream is not None and stream.matches(variables, self.bands, stream.layout):
             stream.reset(now, layout, groups_key)
         else:  # the traced step captures these variables: made once per optimizer
-            stream = bandmf_state.NoiseStream(variables, self.bands, now, layout, groups_key)
+            several = strategy is not None and strategy.num_replicas_in_sync > 1
+            stream = bandmf_state.NoiseStream(variables, self.bands, now, layout, groups_key,
+                                              strategy=strategy if several else None)
             self.__dict__["_stream"] = stream
         return stream
 
-    def _load_stream(self, variables, layout, planned, now, open_segment, expected):
+    def _load_stream(self, variables, layout, planned, now, open_segment, expected, strategy):
         path, (meta, history, fingerprints) = self._state_at(
             now, open_segment, expected, lambda meta, path: self._check_state(meta, path, layout))
         shapes = [tuple(v.shape) for v in variables]
@@ -463,7 +549,7 @@ class DPBandMF(DPOptimizer):
                 "variables.", path,
             )
         self._fix_coefficients(planned, from_state=meta["settings"]["coefficients"])
-        stream = self._new_stream(variables, layout, planned, now)
+        stream = self._new_stream(variables, layout, planned, now, strategy=strategy)
         bandmf_state.restore(stream, meta, history, fingerprints)
         return stream
 

@@ -32,6 +32,7 @@ model.fit(dataset, epochs=10, callbacks=[keras.callbacks.BackupAndRestore("run/b
 ```
 """
 
+import contextlib
 import json
 import os
 import secrets
@@ -79,21 +80,46 @@ class NoiseStream:
         groups_key: int64 [2], the secret key of the record groups (cyclic
             Poisson sampling), or None.
         stream_id: a random id naming the stream (not secret).
+        strategy: the model's `tf.distribute.Strategy` when it has several
+            replicas, else None. Each replica then keeps its own copy of the
+            ring buffer and of the step (variables synchronized on read: a
+            replica writes only its copy, a read outside the replicas gives
+            the first replica's, a write there sets every copy). Every
+            replica draws the same noise and runs the same recurrence, so
+            the copies hold the same values (`DPBandMF.noisy_gradients`).
     """
 
-    def __init__(self, variables, bands, start, layout, groups_key=None, stream_id=None):
+    def __init__(self, variables, bands, start, layout, groups_key=None, stream_id=None,
+                 strategy=None):
         self.bands = int(bands)
         self.start = int(start)
         self.layout = dict(layout)
         self.groups_key = None if groups_key is None else np.asarray(groups_key, np.int64)
         self.stream_id = stream_id or secrets.token_hex(8)
         self.shapes = [tuple(v.shape) for v in variables]
-        self.history = [
-            tf.Variable(tf.zeros((self.bands - 1,) + shape, tf.float32), trainable=False)
-            for shape in self.shapes
-        ] if self.bands > 1 else []
-        self.step = tf.Variable(0, dtype=tf.int64, trainable=False)
+        self.per_replica = strategy is not None
+        per_replica = dict(
+            synchronization=tf.VariableSynchronization.ON_READ,
+            aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA,
+        ) if self.per_replica else {}
+        with strategy.scope() if self.per_replica else contextlib.nullcontext():
+            self.history = [
+                tf.Variable(tf.zeros((self.bands - 1,) + shape, tf.float32), trainable=False,
+                            **per_replica)
+                for shape in self.shapes
+            ] if self.bands > 1 else []
+            self.step = tf.Variable(0, dtype=tf.int64, trainable=False, **per_replica)
         self.order_check = OrderCheck(self.layout.get("steps_per_epoch", 1))
+
+    def write(self, index, value, slot):
+        """Puts w_t (`value`) in ring-buffer slot `slot` of variable `index`'s
+        history: in place, or, with a copy per replica (which cannot be
+        updated in place), by writing the whole buffer."""
+        history = self.history[index]
+        if self.per_replica:
+            return history.assign(tf.tensor_scatter_nd_update(
+                history.read_value(), slot[None, None], value[None]))
+        return history.scatter_update(tf.IndexedSlices(value[None], slot[None]))
 
     @property
     def steps_per_epoch(self):

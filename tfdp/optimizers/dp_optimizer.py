@@ -518,8 +518,13 @@ class DPOptimizer(keras.optimizers.Optimizer):
             "noise_multiplier": float(self.noise_multiplier),
             "l2_norm_clip": float(self.l2_norm_clip),
             "optimizer": f"{type(self).__module__}.{type(self).__qualname__} {config}",
-            "mechanism": repr(self.step_event(float(batch_size) / num_examples)),
+            "mechanism": self.mechanism_setting(num_examples, batch_size),
         }
+
+    def mechanism_setting(self, num_examples, batch_size):
+        """What the ledger will charge per step, as a text every worker
+        compares (`run_settings`): the step event at rate b / N."""
+        return repr(self.step_event(float(batch_size) / num_examples))
 
     def training_callbacks(self):
         """Keras callbacks this mechanism needs during `DPModel.fit`.
