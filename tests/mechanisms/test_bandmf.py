@@ -50,7 +50,12 @@ def test_one_band_is_dp_sgd():
     np.testing.assert_array_equal(bandmf.optimal_coefficients(1, 500), [1.0])
 
 
-@pytest.mark.parametrize("bands,n", [(2, 20), (4, 20), (8, 200), (16, 1000)])
+# (4, 1160) and (8, 2000): L-BFGS's first step from a unit-norm start left
+# the region where 1/c is stable and it stopped at the start (17% and 24%
+# more error than the minimum); the Fashion-MNIST runs' amplified setting.
+@pytest.mark.filterwarnings("error::RuntimeWarning")
+@pytest.mark.parametrize("bands,n", [(2, 20), (4, 20), (8, 200), (16, 1000), (4, 1160),
+                                     (8, 2000)])
 def test_optimal_coefficients_are_a_local_minimum_of_the_dense_error(bands, n):
     c = bandmf.optimal_coefficients(bands, n)
     assert np.linalg.norm(c) == pytest.approx(1.0, abs=1e-12) and c[0] > 0

@@ -161,6 +161,11 @@ def optimal_coefficients(bands, steps):
     gradient) by L-BFGS from the coefficients of the square root of A
     truncated to `bands` (Fichtenberger et al. 2023's factorization), and
     returns them normalised to ||c||_2 = 1. One band gives [1.0] (DP-SGD).
+    The error is scale-invariant, so the start is scaled to norm 10:
+    L-BFGS's first trial step has length 1, and from a unit-norm start it
+    can leave the region where 1/c is stable (c(z) with a root inside the
+    unit circle: the error overflows to infinity) and stop there, at the
+    start.
 
     Args:
         bands: b, an int in [1, steps].
@@ -195,13 +200,14 @@ def optimal_coefficients(bands, steps):
     def objective(c):
         if c[0] <= 0:
             return math.inf, np.zeros_like(c)
-        loss, grad = prefix_sum_error(c, steps)
+        with np.errstate(over="ignore", invalid="ignore"):  # unstable c: inf, refused
+            loss, grad = prefix_sum_error(c, steps)
         if not math.isfinite(loss) or loss <= 0:
             return math.inf, np.zeros_like(c)
         return math.log(loss), grad / loss
 
     result = scipy.optimize.minimize(
-        objective, start, jac=True, method="L-BFGS-B",
+        objective, 10.0 * start, jac=True, method="L-BFGS-B",
         bounds=[(1e-6, None)] + [(None, None)] * (bands - 1),
         options={"maxiter": 500, "gtol": 1e-10},
     )
