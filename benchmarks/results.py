@@ -474,7 +474,8 @@ def bandmf_section():
         "(bands = steps per epoch) and amplified by cyclic Poisson sampling (4 bands, not tuned), beside",
         "DP-SGD with Poisson sampling at the same epsilon, with this page's tanh CNN and ScatterNet + linear",
         "settings, as printed by benchmarks/bandmf_fashion_mnist.py into",
-        "benchmarks/results/bandmf_fashion_mnist.md (the command is below the tables).",
+        "benchmarks/results/bandmf_fashion_mnist.md (the command is below the tables; the line below",
+        "names the device the runs trained on).",
     ] + short + [""] + written
 
 
