@@ -1,9 +1,13 @@
-"""DP-SGD throughput against the number of tf.distribute replicas.
+"""DP-SGD (and DP-BandMF) throughput against the number of tf.distribute replicas.
 
 Trains the 4-layer tanh CNN of MECHANISMS.md section 6 (synthetic 28x28
 data, Poisson batches of expected global size `--batch-size`) with
-`tfdp.optimizers.DPSGD` and reports examples per second, one configuration
-per fresh process (logical devices must be set before TensorFlow starts):
+`tfdp.optimizers.DPSGD`, and with `--optimizers dpsgd bandmf` also with
+`tfdp.optimizers.DPBandMF` (`--bands` b, amplified by cyclic Poisson
+sampling at the same expected batch: each replica keeps its copy of the
+b - 1 noise vectors and rewrites it each step), and reports examples per
+second, one configuration per fresh process (logical devices must be set
+before TensorFlow starts):
 
 - no strategy (the single-device baseline);
 - MirroredStrategy over R logical CPU devices of this machine, R in
@@ -18,6 +22,7 @@ Prints one Markdown table.
     python benchmarks/distribute_scaling.py                    # ~2 minutes on 2 cores
     python benchmarks/distribute_scaling.py --repeats 3        # median of 3 rounds
     python benchmarks/distribute_scaling.py --replicas 1,2,4,8 --batch-size 1024
+    python benchmarks/distribute_scaling.py --optimizers dpsgd bandmf --bands 4 --repeats 3
 """
 
 import argparse
@@ -75,8 +80,14 @@ def measure(config, args):
     with scope:
         keras.utils.set_random_seed(0)
         model = tfdp.DPSequential(recipes.tanh_cnn())
+        if config["optimizer"] == "bandmf":
+            optimizer = tfdp.optimizers.DPBandMF(
+                keras.optimizers.SGD(0.5), l2_norm_clip=1.0, noise_multiplier=1.0,
+                bands=args.bands)
+        else:
+            optimizer = tfdp.optimizers.DPSGD(0.5, l2_norm_clip=1.0, noise_multiplier=1.0)
         model.compile(
-            optimizer=tfdp.optimizers.DPSGD(0.5, l2_norm_clip=1.0, noise_multiplier=1.0),
+            optimizer=optimizer,
             loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
         )
     timer = Timer()
@@ -112,7 +123,7 @@ def _spawn(args, config, tf_config=None):
     command = [
         sys.executable, os.path.abspath(__file__), "--child", json.dumps(config),
         "--batch-size", str(args.batch_size), "--steps", str(args.steps),
-        "--epochs", str(args.epochs),
+        "--epochs", str(args.epochs), "--bands", str(args.bands),
     ]
     return subprocess.Popen(command, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
@@ -156,17 +167,21 @@ def main():
     parser.add_argument("--epochs", type=int, default=3, help="the first is warm-up")
     parser.add_argument("--repeats", type=int, default=1,
                         help="rounds over all setups (interleaved; the median is shown)")
+    parser.add_argument("--optimizers", nargs="+", choices=("dpsgd", "bandmf"),
+                        default=["dpsgd"], help="each is measured in every setup")
+    parser.add_argument("--bands", type=int, default=4, help="DP-BandMF's bands")
     parser.add_argument("--timeout", type=float, default=600.0)
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
         return _child(args, json.loads(args.child))
 
-    configs = [{"kind": "single", "replicas": 1}] + [
+    setups = [{"kind": "single", "replicas": 1}] + [
         {"kind": "mirrored", "replicas": int(r)} for r in args.replicas.split(",")
     ]
     if args.workers:
-        configs.append({"kind": "multi_worker", "replicas": args.workers})
+        setups.append({"kind": "multi_worker", "replicas": args.workers})
+    configs = [{**setup, "optimizer": name} for name in args.optimizers for setup in setups]
     # Interleaved rounds, so a change in the machine's load hits every setup.
     runs = {i: [] for i in range(len(configs))}
     for _ in range(args.repeats):
@@ -185,19 +200,22 @@ def main():
     import statistics
 
     speeds = {i: [r["examples_per_s"] for r in rows] for i, rows in runs.items()}
-    base = statistics.median(speeds[0])
-    print(f"DP-SGD, tanh CNN, expected global batch {args.batch_size}, "
-          f"{os.cpu_count()} CPU cores, {args.steps} steps per timed epoch, "
-          f"median of {args.repeats} interleaved run(s)\n")
-    print("| setup | replicas | examples/s (min-max) | vs no strategy | epsilon (delta 1e-5) |")
-    print("|---|---|---|---|---|")
+    optimizers = {"dpsgd": "DP-SGD", "bandmf": f"DP-BandMF ({args.bands} bands, amplified)"}
+    print(f"{' and '.join(optimizers[name] for name in args.optimizers)}, tanh CNN, expected "
+          f"global batch {args.batch_size}, {os.cpu_count()} CPU cores, {args.steps} steps per "
+          f"timed epoch, median of {args.repeats} interleaved run(s)\n")
+    print("| optimizer | setup | replicas | examples/s (min-max) | vs no strategy "
+          "| epsilon (delta 1e-5) |")
+    print("|---|---|---|---|---|---|")
     names = {"single": "no strategy", "mirrored": "MirroredStrategy (logical CPUs)",
              "multi_worker": "MultiWorkerMirroredStrategy (loopback workers)"}
     for i, config in enumerate(configs):
         median = statistics.median(speeds[i])
-        print(f"| {names[config['kind']]} | {config['replicas']} | {median:.0f} "
-              f"({min(speeds[i]):.0f}-{max(speeds[i]):.0f}) | {median / base:.2f}x "
-              f"| {runs[i][0]['epsilon']:.3f} |")
+        base = statistics.median(speeds[configs.index(
+            {"kind": "single", "replicas": 1, "optimizer": config["optimizer"]})])
+        print(f"| {optimizers[config['optimizer']]} | {names[config['kind']]} "
+              f"| {config['replicas']} | {median:.0f} ({min(speeds[i]):.0f}-{max(speeds[i]):.0f}) "
+              f"| {median / base:.2f}x | {runs[i][0]['epsilon']:.3f} |")
 
 
 if __name__ == "__main__":

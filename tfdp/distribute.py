@@ -310,7 +310,7 @@ def distribute_poisson_batches(strategy, sampler, arrays, to_element, first_step
         worker = input_context.input_pipeline_id
         local = num_replicas // workers
         shard_length = padded_batch_size(
-            -(-sampler.num_examples // workers), sampler.sampling_probability,
+            sampler.shard_population(workers), sampler.sampling_probability,
             multiple=8 * local,
         )
         # A source (or memmap) stays on disk: each worker reads only its shares.

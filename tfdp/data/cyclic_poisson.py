@@ -171,6 +171,22 @@ class CyclicPoissonSampler(PoissonSampler):
         picks = tf.boolean_mask(picks, picks < size)
         return tf.gather(self._members, first + picks)
 
+    def shard_population(self, num_workers):
+        """The most members of one group within one worker's shard (index %
+        W == w): a draw includes only the active group's members.
+
+        Example:
+
+        >>> from tfdp.data.sampling import sampling_key
+        >>> sampler = CyclicPoissonSampler(1000, 25, bands=4, groups_key=sampling_key(0))
+        >>> 125 <= sampler.shard_population(2) < 150   # about 1000 / (4 x 2), not 500
+        True
+        """
+        workers = int(num_workers)
+        shards = np.arange(self.num_examples) % workers
+        counts = np.bincount(self.groups * workers + shards, minlength=self.bands * workers)
+        return max(1, int(counts.max()))
+
     def traced_draw(self):
         """Traced once per sampler: the groups are this sampler's own."""
         return self._trace_own_draw()

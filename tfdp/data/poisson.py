@@ -328,6 +328,19 @@ class PoissonSampler:
         """The records the draws index: `num_examples` (a user sampler's differ)."""
         return self.num_examples
 
+    def shard_population(self, num_workers):
+        """The most units (records, or users) of one worker's shard (index %
+        W == w) that a draw can include, each with probability
+        `sampling_probability`: what a shard's padded length is sized for
+        (`tfdp.distribute.distribute_poisson_batches`).
+
+        Example:
+
+        >>> PoissonSampler(1000, 10).shard_population(3)
+        334
+        """
+        return -(-self.num_examples // int(num_workers))
+
     def sample_indices(self, key, step):
         """Step `step`'s Poisson draw (`tfdp.data.sampling.poisson_indices`).
 
