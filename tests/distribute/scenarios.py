@@ -494,6 +494,28 @@ def bandmf_mismatched_pipelines(task):
         return f"{error} | steps={model.privacy.steps}"
 
 
+def bandmf_mismatched_noise(task):
+    """Worker 1 draws DP-BandMF's z_t from another key (seed 8 for 7; no seed
+    for 7: it would take the chief's secret) or plans another number of
+    epochs (the default coefficients come from the planned steps): each
+    worker would add half of its own w_t. "message | steps=..." per case.
+    The epochs case goes last: on code that lets it train, worker 0 stops
+    an epoch before worker 1, whose next collective then fails."""
+    cases = ((dict(seed=7 + task), 2), (dict(seed=None if task else 7), 2),
+             (dict(seed=7), 2 + task))
+    messages = []
+    for optimizer_args, epochs in cases:
+        with scope(2):
+            model = exact_model()
+            model.compile(optimizer=bandmf_optimizer(**optimizer_args), loss=LOSS)
+        try:
+            fit_bandmf(model, "fixed", epochs=epochs)
+            messages.append(f"TRAINED | steps={model.privacy.steps}")
+        except ValueError as error:
+            messages.append(f"{error} | steps={model.privacy.steps}")
+    return np.array(messages)
+
+
 # -- main -----------------------------------------------------------------------
 
 
@@ -593,6 +615,7 @@ def worker(out):
         results["bandmf_noise"] = bandmf_global_noise(2)
         results["bandmf_noise_own_keys"] = bandmf_global_noise(2, shared_key=False)
         results["bandmf_mismatch"] = bandmf_mismatched_pipelines(task)
+        results["bandmf_noise_mismatch"] = bandmf_mismatched_noise(task)
     # single-device reference, outside the strategy (after all collectives)
     with timed("single"):
         w, steps, eps, _ = train_exact("dpsgd", 1)

@@ -473,11 +473,21 @@ class DPBandMF(DPOptimizer):
 
     def run_settings(self, model, num_examples, batch_size, steps_per_epoch):
         """`DPOptimizer.run_settings` with the ledger segment for
-        "mechanism"; for a fixed order under several workers, also the
-        digest of the pipeline's first pass (`FixedOrderData.first_pass`):
-        every worker must read the same batches in the same order."""
+        "mechanism"; the noise seed (a `tfdp.distribute.SecretSetting`:
+        every replica adds 1/R of the same w_t, so all must draw z_t from
+        one key: one seed, or all unseeded to take the chief's); until the
+        coefficients are fixed, the planned steps they are optimized for;
+        for a fixed order under several workers, also the digest of the
+        pipeline's first pass (`FixedOrderData.first_pass`): every worker
+        must read the same batches in the same order."""
         settings = super().run_settings(model, num_examples, batch_size, steps_per_epoch)
+        settings["noise seed"] = distribute.SecretSetting(
+            "unseeded" if self.seed is None else f"seed {int(self.seed)}")
         data = self.__dict__.get("_fixed_order")
+        if self.__dict__["_coefficients"] is None:
+            settings["planned steps"] = (
+                data.planned_steps if data is not None
+                else self.__dict__.get("_planned_epochs", 1) * steps_per_epoch)
         if data is not None and distribute.num_workers(model.distribute_strategy) > 1:
             settings["pipeline (SHA-256 of its first pass)"] = data.first_pass()[1]
         return settings
