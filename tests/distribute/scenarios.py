@@ -409,17 +409,18 @@ def bandmf_optimizer(seed=7, noise_state=None, bands=3):
     )
 
 
-def fixed_order_pipeline(shuffle_seed=3):
+def fixed_order_pipeline(shuffle_seed=3, batch_size=24):
     x, y, sample_weight = exact_data()
     return (tf.data.Dataset.from_tensor_slices((x, y, sample_weight))
             .shuffle(len(x), seed=shuffle_seed, reshuffle_each_iteration=False)
-            .batch(24, drop_remainder=True))
+            .batch(batch_size, drop_remainder=True))
 
 
-def fit_bandmf(model, mode, epochs=2, initial_epoch=0, shuffle_seed=3):
-    """A fixed order of 4 batches of 24, or cyclic Poisson (expected batch 8)."""
+def fit_bandmf(model, mode, epochs=2, initial_epoch=0, shuffle_seed=3, batch_size=24):
+    """A fixed order of 4 batches of 24 (or 96 // batch_size of batch_size),
+    or cyclic Poisson (expected batch 8)."""
     if mode == "fixed":
-        model.fit(fixed_order_pipeline(shuffle_seed), epochs=epochs,
+        model.fit(fixed_order_pipeline(shuffle_seed, batch_size), epochs=epochs,
                   initial_epoch=initial_epoch, verbose=0)
     else:
         x, y, sample_weight = exact_data()
@@ -576,6 +577,22 @@ def mirrored(out):
             for r in (1, replicas):
                 results[f"bandmf_saved_{r}"], results[f"bandmf_resumed_{r}"] = resumed_bandmf(
                     r, folder)
+    if replicas == 3:
+        # a fixed-order batch of 25 on 3 replicas: shares of 9, 8 and 8 rows,
+        # the two padding rows (row 0 again) with mask 0
+        with timed("bandmf uneven shares"):
+            for r in (1, replicas):
+                results[f"bandmf_uneven_{r}"] = train_bandmf("fixed", r, batch_size=25)[0]
+
+            split = distribute.replica_shares
+
+            def unmasked(indices, mask, num_replicas):  # negative control: padding counted
+                shares, share_mask = split(indices, mask, num_replicas)
+                return shares, tf.ones_like(share_mask)
+
+            with patched("replica_shares", unmasked):
+                results["bandmf_uneven_unmasked"] = train_bandmf(
+                    "fixed", replicas, batch_size=25)[0]
     np.savez(out, **results)
 
 

@@ -154,6 +154,15 @@ def test_bandmf_with_noise_on_two_replicas_reproduces_single_device_training(run
     assert np.abs(run["bandmf_fixed_unshared"] - run["bandmf_fixed_1"]).max() > 0.01
 
 
+def test_bandmf_fixed_order_batch_not_divisible_by_replicas_trains_as_one_device(runs):
+    """A fixed-order batch of 25 on 3 replicas: the two padding rows of the
+    uneven shares add nothing (negative control: the same split with mask 1
+    on the padding trains other weights)."""
+    run = runs[3]
+    np.testing.assert_allclose(run["bandmf_uneven_3"], run["bandmf_uneven_1"], rtol=0, atol=1e-5)
+    assert np.abs(run["bandmf_uneven_unmasked"] - run["bandmf_uneven_1"]).max() > 1e-3
+
+
 def test_bandmf_noise_state_saved_and_resumed_on_two_replicas_as_on_one(runs):
     """The file written on 2 replicas holds one device's history; resumed on
     2 replicas it is restored into every replica's copy (a stale copy would
