@@ -12,6 +12,7 @@ go to OUT.npz; the tests assert on them.
 """
 
 import contextlib
+import json
 import os
 import sys
 import threading
@@ -495,6 +496,20 @@ def bandmf_mismatched_pipelines(task):
         return f"{error} | steps={model.privacy.steps}"
 
 
+def bandmf_shared_noise_state(folder):
+    """Both workers write one `noise_state` path (as on a shared file
+    system), 2 epochs of 4 steps: the model step of the state kept as
+    `.prev` (the epoch before the last, for a resume one backup behind)."""
+    path = os.path.join(folder, "shared_noise_state.npz")
+    with scope(2):
+        model = exact_model()
+        model.compile(optimizer=bandmf_optimizer(noise_state=path), loss=LOSS)
+    fit_bandmf(model, "fixed", epochs=2)
+    meta = np.load(path + ".prev")["meta"]
+    meta = json.loads(bytes(meta).decode("utf-8"))
+    return int(meta["start"]) + int(meta["steps"])
+
+
 def bandmf_mismatched_noise(task):
     """Worker 1 draws DP-BandMF's z_t from another key (seed 8 for 7; no seed
     for 7: it would take the chief's secret) or plans another number of
@@ -632,6 +647,8 @@ def worker(out):
         results["bandmf_noise"] = bandmf_global_noise(2)
         results["bandmf_noise_own_keys"] = bandmf_global_noise(2, shared_key=False)
         results["bandmf_mismatch"] = bandmf_mismatched_pipelines(task)
+        results["bandmf_shared_state_prev"] = bandmf_shared_noise_state(
+            os.path.dirname(os.path.abspath(out)))
         results["bandmf_noise_mismatch"] = bandmf_mismatched_noise(task)
     # single-device reference, outside the strategy (after all collectives)
     with timed("single"):

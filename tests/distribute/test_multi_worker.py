@@ -146,3 +146,13 @@ def test_bandmf_workers_with_other_noise_keys_or_coefficients_refuse_before_a_st
             assert "seed=7" not in message and "seed=8" not in message, message
         assert "Differing: planned steps" in epochs and epochs.endswith("steps=0"), epochs
         assert "[8.0, 12.0] across the replicas" in epochs, epochs
+
+
+def test_bandmf_workers_writing_one_noise_state_path_keep_the_epoch_before_as_prev(workers):
+    """Both workers run one stream (one id, from the shared secret), so the
+    second worker's save of the same moment replaces the first's instead of
+    moving it to `.prev`: `.prev` keeps the state at the end of epoch 1
+    (step 4), which a resume one backup behind needs (with a stream id per
+    worker it held the other worker's step-8 twin)."""
+    for worker in workers:
+        assert int(worker["bandmf_shared_state_prev"]) == 4

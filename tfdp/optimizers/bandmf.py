@@ -16,6 +16,7 @@ The noise is added once per logical step to the clipped sum
 batches, mixed precision and XLA work as for `DPOptimizer`.
 """
 
+import hashlib
 import os
 
 import keras
@@ -539,13 +540,18 @@ class DPBandMF(DPOptimizer):
             # seeded; every worker's the same (the chief's) under several
             seed = self.seed if self.seed is not None else shared
             groups_key = sampling_key(None if seed is None else [seed, now, 1])
+        # Under several replicas every worker runs the same stream: one id
+        # (from the shared secret), so workers saving the same moment to one
+        # `noise_state` path see the same state, not another stream's.
+        stream_id = None if shared is None else hashlib.sha256(
+            f"tfdp.DPBandMF stream {shared} {now}".encode("utf-8")).hexdigest()[:16]
         stream = self.__dict__["_stream"]
         if stream is not None and stream.matches(variables, self.bands, stream.layout):
-            stream.reset(now, layout, groups_key)
+            stream.reset(now, layout, groups_key, stream_id)
         else:  # the traced step captures these variables: made once per optimizer
             several = strategy is not None and strategy.num_replicas_in_sync > 1
             stream = bandmf_state.NoiseStream(variables, self.bands, now, layout, groups_key,
-                                              strategy=strategy if several else None)
+                                              stream_id, strategy=strategy if several else None)
             self.__dict__["_stream"] = stream
         return stream
 
