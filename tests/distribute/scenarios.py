@@ -307,12 +307,15 @@ def refusal_messages(replicas):
         "clipnorm": lambda: tfdp.optimizers.DPOptimizer(
             keras.optimizers.SGD(0.1, clipnorm=1.0), l2_norm_clip=1.0, noise_multiplier=1.0
         ),
+        "steps_per_execution": lambda: tfdp.optimizers.DPSGD(
+            0.1, l2_norm_clip=1.0, noise_multiplier=1.0),
     }
     messages = {}
     for name, make in candidates.items():
         with scope(replicas):
             model = exact_model()
-            model.compile(optimizer=make(), loss=LOSS)
+            model.compile(optimizer=make(), loss=LOSS,
+                          steps_per_execution=2 if name == "steps_per_execution" else 1)
         try:
             model.fit(x, y, batch_size=24, epochs=1, verbose=0)
             messages[name] = "TRAINED"

@@ -136,7 +136,9 @@ def test_mechanisms_that_cannot_be_split_refuse_before_any_step(runs):
     assert "SADPSGD cannot train under a tf.distribute strategy" in str(run["refusal_sadpsgd"])
     assert "DPIS" in str(run["refusal_dpis"]) and "2 replicas" in str(run["refusal_dpis"])
     assert "clipnorm=1.0 with 2 replicas" in str(run["refusal_clipnorm"])
-    for name in ("sadpsgd", "dpis", "clipnorm"):
+    # Keras's multi-step execution fails inside TensorFlow under replicas
+    assert "steps_per_execution=2 with 2 replicas" in str(run["refusal_steps_per_execution"])
+    for name in ("sadpsgd", "dpis", "clipnorm", "steps_per_execution"):
         assert str(run[f"refusal_{name}"]).endswith("steps=0")
 
 
