@@ -52,6 +52,7 @@ __all__ = [
     "replica_shares",
     "worker_shard",
     "shared_sampling_seed",
+    "SecretSetting",
     "distribute_poisson_batches",
     "distribute_fixed_batches",
     "num_workers",
@@ -165,12 +166,36 @@ def worker_shard(indices, mask, worker, num_workers, length):
     return draw["indices"], draw["mask"]
 
 
+class SecretSetting:
+    """A run setting that every worker must share but no message may show
+    (a seed): `shared_sampling_seed` compares a digest of `text` and, where
+    the workers differ, names the setting without its value.
+
+    Args:
+        text: the setting as text.
+
+    Example:
+
+    >>> seed = SecretSetting("seed 7")
+    >>> shared_sampling_seed(tf.distribute.get_strategy(), 100, {"noise seed": seed}) >= 0
+    True
+    """
+
+    def __init__(self, text):
+        self.text = str(text)
+
+    def __repr__(self):
+        return "SecretSetting(<not shown>)"
+
+
 def _setting_value(value):
     """A setting as a float64 every collective carries exactly: numbers as
-    they are, anything else (a class name, a configuration) as a 48-bit
-    digest of its text."""
+    they are, anything else (a class name, a configuration, a
+    `SecretSetting`'s text) as a 48-bit digest of its text."""
     if isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, bool):
         return float(value)
+    if isinstance(value, SecretSetting):
+        value = value.text
     digest = hashlib.sha256(str(value).encode("utf-8")).digest()
     return float(int.from_bytes(digest[:6], "big"))
 
@@ -198,7 +223,8 @@ def shared_sampling_seed(strategy, num_examples, settings=None):
         num_examples: this worker's number of training examples N.
         settings: None or a dict of this worker's run settings (name to a
             number, or to text compared by a digest: an optimizer's class and
-            configuration, the mechanism's step event).
+            configuration, the mechanism's step event; a `SecretSetting` is
+            compared by a digest and never shown).
 
     Returns:
         A non-negative Python int.
@@ -242,7 +268,11 @@ def shared_sampling_seed(strategy, num_examples, settings=None):
         shown = []
         for i in differing:
             name, value = names[i], settings[names[i]]
-            if isinstance(value, str):
+            if isinstance(value, SecretSetting):
+                variants = len(set(gathered[:, 5 + i]))
+                shown.append(f"{name} (not shown: {variants} different values across the "
+                             "replicas)")
+            elif isinstance(value, str):
                 variants = len(set(gathered[:, 5 + i]))
                 shown.append(f"{name}={value[:200]!r} on this worker ({variants} different "
                              "values across the replicas)")

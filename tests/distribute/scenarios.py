@@ -12,6 +12,7 @@ go to OUT.npz; the tests assert on them.
 """
 
 import contextlib
+import json
 import os
 import sys
 import threading
@@ -306,12 +307,15 @@ def refusal_messages(replicas):
         "clipnorm": lambda: tfdp.optimizers.DPOptimizer(
             keras.optimizers.SGD(0.1, clipnorm=1.0), l2_norm_clip=1.0, noise_multiplier=1.0
         ),
+        "steps_per_execution": lambda: tfdp.optimizers.DPSGD(
+            0.1, l2_norm_clip=1.0, noise_multiplier=1.0),
     }
     messages = {}
     for name, make in candidates.items():
         with scope(replicas):
             model = exact_model()
-            model.compile(optimizer=make(), loss=LOSS)
+            model.compile(optimizer=make(), loss=LOSS,
+                          steps_per_execution=2 if name == "steps_per_execution" else 1)
         try:
             model.fit(x, y, batch_size=24, epochs=1, verbose=0)
             messages[name] = "TRAINED"
@@ -409,17 +413,18 @@ def bandmf_optimizer(seed=7, noise_state=None, bands=3):
     )
 
 
-def fixed_order_pipeline(shuffle_seed=3):
+def fixed_order_pipeline(shuffle_seed=3, batch_size=24):
     x, y, sample_weight = exact_data()
     return (tf.data.Dataset.from_tensor_slices((x, y, sample_weight))
             .shuffle(len(x), seed=shuffle_seed, reshuffle_each_iteration=False)
-            .batch(24, drop_remainder=True))
+            .batch(batch_size, drop_remainder=True))
 
 
-def fit_bandmf(model, mode, epochs=2, initial_epoch=0, shuffle_seed=3):
-    """A fixed order of 4 batches of 24, or cyclic Poisson (expected batch 8)."""
+def fit_bandmf(model, mode, epochs=2, initial_epoch=0, shuffle_seed=3, batch_size=24):
+    """A fixed order of 4 batches of 24 (or 96 // batch_size of batch_size),
+    or cyclic Poisson (expected batch 8)."""
     if mode == "fixed":
-        model.fit(fixed_order_pipeline(shuffle_seed), epochs=epochs,
+        model.fit(fixed_order_pipeline(shuffle_seed, batch_size), epochs=epochs,
                   initial_epoch=initial_epoch, verbose=0)
     else:
         x, y, sample_weight = exact_data()
@@ -494,6 +499,42 @@ def bandmf_mismatched_pipelines(task):
         return f"{error} | steps={model.privacy.steps}"
 
 
+def bandmf_shared_noise_state(folder):
+    """Both workers write one `noise_state` path (as on a shared file
+    system), 2 epochs of 4 steps: the model step of the state kept as
+    `.prev` (the epoch before the last, for a resume one backup behind)."""
+    path = os.path.join(folder, "shared_noise_state.npz")
+    with scope(2):
+        model = exact_model()
+        model.compile(optimizer=bandmf_optimizer(noise_state=path), loss=LOSS)
+    fit_bandmf(model, "fixed", epochs=2)
+    meta = np.load(path + ".prev")["meta"]
+    meta = json.loads(bytes(meta).decode("utf-8"))
+    return int(meta["start"]) + int(meta["steps"])
+
+
+def bandmf_mismatched_noise(task):
+    """Worker 1 draws DP-BandMF's z_t from another key (seed 8 for 7; no seed
+    for 7: it would take the chief's secret) or plans another number of
+    epochs (the default coefficients come from the planned steps): each
+    worker would add half of its own w_t. "message | steps=..." per case.
+    The epochs case goes last: on code that lets it train, worker 0 stops
+    an epoch before worker 1, whose next collective then fails."""
+    cases = ((dict(seed=7 + task), 2), (dict(seed=None if task else 7), 2),
+             (dict(seed=7), 2 + task))
+    messages = []
+    for optimizer_args, epochs in cases:
+        with scope(2):
+            model = exact_model()
+            model.compile(optimizer=bandmf_optimizer(**optimizer_args), loss=LOSS)
+        try:
+            fit_bandmf(model, "fixed", epochs=epochs)
+            messages.append(f"TRAINED | steps={model.privacy.steps}")
+        except ValueError as error:
+            messages.append(f"{error} | steps={model.privacy.steps}")
+    return np.array(messages)
+
+
 # -- main -----------------------------------------------------------------------
 
 
@@ -554,6 +595,22 @@ def mirrored(out):
             for r in (1, replicas):
                 results[f"bandmf_saved_{r}"], results[f"bandmf_resumed_{r}"] = resumed_bandmf(
                     r, folder)
+    if replicas == 3:
+        # a fixed-order batch of 25 on 3 replicas: shares of 9, 8 and 8 rows,
+        # the two padding rows (row 0 again) with mask 0
+        with timed("bandmf uneven shares"):
+            for r in (1, replicas):
+                results[f"bandmf_uneven_{r}"] = train_bandmf("fixed", r, batch_size=25)[0]
+
+            split = distribute.replica_shares
+
+            def unmasked(indices, mask, num_replicas):  # negative control: padding counted
+                shares, share_mask = split(indices, mask, num_replicas)
+                return shares, tf.ones_like(share_mask)
+
+            with patched("replica_shares", unmasked):
+                results["bandmf_uneven_unmasked"] = train_bandmf(
+                    "fixed", replicas, batch_size=25)[0]
     np.savez(out, **results)
 
 
@@ -593,6 +650,9 @@ def worker(out):
         results["bandmf_noise"] = bandmf_global_noise(2)
         results["bandmf_noise_own_keys"] = bandmf_global_noise(2, shared_key=False)
         results["bandmf_mismatch"] = bandmf_mismatched_pipelines(task)
+        results["bandmf_shared_state_prev"] = bandmf_shared_noise_state(
+            os.path.dirname(os.path.abspath(out)))
+        results["bandmf_noise_mismatch"] = bandmf_mismatched_noise(task)
     # single-device reference, outside the strategy (after all collectives)
     with timed("single"):
         w, steps, eps, _ = train_exact("dpsgd", 1)

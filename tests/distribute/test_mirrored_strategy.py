@@ -136,7 +136,9 @@ def test_mechanisms_that_cannot_be_split_refuse_before_any_step(runs):
     assert "SADPSGD cannot train under a tf.distribute strategy" in str(run["refusal_sadpsgd"])
     assert "DPIS" in str(run["refusal_dpis"]) and "2 replicas" in str(run["refusal_dpis"])
     assert "clipnorm=1.0 with 2 replicas" in str(run["refusal_clipnorm"])
-    for name in ("sadpsgd", "dpis", "clipnorm"):
+    # Keras's multi-step execution fails inside TensorFlow under replicas
+    assert "steps_per_execution=2 with 2 replicas" in str(run["refusal_steps_per_execution"])
+    for name in ("sadpsgd", "dpis", "clipnorm", "steps_per_execution"):
         assert str(run[f"refusal_{name}"]).endswith("steps=0")
 
 
@@ -152,6 +154,15 @@ def test_bandmf_with_noise_on_two_replicas_reproduces_single_device_training(run
     assert float(run[f"bandmf_{mode}_epsilon_2"]) == float(run[f"bandmf_{mode}_epsilon_1"])
     # negative control: every replica adding all of w_t puts R times the noise in
     assert np.abs(run["bandmf_fixed_unshared"] - run["bandmf_fixed_1"]).max() > 0.01
+
+
+def test_bandmf_fixed_order_batch_not_divisible_by_replicas_trains_as_one_device(runs):
+    """A fixed-order batch of 25 on 3 replicas: the two padding rows of the
+    uneven shares add nothing (negative control: the same split with mask 1
+    on the padding trains other weights)."""
+    run = runs[3]
+    np.testing.assert_allclose(run["bandmf_uneven_3"], run["bandmf_uneven_1"], rtol=0, atol=1e-5)
+    assert np.abs(run["bandmf_uneven_unmasked"] - run["bandmf_uneven_1"]).max() > 1e-3
 
 
 def test_bandmf_noise_state_saved_and_resumed_on_two_replicas_as_on_one(runs):

@@ -128,3 +128,31 @@ def test_bandmf_workers_whose_pipelines_differ_refuse_before_a_step(workers):
     for worker in workers:
         message = str(worker["bandmf_mismatch"])
         assert "pipeline" in message and message.endswith("steps=0"), message
+
+
+def test_bandmf_workers_with_other_noise_keys_or_coefficients_refuse_before_a_step(workers):
+    """Worker 1 seeded 8 for 7, or unseeded for 7: each worker would add
+    half of a w_t of its own, 1/sqrt(2) of the noise the ledger charges
+    (measured before: the update's std 0.709 of the single-device one,
+    epsilon unchanged). Worker 1 planning 3 epochs for 2: other default
+    coefficients (measured before at 4 bands, 2 epochs against 12 of 8
+    steps: c = 0.795, 0.438, ... on one worker, 0.685, 0.482, ... on the
+    other), and the run failed only after the shorter plan's last step.
+    Both refuse before a step, without showing the seed."""
+    for worker in workers:
+        seeds, unseeded, epochs = (str(m) for m in worker["bandmf_noise_mismatch"])
+        for message in (seeds, unseeded):
+            assert "Differing: noise seed" in message and message.endswith("steps=0"), message
+            assert "seed=7" not in message and "seed=8" not in message, message
+        assert "Differing: planned steps" in epochs and epochs.endswith("steps=0"), epochs
+        assert "[8.0, 12.0] across the replicas" in epochs, epochs
+
+
+def test_bandmf_workers_writing_one_noise_state_path_keep_the_epoch_before_as_prev(workers):
+    """Both workers run one stream (one id, from the shared secret), so the
+    second worker's save of the same moment replaces the first's instead of
+    moving it to `.prev`: `.prev` keeps the state at the end of epoch 1
+    (step 4), which a resume one backup behind needs (with a stream id per
+    worker it held the other worker's step-8 twin)."""
+    for worker in workers:
+        assert int(worker["bandmf_shared_state_prev"]) == 4

@@ -16,6 +16,7 @@ The noise is added once per logical step to the clipped sum
 batches, mixed precision and XLA work as for `DPOptimizer`.
 """
 
+import hashlib
 import os
 
 import keras
@@ -473,11 +474,21 @@ class DPBandMF(DPOptimizer):
 
     def run_settings(self, model, num_examples, batch_size, steps_per_epoch):
         """`DPOptimizer.run_settings` with the ledger segment for
-        "mechanism"; for a fixed order under several workers, also the
-        digest of the pipeline's first pass (`FixedOrderData.first_pass`):
-        every worker must read the same batches in the same order."""
+        "mechanism"; the noise seed (a `tfdp.distribute.SecretSetting`:
+        every replica adds 1/R of the same w_t, so all must draw z_t from
+        one key: one seed, or all unseeded to take the chief's); until the
+        coefficients are fixed, the planned steps they are optimized for;
+        for a fixed order under several workers, also the digest of the
+        pipeline's first pass (`FixedOrderData.first_pass`): every worker
+        must read the same batches in the same order."""
         settings = super().run_settings(model, num_examples, batch_size, steps_per_epoch)
+        settings["noise seed"] = distribute.SecretSetting(
+            "unseeded" if self.seed is None else f"seed {int(self.seed)}")
         data = self.__dict__.get("_fixed_order")
+        if self.__dict__["_coefficients"] is None:
+            settings["planned steps"] = (
+                data.planned_steps if data is not None
+                else self.__dict__.get("_planned_epochs", 1) * steps_per_epoch)
         if data is not None and distribute.num_workers(model.distribute_strategy) > 1:
             settings["pipeline (SHA-256 of its first pass)"] = data.first_pass()[1]
         return settings
@@ -529,13 +540,18 @@ class DPBandMF(DPOptimizer):
             # seeded; every worker's the same (the chief's) under several
             seed = self.seed if self.seed is not None else shared
             groups_key = sampling_key(None if seed is None else [seed, now, 1])
+        # Under several replicas every worker runs the same stream: one id
+        # (from the shared secret), so workers saving the same moment to one
+        # `noise_state` path see the same state, not another stream's.
+        stream_id = None if shared is None else hashlib.sha256(
+            f"tfdp.DPBandMF stream {shared} {now}".encode("utf-8")).hexdigest()[:16]
         stream = self.__dict__["_stream"]
         if stream is not None and stream.matches(variables, self.bands, stream.layout):
-            stream.reset(now, layout, groups_key)
+            stream.reset(now, layout, groups_key, stream_id)
         else:  # the traced step captures these variables: made once per optimizer
             several = strategy is not None and strategy.num_replicas_in_sync > 1
             stream = bandmf_state.NoiseStream(variables, self.bands, now, layout, groups_key,
-                                              strategy=strategy if several else None)
+                                              stream_id, strategy=strategy if several else None)
             self.__dict__["_stream"] = stream
         return stream
 

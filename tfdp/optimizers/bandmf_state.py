@@ -79,7 +79,7 @@ class NoiseStream:
             `cyclic_poisson_layout`).
         groups_key: int64 [2], the secret key of the record groups (cyclic
             Poisson sampling), or None.
-        stream_id: a random id naming the stream (not secret).
+        stream_id: the id naming the stream (not secret); default random.
         strategy: the model's `tf.distribute.Strategy` when it has several
             replicas, else None. Each replica then keeps its own copy of the
             ring buffer and of the step (variables synchronized on read: a
@@ -143,12 +143,12 @@ class NoiseStream:
             and self.layout == layout
         )
 
-    def reset(self, start, layout, groups_key=None):
+    def reset(self, start, layout, groups_key=None, stream_id=None):
         """Starts a new stream on the same variables (zero history)."""
         self.start = int(start)
         self.layout = dict(layout)
         self.groups_key = None if groups_key is None else np.asarray(groups_key, np.int64)
-        self.stream_id = secrets.token_hex(8)
+        self.stream_id = stream_id or secrets.token_hex(8)
         for history in self.history:
             history.assign(tf.zeros_like(history))
         self.step.assign(0)

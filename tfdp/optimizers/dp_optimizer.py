@@ -496,6 +496,15 @@ class DPOptimizer(keras.optimizers.Optimizer):
         if strategy.num_replicas_in_sync <= 1:
             return None
         self.check_distributable(strategy)
+        executions = getattr(model, "steps_per_execution", 1)
+        if executions > 1:
+            raise ValueError(
+                "Under a tf.distribute strategy with several replicas a DP model runs "
+                "one step per execution (Keras's multi-step loop fails inside "
+                "TensorFlow on the replicas' input there): compile with "
+                f"steps_per_execution=1. Received: steps_per_execution={executions} with "
+                f"{strategy.num_replicas_in_sync} replicas"
+            )
         if steps_per_epoch is None:
             steps_per_epoch = default_steps_per_epoch(num_examples, batch_size)
         settings = self.run_settings(model, num_examples, batch_size, steps_per_epoch)
