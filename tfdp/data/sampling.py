@@ -33,7 +33,7 @@ import os
 import numpy as np
 import tensorflow as tf
 
-__all__ = ["sampling_key", "fold_key", "poisson_indices", "padded_draw", "draws"]
+__all__ = ["sampling_key", "fold_key", "uniform_float64", "poisson_indices", "padded_draw", "draws"]
 
 # One algorithm everywhere: the same (key, step) gives the same draw on every
 # device and worker ("auto_select" may differ between devices).
@@ -67,6 +67,10 @@ def sampling_key(seed=None):
 def fold_key(key, *data):
     """`key` folded with each of `data` in turn (stateless, in the graph).
 
+    Bit for bit `tf.random.experimental.stateless_fold_in(key, value,
+    alg="philox")`, as one op each (tests/data/test_sampling_ops.py). That op
+    has no XLA kernel for int64: fold keys in the input pipeline or eagerly.
+
     Args:
         key: int64 [2] key (array or tensor).
         *data: integer scalars (Python ints or tensors).
@@ -81,10 +85,34 @@ def fold_key(key, *data):
     """
     key = tf.cast(key, tf.int64)
     for value in data:
-        key = tf.random.experimental.stateless_fold_in(
-            key, tf.cast(value, tf.int64), alg=ALGORITHM
+        # tf.random.experimental.stateless_fold_in(key, value, alg=ALGORITHM)
+        # in one op: its Python wrapper scrambles the key in about 15 ops,
+        # which cost 7 ms to instantiate in every fit's input pipeline.
+        word = tf.raw_ops.StatelessRandomUniformFullInt(
+            shape=tf.constant([], tf.int32), seed=key, dtype=tf.int64
         )
+        key = tf.stack([word, tf.cast(value, tf.int64)])
     return key
+
+
+def uniform_float64(shape, key):
+    """`tf.random.stateless_uniform(shape, key, tf.float64, alg="philox")` in
+    one op (see `fold_key`): float64 uniforms in [0, 1).
+
+    Args:
+        shape: int32 or int64 1-D shape (a list or a tensor).
+        key: int64 [2] key.
+
+    Returns:
+        float64 tensor of `shape`.
+
+    Example:
+
+    >>> uniform_float64([3], sampling_key(0)).shape
+    TensorShape([3])
+    """
+    return tf.raw_ops.StatelessRandomUniform(shape=shape, seed=tf.cast(key, tf.int64),
+                                             dtype=tf.float64)
 
 
 def chunk_size(expected):
@@ -124,9 +152,7 @@ def poisson_indices(key, num_examples, sampling_probability):
     n, q = int(num_examples), float(sampling_probability)
     if q >= 1.0:
         return tf.range(n, dtype=tf.int64)
-    uniform = tf.random.stateless_uniform(
-        [chunk_size(q * n)], seed=fold_key(key, 0), dtype=tf.float64, alg=ALGORITHM
-    )
+    uniform = uniform_float64([chunk_size(q * n)], fold_key(key, 0))
     gaps = tf.floor(tf.math.log1p(-uniform) / math.log1p(-q)) + 1.0
     # A gap past N ends the walk: cap it so the int64 sum cannot overflow.
     walked = tf.cumsum(tf.cast(tf.minimum(gaps, float(n + 1)), tf.int64)) - 1
@@ -135,10 +161,7 @@ def poisson_indices(key, num_examples, sampling_probability):
     # independently (a tail of max(0, N - 1 - last) uniforms, empty when the
     # walk passed N). No control flow: with a cond here instead, the draw took
     # 0.063 s to instantiate at a fit's first step, 0.049 s without.
-    tail = tf.random.stateless_uniform(
-        tf.reshape(tf.maximum(n - 1 - last, 0), [1]), seed=fold_key(key, 1),
-        dtype=tf.float64, alg=ALGORITHM,
-    )
+    tail = uniform_float64(tf.reshape(tf.maximum(n - 1 - last, 0), [1]), fold_key(key, 1))
     rest = last + 1 + tf.where(tail < q)[:, 0]
     return tf.concat([tf.boolean_mask(walked, walked < n), rest], axis=0)
 
@@ -202,7 +225,9 @@ def draws(sampler, key, first_step=0, steps=None):
     nonce_seed = int(np.random.SeedSequence(key.view(np.uint64).tolist()).generate_state(1)[0])
     first_step = int(first_step)
     if steps is None:
-        numbers = tf.data.Dataset.counter(first_step, dtype=tf.int64)
+        # Endless in practice; unlike Dataset.counter (a scan), no function
+        # to trace and instantiate.
+        numbers = tf.data.Dataset.range(first_step, np.iinfo(np.int64).max)
     else:
         numbers = tf.data.Dataset.range(first_step, first_step + int(steps))
     # The iteration's number, counted when its first step is drawn (the map
