@@ -408,10 +408,7 @@ class DPBandMF(DPOptimizer):
             planned = self.__dict__.get("_planned_epochs", 1) * steps_per_epoch
         shared = None
         if replicas > 1:
-            shared = self.__dict__.pop("_workers_seed", None)  # fit agreed already
-            if shared is None:
-                shared = self.agree_with_workers(model, num_examples, batch_size, steps_per_epoch)
-                del self.__dict__["_workers_seed"]
+            shared = self.workers_seed(model, num_examples, batch_size, steps_per_epoch)
         stream, new = self._stream_for(model, variables, layout, segment, planned, now, shared)
         if isinstance(arrays, FixedOrderData) and distribute.num_workers(strategy) > 1:
             stream.order_check.adopt(arrays.first_pass()[0])  # the pass the workers compared

@@ -513,6 +513,17 @@ class DPOptimizer(keras.optimizers.Optimizer):
         )
         return self.__dict__["_workers_seed"]
 
+    def workers_seed(self, model, num_examples, batch_size, steps_per_epoch=None):
+        """Under several replicas, for `make_training_data`: the workers'
+        shared secret seed that `fit` agreed on (`agree_with_workers`) before
+        building the optimizer, taken once, or a new agreement when
+        `make_training_data` is called without `fit`."""
+        shared = self.__dict__.pop("_workers_seed", None)  # fit agreed already
+        if shared is None:
+            shared = self.agree_with_workers(model, num_examples, batch_size, steps_per_epoch)
+            del self.__dict__["_workers_seed"]
+        return shared
+
     def run_settings(self, model, num_examples, batch_size, steps_per_epoch):
         """What every worker of a multi-worker run must share (checked by
         `tfdp.distribute.shared_sampling_seed`): the batch, the steps, the
@@ -578,10 +589,7 @@ class DPOptimizer(keras.optimizers.Optimizer):
         self.bind_model_steps(model)
         seed = self.sampling_seed(model.privacy.steps)
         if strategy.num_replicas_in_sync > 1:
-            shared = self.__dict__.pop("_workers_seed", None)  # fit agreed already
-            if shared is None:
-                shared = self.agree_with_workers(model, num_examples, batch_size, steps_per_epoch)
-                del self.__dict__["_workers_seed"]
+            shared = self.workers_seed(model, num_examples, batch_size, steps_per_epoch)
             if seed is None:  # every worker must draw the same global batches
                 seed = shared
         # Without XLA the compiled step takes any batch length without
