@@ -8,11 +8,17 @@ covering some variables, with one interface (`Part`):
   each example's gradient on the part, in exact arithmetic on the float32
   tensors the part holds (`tfdp.per_example.rounding`);
 * `summation_errors()`: float64 [B], a bound on the norm of the rounding that
-  `weighted_sum` adds to one example's contribution, per unit weight (0 for a
-  part that sums exactly the tensors it measured);
-* `dots(vectors)`: [B] inner product of each example's gradient with
-  `vectors` (aligned with the part's variables), and `dot_errors(vectors)`,
-  float64 [B], a bound on its rounding;
+  `weighted_sum` adds to one example's contribution, per unit weight, and
+  of the difference between the operands the norm read and the ones the sum
+  uses (subnormal entries read as 0 by one and as their value by the other);
+* `absolute_errors()`: float64 [B], a bound on what `weighted_sum` adds to
+  one example's contribution that does not shrink with its weight: results
+  flushed to zero (below 2^-126) before a multiplication
+  (`rounding.flushed_products`);
+* `dots(vectors)`: float64 [B] inner product of each example's gradient
+  with `vectors` (aligned with the part's variables), computed in float64
+  (where nothing underflows), and `dot_errors(vectors)`, float64 [B], a
+  bound on its rounding and on the subnormal readings of its operands;
 * `weighted_sum(weights)`: sum_i weights_i g_i per variable (rows with weight 0
   are skipped, so a NaN row cannot poison the sum);
 * `materialize()`: [B, *shape] per variable (memory: batch x parameters);
@@ -23,8 +29,13 @@ covering some variables, with one interface (`Part`):
 
 Clipping reads `PerExampleGradients.sq_norms()`, which joins these into an
 upper bound of the squared norm of what the weighted sum adds for each
-example, whatever the record: a crafted record whose factored norm cancels
-to rounding noise is clipped by its bound, not let through.
+example per unit weight, whatever the record: a crafted record whose
+factored norm cancels to rounding noise is clipped by its bound, not let
+through. `PerExampleGradients.weighted_sum(weights)` keeps the promise
+clipping relies on, example i adds at most |w_i| * norm_bounds()_i, by
+taking each example's absolute error from its weight (`shrink_weights`).
+The proof, operation by operation, is on the per-example mechanism page
+(docs/mechanisms/per-example.md).
 
 Under mixed precision (layers computing in bfloat16 or float16, weights in
 float32) every part casts its inputs to float32 first (`as_float32`), so
@@ -97,6 +108,49 @@ def joined_rows(tensor, k):
     return tf.ensure_shape(joined, static + tensor.shape[2:].as_list())
 
 
+# An example's absolute error up to this fraction of |w| times its norm bound
+# is absorbed by a margin of the same size in `norm_bounds` (the weight is
+# used as given: ordinary data); a larger one is taken from the weight.
+ABSORBED = 2.0**-40
+
+# float32's relative rounding is 2^-24: a reduced weight shrunk by this much
+# more stays below its float64 value after the cast.
+_CAST_MARGIN = 1.0 - 2.0**-20
+
+
+def shrink_weights(weights, norms, absolute):
+    """Weights w' with |w'_i| norms_i + absolute_i <= |w_i| norms_i (1 + ABSORBED).
+
+    Example i's contribution to a weighted sum is at most
+    |w'_i| norms_i + absolute_i, `norms` bounding its gradient per unit weight
+    and `absolute` what the sum adds whatever the weight (flushed results).
+    Where absolute_i <= ABSORBED |w_i| norms_i the weight is kept (the margin
+    in `PerExampleGradients.norm_bounds` covers it); otherwise it is reduced
+    to sign(w_i) (|w_i| - absolute_i / norms_i), or 0 when that is not
+    positive (the example then adds nothing). A weight that is not finite,
+    or whose bounds are not, becomes 0.
+
+    Args:
+        weights: float32 [B].
+        norms: float64 [B] per-unit-weight bounds (`_core_norm_bounds`).
+        absolute: float64 [B] absolute errors.
+
+    Example:
+
+    >>> w = tf.constant([0.5, 0.5, 0.5])
+    >>> norms = tf.constant([2.0, 2.0, 2.0], tf.float64)
+    >>> shrink_weights(w, norms, tf.constant([1e-30, 0.5, 2.0], tf.float64)).numpy().round(6)
+    array([0.5 , 0.25, 0.  ], dtype=float32)
+    """
+    magnitude = tf.abs(tf.cast(weights, tf.float64))
+    absorbed = absolute <= ABSORBED * magnitude * norms
+    reduced = (magnitude - absolute / norms) * _CAST_MARGIN
+    usable = tf.math.is_finite(reduced) & (reduced > 0.0)
+    reduced = tf.where(usable, reduced, tf.zeros_like(reduced))
+    reduced = tf.cast(reduced, weights.dtype) * tf.sign(weights)
+    return tf.where(absorbed & tf.math.is_finite(weights), weights, reduced)
+
+
 class Part:
     """Base of per-example gradient parts (see the module docstring).
 
@@ -106,7 +160,13 @@ class Part:
     """
 
     def summation_errors(self):
-        """Bound on the rounding `weighted_sum` adds per example (float64 [B])."""
+        """Bound on the rounding `weighted_sum` adds per example per unit
+        weight, and on subnormal readings (float64 [B])."""
+        return tf.zeros_like(self.sq_norm_bounds())
+
+    def absolute_errors(self):
+        """Bound on what `weighted_sum` adds per example whatever its weight:
+        flushed results (float64 [B])."""
         return tf.zeros_like(self.sq_norm_bounds())
 
     def sq_norms(self):
@@ -161,6 +221,7 @@ class LinearGrads(Part):
         self._factored = positions == 1 or self._ghost
         self._materialized = None
         self._factored_bounds = None
+        self._row_bounds = None
         self._bias_rows = None
 
     def _to_kernel(self, matrix, batch_dims):
@@ -187,17 +248,32 @@ class LinearGrads(Part):
         return self._materialized
 
     def _bounds(self):
-        """(squared-norm bound, mass) of the factored kernel gradients."""
+        """(squared-norm bound, row bounds of x, row bounds of g) of the
+        factored kernel gradients."""
         if self._factored_bounds is None:
             self._factored_bounds = rounding.factored_norm_bounds(self.x, self.g)
         return self._factored_bounds
 
+    def _rows(self):
+        """[B, S] float64 upper bounds of the row norms |x_s| and |g_s|."""
+        if self._factored:
+            return self._bounds()[1:]
+        if self._row_bounds is None:
+            self._row_bounds = rounding.position_rows(self.x, self.g)
+        return self._row_bounds
+
     def mass(self):
         """float64 [B] upper bound of sum_s |x_s| |g_s|, which bounds every
         rounding that depends on the sizes of the positions' terms."""
-        if self._factored:
-            return self._bounds()[1]
-        return rounding.position_mass(self.x, self.g)
+        return rounding.mass_of(*self._rows())
+
+    def _row_sums(self):
+        """float64 [B] upper bounds of sum_s |x_s| and sum_s |g_s|."""
+        rows_x, rows_g = self._rows()
+        return tf.reduce_sum(rows_x, 1), tf.reduce_sum(rows_g, 1)
+
+    def _entries(self):
+        return self.x.shape[2] * self.g.shape[2]
 
     def _bias_sums(self):
         """[B, O] bias gradients (G summed over positions), computed once, so
@@ -216,35 +292,72 @@ class LinearGrads(Part):
         return kernel + rounding.sum_of_squares(self._bias_sums())
 
     def summation_errors(self):
-        if not self._factored:
-            return super().summation_errors()
-        return rounding.summation_rounding(
-            self.x.shape[1], self._bounds()[1], self.x.shape[2] * self.g.shape[2])
+        fan_in, fan_out = self.x.shape[2], self.g.shape[2]
+        if self._factored:
+            # Rounding of the example's rows in the matmul, and x or g
+            # entries the Gram matrices read as 0 but the sum as subnormal.
+            sum_x, sum_g = self._row_sums()
+            error = (rounding.summation_rounding(self.x.shape[1], self.mass())
+                     + rounding.subnormal_reading(fan_in, sum_g)
+                     + rounding.subnormal_reading(fan_out, sum_x))
+        else:
+            # The sum adds the matrix it measured, entries read alike but
+            # for subnormal ones (below 2^-126 each).
+            error = rounding.subnormal_reading(self._entries(), 1.0) + tf.zeros_like(
+                self.sq_norm_bounds())
+        if len(self.variables) == 2:
+            error += rounding.subnormal_reading(fan_out, 1.0)
+        return error
+
+    def absolute_errors(self):
+        fan_out = self.g.shape[2]
+        if self._factored:
+            # w * g_s is formed first: a flushed entry then meets |x_s|.
+            error = rounding.flushed_products(fan_out, self._row_sums()[0], self._entries(),
+                                              self.x.shape[1])
+        else:
+            error = rounding.flushed_products(self._entries(), 1.0, 0, 0) + tf.zeros_like(
+                self.sq_norm_bounds())
+        if len(self.variables) == 2:
+            error += rounding.flushed_products(fan_out, 1.0, 0, 0)
+        return error
 
     def dots(self, vectors):
-        matrix = self._from_kernel(vectors[0])
+        matrix = tf.cast(self._from_kernel(vectors[0]), tf.float64)
         if self._factored:
             # Two-operand contractions: a three-operand tf.einsum can be far slower.
-            products = tf.einsum("bsk,ko->bso", self.x, matrix) * self.g
+            products = tf.einsum("bsk,ko->bso", tf.cast(self.x, tf.float64), matrix) * tf.cast(
+                self.g, tf.float64)
         else:
-            products = self._per_example_matrix() * matrix
+            products = tf.cast(self._per_example_matrix(), tf.float64) * matrix
         result = rounding.reduce_per_example(products)
         if len(self.variables) == 2:
-            result += tf.linalg.matvec(self._bias_sums(), tf.reshape(vectors[1], [-1]))
+            result += tf.linalg.matvec(tf.cast(self._bias_sums(), tf.float64),
+                                       tf.cast(tf.reshape(vectors[1], [-1]), tf.float64))
         return result
 
     def dot_errors(self, vectors):
         fan_in, fan_out = self.x.shape[2], self.g.shape[2]
+        size = norm_of(vectors[:1])
         if self._factored:
-            # sum_{s,k,o} |x_sk| |M_ko| |g_so| <= |M|_F sum_s |x_s| |g_s|.
+            # sum_{s,k,o} |x_sk| |M_ko| |g_so| <= |M|_F sum_s |x_s| |g_s|;
+            # subnormal readings of x, g (times |M| and the other's rows) and
+            # of M (times the mass).
+            sum_x, sum_g = self._row_sums()
             terms = fan_in + fan_out + self.x.shape[1]
-            error = rounding.dot_rounding(terms, norm_of(vectors[:1]), self._bounds()[1])
+            error = (rounding.dot_rounding(terms, size, self.mass())
+                     + rounding.subnormal_reading(fan_in, size * sum_g)
+                     + rounding.subnormal_reading(fan_out, size * sum_x)
+                     + rounding.subnormal_reading(self._entries(), self.mass()))
         else:
             magnitude = tf.sqrt(rounding.sum_of_squares(self._per_example_matrix()))
-            error = rounding.dot_rounding(fan_in + fan_out, norm_of(vectors[:1]), magnitude)
+            error = (rounding.dot_rounding(fan_in + fan_out, size, magnitude)
+                     + rounding.subnormal_reading(self._entries(), size + magnitude))
         if len(self.variables) == 2:
             magnitude = tf.sqrt(rounding.sum_of_squares(self._bias_sums()))
-            error += rounding.dot_rounding(fan_out, norm_of(vectors[1:]), magnitude)
+            bias_size = norm_of(vectors[1:])
+            error += (rounding.dot_rounding(fan_out, bias_size, magnitude)
+                      + rounding.subnormal_reading(fan_out, bias_size + magnitude))
         return error
 
     def weighted_sum(self, weights):
@@ -298,17 +411,33 @@ class MaterializedGrads(Part):
     def sq_norm_bounds(self):
         return tf.add_n([rounding.sum_of_squares(g) for g in self.grads])
 
-    def dots(self, vectors):
-        return tf.add_n(
-            [rounding.reduce_per_example(g * tf.cast(v, g.dtype)) for g, v in zip(self.grads, vectors)]
-        )
+    def _entries(self):
+        return tf.add_n([tf.cast(rounding.terms_per_example(g), tf.float64) for g in self.grads])
 
-    def dot_errors(self, vectors):
+    def summation_errors(self):
+        # Subnormal entries the float64 norm reads as 0 and w * g does not.
+        return rounding.subnormal_reading(self._entries(), 1.0) + tf.zeros_like(
+            self.sq_norm_bounds())
+
+    def absolute_errors(self):
+        # w * g flushed to zero: below 2^-126 per entry, whatever w.
+        return rounding.flushed_products(self._entries(), 1.0, 0, 0) + tf.zeros_like(
+            self.sq_norm_bounds())
+
+    def dots(self, vectors):
         return tf.add_n([
-            rounding.dot_rounding(rounding.terms_per_example(g),
-                                  tf.sqrt(rounding.sum_of_squares(g)), norm_of([v]))
+            rounding.reduce_per_example(tf.cast(g, tf.float64) * tf.cast(v, tf.float64))
             for g, v in zip(self.grads, vectors)
         ])
+
+    def dot_errors(self, vectors):
+        errors = []
+        for g, v in zip(self.grads, vectors):
+            magnitude, size = tf.sqrt(rounding.sum_of_squares(g)), norm_of([v])
+            entries = rounding.terms_per_example(g)
+            errors.append(rounding.dot_rounding(entries, magnitude, size)
+                          + rounding.subnormal_reading(entries, magnitude + size))
+        return tf.add_n(errors)
 
     def weighted_sum(self, weights):
         keep = tf.not_equal(weights, 0.0)
@@ -364,6 +493,7 @@ class PerExampleGradients:
                 "exactly once."
             )
         self._order = covered
+        self._core = None
 
     def grouped(self, k):
         """The gradients of every k consecutive examples summed into one: a
@@ -411,19 +541,39 @@ class PerExampleGradients:
         gradient cancels the offsets is clipped by this bound, not by the
         rounding noise of the expansion.
         """
+        return self._core_norm_bounds() * (1.0 + ABSORBED)
+
+    def _core_norm_bounds(self):
+        """`norm_bounds` without the margin that absorbs absolute errors
+        (computed once: clipping and `weighted_sum` read the same values)."""
+        if self._core is None:
+            self._core = self._expanded_norm_bounds()
+        return self._core
+
+    def _expanded_norm_bounds(self):
         squares = [part.sq_norm_bounds() for part in self.parts]
         errors = [part.summation_errors() for part in self.parts]
         if self.offsets is None:
             return tf.sqrt(tf.add_n([tf.square(tf.sqrt(s) + e) for s, e in zip(squares, errors)]))
         expansion = []
         for part, square, offsets in zip(self.parts, squares, self._split(self.offsets)):
-            dots = tf.cast(part.dots(offsets), tf.float64)
+            dots = part.dots(offsets)
             expansion.append(square + 2.0 * (dots + part.dot_errors(offsets))
                              + tf.square(norm_of(offsets)))
         gradient = tf.sqrt(tf.add_n(squares))
         assembly = 3.0 * rounding.gamma(1) * (gradient + norm_of(self.offsets))
         summed = tf.sqrt(tf.add_n([tf.square(e) for e in errors]))
         return tf.sqrt(tf.maximum(tf.add_n(expansion), 0.0)) + summed + assembly
+
+    def absolute_errors(self):
+        """float64 [B]: a bound on what `weighted_sum` adds for each example
+        that does not shrink with its weight (flushed results), the parts'
+        added; with offsets, the flushes of (sum of weights) * o too."""
+        errors = tf.add_n([part.absolute_errors() for part in self.parts])
+        if self.offsets is not None:
+            entries = sum(int(o.shape.num_elements()) for o in self.offsets)
+            errors += rounding.flushed_products(entries, 1.0, 0, 0)
+        return errors
 
     def sq_norms(self):
         """float32 [B]: the squared `norm_bounds`, rounded up; clipping reads it."""
@@ -441,9 +591,13 @@ class PerExampleGradients:
     def weighted_sum(self, weights):
         """sum_i weights_i * g_i per variable; rows with weight 0 are skipped.
 
-        Skipped rows are masked with `tf.where`, so a NaN gradient with weight
-        0 cannot poison the sum.
+        Example i adds at most |weights_i| * norm_bounds()_i, whatever it
+        holds: the weights are first reduced by the examples' absolute errors
+        (`shrink_weights`), which changes none on ordinary data. Skipped rows
+        are masked with `tf.where`, so a NaN gradient with weight 0 cannot
+        poison the sum.
         """
+        weights = shrink_weights(weights, self._core_norm_bounds(), self.absolute_errors())
         sums = self._arrange([part.weighted_sum(weights) for part in self.parts])
         if self.offsets is not None:
             total = tf.reduce_sum(weights)

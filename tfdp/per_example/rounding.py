@@ -22,6 +22,26 @@ underflow); factored norms are computed from float64 Gram matrices, where
 the bound leaves a slack of about 1e-12 relative on ordinary data; each
 bound is added, so the result is >= the true value whatever the record.
 
+Flush-to-zero. On the CPU (inside `tf.function`, under XLA) float32 results
+below 2^-126 (`FLOAT32_TINY`) are flushed to zero, and subnormal inputs may
+be read as zero by one operation (a cast to float64 under denormals-are-zero)
+and as their value by another. Two consequences are bounded here, with the
+operands as the sum uses them:
+
+* a value flushed BEFORE it is multiplied by a large factor loses up to
+  FLOAT32_TINY times that factor (the weighted sum's w * g_s is flushed and
+  then multiplied by |x_s|, up to 3e38): this error does not shrink with the
+  weight w, so it is an ABSOLUTE error of the example's contribution
+  (`flushed_products`), which `PerExampleGradients.weighted_sum` takes from
+  the weight it is given (a record it cannot absorb gets weight 0);
+* an operand entry read as 0 in the norm but used in the sum (or the
+  reverse) differs by less than FLOAT32_TINY: per unit weight, at most
+  FLOAT32_TINY times the norm of what it multiplies (`subnormal_reading`).
+
+Products of two float32 numbers computed in float64 never underflow (they
+are multiples of 2^-298), so dot products taken in float64 lose nothing to
+flushing; only the subnormal readings of their float32 operands remain.
+
 Each bound below is stated for the exact real-arithmetic value of what the
 per-example part represents (its float32 factors X_i, G_i, or a tensor it
 materialized and sums as is). What the weighted sum adds when it computes an
@@ -36,8 +56,8 @@ Example:
 >>> import tensorflow as tf
 >>> x = tf.constant([[[1.0, 0.0], [1.0, 0.0]]])      # two equal positions
 >>> g = tf.constant([[[1e8, 0.0], [-1e8, 1.0]]])     # cancelling gradients
->>> sq, mass = factored_norm_bounds(x, g)           # true squared norm: 1
->>> bool(sq.numpy()[0] >= 1.0), round(float(mass.numpy()[0]))
+>>> sq, rows_x, rows_g = factored_norm_bounds(x, g)   # true squared norm: 1
+>>> bool(sq.numpy()[0] >= 1.0), round(float(mass_of(rows_x, rows_g).numpy()[0]))
 (True, 200000000)
 """
 
@@ -121,28 +141,69 @@ def sum_of_squares(tensor):
 
 def dot_rounding(terms, *norms):
     """Bound, float64 [B], on the rounding of a dot product of `terms` terms
-    computed in float32 whose operands' absolute values have norms `norms`
-    (each a [B] tensor or a Python float; their product bounds sum |a_i b_i|),
-    plus `terms` times float32's smallest normal number for products flushed
-    to zero.
+    computed in FLOAT64 from float32 operands whose absolute values have
+    norms `norms` (each a [B] tensor or a Python float; their product bounds
+    sum |a_i b_i|). Nothing underflows in float64 (see the module
+    docstring); subnormal readings of the operands are the caller's
+    (`subnormal_reading`).
 
     Example:
 
     >>> float(dot_rounding(2, tf.constant([1.0], tf.float64), 1.0)[0]) > 0
     True
     """
-    bound = tf.cast(gamma(terms + 2), tf.float64)
+    bound = tf.cast(gamma(terms + 2, tf.float64), tf.float64)
     for norm in norms:
         bound = bound * tf.cast(norm, tf.float64)
-    return bound + tf.cast(terms + 2, tf.float64) * FLOAT32_TINY
+    return bound
 
 
-def summation_rounding(positions, mass, entries):
+def summation_rounding(positions, mass):
     """Bound, float64 [B], on the rounding a float32 matmul over an example's
-    `positions` rows adds to its contribution sum_s x_s (w g_s)^T (a matrix
-    of `entries` entries), per unit weight w: gamma(positions + 1) * sum_s |x_s| |g_s| (`mass`), the +1 for
-    the product w g; plus a flushed-to-zero product per position and entry."""
-    return gamma(positions + 2) * tf.cast(mass, tf.float64) + (positions + 2) * FLOAT32_TINY * entries
+    `positions` rows adds to its contribution sum_s x_s (w g_s)^T per unit
+    weight w: gamma(positions + 2) * sum_s |x_s| |g_s| (`mass`), the +2 for
+    the product w g and the sum's last addition. Flushed results are
+    `flushed_products`' (absolute, not per unit weight)."""
+    return gamma(positions + 2) * tf.cast(mass, tf.float64)
+
+
+def subnormal_reading(width, magnitude):
+    """Bound, float64, on how far a product of an operand of `width` float32
+    entries and a factor of norm `magnitude` moves when the operand's
+    subnormal entries (each below FLOAT32_TINY) are read as 0 by one
+    operation and as their value by another: FLOAT32_TINY * sqrt(width) *
+    magnitude.
+
+    Example:
+
+    >>> subnormal_reading(4, 1.0) == 2.0 * FLOAT32_TINY
+    True
+    """
+    return FLOAT32_TINY * _sqrt(width) * magnitude
+
+
+def flushed_products(width, magnitude, entries, positions):
+    """ABSOLUTE bound, float64, on what flushing adds to one example's
+    contribution sum_s x_s (w g_s)^T when w g is formed first: each entry of
+    w g_s below FLOAT32_TINY may be flushed (an error below FLOAT32_TINY
+    whatever w), then multiplied by |x_s| (`magnitude` bounds
+    sum_s |x_s|, `width` is g's width); and each of the `entries` entries
+    of the result loses at most FLOAT32_TINY per product and per partial
+    sum over the example's `positions` rows.
+
+    Example:
+
+    >>> round(float(flushed_products(1, 3e38, 1, 1)), 2)    # 3e38 * 2^-126
+    3.53
+    """
+    return FLOAT32_TINY * (_sqrt(width) * magnitude + 2.0 * positions * _sqrt(entries))
+
+
+def _sqrt(count):
+    """sqrt of a Python number or an int tensor (float64)."""
+    if isinstance(count, (int, float)):
+        return math.sqrt(count)
+    return tf.sqrt(tf.cast(count, tf.float64))
 
 
 def _row_squares64(rows):
@@ -156,19 +217,40 @@ def _row_squares64(rows):
     return total
 
 
-def position_mass(x, g):
-    """Upper bound, float64 [B], of sum_s |x_s| |g_s| for x [B, S, K] and
-    g [B, S, O] (row norms in float64: no overflow), without Gram matrices.
+def row_norm_bounds(squares, width):
+    """[B, S] float64 upper bounds of the true norms of float32 rows of
+    `width` entries from their float64 sums of squares `squares` [B, S]:
+    rounding (relative) and subnormal entries read as 0 by the cast
+    (FLOAT32_TINY each) included.
 
     Example:
 
-    >>> float(position_mass(tf.ones([1, 2, 4]), tf.ones([1, 2, 1]))[0])
-    4.0...
+    >>> float(row_norm_bounds(tf.constant([[25.0]], tf.float64), 2)[0, 0])
+    5.0...
     """
-    norms = tf.sqrt(_row_squares64(x) * _row_squares64(g))
-    positions = x.shape[1] if x.shape[1] is not None else tf.shape(x)[1]
-    terms = x.shape[-1] + g.shape[-1] + positions + 4
-    return tf.reduce_sum(norms, 1) * (1.0 + gamma(terms, tf.float64))
+    return tf.sqrt(squares) * (1.0 + gamma(width + 2, tf.float64)) + FLOAT32_TINY * math.sqrt(width)
+
+
+def position_rows(x, g):
+    """([B, S], [B, S]) float64 upper bounds of the row norms |x_s|, |g_s|
+    of x [B, S, K] and g [B, S, O] (in float64: no overflow), without Gram
+    matrices.
+
+    Example:
+
+    >>> rows_x, rows_g = position_rows(tf.ones([1, 2, 4]), tf.ones([1, 2, 1]))
+    >>> float(rows_x[0, 0]), float(rows_g[0, 1])
+    (2.0..., 1.0...)
+    """
+    return (row_norm_bounds(_row_squares64(x), x.shape[-1]),
+            row_norm_bounds(_row_squares64(g), g.shape[-1]))
+
+
+def mass_of(rows_x, rows_g):
+    """float64 [B] upper bound of sum_s |x_s| |g_s| from row-norm bounds
+    [B, S] (the float64 products and sum rounded up)."""
+    positions = rows_x.shape[1] if rows_x.shape[1] is not None else tf.shape(rows_x)[1]
+    return tf.reduce_sum(rows_x * rows_g, 1) * (1.0 + gamma(positions + 2, tf.float64))
 
 
 def _gram64(rows):
@@ -192,10 +274,11 @@ def factored_norm_bounds(x, g):
         g: float32 [B, S, O] output gradients at the same positions.
 
     Returns:
-        (sq, mass), float64 [B] each: `sq` >= ||sum_s x_s g_s^T||_F^2 (exact
-        arithmetic on the given x and g), and `mass` >= sum_s |x_s| |g_s|,
-        which bounds every rounding that depends on the positions' sizes
-        (`summation_rounding`, `dot_rounding`).
+        (sq, rows_x, rows_g), float64: `sq` [B] >= ||sum_s x_s g_s^T||_F^2
+        (exact arithmetic on x and g as the float64 cast reads them), and
+        [B, S] upper bounds of the true row norms |x_s| and |g_s|
+        (`row_norm_bounds`), which bound every rounding that depends on the
+        positions' sizes (`mass_of`, `summation_rounding`, `dot_rounding`).
 
     The squared norm is sum_{s,t} (x_s . x_t)(g_s . g_t), computed from
     float64 Gram matrices; its rounding is at most
@@ -206,11 +289,11 @@ def factored_norm_bounds(x, g):
     positions, fan_in, fan_out = x.shape[1], x.shape[2], g.shape[2]
     x_gram, g_gram = _gram64(x), _gram64(g)
     estimate = tf.reduce_sum(tf.reduce_sum(x_gram * g_gram, 2), 1)
-    row_norms = tf.sqrt(tf.linalg.diag_part(x_gram) * tf.linalg.diag_part(g_gram))
+    rows_x = row_norm_bounds(tf.linalg.diag_part(x_gram), fan_in)
+    rows_g = row_norm_bounds(tf.linalg.diag_part(g_gram), fan_out)
     terms = fan_in + fan_out + 2 * positions + 4
-    mass = tf.reduce_sum(row_norms, 1) * (1.0 + gamma(terms, tf.float64))
-    sq = estimate + gamma(terms, tf.float64) * tf.square(mass)
-    return tf.maximum(sq, 0.0), mass
+    sq = estimate + gamma(terms, tf.float64) * tf.square(mass_of(rows_x, rows_g))
+    return tf.maximum(sq, 0.0), rows_x, rows_g
 
 
 def round_up_to_float32(value):

@@ -64,15 +64,30 @@ class EmbeddingGrads(Part):
     def sq_norm_bounds(self):
         return rounding.sum_of_squares(self.merged_rows())
 
+    def _entries(self):
+        return rounding.terms_per_example(self.g)
+
+    def summation_errors(self):
+        # The sum adds the merged rows it measured; only subnormal entries
+        # may be read as 0 by the norm and not by w * rows.
+        return rounding.subnormal_reading(self._entries(), 1.0) + tf.zeros_like(
+            self.sq_norm_bounds())
+
+    def absolute_errors(self):
+        # w * rows flushed to zero: below 2^-126 per entry, whatever w.
+        return rounding.flushed_products(self._entries(), 1.0, 0, 0) + tf.zeros_like(
+            self.sq_norm_bounds())
+
     def dots(self, vectors):
-        rows = tf.gather(vectors[0], self.ids)  # [B, T, D]
-        return rounding.reduce_per_example(rows * self.merged_rows())
+        rows = tf.gather(tf.cast(vectors[0], tf.float64), self.ids)  # [B, T, D]
+        return rounding.reduce_per_example(rows * tf.cast(self.merged_rows(), tf.float64))
 
     def dot_errors(self, vectors):
         # sum_t |V[id_t]| |merged_t| <= |V|_F |merged| (merged rows are zero
         # at repeated ids, so each table row is met once).
-        return rounding.dot_rounding(rounding.terms_per_example(self.g),
-                                     tf.sqrt(self.sq_norm_bounds()), norm_of(vectors))
+        magnitude, size = tf.sqrt(self.sq_norm_bounds()), norm_of(vectors)
+        return (rounding.dot_rounding(self._entries(), magnitude, size)
+                + rounding.subnormal_reading(self._entries(), magnitude + size))
 
     def weighted_sum(self, weights):
         keep = tf.not_equal(weights, 0.0)

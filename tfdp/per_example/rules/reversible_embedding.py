@@ -56,18 +56,24 @@ class TiedGrads(Part):
         self.variables = lookup.variables
 
     def _cross(self):
-        """[B] <L_i, P_i>: the projection's gradient rows at example i's ids
-        (sum_s G_z[i, s, id] h[i, s]) against the lookup's merged rows, and a
-        bound on its rounding (and on the gap between P_i's factors and
-        its materialized matrix, when the projection materializes it):
-        sum_{t,d} |L_td| sum_s |G_z[s, id_t]| |h_sd| <= |L| sum_s |h_s| |G_z,s|."""
-        merged = self.lookup.merged_rows()
+        """[B] <L_i, P_i> in float64: the projection's gradient rows at
+        example i's ids (sum_s G_z[i, s, id] h[i, s]) against the lookup's
+        merged rows, and a bound on its rounding (and on the gap between P_i's
+        factors and its materialized matrix, when the projection materializes
+        it): sum_{t,d} |L_td| sum_s |G_z[s, id_t]| |h_sd| <= |L| sum_s |h_s| |G_z,s|;
+        plus the subnormal readings of L (times |P|) and of h and G_z (times
+        |L|, the projection's own reading bound)."""
+        merged = tf.cast(self.lookup.merged_rows(), tf.float64)
         columns = tf.gather(self.projection.g, self.lookup.ids, axis=2, batch_dims=1)  # [B, S, T]
-        rows = tf.einsum("bst,bsd->btd", columns, self.projection.x)
-        cross = tf.cast(rounding.reduce_per_example(rows * merged), tf.float64)
+        rows = tf.einsum("bst,bsd->btd", tf.cast(columns, tf.float64),
+                         tf.cast(self.projection.x, tf.float64))
+        cross = rounding.reduce_per_example(rows * merged)
         terms = 2 * self.projection.x.shape[1] + rounding.terms_per_example(merged)
-        error = rounding.dot_rounding(terms, tf.sqrt(self.lookup.sq_norm_bounds()),
-                                      self.projection.mass())
+        lookup_size = tf.sqrt(self.lookup.sq_norm_bounds())
+        error = (rounding.dot_rounding(terms, lookup_size, self.projection.mass())
+                 + rounding.subnormal_reading(rounding.terms_per_example(merged),
+                                              self.projection.mass())
+                 + lookup_size * self.projection.summation_errors())
         return cross, error
 
     def sq_norm_bounds(self):
@@ -79,7 +85,11 @@ class TiedGrads(Part):
         # The two tables are summed apart and then added: one more rounding
         # of |L| + |P|.
         sizes = tf.sqrt(self.lookup.sq_norm_bounds()) + tf.sqrt(self.projection.sq_norm_bounds())
-        return self.projection.summation_errors() + 2.0 * rounding.gamma(1) * sizes
+        return (self.projection.summation_errors() + self.lookup.summation_errors()
+                + 2.0 * rounding.gamma(1) * sizes)
+
+    def absolute_errors(self):
+        return self.lookup.absolute_errors() + self.projection.absolute_errors()
 
     def dots(self, vectors):
         return self.lookup.dots(vectors) + self.projection.dots(vectors)
