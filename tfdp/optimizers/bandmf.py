@@ -214,6 +214,7 @@ class DPBandMF(DPOptimizer):
             current = from_state
         elif current is None:
             current = bandmf.optimal_coefficients(self.bands, max(self.bands, planned_steps))
+        bandmf.check_stable(current, planned_steps)
         self.__dict__["_coefficients"] = current
         return current
 
