@@ -139,10 +139,14 @@ class PrivacyBudget(keras.callbacks.Callback):
         self.stopped_for_budget = False
         self.stop_message = None
         self._stop_epoch = None
+        self._first_epoch = None
+        self._first_step = self._ledger().steps
         self._plan()
 
     def on_epoch_begin(self, epoch, logs=None):
         self._epoch = epoch
+        if self._first_epoch is None:
+            self._first_epoch = epoch
         self._plan()
 
     def _is_last_planned_step(self, batch):
@@ -172,6 +176,24 @@ class PrivacyBudget(keras.callbacks.Callback):
             if self._stop_epoch == epoch:
                 logs["stopped_for_budget"] = 1.0
 
+    def _short_plan(self, ran):
+        """A sentence for a stop that cut the fit's plan short: the noise
+        multiplier is too small for the planned steps."""
+        params = self.params or {}
+        epochs, steps = params.get("epochs"), params.get("steps")
+        if epochs is None or steps is None or self._first_epoch is None:
+            return ""
+        planned = (epochs - self._first_epoch) * steps
+        sigma = getattr(getattr(self.model, "optimizer", None), "noise_multiplier", None)
+        if ran >= planned or sigma is None:
+            return ""
+        return (
+            f" The noise multiplier is too small for this fit's plan: the budget affords "
+            f"{ran} of its {planned} steps at noise_multiplier={sigma:.4g}. Calibrate the "
+            "noise for the plan (the optimizer's target_epsilon and target_delta, or "
+            "tfdp.accounting.calibrate_dpsgd) or plan fewer epochs."
+        )
+
     def on_train_end(self, logs=None):
         if not self.stopped_for_budget:
             return
@@ -182,6 +204,7 @@ class PrivacyBudget(keras.callbacks.Callback):
             f"Epoch {self._stop_epoch + 1}: the privacy budget stopped training after step "
             f"{ledger.steps}: epsilon={spent:.4f} (delta={self.delta:g}) of the budget "
             f"epsilon={self.epsilon:.4f}; one more step would spend epsilon={following:.4f}."
+            + self._short_plan(ledger.steps - self._first_step)
         )
         logger.info(self.stop_message)
         if (self.params or {}).get("verbose", 0) != 0:

@@ -15,7 +15,9 @@ from tests.callbacks.test_budget_logs import DELTA, compiled_model, epsilon_afte
 
 STOP_LINE = re.compile(
     r"^Epoch (\d+): the privacy budget stopped training after step (\d+): epsilon=([0-9.]+) "
-    r"\(delta=1e-05\) of the budget epsilon=([0-9.]+); one more step would spend epsilon=([0-9.]+)\.$",
+    r"\(delta=1e-05\) of the budget epsilon=([0-9.]+); one more step would spend epsilon=([0-9.]+)\."
+    r"( The noise multiplier is too small for this fit's plan: the budget affords \d+ of its "
+    r"\d+ steps at noise_multiplier=[0-9.]+\. Calibrate the noise for the plan .*)?$",
     flags=re.M,
 )
 
@@ -31,8 +33,10 @@ def test_a_budget_stop_is_said_once_with_the_epsilon_spent(capsys, caplog, verbo
     out = capsys.readouterr().out
     said = STOP_LINE.findall(out)
     assert len(said) == 1, out
-    epoch, step, spent, limit, next_step = said[0]
+    epoch, step, spent, limit, next_step, short_plan = said[0]
     assert (epoch, step) == ("2", "6")
+    # The stop cut the plan short: 6 of the 12 planned steps, and it says why.
+    assert "the budget affords 6 of its 12 steps at noise_multiplier=1." in short_plan
     assert float(spent) == pytest.approx(epsilon_after(6, 1.0, 0.25), abs=1e-4)
     assert float(limit) == pytest.approx(budget.epsilon, abs=1e-4)
     assert float(next_step) == pytest.approx(epsilon_after(7, 1.0, 0.25), abs=1e-4)

@@ -150,22 +150,46 @@ def dpsgd_steps(num_examples, batch_size, epochs):
     return math.ceil(exact)
 
 
+def sampled_units(num_examples, num_users):
+    """The number of units a step samples: N records, or U people with
+    user-level DP (`fit(user_ids=...)`, where `batch_size` counts people);
+    exactly one of the two.
+
+    Example:
+
+    >>> sampled_units(None, 500)
+    500
+    """
+    if (num_examples is None) == (num_users is None):
+        raise ValueError(
+            "Pass `num_examples` (record-level DP: N records) or `num_users` (user-level "
+            "DP, fit(user_ids=...): U people, batch_size counting people), exactly one. "
+            f"Received: num_examples={num_examples!r}, num_users={num_users!r}"
+        )
+    if num_users is not None:
+        return check_int("num_users", num_users, minimum=1)
+    return num_examples
+
+
 def compute_dpsgd_epsilon(
-    num_examples,
-    batch_size,
-    noise_multiplier,
-    epochs,
-    delta,
+    num_examples=None,
+    batch_size=None,
+    noise_multiplier=None,
+    epochs=None,
+    delta=None,
     accountant="rdp",
     conversion="tight",
+    num_users=None,
 ):
-    """Epsilon of DP-SGD on N examples for a number of epochs.
+    """Epsilon of DP-SGD on N examples (or U people) for a number of epochs.
 
     Uses q = batch_size / N and the steps `fit(epochs=epochs,
-    batch_size=batch_size)` runs (`dpsgd_steps`: epochs * round(N / b)).
+    batch_size=batch_size)` runs (`dpsgd_steps`: epochs * round(N / b));
+    with `num_users` U instead, q = batch_size / U (user-level DP: the
+    epsilon protects a person with all their records).
 
     Args:
-        num_examples: N, an integer >= 1.
+        num_examples: N, an integer >= 1 (or None with `num_users`).
         batch_size: expected batch size, an integer in [1, N].
         noise_multiplier: sigma, a finite number > 0.
         epochs: a finite number >= 0.
@@ -173,6 +197,7 @@ def compute_dpsgd_epsilon(
             (a guarantee that allows publishing a whole record).
         accountant: "rdp" (default) or "pld".
         conversion: "tight" (default) or "classic" (papers only).
+        num_users: U people, instead of `num_examples` (user-level DP).
 
     Returns:
         Epsilon as a float.
@@ -182,6 +207,7 @@ def compute_dpsgd_epsilon(
     >>> round(compute_dpsgd_epsilon(60000, 150, 1.3, 15, 1e-5), 6)
     0.724223
     """
+    num_examples = sampled_units(num_examples, num_users)
     steps = dpsgd_steps(num_examples, batch_size, epochs)
     warn_if_delta_exceeds_one_over_n(check_delta(delta), num_examples)
     return compute_epsilon(
@@ -375,23 +401,27 @@ def _bracketed_search(epsilon_at, target, low, at_low, high, at_high, tolerance)
 
 
 def calibrate_dpsgd(
-    num_examples,
-    batch_size,
-    epochs,
-    target_epsilon,
-    delta,
+    num_examples=None,
+    batch_size=None,
+    epochs=None,
+    target_epsilon=None,
+    delta=None,
     accountant="rdp",
     tolerance=1e-4,
     conversion="tight",
+    num_users=None,
 ):
-    """`calibrate_noise_multiplier` for N examples, a batch size and epochs.
+    """`calibrate_noise_multiplier` for N examples (or U people), a batch
+    size and epochs.
 
     Uses q = batch_size / N and the steps `fit(epochs=epochs,
     batch_size=batch_size)` runs (`dpsgd_steps`: epochs * round(N / b)), so
-    training with the returned noise ends within `target_epsilon`.
+    training with the returned noise ends within `target_epsilon`. With
+    `num_users` U instead of N, q = batch_size / U: the noise for
+    `fit(user_ids=..., batch_size=b)`, whose epsilon protects a person.
 
     Args:
-        num_examples: N, an integer >= 1.
+        num_examples: N, an integer >= 1 (or None with `num_users`).
         batch_size: expected batch size, an integer in [1, N].
         epochs: a finite number > 0.
         target_epsilon: the target, a finite number > 0.
@@ -399,6 +429,7 @@ def calibrate_dpsgd(
         accountant: "rdp" (default) or "pld".
         tolerance: relative precision of the answer, in (0, 1).
         conversion: "tight" (default) or "classic" (papers only).
+        num_users: U people, instead of `num_examples` (user-level DP).
 
     Returns:
         The noise multiplier.
@@ -407,7 +438,11 @@ def calibrate_dpsgd(
 
     >>> round(calibrate_dpsgd(60000, 150, 15, target_epsilon=0.7242234, delta=1e-5), 3)
     1.3
+    >>> round(calibrate_dpsgd(num_users=60000, batch_size=150, epochs=15,
+    ...                       target_epsilon=0.7242234, delta=1e-5), 3)
+    1.3
     """
+    num_examples = sampled_units(num_examples, num_users)
     check_real("epochs", epochs, low=0.0)
     steps = dpsgd_steps(num_examples, batch_size, epochs)
     warn_if_delta_exceeds_one_over_n(check_delta(delta), num_examples)

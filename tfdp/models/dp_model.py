@@ -15,10 +15,12 @@ import os
 import keras
 import numpy as np
 import tensorflow as tf
+from keras.src.utils import io_utils
 from keras.src.utils.tracking import no_automatic_dependency_tracking
 
 from tfdp import distribute
 from tfdp.accounting import PrivacyLedger
+from tfdp.accounting.calibration import steps_per_epoch as default_steps_per_epoch
 from tfdp.data import interrupts, sources
 from tfdp.data.fixed_order import FixedOrderData
 from tfdp.models import chunked_step, float32_precision, input_checks, user_level
@@ -385,6 +387,12 @@ class DPTrainingMixin:
         arrays = (x, y) if sample_weight is None else (x, y, sample_weight)
         if isinstance(x, (sources.RecordSource, FixedOrderData)):
             arrays = x
+        if not isinstance(x, FixedOrderData):  # a target epsilon sets sigma now
+            planned = (steps_per_epoch or default_steps_per_epoch(num_examples, batch_size)) * max(
+                0, epochs - initial_epoch)
+            self.optimizer.plan_noise(
+                self, num_examples, batch_size, planned, "records" if users is None else "people",
+                say=io_utils.print_msg if verbose != 0 else lambda message: None)
         # Workers agree (settings checked, sampling seed shared) before any of
         # them builds variables: differing optimizers would break that.
         self.optimizer.agree_with_workers(self, num_examples, batch_size, steps_per_epoch)
@@ -433,8 +441,12 @@ class DPTrainingMixin:
             self, arrays, batch_size, steps_per_epoch=steps_per_epoch,
             budgets=[c for c in callbacks if isinstance(c, PrivacyBudget)], **by_user,
         )
+        self.optimizer.fix_planned_noise()  # the ledger's steps are open: sigma is final
         if not any(isinstance(c, PrivacyBudget) for c in callbacks):
-            callbacks.append(PrivacyBudget(epsilon=None, delta=min(DEFAULT_DELTA, 1.0 / num_examples)))
+            target = getattr(self.optimizer, "noise_target", None)
+            callbacks.append(
+                PrivacyBudget(epsilon=None, delta=min(DEFAULT_DELTA, 1.0 / num_examples))
+                if target is None else PrivacyBudget(epsilon=target.epsilon, delta=target.delta))
         # Ledger-reading callbacks go first so that every other callback
         # (progress bar, History, TensorBoard, checkpoints) sees epsilon.
         callbacks.sort(key=lambda c: not isinstance(c, PrivacyBudget))

@@ -16,7 +16,7 @@ from tfdp.data import public
 from tfdp.data.sources import require_in_memory
 from tfdp.mechanisms import adaptive_noise as ada
 from tfdp.per_example import compute_per_example_gradients
-from tfdp.optimizers.dp_optimizer import DPOptimizer, check_positive
+from tfdp.optimizers.dp_optimizer import DPOptimizer, check_positive, noise_multiplier_or_default
 
 PAPER_BOUNDS = ("theorem1", "poisson_rdp")
 NOISE_SHAPES = ("released", "public")
@@ -151,7 +151,9 @@ class AdaDP(DPOptimizer):
             setting; ADAN needs a larger one, the paper used 0.1).
         l2_norm_clip: C > 0: the warm-up's global clipping bound, and the
             scale of the adaptive bounds (sum_j c_j^2 = beta^2 C^2).
-        noise_multiplier: sigma* > 0, the noise multiplier in both phases.
+        noise_multiplier: sigma* > 0, the noise multiplier in both phases
+            (default 1.0; chosen by `fit` with `target_epsilon` and
+            `target_delta`, see `DPOptimizer`).
         gamma: weight of the new g~^2 in v, in (0, 1] (default 0.1).
         gamma_prime: weight of the OLD value in s, in [0, 1) (default 0.9;
             used by noise_shape="released").
@@ -208,7 +210,7 @@ class AdaDP(DPOptimizer):
         self,
         learning_rate=0.002,
         l2_norm_clip=1.0,
-        noise_multiplier=1.0,
+        noise_multiplier=None,
         gamma=0.1,
         gamma_prime=0.9,
         local_clip_threshold=1e-6,
@@ -282,7 +284,7 @@ class AdaDP(DPOptimizer):
         super().__init__(
             inner,
             l2_norm_clip=l2_norm_clip,
-            noise_multiplier=noise_multiplier,
+            noise_multiplier=noise_multiplier_or_default(noise_multiplier, kwargs),
             weight_decay=weight_decay,
             weight_decay_placement=weight_decay_placement,
             seed=seed,
@@ -549,13 +551,13 @@ class AdaDP(DPOptimizer):
 
     # -- accounting -----------------------------------------------------------
 
-    def step_event(self, sampling_probability):
+    def step_event(self, sampling_probability, noise_multiplier=None):
         """DP-SGD's event with noise multiplier sigma*, in both phases.
 
         In the adaptive phase the step is DP-SGD in the whitened space
         (clip 1, noise sigma*), see `tfdp.mechanisms.adaptive_noise`.
         """
-        return accounting.dpsgd_event(self.noise_multiplier, sampling_probability)
+        return super().step_event(sampling_probability, noise_multiplier)
 
     def paper_epsilon(self, delta, sampling_probability, steps, bound="theorem1"):
         """The PAPER's epsilon for these settings: a reproduction, not a guarantee.

@@ -149,6 +149,8 @@ class DPBandMF(DPOptimizer):
     # `DPModel.fit` hands a tf.data.Dataset to `fixed_order_data` instead of
     # refusing it.
     trains_on_datasets = True
+    # Its rounds are not DP-SGD steps: `tfdp.accounting.bandmf` calibrates them.
+    calibrates_noise_at_fit = False
 
     def __init__(
         self,

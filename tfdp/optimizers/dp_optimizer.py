@@ -19,6 +19,7 @@ from tfdp.accounting.calibration import steps_per_epoch as default_steps_per_epo
 from tfdp.data.poisson import PoissonSampler, make_dataset
 from tfdp.data.users import UserSampler
 from tfdp.mechanisms import dpsgd
+from tfdp.optimizers.noise_target import NoiseTarget
 
 WEIGHT_DECAY_PLACEMENTS = ("before_clip", "after_noise")
 
@@ -81,6 +82,21 @@ def check_float32_noise(l2_norm_clip, noise_multiplier):
     received = f"l2_norm_clip={l2_norm_clip:g}, noise_multiplier={noise_multiplier:g}"
     check_float32_scale("l2_norm_clip", l2_norm_clip, received)
     check_float32_scale("noise_multiplier * l2_norm_clip", noise_multiplier * l2_norm_clip, received)
+
+
+def noise_multiplier_or_default(noise_multiplier, kwargs, default=1.0):
+    """For optimizers whose `noise_multiplier` defaults to 1.0: `default`
+    when none is given and no `target_epsilon` is in `kwargs` (which then
+    leaves sigma to `fit`).
+
+    Example:
+
+    >>> noise_multiplier_or_default(None, {}), noise_multiplier_or_default(None, {"target_epsilon": 3})
+    (1.0, None)
+    """
+    if noise_multiplier is None and kwargs.get("target_epsilon") is None:
+        return default
+    return noise_multiplier
 
 
 def draw_multiple(batch_size):
@@ -163,7 +179,8 @@ class DPOptimizer(keras.optimizers.Optimizer):
             ...). It only post-processes noisy gradients.
         l2_norm_clip: clipping bound C > 0 on each example's gradient norm.
         noise_multiplier: sigma > 0; the noise's standard deviation is
-            sigma * C on the sum of clipped gradients.
+            sigma * C on the sum of clipped gradients. None (the default)
+            with `target_epsilon`: chosen by the first `fit`.
         weight_decay: lambda >= 0 (default 0, none).
         weight_decay_placement: "before_clip" (default; seed 003: the L2 term
             lambda/2 ||theta||^2 joins each example's loss, so lambda * theta
@@ -179,6 +196,14 @@ class DPOptimizer(keras.optimizers.Optimizer):
             compiling a loaded model with a new optimizer of the same seed
             never replays the noise of earlier steps.
         name: optimizer name.
+        target_epsilon: instead of `noise_multiplier`, the epsilon the run
+            must end within: the first `fit` calibrates sigma from the number
+            of records (or people, with `user_ids`), `batch_size` and its
+            planned epochs, composed with what the model's ledger has spent,
+            prints it and fixes it; a later `fit` that would pass the target
+            is refused before its first step (`noise_target.NoiseTarget`).
+            With both, `noise_multiplier` is used and the target only guards.
+        target_delta: the delta of `target_epsilon` (required with it).
 
     Every privacy setting (the arguments above, and those listed in a
     subclass's `_fixed_settings`) is fixed once the optimizer is created:
@@ -194,6 +219,11 @@ class DPOptimizer(keras.optimizers.Optimizer):
     ...     keras.optimizers.Adam(1e-3), l2_norm_clip=1.0, noise_multiplier=1.1)
     >>> opt.noise_multiplier
     1.1
+
+    A target epsilon instead (sigma is chosen, and printed, by `fit`):
+
+    >>> opt = tfdp.optimizers.DPOptimizer(keras.optimizers.Adam(1e-3), l2_norm_clip=1.0,
+    ...                                   target_epsilon=3.0, target_delta=1e-5)
     """
 
     # Settings the compiled step reads as Python values: assignable once
@@ -204,17 +234,24 @@ class DPOptimizer(keras.optimizers.Optimizer):
         "weight_decay",
         "weight_decay_placement",
         "seed",
+        "noise_target",
     )
+
+    # Whether `target_epsilon` can set this optimizer's noise at `fit`: its
+    # step is DP-SGD's event (what `calibrate_noise_multiplier` calibrates).
+    calibrates_noise_at_fit = True
 
     def __init__(
         self,
         inner_optimizer,
         l2_norm_clip,
-        noise_multiplier,
+        noise_multiplier=None,
         weight_decay=0.0,
         weight_decay_placement="before_clip",
         seed=None,
         name=None,
+        target_epsilon=None,
+        target_delta=None,
         **kwargs,
     ):
         if not isinstance(inner_optimizer, keras.optimizers.Optimizer):
@@ -246,8 +283,10 @@ class DPOptimizer(keras.optimizers.Optimizer):
                 f"{type(self).__name__}). Received: {_show_kwargs(kwargs)}"
             )
         l2_norm_clip = check_positive("l2_norm_clip", l2_norm_clip)
-        noise_multiplier = check_positive("noise_multiplier", noise_multiplier)
-        check_float32_noise(l2_norm_clip, noise_multiplier)
+        noise_target = self._noise_target(noise_multiplier, target_epsilon, target_delta)
+        if noise_multiplier is not None:
+            noise_multiplier = check_positive("noise_multiplier", noise_multiplier)
+            check_float32_noise(l2_norm_clip, noise_multiplier)
         check_finite_hyperparameters(inner_optimizer)
         if isinstance(weight_decay, bool) or not isinstance(
             weight_decay, (int, float, np.number)
@@ -270,12 +309,63 @@ class DPOptimizer(keras.optimizers.Optimizer):
         self.__dict__["_assigned_settings"] = set()
         self.inner_optimizer = inner_optimizer
         self.l2_norm_clip = l2_norm_clip
-        self.noise_multiplier = noise_multiplier
+        if noise_multiplier is None:  # fixed by the first fit (NoiseTarget.plan)
+            self.__dict__["noise_multiplier"] = None
+        else:
+            self.noise_multiplier = noise_multiplier
+        self.noise_target = noise_target
         self.weight_decay = float(weight_decay)
         self.weight_decay_placement = weight_decay_placement
         self.seed = seed
         self._noise_key = _noise_key(seed)
         self._model_steps = _ModelSteps()
+
+    def _noise_target(self, noise_multiplier, target_epsilon, target_delta):
+        """The `NoiseTarget` of `target_epsilon` (None without one); refuses
+        neither sigma nor a target, and a target this mechanism cannot
+        calibrate."""
+        if target_epsilon is None:
+            if target_delta is not None:
+                raise ValueError(
+                    "`target_delta` goes with `target_epsilon`. Received: "
+                    f"target_delta={target_delta!r}, target_epsilon=None"
+                )
+            if noise_multiplier is None:
+                raise ValueError(
+                    f"{type(self).__name__} needs `noise_multiplier` (sigma > 0) or "
+                    "`target_epsilon` with `target_delta` (sigma then chosen by fit). "
+                    "Received: noise_multiplier=None, target_epsilon=None"
+                )
+            return None
+        if not type(self).calibrates_noise_at_fit:
+            raise ValueError(
+                f"{type(self).__name__} cannot calibrate its noise from a target epsilon "
+                "at fit; pass `noise_multiplier` (tfdp.accounting answers which sigma a "
+                f"target needs). Received: target_epsilon={target_epsilon!r}"
+            )
+        return NoiseTarget(target_epsilon, target_delta)
+
+    def plan_noise(self, model, num_units, batch_size, steps, unit_name, say):
+        """Called by `DPModel.fit` before anything is built or released: with
+        a target epsilon, calibrates sigma (unless a fit already trained with
+        it) and refuses a fit that would pass the target (`NoiseTarget.plan`).
+        The sigma is fixed when the fit starts releasing (`fix_planned_noise`):
+        a fit refused before then leaves it open. No-op without a target."""
+        if self.noise_target is None:
+            return
+        if "noise_multiplier" not in self.__dict__["_assigned_settings"]:
+            self.__dict__["noise_multiplier"] = None  # still open: plan this fit
+        sigma = self.noise_target.plan(self, model.privacy, num_units, batch_size, steps,
+                                       unit_name, say)
+        if sigma is not None:
+            check_float32_noise(self.l2_norm_clip, sigma)
+            self.__dict__["noise_multiplier"] = sigma
+
+    def fix_planned_noise(self):
+        """Fixes the sigma `plan_noise` chose (called by `DPModel.fit` as the
+        ledger opens the fit's steps); from then on it is a fixed setting."""
+        if self.__dict__.get("noise_multiplier") is not None:
+            self.__dict__["_assigned_settings"].add("noise_multiplier")
 
     def __setattr__(self, name, value):
         if name in type(self)._fixed_settings:
@@ -445,9 +535,11 @@ class DPOptimizer(keras.optimizers.Optimizer):
             return None
         return int(np.random.SeedSequence([self.seed, steps_taken]).generate_state(1)[0])
 
-    def step_event(self, sampling_probability):
-        """The dp_accounting event one step of this optimizer releases."""
-        return accounting.dpsgd_event(self.noise_multiplier, sampling_probability)
+    def step_event(self, sampling_probability, noise_multiplier=None):
+        """The dp_accounting event one step of this optimizer releases (at
+        `noise_multiplier` instead of its own, for planning)."""
+        sigma = self.noise_multiplier if noise_multiplier is None else noise_multiplier
+        return accounting.dpsgd_event(sigma, sampling_probability)
 
     # Why a subclass cannot run under several replicas (None: it can).
     multi_replica_unsupported = None
@@ -634,6 +726,7 @@ class DPOptimizer(keras.optimizers.Optimizer):
             "noise_multiplier": self.noise_multiplier,
             "weight_decay": self.weight_decay,
             "weight_decay_placement": self.weight_decay_placement,
+            **({} if self.noise_target is None else self.noise_target.get_config()),
         }
 
     @classmethod

@@ -2,7 +2,7 @@
 
 import keras
 
-from tfdp.optimizers.dp_optimizer import DPOptimizer
+from tfdp.optimizers.dp_optimizer import DPOptimizer, noise_multiplier_or_default
 
 
 @keras.saving.register_keras_serializable(package="tfdp")
@@ -15,8 +15,10 @@ class DPSGD(DPOptimizer):
         momentum: float >= 0 (default 0), as SGD.
         nesterov: bool (default False), as SGD.
         l2_norm_clip: clipping bound C > 0 on each example's gradient norm.
-        noise_multiplier: sigma > 0 (noise std sigma * C on the clipped sum).
-        weight_decay, weight_decay_placement, seed, name: see `DPOptimizer`.
+        noise_multiplier: sigma > 0 (noise std sigma * C on the clipped sum;
+            default 1.0, or chosen by `fit` with `target_epsilon`).
+        weight_decay, weight_decay_placement, seed, name, target_epsilon,
+            target_delta: see `DPOptimizer`.
 
     Example (the Fashion-MNIST settings of SA-DPSGD's Table 2):
 
@@ -33,7 +35,7 @@ class DPSGD(DPOptimizer):
         momentum=0.0,
         nesterov=False,
         l2_norm_clip=1.0,
-        noise_multiplier=1.0,
+        noise_multiplier=None,
         weight_decay=0.0,
         weight_decay_placement="before_clip",
         seed=None,
@@ -46,7 +48,7 @@ class DPSGD(DPOptimizer):
         super().__init__(
             inner,
             l2_norm_clip=l2_norm_clip,
-            noise_multiplier=noise_multiplier,
+            noise_multiplier=noise_multiplier_or_default(noise_multiplier, kwargs),
             weight_decay=weight_decay,
             weight_decay_placement=weight_decay_placement,
             seed=seed,

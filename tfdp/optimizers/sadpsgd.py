@@ -20,7 +20,7 @@ from tfdp import accounting
 from tfdp.data import public
 from tfdp.data.sources import require_in_memory
 from tfdp.mechanisms import annealing
-from tfdp.optimizers.dp_optimizer import DPOptimizer, check_positive
+from tfdp.optimizers.dp_optimizer import DPOptimizer, check_positive, noise_multiplier_or_default
 
 MISSING_ENERGY_DATA = (
     "SADPSGD has no public energy set. Call "
@@ -130,7 +130,8 @@ class SADPSGD(DPOptimizer):
             arguments, as `tfdp.optimizers.DPSGD` (defaults 0.01, 0, False;
             the paper uses plain SGD).
         l2_norm_clip: clipping bound C > 0.
-        noise_multiplier: sigma > 0.
+        noise_multiplier: sigma > 0 (default 1.0; chosen by `fit` with
+            `target_epsilon` and `target_delta`, see `DPOptimizer`).
         public_energy_data: required keyword, a pair (x, y) of PUBLIC arrays
             (not training data). `None` defers it to `set_public_energy_data`
             (as `from_config` does: arrays are not part of the configuration).
@@ -176,7 +177,7 @@ class SADPSGD(DPOptimizer):
         momentum=None,
         nesterov=None,
         l2_norm_clip=1.0,
-        noise_multiplier=1.0,
+        noise_multiplier=None,
         *,
         public_energy_data,
         initial_temperature=10.0,
@@ -209,7 +210,7 @@ class SADPSGD(DPOptimizer):
         super().__init__(
             inner_optimizer,
             l2_norm_clip=l2_norm_clip,
-            noise_multiplier=noise_multiplier,
+            noise_multiplier=noise_multiplier_or_default(noise_multiplier, kwargs),
             weight_decay=weight_decay,
             weight_decay_placement=weight_decay_placement,
             seed=seed,
