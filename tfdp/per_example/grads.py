@@ -113,6 +113,14 @@ def joined_rows(tensor, k):
 # used as given: ordinary data); a larger one is taken from the weight.
 ABSORBED = 2.0**-40
 
+# With weight-decay offsets o, an example's weight also keeps its separate
+# pieces w |g| and w |o| within OFFSET_SPREAD * C: its gradient may cancel the
+# decay only to 1 / OFFSET_SPREAD of their sizes before that, not further.
+# A batch whose gradients all cancel the decay (g = -o) had weights near
+# C / (6 u |o|), and the float32 rounding of the two sums across examples
+# moved the update 8x to 32x the bound.
+OFFSET_SPREAD = 8.0
+
 # float32's relative rounding is 2^-24: a reduced weight shrunk by this much
 # more stays below its float64 value after the cast.
 _CAST_MARGIN = 1.0 - 2.0**-20
@@ -539,7 +547,10 @@ class PerExampleGradients:
         rounding), and the sum adds the rounding of assembling g and o
         separately (a few units of roundoff of |g| + |o|): a record whose
         gradient cancels the offsets is clipped by this bound, not by the
-        rounding noise of the expansion.
+        rounding noise of the expansion. With offsets the bound is at least
+        (|g| + |o|) / OFFSET_SPREAD, so that the sums of w g and of w o,
+        added apart across examples, stay of the clipped contributions'
+        size (see `OFFSET_SPREAD`).
         """
         return self._core_norm_bounds() * (1.0 + ABSORBED)
 
@@ -563,7 +574,11 @@ class PerExampleGradients:
         gradient = tf.sqrt(tf.add_n(squares))
         assembly = 3.0 * rounding.gamma(1) * (gradient + norm_of(self.offsets))
         summed = tf.sqrt(tf.add_n([tf.square(e) for e in errors]))
-        return tf.sqrt(tf.maximum(tf.add_n(expansion), 0.0)) + summed + assembly
+        combined = tf.sqrt(tf.maximum(tf.add_n(expansion), 0.0)) + summed + assembly
+        # The weighted sum adds sum_i w_i g_i and (sum_i w_i) o apart: their
+        # float32 rounding across examples grows with the separate sizes.
+        separate = (gradient + summed + norm_of(self.offsets)) / OFFSET_SPREAD
+        return tf.maximum(combined, separate)
 
     def absolute_errors(self):
         """float64 [B]: a bound on what `weighted_sum` adds for each example

@@ -30,7 +30,7 @@ import keras
 import tensorflow as tf
 
 from tfdp.per_example import rounding
-from tfdp.per_example.grads import LinearGrads, Part
+from tfdp.per_example.grads import OFFSET_SPREAD, LinearGrads, Part
 from tfdp.per_example.patches import as_rows
 from tfdp.per_example.registry import ALLOWED, register_rule
 from tfdp.per_example.rules.common import concat_positions, plain_weights
@@ -79,7 +79,11 @@ class TiedGrads(Part):
     def sq_norm_bounds(self):
         cross, error = self._cross()
         total = self.lookup.sq_norm_bounds() + self.projection.sq_norm_bounds()
-        return tf.maximum(total + 2.0 * (cross + error), 0.0)
+        # The two tables are summed apart across examples: keep each
+        # example's separate pieces within OFFSET_SPREAD of the bound, as for
+        # weight-decay offsets (`PerExampleGradients.norm_bounds`).
+        sizes = tf.sqrt(self.lookup.sq_norm_bounds()) + tf.sqrt(self.projection.sq_norm_bounds())
+        return tf.maximum(total + 2.0 * (cross + error), tf.square(sizes / OFFSET_SPREAD))
 
     def summation_errors(self):
         # The two tables are summed apart and then added: one more rounding
