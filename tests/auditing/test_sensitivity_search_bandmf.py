@@ -90,6 +90,9 @@ def test_negative_control_a_dpbandmf_that_skips_clipping_is_caught():
     x, y = records()
     model = dense_model(bandmf(_SkipsClipping))
     result = sensitivity_search(model, x, y, search_steps=4)
-    assert result.worst_ratio > 1e3, result.summary()
+    # Hundreds of times the bound (weighted_sum still takes flushed-to-zero
+    # errors from the weights it is given, so extreme records move it less
+    # than the 1e3 they did before that).
+    assert result.worst_ratio > 1e2, result.summary()
     with pytest.raises(SensitivityExceeded, match="times the bound"):
         result.check(TOLERANCE)
