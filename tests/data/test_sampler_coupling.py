@@ -261,12 +261,14 @@ def test_cyclic_groups_are_exchangeable():
         other = record_groups(sampling_key(10**6 + trial), 63, bands)
         less_law.append(_pattern(other[window - [0, 0, 1, 1]]))
     assert not _window_law_differs(np.array(full_law), np.array(less_law))
-    # Within an active step the group's members are Poisson-sampled by
-    # position in the group, i.i.d.: the same law, and the same draws for a
-    # record replaced in place (the draws never read the data).
-    sampler = CyclicPoissonSampler(64, 8, bands=2, groups_key=sampling_key(1), seed=0)
-    assert np.array_equal(sampler.sample_indices(sampler.key, 3),
-                          sampler.sample_indices(sampler.key, 3))
+    # Within an active step the group's members are Poisson-sampled by their
+    # place in the group, i.i.d.: the records before the removed one keep
+    # their places, so their draws are bit-identical (q = 1/4 for both).
+    full = CyclicPoissonSampler(64, 8, bands=2, groups_key=sampling_key(1), seed=0)
+    less = CyclicPoissonSampler(63, 7.875, bands=2, groups_key=sampling_key(1), seed=0)
+    for step in range(6):
+        before, after = _drawn(full, full.key, step), _drawn(less, full.key, step)
+        assert np.array_equal(before[before < removed], after[after < removed])
 
 
 def _dpis(ghat, seed=0):
