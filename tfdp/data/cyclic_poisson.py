@@ -7,8 +7,17 @@ joins the batch independently with probability q, the other records not at
 all. A record's group is therefore active once every b steps, and within an
 active step it is Poisson-sampled, which is the participation pattern that
 amplified DP-BandMF is accounted for (`tfdp.accounting.bandmf.amplified_event`,
-Choquette-Choo et al. 2023, jax-privacy's INDEPENDENT partition). The groups
-are independent of the other records, so the guarantee is add-or-remove.
+Choquette-Choo et al. 2023, jax-privacy's INDEPENDENT partition).
+
+Whose randomness: record i's group is a function of the groups key and i
+only (element i of one stateless stream), and within a step the active
+group's members get i.i.d. Bernoulli(q) coins by their place in the group.
+A record's only identity is its index: removing a record leaves the groups
+of the records before it bit for bit the same and shifts the later ones to
+the draw of the index before theirs, i.i.d. all the same, so the other
+records' groups and coins have the same joint law with or without it, and
+replacing a record changes no draw. So the guarantee is add-or-remove
+(tests/data/test_sampler_coupling.py).
 
 Expected batch size and steps: with N records, a step draws q N / b records
 on average. `DPModel.fit(x, y, batch_size=B)` with a `DPBandMF(bands=b)`

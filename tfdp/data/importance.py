@@ -262,14 +262,20 @@ class ImportanceSampler:
 
         Record i joins with probability q_i = min(1, b ghat_i / K~) (float32,
         as `importance_sampling.first_stage_probabilities`), by comparing
-        q_i with a float64 uniform keyed by (seed, epoch, draw number).
+        q_i with a float64 uniform keyed by (seed, epoch, draw number) and
+        its index i; its stage-2 uniform is keyed alike. Both are i.i.d.
+        over records and read no other record's data: replacing a record
+        leaves every other record's draws bit for bit the same, and removing
+        one leaves the others' draws the same in law (a record's only
+        identity is its index; tests/data/test_sampler_coupling.py).
 
         Returns:
             dict of tensors of length L (`padded_size`, or a multiple of it
             for a rare larger draw): "indices" (int64, 0 on padding), "mask"
             (float32, 1 for drawn records), "ghat" (float32, the bound each
             drawn record was sampled with; 1 on padding) and "uniform"
-            (float32 U[0, 1) draws for stage 2).
+            (float32 U[0, 1) draws for stage 2, each drawn record's own; 0
+            on padding).
         """
         number = self._epoch_draws.assign_add(1) - 1
         key = fold_key(self.key, self._epoch.read_value(), number)
@@ -284,9 +290,13 @@ class ImportanceSampler:
         length = tf.maximum(unit, (count + unit - 1) // unit * unit)
         draw = padded_draw(chosen, length)
         draw["ghat"] = tf.pad(tf.gather(table, chosen), [[0, length - count]], constant_values=1.0)
-        draw["uniform"] = tf.random.stateless_uniform(
-            [length], seed=fold_key(key, 1), dtype=tf.float32, alg=ALGORITHM
+        # Each record's own stage-2 uniform (one per record, gathered), not
+        # one per row: a row's position moves when another record joins or
+        # leaves, a record's index does not.
+        uniforms = tf.random.stateless_uniform(
+            [self.num_examples], seed=fold_key(key, 1), dtype=tf.float32, alg=ALGORITHM
         )
+        draw["uniform"] = tf.pad(tf.gather(uniforms, chosen), [[0, length - count]])
         self._counts.assign_add(tf.stack([1, tf.cast(count > unit, tf.int64), count]))
         return draw
 

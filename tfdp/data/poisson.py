@@ -11,6 +11,16 @@ anyway is never truncated (truncation would change the sampling distribution
 and void the accounting): it is padded to the next multiple of
 `padded_size` instead.
 
+Whose randomness: a record's only identity is its index, and the draw is
+N i.i.d. Bernoulli(q) coins over the indices (a walk of geometric gaps with
+that law), keyed by the run's key and the step and by nothing in the data.
+Removing a record leaves the draws of the records before it bit for bit the
+same and gives each record after it the coin of the index before its own:
+the other records' coins are still i.i.d. Bernoulli(q), so their joint law
+(all the accountant sees) is unchanged by the removal. Replacing a record
+changes no draw. (People, who have ids, get draws keyed by their own id:
+`tfdp.data.users`; tests/data/test_sampler_coupling.py checks both.)
+
 Example:
 
 ```python

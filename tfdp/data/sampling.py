@@ -13,6 +13,12 @@ draw with stateless TensorFlow ops only. So:
 - without the key the draws are unpredictable: the key is 128 bits of OS
   entropy unless a seed is given, and it is never saved.
 
+Units with an identity of their own (people: `tfdp.data.users`) draw from
+`unit_uniforms(key, codes)`: each unit's numbers are a function of the
+step's key and of the unit's own code only, never of its position among the
+others, so adding or removing one unit leaves every other unit's draws bit
+for bit the same under the same key.
+
 A sampler is any object with `draw(key, step)` returning a dict of tensors
 with at least "indices" (int64 [L], the rows to read, real rows first) and
 "mask" (float32 [L], 1 for a real row, 0 for padding); it may add entries the
@@ -33,7 +39,8 @@ import os
 import numpy as np
 import tensorflow as tf
 
-__all__ = ["sampling_key", "fold_key", "uniform_float64", "poisson_indices", "padded_draw", "draws"]
+__all__ = ["sampling_key", "fold_key", "uniform_float64", "philox4x32", "unit_uniforms",
+           "poisson_indices", "padded_draw", "draws"]
 
 # One algorithm everywhere: the same (key, step) gives the same draw on every
 # device and worker ("auto_select" may differ between devices).
@@ -113,6 +120,100 @@ def uniform_float64(shape, key):
     """
     return tf.raw_ops.StatelessRandomUniform(shape=shape, seed=tf.cast(key, tf.int64),
                                              dtype=tf.float64)
+
+
+# Philox-4x32-10 (Salmon et al. 2011, "Parallel random numbers: as easy as
+# 1, 2, 3"): the multipliers and the Weyl key increments.
+_PHILOX_MULTIPLIERS = (0xD2511F53, 0xCD9E8D57)
+_PHILOX_BUMPS = (0x9E3779B9, 0xBB67AE85)
+_LOW32 = 0xFFFFFFFF
+
+
+def philox4x32(key_words, counters):
+    """The Philox-4x32-10 block of every counter, under one key, in the graph.
+
+    The counter-based generator TensorFlow's "philox" streams use, applied
+    to a tensor of counters at once: block i is a function of `key_words`
+    and `counters[..., i, :]` alone (tests/data/test_sampler_coupling.py
+    checks the published test vectors). Plain uint64 ops (each 32-bit word
+    held in a uint64, products exact), so it runs wherever the input
+    pipeline runs.
+
+    Args:
+        key_words: [2] unsigned 32-bit key words (any integer dtype, values
+            < 2^32).
+        counters: [..., 4] counter words (values < 2^32).
+
+    Returns:
+        uint64 tensor [..., 4], the block's four 32-bit words.
+
+    Example:
+
+    >>> block = philox4x32(tf.constant([0, 0], tf.uint64), tf.zeros([1, 4], tf.uint64))
+    >>> [f"{int(word):08x}" for word in block[0]]
+    ['6627e8d5', 'e169c58d', 'bc57ac4c', '9b00dbd8']
+    """
+    low = tf.constant(_LOW32, tf.uint64)
+    shift = tf.constant(32, tf.uint64)
+    key_words = tf.cast(key_words, tf.uint64)
+    k0, k1 = key_words[0], key_words[1]
+    counters = tf.cast(counters, tf.uint64)
+    c0, c1, c2, c3 = (counters[..., i] for i in range(4))
+    m0, m1 = (tf.constant(m, tf.uint64) for m in _PHILOX_MULTIPLIERS)
+    w0, w1 = (tf.constant(w, tf.uint64) for w in _PHILOX_BUMPS)
+    for _ in range(10):
+        product0, product1 = m0 * c0, m1 * c2  # < 2^64: exact
+        hi0, lo0 = tf.bitwise.right_shift(product0, shift), tf.bitwise.bitwise_and(product0, low)
+        hi1, lo1 = tf.bitwise.right_shift(product1, shift), tf.bitwise.bitwise_and(product1, low)
+        c0 = tf.bitwise.bitwise_xor(tf.bitwise.bitwise_xor(hi1, c1), k0)
+        c1 = lo1
+        c2 = tf.bitwise.bitwise_xor(tf.bitwise.bitwise_xor(hi0, c3), k1)
+        c3 = lo0
+        k0 = tf.bitwise.bitwise_and(k0 + w0, low)
+        k1 = tf.bitwise.bitwise_and(k1 + w1, low)
+    return tf.stack([c0, c1, c2, c3], axis=-1)
+
+
+def unit_uniforms(key, codes):
+    """Two float64 uniforms in [0, 1) per unit, from the unit's own code.
+
+    Unit i's pair is the Philox block of counter `codes[i]` under the key
+    (the first key word is Philox's key, the second is XORed into the
+    counter, a bijection of counters): a function of (`key`, `codes[i]`)
+    only. Distinct codes give independent pairs (as independent as
+    Philox's blocks), and no unit's numbers depend on how many other units
+    there are or where they sit.
+
+    Args:
+        key: int64 [2], e.g. `fold_key(run key, step, tag)`.
+        codes: [..., 4] unsigned 32-bit words (uint32 or uint64), one
+            distinct code per unit (`tfdp.data.users.UserRecords.codes`).
+
+    Returns:
+        float64 tensor [..., 2]: 53-bit uniforms (multiples of 2^-53).
+
+    Example:
+
+    >>> codes = tf.constant([[0, 0, 0, 1], [0, 0, 0, 2]], tf.uint32)
+    >>> pairs = unit_uniforms(sampling_key(0), codes)
+    >>> bool(np.array_equal(pairs[1], unit_uniforms(sampling_key(0), codes[1:])[0]))
+    True
+    """
+    words = tf.bitcast(tf.cast(key, tf.int64), tf.uint64)
+    low = tf.constant(_LOW32, tf.uint64)
+    shift = tf.constant(32, tf.uint64)
+
+    def split(word):
+        return tf.bitwise.bitwise_and(word, low), tf.bitwise.right_shift(word, shift)
+
+    key_words = tf.stack(split(words[0]))
+    mask = tf.stack([*split(words[1]), tf.constant(0, tf.uint64), tf.constant(0, tf.uint64)])
+    block = philox4x32(key_words, tf.bitwise.bitwise_xor(tf.cast(codes, tf.uint64), mask))
+    top = tf.constant(21, tf.uint64)
+    drop = tf.constant(11, tf.uint64)
+    mantissas = tf.bitwise.left_shift(block[..., 0::2], top) + tf.bitwise.right_shift(
+        block[..., 1::2], drop)  # 32 + 21 = 53 bits
+    return tf.cast(mantissas, tf.float64) * 2.0**-53
 
 
 def chunk_size(expected):

@@ -10,15 +10,27 @@ records hold and however many they have, their contribution to a step is
 bounded by the clipping norm, so the DP-SGD accountant at (U, q, steps,
 sigma) bounds adding or removing one person with all their records.
 
-Which k records: user u's records in a fixed order r_0 .. r_{n_u - 1} are
-read cyclically from a random offset o: r_o, r_{o+1}, ... (indices mod n_u),
-k of them. A user with n_u >= k records gives k distinct records, each record
-equally likely to be used in a step that samples the user; a user with fewer
-records repeats them (each appears floor(k / n_u) or ceil(k / n_u) times).
-The offset is uniform over 0 .. n_u - 1 at every step, a function of the
-run's secret key, the step and the user only (the same for every worker);
-the rule never looks at other users' data, so it does not affect privacy,
-only which of a person's records train.
+Which users and which k records: every user has a code of their own, a
+function of their id alone (`UserRecords.codes`: the integer itself, or a
+96-bit hash of a string's UTF-8 bytes), and every random number a step
+draws for a user is `tfdp.data.sampling.unit_uniforms` of that code under a
+key derived from the run's secret key and the step. User u is sampled when
+their inclusion uniform is below q; a sampled user's records, in a fixed
+order r_0 .. r_{n_u - 1}, are read cyclically from an offset
+o = floor(v n_u) of their offset uniform v: r_o, r_{o+1}, ... (indices mod
+n_u), k of them. A user with n_u >= k records gives k distinct records, each
+record equally likely to be used in a step that samples the user; a user
+with fewer records repeats them (each appears floor(k / n_u) or
+ceil(k / n_u) times).
+
+So whether a user is sampled, and which of their records train, is a
+function of the run's key, the step, the user's id and the user's own
+records only: nothing about the other users (not their number, not where
+the user's id sorts among theirs) enters it. Adding or removing one person
+leaves every other person's draws bit for bit the same under the same key
+(tests/data/test_sampler_coupling.py), which is what lets the accountant
+treat the person's presence as the only difference. The draws are the same
+on every worker; the rows only list the sampled users in sorted id order.
 
 The draw's rows are the sampled users' k records each, consecutive (user j's
 rows are j k .. j k + k - 1), real users first, then padding users (mask 0).
@@ -34,18 +46,22 @@ Example:
 [1, 1]
 """
 
+import hashlib
+
 import numpy as np
 import tensorflow as tf
 
 from tfdp.data.poisson import PoissonSampler
-from tfdp.data.sampling import fold_key
+from tfdp.data.sampling import fold_key, unit_uniforms
 
-__all__ = ["UserRecords", "UserSampler", "check_examples_per_user"]
+__all__ = ["UserRecords", "UserSampler", "check_examples_per_user", "user_codes"]
 
-# 1 / golden ratio: the fractional parts of u * PHI spread users' offsets apart.
-_PHI = 0.6180339887498949
-# fold_key tag of a step's offset stream (the Poisson walk uses small tags 0, 1, ...).
+# fold_key tags of a step's per-user streams (the Poisson walk uses small tags 0, 1, ...).
 _OFFSET_TAG = 2**40
+_INCLUSION_TAG = 2**40 + 1
+# The first word of a user's code says what kind of id the other three encode.
+_INT_CODE, _STR_CODE, _BYTES_CODE = 1, 2, 3
+_LOW32 = 0xFFFFFFFF
 
 
 def check_examples_per_user(examples_per_user):
@@ -60,6 +76,106 @@ def check_examples_per_user(examples_per_user):
             f"examples_per_user={examples_per_user!r}"
         )
     return int(examples_per_user)
+
+
+def _object_ids(ids):
+    """An object array of ids as an int64, uint64 or str array; every element
+    must be an int (not bool) or a str, all of one kind."""
+    kinds = []
+    for position, value in enumerate(ids):
+        if isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_)):
+            kinds.append(int)
+        elif isinstance(value, str):
+            kinds.append(str)
+        else:
+            raise ValueError(
+                "Expected every entry of `user_ids` to be an int or a str (a float can be "
+                "NaN or -0.0, bytes and str spell one id two ways: either could split one "
+                "person into several). Received: "
+                f"{value!r} of type {type(value).__name__} at position {position}"
+            )
+    if int in kinds and str in kinds:
+        first_int, first_str = kinds.index(int), kinds.index(str)
+        raise ValueError(
+            "Expected `user_ids` of one kind, all ints or all strs (7 and '7' would be "
+            f"two people, or one). Received: the int {ids[first_int]!r} at position "
+            f"{first_int} and the str {ids[first_str]!r} at position {first_str}"
+        )
+    if kinds[0] is str:
+        return np.asarray([str(value) for value in ids], dtype=str)
+    values = [int(value) for value in ids]
+    low, high = min(values), max(values)
+    if low < -(2**63) or high >= 2**64 or (low < 0 and high >= 2**63):
+        raise ValueError(
+            "Expected integer `user_ids` that fit one NumPy integer type (int64, or uint64 "
+            f"when none is negative). Received: ids from {low} to {high}"
+        )
+    return np.asarray(values, dtype=np.uint64 if high >= 2**63 else np.int64)
+
+
+def _checked_ids(user_ids):
+    """`user_ids` as a 1-D NumPy array of integers or strings (kinds i, u, U
+    or S), or a ValueError that names the entry that is neither."""
+    if isinstance(user_ids, tf.Tensor):
+        user_ids = user_ids.numpy()
+        if user_ids.dtype == object:  # a tf.string tensor: one bytes array
+            user_ids = user_ids.astype(bytes)
+    try:
+        if isinstance(user_ids, np.ndarray) and user_ids.dtype != object:
+            ids = user_ids
+        else:  # lists, tensors, object arrays: look at every entry
+            ids = np.asarray(user_ids, dtype=object)
+    except Exception as error:  # ragged or odd objects
+        raise ValueError(
+            f"Expected `user_ids` to be a 1-D array of integers or strings. Received: "
+            f"{type(user_ids).__name__} that NumPy cannot read as an array ({error})"
+        ) from None
+    if ids.ndim != 1 or ids.size == 0:
+        raise ValueError(
+            "Expected `user_ids` to be a non-empty 1-D array, one id per record. "
+            f"Received: shape {ids.shape}"
+        )
+    if ids.dtype == object:
+        ids = _object_ids(ids)
+    if ids.dtype.kind not in "iuUS":
+        raise ValueError(
+            "Expected `user_ids` to hold integers or strings (a float id can be NaN, "
+            "and NaN != NaN would split one person into several). Received: dtype "
+            f"{ids.dtype}"
+        )
+    return ids
+
+
+def user_codes(unique_ids):
+    """Each id's code: uint32 [U, 4], a function of the id alone.
+
+    Word 0 says the id's kind; words 1-3 hold an integer exactly (96-bit
+    two's complement: the same integer gives the same code in any integer
+    dtype) or the first 96 bits of the BLAKE2b hash of a string's UTF-8
+    bytes (a bytes id's own bytes), so distinct ids have distinct codes
+    (for strings, but for a 2^-96 chance a pair).
+
+    Example:
+
+    >>> user_codes(np.array([-1, 5])).tolist()
+    [[1, 4294967295, 4294967295, 4294967295], [1, 0, 0, 5]]
+    >>> bool((user_codes(np.array([5], np.uint8)) == user_codes(np.array([5]))).all())
+    True
+    """
+    if unique_ids.dtype.kind in "iu":
+        values = unique_ids.astype(np.uint64 if unique_ids.dtype.kind == "u" else np.int64)
+        words = values.view(np.uint64)
+        sign = np.where(values < 0, _LOW32, 0).astype(np.uint64)
+        columns = [np.full(words.shape, _INT_CODE, np.uint64), sign, words >> np.uint64(32),
+                   words & np.uint64(_LOW32)]
+        return np.stack(columns, axis=-1).astype(np.uint32)
+    kind = _STR_CODE if unique_ids.dtype.kind == "U" else _BYTES_CODE
+    codes = np.empty((unique_ids.size, 4), np.uint32)
+    codes[:, 0] = kind
+    for row, value in enumerate(unique_ids.tolist()):
+        data = value.encode("utf-8", "surrogatepass") if kind == _STR_CODE else value
+        codes[row, 1:] = np.frombuffer(hashlib.blake2b(data, digest_size=12).digest(), "<u4")
+    return codes
 
 
 class UserRecords:
@@ -77,10 +193,14 @@ class UserRecords:
         starts: int64 [U], where each user's records begin in `order`.
         order: int64 [N], record indices grouped by user (users in sorted id
             order, each user's records in their original order).
+        codes: uint32 [U, 4], each user's code (`user_codes`): what keys
+            the user's random draws, a function of their id alone.
 
     Raises:
-        ValueError: for ids that are not one-dimensional, empty, floats
-            (a NaN id would split one person), or of mixed types.
+        ValueError: for ids that are not one-dimensional or empty; that are
+            floats (a NaN id would split one person) or booleans; for an
+            entry of a list or object array that is not an int or a str
+            (named, with its position); for ints mixed with strs.
 
     Example:
 
@@ -90,36 +210,14 @@ class UserRecords:
     """
 
     def __init__(self, user_ids):
-        try:
-            ids = np.asarray(user_ids)
-        except Exception as error:  # ragged or odd objects
-            raise ValueError(
-                f"Expected `user_ids` to be a 1-D array of integers or strings. Received: "
-                f"{type(user_ids).__name__} that NumPy cannot read as an array ({error})"
-            ) from None
-        if ids.ndim != 1 or ids.size == 0:
-            raise ValueError(
-                "Expected `user_ids` to be a non-empty 1-D array, one id per record. "
-                f"Received: shape {ids.shape}"
-            )
-        if ids.dtype.kind not in "iuUSO":
-            raise ValueError(
-                "Expected `user_ids` to hold integers or strings (a float id can be NaN, "
-                "and NaN != NaN would split one person into several). Received: dtype "
-                f"{ids.dtype}"
-            )
-        try:
-            unique, inverse, counts = np.unique(ids, return_inverse=True, return_counts=True)
-        except TypeError as error:
-            raise ValueError(
-                "Expected `user_ids` of one type (all integers or all strings). "
-                f"Received: ids that cannot be compared ({error})"
-            ) from None
+        ids = _checked_ids(user_ids)
+        unique, inverse, counts = np.unique(ids, return_inverse=True, return_counts=True)
         self.num_records = int(ids.size)
         self.num_users = int(unique.size)
         self.counts = counts.astype(np.int64)
         self.order = np.argsort(inverse.reshape(-1), kind="stable").astype(np.int64)
         self.starts = np.concatenate([[0], np.cumsum(self.counts)[:-1]]).astype(np.int64)
+        self.codes = user_codes(unique)
 
     def __repr__(self):
         return (
@@ -134,7 +232,9 @@ class UserSampler(PoissonSampler):
 
     A `PoissonSampler` over the U users (q = `expected_users` / U, padded to
     `padded_size` users) whose draw lists, for each drawn user, k of that
-    user's record indices (the module docstring says which). It has the
+    user's record indices. Which users and which records are functions of
+    the key, the step and each user's own id and records (the module
+    docstring), not of the user's place among the others. It has the
     sampler interface of `tfdp.data.sampling`: `draw(key, step)` returns
     "indices" and "mask" with `padded_size * k` rows (a user's k rows
     consecutive), plus the users ("users", "user_mask") and the step's
@@ -181,8 +281,27 @@ class UserSampler(PoissonSampler):
         """N, the records the draws index (`num_examples` is U, the users)."""
         return self.users.num_records
 
+    def sample_indices(self, key, step):
+        """Step `step`'s users: each with probability q, by their own code.
+
+        User u is drawn when the first of `unit_uniforms(fold_key(key,
+        step, tag), codes[u])` is below q: a function of the key, the step
+        and u's id only (the module docstring). Costs O(U) a step.
+
+        Returns:
+            int64 tensor: the sorted user numbers (0 .. U - 1) drawn.
+        """
+        if self.sampling_probability >= 1.0:
+            return tf.range(self.num_examples, dtype=tf.int64)
+        uniforms = unit_uniforms(fold_key(key, step, _INCLUSION_TAG), tf.constant(self.users.codes))
+        return tf.where(uniforms[:, 0] < self.sampling_probability)[:, 0]
+
     def user_rows(self, offset_key, users, user_mask):
         """The records of `users`: k per user, consecutive, with their mask.
+
+        User u's offset is floor(v n_u), v the first of
+        `unit_uniforms(offset_key, codes[u])`: a function of the step's key
+        and of u's id and record count only.
 
         Args:
             offset_key: int64 [2], the step's "offset_key".
@@ -193,13 +312,12 @@ class UserSampler(PoissonSampler):
             (int64 [..., L k] record indices, float32 [..., L k] mask).
         """
         k = self.examples_per_user
-        counts, starts, order = (tf.constant(a) for a in
-                                 (self.users.counts, self.users.starts, self.users.order))
+        counts, starts, order, codes = (tf.constant(a) for a in (
+            self.users.counts, self.users.starts, self.users.order, self.users.codes))
         users = tf.cast(users, tf.int64)
         count = tf.gather(counts, users)
-        shift = tf.random.stateless_uniform([], seed=offset_key, dtype=tf.float64)
-        spread = tf.math.floormod(tf.cast(users, tf.float64) * _PHI + shift, 1.0)
-        offset = tf.minimum(tf.cast(tf.floor(spread * tf.cast(count, tf.float64)), tf.int64),
+        uniform = unit_uniforms(offset_key, tf.gather(codes, users))[..., 0]
+        offset = tf.minimum(tf.cast(tf.floor(uniform * tf.cast(count, tf.float64)), tf.int64),
                             count - 1)
         position = (offset[..., None] + tf.range(k, dtype=tf.int64)) % count[..., None]
         rows = tf.gather(order, tf.gather(starts, users)[..., None] + position)
