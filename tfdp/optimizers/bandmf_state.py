@@ -16,6 +16,16 @@ N records, expected batch size B), the fixed order's label fingerprints
 secret key of the record groups (`tfdp.data.cyclic_poisson`), so that a
 resumed stream keeps every record in its group.
 
+A stream also has a lineage (not secret): `[start, stream_id]`, then one
+`[step, token]` per `fit` that drew from it, from model step `step` on. The
+model keeps the lineage of the stream its steps ran, saved with its weights
+(`tfdp.models.training_state.NoiseStreamRecord`), and every state file
+holds its stream's: a resume takes only a state whose lineage is the
+model's (`lineage_matches`). So a run never continues another run's noise
+history or record groups (two runs that share a path), nor a branch of its
+own run that its weights did not take (a model rolled back to an earlier
+file after the run went on, then trained on with fresh noise).
+
 Each save first moves the file it replaces to `<path>.prev`: a run killed
 between writing the noise state and writing its last backup
 (`keras.callbacks.BackupAndRestore`) resumes from that backup with the
@@ -44,9 +54,11 @@ import tensorflow as tf
 from tfdp.data.fixed_order import OrderCheck
 
 FORMAT = "tfdp.DPBandMF.noise_state"
-VERSION = 2
-# Version 1 (fixed order only) has no "layout" and no "groups_key".
-READABLE_VERSIONS = (1, 2)
+VERSION = 3
+# Version 1 (fixed order only) has no "layout" and no "groups_key"; versions
+# 1 and 2 no "lineage" (they cannot show which run wrote them: a resume
+# from them is refused).
+READABLE_VERSIONS = (1, 2, 3)
 FIXED_ORDER = "fixed_order"
 CYCLIC_POISSON = "cyclic_poisson"
 
@@ -60,6 +72,38 @@ def fixed_order_layout(steps_per_epoch, batch_size):
 def previous_path(path):
     """Where a save keeps the state file it replaces."""
     return str(path) + ".prev"
+
+
+def lineage_matches(saved, own, step):
+    """Whether a state with lineage `saved` holds the noise history of the
+    model whose lineage is `own`, at model step `step`: the same stream, and
+    the same fits drew its noise before `step` (a fit that began at `step`
+    or later drew nothing of it).
+
+    Example:
+
+    >>> lineage_matches([[0, "s"], [0, "a"], [8, "b"]], [[0, "s"], [0, "a"], [8, "c"]], 8)
+    True
+    >>> lineage_matches([[0, "s"], [0, "a"], [8, "b"]], [[0, "s"], [0, "a"], [8, "c"]], 16)
+    False
+    """
+    if not saved or not own or list(saved[0]) != list(own[0]):
+        return False
+    return _drawn_before(saved, step) == _drawn_before(own, step)
+
+
+def divergence(saved, own):
+    """The first model step from which two lineages of one stream that
+    `lineage_matches` tells apart were drawn by different fits."""
+    saved, own = [list(e) for e in saved[1:]], [list(e) for e in own[1:]]
+    for theirs, mine in zip(saved, own):
+        if theirs != mine:
+            return min(theirs[0], mine[0])
+    return (saved[len(own):] or own[len(saved):])[0][0]
+
+
+def _drawn_before(lineage, step):
+    return [list(entry) for entry in lineage[1:] if entry[0] < step]
 
 
 def cyclic_poisson_layout(num_examples, batch_size):
@@ -110,6 +154,14 @@ class NoiseStream:
             ] if self.bands > 1 else []
             self.step = tf.Variable(0, dtype=tf.int64, trainable=False, **per_replica)
         self.order_check = OrderCheck(self.layout.get("steps_per_epoch", 1))
+        self.lineage = [[self.start, self.stream_id]]
+
+    def begin_fit(self, step, token):
+        """Records that a `fit` draws from model step `step` on (`token`
+        names it); fits recorded at `step` or later drew nothing of the
+        history there and are dropped. Returns the lineage (a copy)."""
+        self.lineage = self.lineage[:1] + _drawn_before(self.lineage, step) + [[int(step), token]]
+        return [list(entry) for entry in self.lineage]
 
     def write(self, index, value, slot):
         """Puts w_t (`value`) in ring-buffer slot `slot` of variable `index`'s
@@ -153,6 +205,7 @@ class NoiseStream:
             history.assign(tf.zeros_like(history))
         self.step.assign(0)
         self.order_check = OrderCheck(self.layout.get("steps_per_epoch", 1))
+        self.lineage = [[self.start, self.stream_id]]
 
 
 def save(stream, path, settings):
@@ -173,6 +226,7 @@ def save(stream, path, settings):
         "format": FORMAT,
         "version": VERSION,
         "stream_id": stream.stream_id,
+        "lineage": stream.lineage,
         "start": stream.start,
         "steps": int(stream.step.numpy()),
         "steps_per_epoch": stream.steps_per_epoch,
@@ -245,6 +299,7 @@ def restore(stream, meta, history, fingerprints):
     """Puts a loaded state into `stream` (shapes already checked)."""
     stream.start = int(meta["start"])
     stream.stream_id = meta["stream_id"]
+    stream.lineage = [[int(step), str(token)] for step, token in meta["lineage"]]
     groups_key = meta.get("groups_key")
     stream.groups_key = None if groups_key is None else np.asarray(groups_key, np.int64)
     for variable, value in zip(stream.history, history):
