@@ -410,6 +410,7 @@ class DPBandMF(DPOptimizer):
         shared = None
         if replicas > 1:
             shared = self.workers_seed(model, num_examples, batch_size, steps_per_epoch)
+            self._draw_fit_nonce(model, shared)  # every replica draws the same z_t
         stream, new = self._stream_for(model, variables, layout, segment, planned, now, shared)
         if isinstance(arrays, FixedOrderData) and distribute.num_workers(strategy) > 1:
             stream.order_check.adopt(arrays.first_pass()[0])  # the pass the workers compared

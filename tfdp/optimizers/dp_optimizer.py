@@ -6,6 +6,7 @@ release to the privacy ledger); the inner optimizer only post-processes the
 noisy mean, like `keras.optimizers.LossScaleOptimizer` wraps its inner one.
 """
 
+import contextlib
 import json
 import math
 import os
@@ -134,6 +135,14 @@ def _without_names(config):
     if isinstance(config, (list, tuple)):
         return [_without_names(v) for v in config]
     return config
+
+
+class _FitNonce:
+    """This `fit`'s nonce, as the noise key reads it (unseeded runs): a plain
+    holder, so that neither Keras nor TF tracking saves the variable."""
+
+    def __init__(self):
+        self.variable = None
 
 
 class _ModelSteps:
@@ -276,6 +285,7 @@ class DPOptimizer(keras.optimizers.Optimizer):
         self.seed = seed
         self._noise_key = _noise_key(seed)
         self._model_steps = _ModelSteps()
+        self._fit_nonce = _FitNonce()
 
     def __setattr__(self, name, value):
         if name in type(self)._fixed_settings:
@@ -325,21 +335,55 @@ class DPOptimizer(keras.optimizers.Optimizer):
         return self.noise_multiplier * self.l2_norm_clip
 
     def bind_model_steps(self, model):
-        """Keys this optimizer's noise by `model`'s private step counter.
+        """Keys this optimizer's noise by `model`'s private step counter, and
+        by a fresh nonce for this `fit` (`_draw_fit_nonce`).
 
         Called by `make_training_data` at every `fit`. The counter is the one
-        the privacy ledger counts: it only grows, and it is saved with the
-        model, so a model loaded and compiled with a new optimizer of the
-        same seed (whose own iteration counter starts at 0) gets fresh noise.
+        the privacy ledger counts: it is saved with the model, so a model
+        loaded and compiled with a new optimizer of the same seed (whose own
+        iteration counter starts at 0) gets fresh noise. It goes back with
+        the weights, though (`model.load_weights(earlier)`): the nonce keeps
+        an unseeded run's next fit from drawing a rolled-back branch's noise
+        again.
         """
         self._model_steps.variable = getattr(model, "_dp_steps", None)
+        self._draw_fit_nonce(model)
+
+    def _draw_fit_nonce(self, model, shared=None):
+        """Draws this fit's nonce (unseeded runs; a seeded run is reproducible
+        by design, rollbacks included): 64 bits of OS entropy, or, from
+        `shared` (the workers' secret seed of this fit), the same on every
+        worker (DP-BandMF's replicas must draw the same noise). The variable
+        is made at the first `fit` (the traced step reads it) and assigned
+        at each later one; it is never saved."""
+        if self.seed is not None:
+            return
+        if shared is None:
+            value = np.frombuffer(os.urandom(8), np.int64)[0]
+        else:
+            value = np.random.default_rng([int(shared), 0x4E0C]).integers(
+                np.iinfo(np.int64).min, np.iinfo(np.int64).max, dtype=np.int64)
+        holder = self._fit_nonce
+        if holder.variable is not None:
+            holder.variable.assign(value)
+            return
+        strategy = model.distribute_strategy
+        several = strategy.num_replicas_in_sync > 1
+        # As the DP-BandMF noise stream's variables: a copy per replica.
+        per_replica = dict(synchronization=tf.VariableSynchronization.ON_READ,
+                           aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA) if several else {}
+        with strategy.scope() if several else contextlib.nullcontext():
+            holder.variable = tf.Variable(value, dtype=tf.int64, trainable=False, **per_replica)
 
     def step_key(self):
-        """This step's key: the run's secret key folded with the model's step
-        count (see `bind_model_steps`) and the optimizer's iteration count.
-        Without a bound model (the optimizer driven by hand) the key is folded
-        with the iteration count only."""
+        """This step's key: the run's secret key folded with this fit's nonce
+        (unseeded runs, `bind_model_steps`), the model's step count and the
+        optimizer's iteration count. Without a bound model (the optimizer
+        driven by hand) the key is folded with the iteration count only."""
         key = self._noise_key
+        nonce = self._fit_nonce.variable
+        if nonce is not None and self.seed is None:
+            key = dpsgd.step_seed(key, nonce)
         counter = self._model_steps.variable
         if counter is not None:
             key = dpsgd.step_seed(key, counter)
