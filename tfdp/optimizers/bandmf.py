@@ -390,6 +390,8 @@ class DPBandMF(DPOptimizer):
         """
         strategy = model.distribute_strategy
         replicas = strategy.num_replicas_in_sync
+        if self.noise_state is not None:  # before anything is charged
+            bandmf_state.check_path(self.noise_state)
         self.bind_model_steps(model)
         variables = list(model.trainable_variables)
         ledger = model.privacy
