@@ -540,6 +540,15 @@ class DPBandMF(DPOptimizer):
                 f"the file {self.noise_state!r} does not exist."
                 if self.noise_state is not None else "no noise_state was given."
             )
+            if stream is not None and stream.model_step() == now:
+                raise _noise_state_error(
+                    f"This optimizer holds the model's DP-BandMF noise stream at step {now}, "
+                    f"but {_what_changed(stream, variables, layout)}: a noise stream "
+                    "continues only on the data layout and variables it began with (the "
+                    "ledger's rounds count a record's participations in it). Train on with "
+                    "the layout it began with, or start a new stream on this one.",
+                    self.noise_state,
+                )
             raise _noise_state_error(
                 f"This model's last {now - open_segment[1]} steps ran a DP-BandMF noise "
                 f"stream, but this optimizer does not hold it at step {now}, and {where}",
@@ -736,6 +745,16 @@ def _describe(layout):
         return (f"cyclic Poisson sampling of {layout['num_examples']} records, expected "
                 f"batch size {layout['batch_size']:g}")
     return f"a fixed order of {layout['steps_per_epoch']} batches of {layout['batch_size']}"
+
+
+def _what_changed(stream, variables, layout):
+    """What keeps `stream` from continuing on `variables` and `layout`."""
+    if stream.layout != layout:
+        return f"it runs on {_describe(stream.layout)}, and this fit's data is {_describe(layout)}"
+    if [tuple(v.shape) for v in variables] != stream.shapes:
+        return ("it was made for other trainable variables (shapes "
+                f"{stream.shapes}; now {[tuple(v.shape) for v in variables]})")
+    return "the model's weights come from another run or another branch of this one"
 
 
 def _continues(open_segment, expected, start):
