@@ -182,11 +182,14 @@ class DPOptimizer(keras.optimizers.Optimizer):
         seed: optional int making noise and sampling reproducible. Anyone who
             knows the seed can subtract the noise: use it for tests and
             reproductions, never for a model whose privacy matters. Without it
-            the noise is keyed from OS entropy per run. Neither the seed nor
-            the key is ever saved (a loaded optimizer has seed None), and the
-            noise of a step is keyed by the model's private step count too, so
-            compiling a loaded model with a new optimizer of the same seed
-            never replays the noise of earlier steps.
+            the noise is keyed from OS entropy per run, and by a fresh nonce
+            per `fit` (so a `fit` after `model.load_weights(earlier)` draws
+            new noise). Neither the seed nor the key is ever saved (a loaded
+            optimizer has seed None), and the noise of a step is keyed by the
+            model's private step count too, so compiling a loaded model with
+            a new optimizer of the same seed never replays the noise of
+            earlier steps. A seeded run is reproducible: rolled back into the
+            same optimizer, it replays the noise of the restored steps.
         name: optimizer name.
 
     Every privacy setting (the arguments above, and those listed in a
