@@ -32,7 +32,9 @@ from tfdp.models.restore import LedgerGuard, restore_backups
 from tfdp.models.sequence_loss import token_weighted_loss
 from tfdp.models.task_inputs import check_graph_arguments, check_no_text
 from tfdp.models.tied_layers import retie, tied_layers
-from tfdp.models.training_state import LoraVariables, restore_training_state, training_state
+from tfdp.models.training_state import (
+    LoraVariables, NoiseStreamRecord, restore_training_state, training_state,
+)
 from tfdp.per_example import (
     METHODS,
     check_per_example_support,
@@ -96,6 +98,8 @@ class DPTrainingMixin:
         self._add_nonfinite_counter()
         # Saved with the model after its layers (tfdp.models.training_state).
         self._lora_variables = LoraVariables(self)
+        # Which DP-BandMF noise stream its steps ran, saved with the weights.
+        self._noise_stream_record = NoiseStreamRecord()
 
     @no_automatic_dependency_tracking
     def _add_nonfinite_counter(self):

@@ -36,6 +36,7 @@ Example:
 [0]
 """
 
+import json
 import warnings
 import weakref
 
@@ -202,3 +203,49 @@ class LoraVariables(KerasSaveable):
                     f"{variable.path} has shape {tuple(variable.shape)}."
                 )
             variable.assign(value)
+
+
+class NoiseStreamRecord(KerasSaveable):
+    """Which DP-BandMF noise stream, and which branch of it, a model's steps
+    ran: saved with the model's weights (`model.save`, `save_weights`,
+    `keras.callbacks.BackupAndRestore`), so that a resumed or rolled-back
+    model continues only the noise history its released weights carry.
+
+    `lineage` is None (no stream recorded) or a list of `[step, token]`:
+    first `[start, stream_id]`, then one `[step, token]` per `fit` that
+    drew noise from the stream from model step `step` on. Nothing in it is
+    secret: the ids are random, not derived from the noise key
+    (`tfdp.optimizers.bandmf_state.lineage_matches` compares two).
+
+    Example:
+
+    >>> record = NoiseStreamRecord()
+    >>> record.lineage = [[0, "a1b2"], [0, "c3d4"]]
+    >>> store = {}
+    >>> record.save_own_variables(store)
+    >>> loaded = NoiseStreamRecord()
+    >>> loaded.load_own_variables(store)
+    >>> loaded.lineage
+    [[0, 'a1b2'], [0, 'c3d4']]
+    """
+
+    KEY = "noise_stream_lineage"
+
+    def __init__(self):
+        self.lineage = None
+
+    def _obj_type(self):
+        return "Operation"  # no saveable attributes of its own (see LoraVariables)
+
+    def save_own_variables(self, store):
+        if self.lineage is not None:
+            text = json.dumps(self.lineage).encode("utf-8")
+            store[self.KEY] = np.frombuffer(text, dtype=np.uint8)
+
+    def load_own_variables(self, store):
+        # A file without it (saved before any DP-BandMF step, or by an older
+        # tfdp) records no stream: a DP-BandMF resume from it is refused.
+        self.lineage = None
+        if self.KEY in list(store.keys()):
+            text = bytes(np.asarray(store[self.KEY], dtype=np.uint8)).decode("utf-8")
+            self.lineage = [[int(step), str(token)] for step, token in json.loads(text)]

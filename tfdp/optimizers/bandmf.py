@@ -18,6 +18,7 @@ batches, mixed precision and XLA work as for `DPOptimizer`.
 
 import hashlib
 import os
+import secrets
 
 import keras
 import numpy as np
@@ -392,6 +393,8 @@ class DPBandMF(DPOptimizer):
         """
         strategy = model.distribute_strategy
         replicas = strategy.num_replicas_in_sync
+        if self.noise_state is not None:  # before anything is charged
+            bandmf_state.check_path(self.noise_state)
         self.bind_model_steps(model)
         variables = list(model.trainable_variables)
         ledger = model.privacy
@@ -412,6 +415,7 @@ class DPBandMF(DPOptimizer):
         shared = None
         if replicas > 1:
             shared = self.workers_seed(model, num_examples, batch_size, steps_per_epoch)
+            self._draw_fit_nonce(model, shared)  # every replica draws the same z_t
         stream, new = self._stream_for(model, variables, layout, segment, planned, now, shared)
         if isinstance(arrays, FixedOrderData) and distribute.num_workers(strategy) > 1:
             stream.order_check.adopt(arrays.first_pass()[0])  # the pass the workers compared
@@ -503,12 +507,26 @@ class DPBandMF(DPOptimizer):
 
     def _stream_for(self, model, variables, layout, segment, planned, now, shared=None):
         """(the stream to train, whether it is new); `shared` is the workers'
-        secret seed under several replicas (for an unseeded groups key)."""
+        secret seed under several replicas (for an unseeded groups key).
+
+        The model's record of the stream its steps ran
+        (`tfdp.models.training_state.NoiseStreamRecord`) then names this
+        fit too (`_begin_fit`)."""
+        record = model._noise_stream_record
+        stream = self._pick_stream(model, variables, layout, segment, planned, now, shared,
+                                   record.lineage)
+        token = secrets.token_hex(8) if shared is None else hashlib.sha256(
+            f"tfdp.DPBandMF fit {shared} {now}".encode("utf-8")).hexdigest()[:16]
+        record.lineage = stream[0].begin_fit(now, token)
+        return stream
+
+    def _pick_stream(self, model, variables, layout, segment, planned, now, shared, lineage):
         stream = self.__dict__["_stream"]
         strategy = model.distribute_strategy
         open_segment = model.privacy.open_segment
         fits = stream is not None and stream.matches(variables, self.bands, layout)
-        if fits and stream.model_step() == now and _continues(open_segment, segment, stream.start):
+        if fits and stream.model_step() == now and _continues(open_segment, segment, stream.start) \
+                and bandmf_state.lineage_matches(stream.lineage, lineage, now):
             return stream, False
         ran_bandmf = (
             open_segment is not None and now > open_segment[1]
@@ -519,12 +537,21 @@ class DPBandMF(DPOptimizer):
             return self._new_stream(variables, layout, planned, now, shared, strategy), True
         if self.noise_state is not None and os.path.exists(self.noise_state) and ran_bandmf:
             return self._load_stream(variables, layout, planned, now, open_segment, segment,
-                                     strategy), False
+                                     strategy, lineage), False
         if ran_bandmf:
             where = (
                 f"the file {self.noise_state!r} does not exist."
                 if self.noise_state is not None else "no noise_state was given."
             )
+            if stream is not None and stream.model_step() == now:
+                raise _noise_state_error(
+                    f"This optimizer holds the model's DP-BandMF noise stream at step {now}, "
+                    f"but {_what_changed(stream, variables, layout)}: a noise stream "
+                    "continues only on the data layout and variables it began with (the "
+                    "ledger's rounds count a record's participations in it). Train on with "
+                    "the layout it began with, or start a new stream on this one.",
+                    self.noise_state,
+                )
             raise _noise_state_error(
                 f"This model's last {now - open_segment[1]} steps ran a DP-BandMF noise "
                 f"stream, but this optimizer does not hold it at step {now}, and {where}",
@@ -555,9 +582,11 @@ class DPBandMF(DPOptimizer):
             self.__dict__["_stream"] = stream
         return stream
 
-    def _load_stream(self, variables, layout, planned, now, open_segment, expected, strategy):
+    def _load_stream(self, variables, layout, planned, now, open_segment, expected, strategy,
+                     lineage):
         path, (meta, history, fingerprints) = self._state_at(
-            now, open_segment, expected, lambda meta, path: self._check_state(meta, path, layout))
+            now, open_segment, expected, lambda meta, path: self._check_state(meta, path, layout),
+            lineage)
         shapes = [tuple(v.shape) for v in variables]
         if [tuple(h.shape[1:]) for h in history] != (shapes if self.bands > 1 else []):
             raise _noise_state_error(
@@ -588,34 +617,75 @@ class DPBandMF(DPOptimizer):
                 f"fit's {_describe(layout)}.", path,
             )
 
-    def _state_at(self, now, open_segment, expected, check):
-        """(path, loaded state) of the noise state at model step `now`: the
-        file `noise_state`, or the previous one it replaced (a run killed
-        after writing the state and before writing its backup resumes from
-        that backup, one epoch back). `check(meta, path)` refuses a state
-        of other settings or data."""
+    def _state_at(self, now, open_segment, expected, check, lineage):
+        """(path, loaded state) of this model's noise state at model step
+        `now`: the file `noise_state`, or the previous one it replaced (a run
+        killed after writing the state and before writing its backup resumes
+        from that backup, one epoch back). Only a state of the model's
+        `lineage` (its stream, and the fits its weights come from:
+        `bandmf_state.lineage_matches`) is taken: never another run's, nor
+        a branch of this run that the weights did not take. `check(meta,
+        path)` refuses a state of other settings or data."""
         path = self.noise_state
-        loaded = bandmf_state.load(path)
-        check(loaded[0], path)
-
-        def at_now(meta):
-            return _saved_step(meta) == now and _continues(open_segment, expected,
-                                                           int(meta["start"]))
-
-        if at_now(loaded[0]):
-            return path, loaded
-        previous = bandmf_state.previous_path(path)
-        older = ""
-        if os.path.exists(previous):
-            candidate = bandmf_state.load(previous)
-            if at_now(candidate[0]):
-                check(candidate[0], previous)
-                return previous, candidate
-            older = f" (and the previous one, {previous!r}, at step {_saved_step(candidate[0])})"
+        if lineage is None:
+            raise _noise_state_error(
+                "This model's weights do not record which DP-BandMF noise stream its steps "
+                "ran (they were saved by an older tfdp, or put together from another "
+                "model's variables), so no noise state can be shown to be this run's own.",
+                path,
+            )
+        own_id = lineage[0][1]
+        files = [path] + [p for p in [bandmf_state.previous_path(path)] if os.path.exists(p)]
+        found = []  # (path, loaded state, its stream id, its lineage)
+        for candidate in files:
+            loaded = bandmf_state.load(candidate)
+            saved = loaded[0].get("lineage")
+            found.append((candidate, loaded, None if saved is None else saved[0][1], saved))
+            if saved is None or saved[0][1] != own_id:
+                continue
+            if candidate == path:
+                check(loaded[0], path)
+            at_now = _saved_step(loaded[0]) == now and _continues(
+                open_segment, expected, int(loaded[0]["start"]))
+            if at_now and bandmf_state.lineage_matches(saved, lineage, now):
+                check(loaded[0], candidate)
+                return candidate, loaded
+        own = [f for f in found if f[2] == own_id]
+        branches = [f for f in own if _saved_step(f[1][0]) == now]
+        if branches:
+            candidate, _, _, saved = branches[0]
+            raise _noise_state_error(
+                f"The noise state {candidate!r} is at model step {now}, of this run's noise "
+                f"stream {own_id}, but of another branch of it: from model step "
+                f"{bandmf_state.divergence(saved, lineage)} on, its noise history was drawn by "
+                "another fit than the one this model's weights come from (the weights were "
+                "rolled back to, or resumed from, an earlier file, and the run also went on "
+                "from there). Resume from the weights saved with that state, or start a new "
+                "stream.", candidate,
+            )
+        if own:
+            older = ""
+            if len(own) > 1:
+                older = f" (and the previous one, {own[1][0]!r}, at step {_saved_step(own[1][1][0])})"
+            raise _noise_state_error(
+                f"The noise state was saved at model step {_saved_step(own[0][1][0])}{older}, "
+                f"but the model is at step {now} (the model and the noise state come from "
+                "different moments of the run).", own[0][0],
+            )
+        others = [f for f in found if f[2] is not None]
+        if others:
+            written = ", ".join(f"{f[0]!r} by the run of noise stream {f[2]}" for f in others)
+            raise _noise_state_error(
+                f"The noise state was written by another run ({written}); this model's steps "
+                f"ran the noise stream {own_id}. Two runs that share a noise_state path "
+                "overwrite each other's secret state, and continuing another run's noise "
+                "history (or its record groups) would void the guarantee: give each run its "
+                "own noise_state path, and resume this model with the file its run wrote.",
+                path,
+            )
         raise _noise_state_error(
-            f"The noise state was saved at model step {_saved_step(loaded[0])}{older}, but the "
-            f"model is at step {now} (the model and the noise state come from different "
-            "moments of the run).", path,
+            f"The noise state {path!r} does not record which run wrote it (it was written "
+            "by an older tfdp), so it cannot be shown to be this run's own.", path,
         )
 
     def _state_settings(self):
@@ -678,6 +748,16 @@ def _describe(layout):
         return (f"cyclic Poisson sampling of {layout['num_examples']} records, expected "
                 f"batch size {layout['batch_size']:g}")
     return f"a fixed order of {layout['steps_per_epoch']} batches of {layout['batch_size']}"
+
+
+def _what_changed(stream, variables, layout):
+    """What keeps `stream` from continuing on `variables` and `layout`."""
+    if stream.layout != layout:
+        return f"it runs on {_describe(stream.layout)}, and this fit's data is {_describe(layout)}"
+    if [tuple(v.shape) for v in variables] != stream.shapes:
+        return ("it was made for other trainable variables (shapes "
+                f"{stream.shapes}; now {[tuple(v.shape) for v in variables]})")
+    return "the model's weights come from another run or another branch of this one"
 
 
 def _continues(open_segment, expected, start):

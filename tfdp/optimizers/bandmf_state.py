@@ -16,10 +16,30 @@ N records, expected batch size B), the fixed order's label fingerprints
 secret key of the record groups (`tfdp.data.cyclic_poisson`), so that a
 resumed stream keeps every record in its group.
 
+A stream also has a lineage (not secret): `[start, stream_id]`, then one
+`[step, token]` per `fit` that drew from it, from model step `step` on. The
+model keeps the lineage of the stream its steps ran, saved with its weights
+(`tfdp.models.training_state.NoiseStreamRecord`), and every state file
+holds its stream's: a resume takes only a state whose lineage is the
+model's (`lineage_matches`). So a run never continues another run's noise
+history or record groups (two runs that share a path), nor a branch of its
+own run that its weights did not take (a model rolled back to an earlier
+file after the run went on, then trained on with fresh noise).
+
 Each save first moves the file it replaces to `<path>.prev`: a run killed
 between writing the noise state and writing its last backup
 (`keras.callbacks.BackupAndRestore`) resumes from that backup with the
 previous state, which is at the backup's step.
+
+The path is probed before the first step (`check_path`: a real write of a
+temporary file next to it), and tfdp never replaces or renames a file that
+is not its own noise state (a directory, another file): those are refused,
+naming `noise_state`. The secrets live in three places, all in the path's
+folder: the file, its `.prev`, and, while a save runs, a temporary file
+`.<name>.<12 hex digits>.tmp` (0600) renamed over the file. A save killed
+mid-write leaves its temporary file behind; the next save or `fit` of the
+same path removes it (when no other save of that folder is running, as
+`tfdp.models.atomic_save` does for model files).
 
 Example:
 
@@ -36,17 +56,21 @@ import contextlib
 import json
 import os
 import secrets
-import tempfile
+import struct
+import zipfile
 
 import numpy as np
 import tensorflow as tf
 
 from tfdp.data.fixed_order import OrderCheck
+from tfdp.models.atomic_save import _saving_in
 
 FORMAT = "tfdp.DPBandMF.noise_state"
-VERSION = 2
-# Version 1 (fixed order only) has no "layout" and no "groups_key".
-READABLE_VERSIONS = (1, 2)
+VERSION = 3
+# Version 1 (fixed order only) has no "layout" and no "groups_key"; versions
+# 1 and 2 no "lineage" (they cannot show which run wrote them: a resume
+# from them is refused).
+READABLE_VERSIONS = (1, 2, 3)
 FIXED_ORDER = "fixed_order"
 CYCLIC_POISSON = "cyclic_poisson"
 
@@ -60,6 +84,38 @@ def fixed_order_layout(steps_per_epoch, batch_size):
 def previous_path(path):
     """Where a save keeps the state file it replaces."""
     return str(path) + ".prev"
+
+
+def lineage_matches(saved, own, step):
+    """Whether a state with lineage `saved` holds the noise history of the
+    model whose lineage is `own`, at model step `step`: the same stream, and
+    the same fits drew its noise before `step` (a fit that began at `step`
+    or later drew nothing of it).
+
+    Example:
+
+    >>> lineage_matches([[0, "s"], [0, "a"], [8, "b"]], [[0, "s"], [0, "a"], [8, "c"]], 8)
+    True
+    >>> lineage_matches([[0, "s"], [0, "a"], [8, "b"]], [[0, "s"], [0, "a"], [8, "c"]], 16)
+    False
+    """
+    if not saved or not own or list(saved[0]) != list(own[0]):
+        return False
+    return _drawn_before(saved, step) == _drawn_before(own, step)
+
+
+def divergence(saved, own):
+    """The first model step from which two lineages of one stream that
+    `lineage_matches` tells apart were drawn by different fits."""
+    saved, own = [list(e) for e in saved[1:]], [list(e) for e in own[1:]]
+    for theirs, mine in zip(saved, own):
+        if theirs != mine:
+            return min(theirs[0], mine[0])
+    return (saved[len(own):] or own[len(saved):])[0][0]
+
+
+def _drawn_before(lineage, step):
+    return [list(entry) for entry in lineage[1:] if entry[0] < step]
 
 
 def cyclic_poisson_layout(num_examples, batch_size):
@@ -110,6 +166,14 @@ class NoiseStream:
             ] if self.bands > 1 else []
             self.step = tf.Variable(0, dtype=tf.int64, trainable=False, **per_replica)
         self.order_check = OrderCheck(self.layout.get("steps_per_epoch", 1))
+        self.lineage = [[self.start, self.stream_id]]
+
+    def begin_fit(self, step, token):
+        """Records that a `fit` draws from model step `step` on (`token`
+        names it); fits recorded at `step` or later drew nothing of the
+        history there and are dropped. Returns the lineage (a copy)."""
+        self.lineage = self.lineage[:1] + _drawn_before(self.lineage, step) + [[int(step), token]]
+        return [list(entry) for entry in self.lineage]
 
     def write(self, index, value, slot):
         """Puts w_t (`value`) in ring-buffer slot `slot` of variable `index`'s
@@ -153,6 +217,7 @@ class NoiseStream:
             history.assign(tf.zeros_like(history))
         self.step.assign(0)
         self.order_check = OrderCheck(self.layout.get("steps_per_epoch", 1))
+        self.lineage = [[self.start, self.stream_id]]
 
 
 def save(stream, path, settings):
@@ -160,7 +225,8 @@ def save(stream, path, settings):
 
     The file it replaces is kept as `previous_path(path)`, unless it holds
     this stream at this very step (a save at an epoch's end and at the end of
-    training): then the previous one stays.
+    training): then the previous one stays. Refuses (`check_own_files`) to
+    replace or rename a file that is not a noise state.
 
     Args:
         stream: the `NoiseStream`.
@@ -173,6 +239,7 @@ def save(stream, path, settings):
         "format": FORMAT,
         "version": VERSION,
         "stream_id": stream.stream_id,
+        "lineage": stream.lineage,
         "start": stream.start,
         "steps": int(stream.step.numpy()),
         "steps_per_epoch": stream.steps_per_epoch,
@@ -185,22 +252,112 @@ def save(stream, path, settings):
     arrays = {f"history_{i}": h.numpy() for i, h in enumerate(stream.history)}
     arrays["fingerprints"] = fingerprints
     arrays["meta"] = np.frombuffer(json.dumps(meta).encode("utf-8"), np.uint8)
-    folder = os.path.dirname(os.path.abspath(path))
-    os.makedirs(folder, exist_ok=True)
-    handle, temporary = tempfile.mkstemp(dir=folder, prefix=".noise_state.", suffix=".npz")
-    try:
-        os.fchmod(handle, 0o600)
-        with os.fdopen(handle, "wb") as file:
-            np.savez(file, **arrays)
-            file.flush()
-            os.fsync(file.fileno())
-        if os.path.exists(path) and not _same_moment(path, meta):
+    check_own_files(path)
+
+    def write(file):
+        np.savez(file, **arrays)
+
+    def replace(temporary):
+        if os.path.lexists(path) and not _same_moment(path, meta):
             os.replace(path, previous_path(path))
         os.replace(temporary, path)
-    except BaseException:
-        if os.path.exists(temporary):
-            os.remove(temporary)
-        raise
+
+    _write_beside(path, write, replace)
+
+
+def check_path(path):
+    """Probes the `noise_state` path before the first step: refuses an empty
+    path, a directory or a file that is not tfdp's own noise state (at the
+    path or its `.prev`), and a folder where a real write fails; removes
+    the temporary files of killed saves of this path.
+
+    Raises:
+        ValueError or OSError, naming `noise_state`.
+
+    Example:
+
+    >>> import os, tempfile
+    >>> check_path(os.path.join(tempfile.mkdtemp(), "noise_state.npz"))
+    >>> check_path(tempfile.mkdtemp())
+    Traceback (most recent call last):
+    ...
+    ValueError: The noise_state path '...' is a directory: ...
+    """
+    if not path:
+        raise ValueError(
+            "Expected `noise_state` to be the path of a file (tfdp writes the secret noise "
+            f"state there). Received: noise_state={path!r}"
+        )
+    check_own_files(path)
+
+    def write(file):
+        file.write(b"tfdp noise_state probe")
+
+    _write_beside(path, write, os.remove)
+
+
+def check_own_files(path):
+    """Refuses `path` or its `.prev` where either is a directory or a file
+    that is not a readable noise state: tfdp replaces and renames only its
+    own files."""
+    for candidate in (path, previous_path(path)):
+        if os.path.isdir(candidate):
+            raise ValueError(
+                f"The noise_state path {candidate!r} is a directory: tfdp writes the noise "
+                "state to a file (and keeps the one it replaces as <file>.prev), and never "
+                "replaces or renames anything that is not its own. Give noise_state a file "
+                f"path, for instance {os.path.join(path, 'noise_state.npz')!r}. Training was "
+                f"not started or stopped before the next step. Received: noise_state={path!r}"
+            )
+        if os.path.lexists(candidate):
+            try:
+                load(candidate)
+            except ValueError as error:
+                raise ValueError(
+                    f"The file {candidate!r} is not a DP-BandMF noise state that tfdp can read "
+                    f"({error}), and tfdp never replaces or renames a file that is not its "
+                    "own. Move it away or choose another noise_state path (a damaged noise "
+                    "state cannot resume its stream: DPBandMF(..., "
+                    "fresh_noise_history=True) starts a new one). Received: "
+                    f"noise_state={path!r}"
+                ) from error
+
+
+def _write_beside(path, write, finish):
+    """Writes a temporary file (0600) in `path`'s folder with `write(file)`,
+    flushed to disk, then calls `finish(temporary)`; removes the temporary
+    file if it is left, and the leftovers of killed writes first. An OSError
+    is raised again naming `noise_state`."""
+    folder, name = os.path.split(os.path.abspath(path))
+    temporary = None
+    try:
+        os.makedirs(folder, exist_ok=True)
+        with _saving_in(folder, name, ""):
+            for _ in range(100):
+                temporary = os.path.join(folder, f".{name}.{secrets.token_hex(6)}.tmp")
+                try:
+                    handle = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+                    break
+                except FileExistsError:
+                    continue
+            try:
+                os.fchmod(handle, 0o600)
+                with os.fdopen(handle, "wb") as file:
+                    write(file)
+                    file.flush()
+                    os.fsync(file.fileno())
+                finish(temporary)
+            finally:
+                if os.path.exists(temporary):
+                    os.remove(temporary)
+    except OSError as error:
+        raise OSError(
+            error.errno,
+            f"The noise_state path {path!r} cannot be written ({error.strerror or error}"
+            f"{'' if error.filename is None else ': ' + str(error.filename)}). The secret "
+            "DP-BandMF noise state must be written at each epoch's end; give noise_state a "
+            f"file path in a folder this process can write. Received: noise_state={path!r}",
+        ) from error
 
 
 def _same_moment(path, meta):
@@ -225,9 +382,12 @@ def load(path):
             count = sum(1 for key in data.files if key.startswith("history_"))
             history = [data[f"history_{i}"] for i in range(count)]
             fingerprints = data["fingerprints"]
-    except (OSError, KeyError, ValueError, UnicodeDecodeError) as error:
+    except (OSError, KeyError, ValueError, UnicodeDecodeError, EOFError, zipfile.BadZipFile,
+            struct.error, NotImplementedError) as error:
+        # empty (EOFError), truncated or bit-flipped (BadZipFile: a bad CRC-32)
         raise ValueError(
-            f"Cannot read the DP-BandMF noise state {path!r}: {error}. Received: "
+            f"Cannot read the DP-BandMF noise state {path!r} (empty, truncated, altered or "
+            f"not a noise state: {type(error).__name__}: {error}). Received: "
             f"noise_state={path!r}"
         ) from error
     if not isinstance(meta, dict) or meta.get("format") != FORMAT or (
@@ -245,6 +405,7 @@ def restore(stream, meta, history, fingerprints):
     """Puts a loaded state into `stream` (shapes already checked)."""
     stream.start = int(meta["start"])
     stream.stream_id = meta["stream_id"]
+    stream.lineage = [[int(step), str(token)] for step, token in meta["lineage"]]
     groups_key = meta.get("groups_key")
     stream.groups_key = None if groups_key is None else np.asarray(groups_key, np.int64)
     for variable, value in zip(stream.history, history):

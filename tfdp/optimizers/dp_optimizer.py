@@ -6,6 +6,7 @@ release to the privacy ledger); the inner optimizer only post-processes the
 noisy mean, like `keras.optimizers.LossScaleOptimizer` wraps its inner one.
 """
 
+import contextlib
 import json
 import math
 import os
@@ -152,6 +153,14 @@ def _without_names(config):
     return config
 
 
+class _FitNonce:
+    """This `fit`'s nonce, as the noise key reads it (unseeded runs): a plain
+    holder, so that neither Keras nor TF tracking saves the variable."""
+
+    def __init__(self):
+        self.variable = None
+
+
 class _ModelSteps:
     """The model's private step counter, as the optimizer's noise key reads it.
 
@@ -190,11 +199,14 @@ class DPOptimizer(keras.optimizers.Optimizer):
         seed: optional int making noise and sampling reproducible. Anyone who
             knows the seed can subtract the noise: use it for tests and
             reproductions, never for a model whose privacy matters. Without it
-            the noise is keyed from OS entropy per run. Neither the seed nor
-            the key is ever saved (a loaded optimizer has seed None), and the
-            noise of a step is keyed by the model's private step count too, so
-            compiling a loaded model with a new optimizer of the same seed
-            never replays the noise of earlier steps.
+            the noise is keyed from OS entropy per run, and by a fresh nonce
+            per `fit` (so a `fit` after `model.load_weights(earlier)` draws
+            new noise). Neither the seed nor the key is ever saved (a loaded
+            optimizer has seed None), and the noise of a step is keyed by the
+            model's private step count too, so compiling a loaded model with
+            a new optimizer of the same seed never replays the noise of
+            earlier steps. A seeded run is reproducible: rolled back into the
+            same optimizer, it replays the noise of the restored steps.
         name: optimizer name.
         target_epsilon: instead of `noise_multiplier`, the epsilon the run
             must end within: the first `fit` calibrates sigma from the number
@@ -319,6 +331,7 @@ class DPOptimizer(keras.optimizers.Optimizer):
         self.seed = seed
         self._noise_key = _noise_key(seed)
         self._model_steps = _ModelSteps()
+        self._fit_nonce = _FitNonce()
 
     def _noise_target(self, noise_multiplier, target_epsilon, target_delta):
         """The `NoiseTarget` of `target_epsilon` (None without one); refuses
@@ -415,21 +428,55 @@ class DPOptimizer(keras.optimizers.Optimizer):
         return self.noise_multiplier * self.l2_norm_clip
 
     def bind_model_steps(self, model):
-        """Keys this optimizer's noise by `model`'s private step counter.
+        """Keys this optimizer's noise by `model`'s private step counter, and
+        by a fresh nonce for this `fit` (`_draw_fit_nonce`).
 
         Called by `make_training_data` at every `fit`. The counter is the one
-        the privacy ledger counts: it only grows, and it is saved with the
-        model, so a model loaded and compiled with a new optimizer of the
-        same seed (whose own iteration counter starts at 0) gets fresh noise.
+        the privacy ledger counts: it is saved with the model, so a model
+        loaded and compiled with a new optimizer of the same seed (whose own
+        iteration counter starts at 0) gets fresh noise. It goes back with
+        the weights, though (`model.load_weights(earlier)`): the nonce keeps
+        an unseeded run's next fit from drawing a rolled-back branch's noise
+        again.
         """
         self._model_steps.variable = getattr(model, "_dp_steps", None)
+        self._draw_fit_nonce(model)
+
+    def _draw_fit_nonce(self, model, shared=None):
+        """Draws this fit's nonce (unseeded runs; a seeded run is reproducible
+        by design, rollbacks included): 64 bits of OS entropy, or, from
+        `shared` (the workers' secret seed of this fit), the same on every
+        worker (DP-BandMF's replicas must draw the same noise). The variable
+        is made at the first `fit` (the traced step reads it) and assigned
+        at each later one; it is never saved."""
+        if self.seed is not None:
+            return
+        if shared is None:
+            value = np.frombuffer(os.urandom(8), np.int64)[0]
+        else:
+            value = np.random.default_rng([int(shared), 0x4E0C]).integers(
+                np.iinfo(np.int64).min, np.iinfo(np.int64).max, dtype=np.int64)
+        holder = self._fit_nonce
+        if holder.variable is not None:
+            holder.variable.assign(value)
+            return
+        strategy = model.distribute_strategy
+        several = strategy.num_replicas_in_sync > 1
+        # As the DP-BandMF noise stream's variables: a copy per replica.
+        per_replica = dict(synchronization=tf.VariableSynchronization.ON_READ,
+                           aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA) if several else {}
+        with strategy.scope() if several else contextlib.nullcontext():
+            holder.variable = tf.Variable(value, dtype=tf.int64, trainable=False, **per_replica)
 
     def step_key(self):
-        """This step's key: the run's secret key folded with the model's step
-        count (see `bind_model_steps`) and the optimizer's iteration count.
-        Without a bound model (the optimizer driven by hand) the key is folded
-        with the iteration count only."""
+        """This step's key: the run's secret key folded with this fit's nonce
+        (unseeded runs, `bind_model_steps`), the model's step count and the
+        optimizer's iteration count. Without a bound model (the optimizer
+        driven by hand) the key is folded with the iteration count only."""
         key = self._noise_key
+        nonce = self._fit_nonce.variable
+        if nonce is not None and self.seed is None:
+            key = dpsgd.step_seed(key, nonce)
         counter = self._model_steps.variable
         if counter is not None:
             key = dpsgd.step_seed(key, counter)
