@@ -246,6 +246,15 @@ class NeighbourStep:
         if self.examples_per_user:  # each row is a user holding k copies of it
             k = self.examples_per_user
             rows, mask = [row for row in rows for _ in range(k)], np.repeat(mask, k)
+        return self.update(rows, mask)
+
+    def update(self, rows, mask):
+        """The weights after one step on `rows` (records, each a nest without
+        the batch axis) with `mask` (1 drawn, 0 padding), float64; every
+        variable is restored after it. With `examples_per_user=k` the rows
+        are already users' records, k consecutive rows a user (as a sampler
+        draws them)."""
+        mask = np.asarray(mask, np.float32)
         step_info = {"mask": tf.constant(mask), "expected_batch_size": tf.constant(self.batch_size)}
         data = (tf.nest.map_structure(tf.constant, _stack(rows)), step_info)
         try:
