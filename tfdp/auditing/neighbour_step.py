@@ -209,9 +209,11 @@ class NeighbourStep:
     def as_data(self, record):
         """`record` with every leaf in the data's dtype and shape (a crafted
         float64 value becomes the data's float32)."""
-        return tf.nest.map_structure(
-            lambda leaf, like: np.asarray(leaf, like.dtype).reshape(like.shape), record, self.rows[0]
-        )
+        with np.errstate(over="ignore"):  # a crafted 1e300 becomes the data's inf
+            return tf.nest.map_structure(
+                lambda leaf, like: np.asarray(leaf, like.dtype).reshape(like.shape), record,
+                self.rows[0]
+            )
 
     def predict(self, record):
         """The model's inference prediction for one record, float64."""
