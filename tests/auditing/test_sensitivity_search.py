@@ -7,6 +7,11 @@ controls: an optimizer that skips clipping and a per-example rule that
 under-reports norms are caught; the issue's reproduction (issue 34, item 1)
 is one of the search's constructions.
 
+The families zero_dense and decay_dense carry issue 43's items 1 and 2
+(flush-to-zero behind a zero-initialised layer; the weight-decay cross term
+with flushed products x M): on the code before that fix (17f4c03) the
+search's new constructions report 2.12x and 1.24x the bound there.
+
 Written before the fix of issue 34, item 1: on that code the families whose
 norms are factored (sequence Dense, convolutions, LoRA, attention, the Dense
 layers of the normalization model, the embedding table's merged rows) fail
@@ -114,18 +119,41 @@ def tied(rng):
     return ids, outputs, rng.integers(0, 40, (8, 6)), rng.integers(0, 40, (8, 6)), "classes"
 
 
+def zero_dense(rng):
+    """Issue 43, item 1: a zero-initialised layer on a sequence, where huge
+    inputs behind its zero kernel rows meet a flushed w * g."""
+    inputs = keras.Input((2, 8))
+    outputs = L.Dense(4, kernel_initializer="zeros", bias_initializer="zeros")(inputs)
+    return (inputs, outputs) + _regression(inputs, outputs, rng) + ("mse",)
+
+
+def decay_dense(rng):
+    """Issue 43, item 2: weight decay before clipping on a bias-free Dense,
+    whose cross term meets inputs that flush against the kernel."""
+    inputs = keras.Input((8,))
+    outputs = L.Dense(4, use_bias=False)(inputs)
+    return (inputs, outputs) + _regression(inputs, outputs, rng) + ("mse",)
+
+
 # Each model is sized so that its layers take the factored ("ghost") norms
 # where the library would (positions x (fan-in + fan-out) < fan-in x fan-out).
 FAMILIES = {f.__name__: f for f in (
     dense, sequence_dense, conv1d, conv2d, conv3d, embedding, normalization, recurrent,
-    attention, lora, tied)}
+    attention, lora, tied, zero_dense, decay_dense)}
 
 # Optimizer settings spread over the families: every weight decay placement
 # and mechanism the search supports runs at least once.
 OPTIMIZERS = {
     "dense": dict(weight_decay=0.01, weight_decay_placement="before_clip"),
     "normalization": dict(weight_decay=0.01, weight_decay_placement="after_noise"),
+    "decay_dense": dict(weight_decay=0.01, weight_decay_placement="before_clip"),
 }
+
+# The floating-point boundary constructions each family must reach (they
+# read the first layer's kernel: zero rows for the flush, its scale for the
+# tiny inputs).
+BOUNDARY_CONSTRUCTIONS = {"zero_dense": "flush-to-zero", "decay_dense": "tiny inputs"}
+WEIGHTED = ("dense", "decay_dense")  # sample weights, crafted too (up to 3e38)
 
 
 def _loss(name):
@@ -169,6 +197,11 @@ CASES = [(family, "float32", None, False) for family in FAMILIES] + [
     ("lora", "float32", None, True),
     ("tied", "mixed_bfloat16", 3, False),
     ("tied", "float32", None, True),
+    ("zero_dense", "mixed_bfloat16", None, False),
+    ("zero_dense", "float32", 3, False),
+    ("zero_dense", "float32", None, True),
+    ("decay_dense", "mixed_bfloat16", 3, False),
+    ("decay_dense", "float32", None, True),
 ]
 
 
@@ -179,10 +212,12 @@ def _case_ids(cases):
 @pytest.mark.parametrize("family, policy, physical, jit", CASES, ids=_case_ids(CASES))
 def test_every_rule_family_keeps_each_record_within_the_bound(family, policy, physical, jit):
     model, x, y = _compiled(family, policy, jit)
-    weights = np.linspace(0.5, 2.0, len(y)) if family == "dense" else None  # crafted too
+    weights = np.linspace(0.5, 2.0, len(y)) if family in WEIGHTED else None  # crafted too
     result = sensitivity_search(model, x, y, weights, physical_batch_size=physical, search_steps=8)
     assert "batched" in result.per_example_path
     assert result.steps > 40  # every construction ran
+    if family in BOUNDARY_CONSTRUCTIONS:
+        assert BOUNDARY_CONSTRUCTIONS[family] in [row[0] for row in result.table]
     result.check(TOLERANCE)
 
 
@@ -193,6 +228,7 @@ USER_CASES = [  # user-level steps (fit(user_ids=..., examples_per_user=3))
     ("embedding", "float32", 2, False),
     ("lora", "float32", None, True),
     ("tied", "mixed_bfloat16", None, False),
+    ("zero_dense", "float32", 2, True),
 ]
 
 
@@ -222,6 +258,25 @@ def test_keras_hub_tiny_models_keep_each_record_within_the_bound(task, users):
                   loss=loss)
     result = sensitivity_search(model, x, y, search_steps=8, examples_per_user=users)
     result.check(TOLERANCE)
+
+
+def test_a_user_level_ledger_without_examples_per_user_is_refused(tmp_path):
+    """Issue 43, item 10: a model trained user-level and loaded (k is not
+    saved) must not be searched at the record level; with k the summary
+    prints it."""
+    model, x, y = _compiled("dense")
+    model.fit(x, y, user_ids=np.arange(len(y)) // 2, examples_per_user=2, batch_size=2,
+              epochs=1, verbose=0)
+    model.save(tmp_path / "model.keras")
+    loaded = keras.models.load_model(tmp_path / "model.keras")
+    assert loaded.privacy.relation == "add_or_remove_user"
+    with pytest.raises(ValueError, match="user-level.*examples_per_user=k.*"
+                                         "Received: examples_per_user=None"):
+        sensitivity_search(loaded, x, y)
+    result = sensitivity_search(loaded, x, y, search_steps=0, examples_per_user=2)
+    assert "user level, k=2" in result.summary()
+    assert "record level" in sensitivity_search(_compiled("dense")[0], x, y,
+                                                search_steps=0).summary()
 
 
 def test_the_issue_reproduction_is_one_of_the_constructions():

@@ -22,6 +22,12 @@ beyond the DP bound (`sensitivity_search`, a search with crafted records):
 >>> result = auditing.sensitivity_search(model, x, y)  # doctest: +SKIP
 >>> result.check()                                      # doctest: +SKIP
 
+and that the sampler keeps every other unit's draws when one is removed
+(`sampler_coupling`, the real sampler and step on D and D minus one person):
+
+>>> people = auditing.UserSampling(user_ids, examples_per_user=2, expected_users=64)  # doctest: +SKIP
+>>> auditing.sampler_coupling(model, x, y, sampling=people).check()                  # doctest: +SKIP
+
 White-box audit of a tfdp optimizer (about ten seconds on two CPU cores):
 
 >>> import tfdp
@@ -48,6 +54,8 @@ from tfdp.auditing.bounds import clopper_pearson_upper, epsilon_lower_bound
 
 # Imported on first use: they load TensorFlow and Keras, the rest does not.
 _SENSITIVITY = ("SensitivityExceeded", "SensitivityResult", "sensitivity_search")
+_COUPLING = ("CouplingResult", "CyclicPoissonSampling", "FixedOrderSampling", "PoissonSampling",
+             "UserSampling", "sampler_coupling")
 
 
 def __getattr__(name):
@@ -55,11 +63,20 @@ def __getattr__(name):
         from tfdp.auditing import sensitivity
 
         return getattr(sensitivity, name)
+    if name in _COUPLING:
+        from tfdp.auditing import coupling
+
+        return getattr(coupling, name)
     raise AttributeError(f"module 'tfdp.auditing' has no attribute {name!r}")
 
 
 __all__ = [
     "AuditResult",
+    "CouplingResult",
+    "CyclicPoissonSampling",
+    "FixedOrderSampling",
+    "PoissonSampling",
+    "UserSampling",
     "SensitivityExceeded",
     "SensitivityResult",
     "adadp_normalizer",
@@ -72,6 +89,7 @@ __all__ = [
     "epsilon_lower_bound",
     "loss_score",
     "one_step_epsilon",
+    "sampler_coupling",
     "sensitivity_search",
     "weight_decay_normalizer",
 ]

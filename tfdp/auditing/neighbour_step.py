@@ -209,9 +209,11 @@ class NeighbourStep:
     def as_data(self, record):
         """`record` with every leaf in the data's dtype and shape (a crafted
         float64 value becomes the data's float32)."""
-        return tf.nest.map_structure(
-            lambda leaf, like: np.asarray(leaf, like.dtype).reshape(like.shape), record, self.rows[0]
-        )
+        with np.errstate(over="ignore"):  # a crafted 1e300 becomes the data's inf
+            return tf.nest.map_structure(
+                lambda leaf, like: np.asarray(leaf, like.dtype).reshape(like.shape), record,
+                self.rows[0]
+            )
 
     def predict(self, record):
         """The model's inference prediction for one record, float64."""
@@ -246,6 +248,15 @@ class NeighbourStep:
         if self.examples_per_user:  # each row is a user holding k copies of it
             k = self.examples_per_user
             rows, mask = [row for row in rows for _ in range(k)], np.repeat(mask, k)
+        return self.update(rows, mask)
+
+    def update(self, rows, mask):
+        """The weights after one step on `rows` (records, each a nest without
+        the batch axis) with `mask` (1 drawn, 0 padding), float64; every
+        variable is restored after it. With `examples_per_user=k` the rows
+        are already users' records, k consecutive rows a user (as a sampler
+        draws them)."""
+        mask = np.asarray(mask, np.float32)
         step_info = {"mask": tf.constant(mask), "expected_batch_size": tf.constant(self.batch_size)}
         data = (tf.nest.map_structure(tf.constant, _stack(rows)), step_info)
         try:

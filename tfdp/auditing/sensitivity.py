@@ -11,14 +11,34 @@ loss and `physical_batch_size`) without noise on neighbouring batches, and
 searches for the record that moves the update the most:
 
 1. real records from `x`, `y`;
-2. extreme magnitudes (1e-30 .. 1e30) in inputs, targets and weights;
+2. extreme magnitudes (subnormal 1e-40, 1e-30 .. 1e30, 3e38) in inputs,
+   targets and sample weights;
 3. NaN and Inf entries;
 4. cancelling positions: tied sequence positions with alternating targets,
    or alternating inputs, the attack on factored norms;
-5. gradient ascent on float inputs and targets, discrete search on token
+5. flush-to-zero: huge inputs (3e38) behind the zero rows of the first
+   layer's kernel (a zero-initialised layer) with a tiny output gradient,
+   cancelled exactly by a second position, so that the clip factor times
+   that gradient falls below 2^-126, where float32 results are flushed;
+6. tiny inputs: inputs at 2^-126 / |M| (M the first layer's kernel; lambda M
+   is the offset of weight decay before clipping), the smallest normal and
+   a subnormal, with a huge sample weight (3e38) or target, so that every
+   product x M is flushed while the record's gradient is not;
+7. gradient ascent on float inputs and targets, discrete search on token
    ids, labels and masks;
-6. the worst records again as the last drawn row of a full batch, in a
+8. the worst records again as the last drawn row of a full batch, in a
    padded batch, filling the padding rows, and replacing another record.
+
+Constructions 5 and 6 read the model's first layer's kernel (its zero rows,
+its scale) and prediction, and build the record from them.
+
+A user-level model (`fit(user_ids=..., examples_per_user=k)`) is checked
+per user: each row of the batches is a person holding k copies of it. When
+the model's ledger is user-level and neither the argument nor the last
+`fit` gives k, the search raises instead of checking records; the summary
+prints k. How the sampler chooses people and their records (whether one
+person's presence moves anyone else's draws) is checked by
+`tfdp.auditing.sampler_coupling`, which runs the real samplers.
 
 It reports the worst ratio update change / bound (the bound holds when the
 ratio is <= 1, up to float32 rounding of about 1e-6), the record, the
@@ -221,6 +241,8 @@ def _settings(model, step):
         f"jit_compile={bool(model.jit_compile)}",
         f"physical_batch_size={step.physical_batch_size}",
         f"batches of {step.records + 1} rows, b={step.batch_size:g}",
+        f"user level, k={step.examples_per_user} records a person"
+        if step.examples_per_user else "record level",
     ]
     return ", ".join(parts)
 
@@ -255,13 +277,15 @@ def sensitivity_search(model, x, y, sample_weight=None, *, records=7, batch_size
         examples_per_user: None (record-level), or k to check the user-level
             step of `fit(user_ids=..., examples_per_user=k)`: every row of
             the batches is then a user holding k copies of it, and the bound
-            is per user (default: the k the last `fit` used, if any).
+            is per user (default: the k the last `fit` used, if any; a model
+            whose ledger is user-level needs one).
 
     Returns:
         `SensitivityResult`; call `.check()` to raise if the bound broke.
 
     Raises:
-        ValueError: for a model or data it cannot check (it says why).
+        ValueError: for a model or data it cannot check (it says why), and
+            for a user-level ledger without `examples_per_user`.
     """
     _check_model(model)
     data = _check_data(model, x, y, sample_weight, records)
@@ -270,6 +294,13 @@ def sensitivity_search(model, x, y, sample_weight=None, *, records=7, batch_size
     started = time.perf_counter()
     if examples_per_user is None:
         examples_per_user = getattr(model, "_examples_per_user", None)
+    if examples_per_user is None and model.privacy.relation == "add_or_remove_user":
+        raise ValueError(
+            "This model's privacy ledger is user-level (fit(user_ids=...)): its bound is "
+            "per person, and a record-level search would check the wrong step. Pass "
+            "examples_per_user=k, the k of fit(examples_per_user=k). Received: "
+            "examples_per_user=None"
+        )
     if examples_per_user is not None:
         check_examples_per_user(examples_per_user)
         check_user_level_optimizer(model.optimizer, f"examples_per_user={examples_per_user}")
@@ -305,6 +336,12 @@ def _search(step, data, records, search_steps, seed):
         ("NaN/Inf", crafted_records.nonfinite(space, base)),
         ("cancelling positions", crafted_records.cancelling_positions(space, base, step.predict, rng)),
     ]
+    kernel = crafted_records.first_kernel(step.model, space)
+    constructions += [
+        ("flush-to-zero", crafted_records.flush_to_zero(space, base, step.predict, kernel)),
+        ("tiny inputs", crafted_records.tiny_inputs(space, base, step.predict, kernel,
+                                                    _gradient_scale(step))),
+    ]
     for construction, candidates in constructions:
         for detail, record in candidates:
             table.add(construction, detail, record, step.ratio(record), "add")
@@ -327,6 +364,18 @@ def _search(step, data, records, search_steps, seed):
         for relation in RELATIONS[1:]:
             table.add(construction, detail, record, step.ratio(record, relation), relation)
     return table
+
+
+def _gradient_scale(step):
+    """The norm a crafted gradient should reach: the weight-decay offset's
+    (lambda times the weights' norm) when decay comes before clipping, else C."""
+    optimizer = step.optimizer
+    clip = float(optimizer.l2_norm_clip)
+    if not optimizer.weight_decay or optimizer.weight_decay_placement != "before_clip":
+        return clip
+    weights = np.sqrt(sum(float(np.sum(np.square(np.asarray(v.numpy(), np.float64))))
+                          for v in step.model.trainable_variables))
+    return max(clip, float(optimizer.weight_decay) * weights)
 
 
 def _finite(record):
