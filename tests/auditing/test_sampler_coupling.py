@@ -87,10 +87,6 @@ def test_the_user_sampler_keeps_the_bound_when_nobody_is_re_ranked(k, expected):
     result.check(TOLERANCE)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "issue 43 item 3: UserSampler picks a person's records by their rank among all ids, so "
-    "removing person 0 moves everyone's records; passes once each person's draws are keyed "
-    "by a stable id (the samplers' rewrite): then remove this marker"))
 def test_the_user_sampler_keeps_other_peoples_records_when_the_first_person_leaves():
     x, y, ids = _people()
     sampling = UserSampling(ids, examples_per_user=1, expected_users=PEOPLE)
