@@ -345,6 +345,7 @@ class DPTrainingMixin:
         if self.optimizer is None or self._per_example_loss is None:
             raise ValueError("Compile the model with a tfdp optimizer before calling fit().")
         _check_train_step(self)
+        check_per_example_support(self)  # a layer unfrozen since compile (BatchNormalization)
         if isinstance(x, tf.data.Dataset) and getattr(self.optimizer, "trains_on_datasets", False):
             x = self.optimizer.fixed_order_data(  # a pipeline in a fixed order (DP-BandMF)
                 x, y, batch_size, sample_weight, class_weight, validation_split,

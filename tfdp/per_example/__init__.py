@@ -19,8 +19,10 @@ themselves: DP-SGD needs per-example norms and a reweighted sum.
 
 `per_example_gradients="auto"` on `DPModel` takes the batched path where it
 applies and logs the path once; "batched" (alias "fast") insists on it.
-Layers that mix examples within a batch (BatchNormalization) have no
-per-example gradient and are refused.
+Layers that mix examples within a batch (a trainable BatchNormalization)
+have no per-example gradient and are refused; a frozen BatchNormalization
+runs in inference mode and is accepted, and `fix_batch_normalization`
+replaces trainable ones with GroupNormalization.
 
 Example:
 
@@ -37,6 +39,7 @@ import logging
 
 import keras
 
+from tfdp.per_example.batch_normalization import fix_batch_normalization
 from tfdp.per_example.batched import batched_gradients
 from tfdp.per_example.configuration import declare_per_example_activation
 from tfdp.per_example.grads import LinearGrads, MaterializedGrads, PerExampleGradients
@@ -53,6 +56,7 @@ __all__ = [
     "compute_per_example_gradients",
     "declare_per_example",
     "declare_per_example_activation",
+    "fix_batch_normalization",
     "plan_for",
     "register_rule",
 ]
@@ -68,22 +72,27 @@ def check_per_example_support(model):
     """Raises a clear error if a layer cannot have per-example gradients.
 
     Raises:
-        ValueError: for BatchNormalization (its batch statistics make every
-            example's output depend on the others, so per-example gradients,
-            and so clipping, are undefined), for a stateful recurrent layer
+        ValueError: for a trainable BatchNormalization (its batch statistics
+            make every example's output depend on the others, so per-example
+            gradients, and so clipping, are undefined; a frozen one runs in
+            inference mode and is accepted), for a stateful recurrent layer
             (its state carries other batches' examples into later steps), and
             and for a layer whose trainable weights are not float32 (noise,
             clipping and the update need float32 weights; a mixed precision
             policy such as "mixed_bfloat16" keeps them float32 and is fine).
     """
     for layer in model._flatten_layers(include_self=False):
-        if isinstance(layer, _MIXING_LAYERS):
+        if isinstance(layer, _MIXING_LAYERS) and layer.trainable:
             raise ValueError(
-                f"Layer '{layer.name}' ({type(layer).__name__}) mixes examples "
-                "within a batch, so per-example gradients (and DP clipping) are "
-                "undefined. Use keras.layers.LayerNormalization or "
-                "GroupNormalization instead. Received: layer="
-                f"{type(layer).__name__}"
+                f"Layer '{layer.name}' ({type(layer).__name__}) is trainable, so in training "
+                "it normalizes with the batch's statistics and mixes examples: per-example "
+                "gradients (and DP clipping) are undefined, and its moving statistics "
+                "would store the training data. Freeze it (`layer.trainable = False`, or "
+                "`base_model.trainable = False` for a pretrained base: Keras then runs it "
+                "in inference mode, a per-example affine map whose statistics never "
+                "move), or replace it with `tfdp.per_example.fix_batch_normalization("
+                "model)` (GroupNormalization). Received: layer="
+                f"{type(layer).__name__}(trainable=True)"
             )
         if getattr(layer, "stateful", False):
             raise ValueError(

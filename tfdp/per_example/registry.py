@@ -126,7 +126,26 @@ def rule_for(layer):
 
 def is_per_example(layer):
     """True if `layer` is known (or declared) to keep examples independent."""
-    return type(layer) in ALLOWED or type(layer) in _DECLARED
+    return type(layer) in ALLOWED or type(layer) in _DECLARED or is_frozen_batch_normalization(layer)
+
+
+def is_frozen_batch_normalization(layer):
+    """True for a Keras BatchNormalization with `trainable=False`: Keras runs
+    it in inference mode whatever `training` says (its call normalizes with
+    the batch only when `training and self.trainable`), so each example's
+    output is (x - moving_mean) / sqrt(moving_variance + epsilon) * gamma +
+    beta, with nothing trained and no statistic updated.
+
+    Example:
+
+    >>> layer = keras.layers.BatchNormalization()
+    >>> is_frozen_batch_normalization(layer)
+    False
+    >>> layer.trainable = False
+    >>> is_frozen_batch_normalization(layer)
+    True
+    """
+    return type(layer) is _L.BatchNormalization and not layer.trainable
 
 
 def node_is_per_example(node):
