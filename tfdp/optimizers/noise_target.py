@@ -22,9 +22,9 @@ Example:
 True
 >>> sigma = optimizer.noise_target.plan(optimizer, tfdp.accounting.PrivacyLedger(),
 ...     num_units=10000, batch_size=100, steps=1000, unit_name="records", say=print)
-tfdp: noise_multiplier=0.7... calibrated for epsilon=3 at delta=1e-05 over 1000 steps ...
+tfdp: noise_multiplier=0.8646 calibrated for epsilon=3 at delta=1e-05 over 1000 steps ...
 >>> round(sigma, 3)
-0.7...
+0.865
 """
 
 import logging
