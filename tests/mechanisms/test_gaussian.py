@@ -184,3 +184,91 @@ def test_small_tensors_share_a_draw_and_stay_independent():
     assert stats.kstest(flat, "norm").pvalue > 1e-4
     assert np.intersect1d(z[1].numpy(), z[0].numpy()).size == 0  # no entry reused
     assert abs(np.corrcoef(z[0].numpy().ravel()[:2**14], z[4].numpy()[:2**14])[0, 1]) < 0.03
+
+
+# -- no atom: the top words and the small-radius law (issue 43, item 6) -------
+
+# Radius words w0 at both ends of the range (0: the deepest cell) and angle
+# words w1 where a coarse angle lands on 0, pi / 2, pi, 3 pi / 2 or 2 pi.
+TOP = 2**32
+W0 = [TOP - 1, TOP - 2, TOP - 128, TOP - 129, TOP - 256, TOP - 2**20, 2**31, 1, 2, 0]
+W1 = [0, 1, 2**30, 2**31, 3 * 2**30, TOP - 1, TOP - 128, 2**29, 7, TOP - 2**20]
+
+
+class CraftedWords:
+    """The first draw's words are W0 (radius) and W1 (angle); later rounds
+    (the deep tail of w0 = 0) take the real words."""
+
+    def __init__(self):
+        self.calls = 0
+
+    def __call__(self, shape, seed):
+        self.calls += 1
+        if self.calls > 1:
+            return gaussian._REAL_WORDS(shape, seed)
+        return tf.constant([W0, W1], tf.uint32)
+
+
+@pytest.mark.parametrize("dtype", [tf.float32, tf.float64, tf.bfloat16])
+def test_top_radius_words_give_no_zero_draw(monkeypatch, dtype):
+    """w0 = 2^32 - k must give E = -ln(1 - k 2^-32) > 0, not a float32
+    uniform rounded to 1.0 (radius 0, both draws exactly 0.0: an atom of
+    2^-25 a pair); no angle word makes a draw exactly 0 either."""
+    monkeypatch.setattr(gaussian, "_REAL_WORDS", gaussian._words, raising=False)
+    monkeypatch.setattr(gaussian, "_words", CraftedWords())
+    z = standard_normal([2 * len(W0)], SEED, dtype=dtype).numpy().astype(np.float64)
+    cos_part, sin_part = z[: len(W0)], z[len(W0) :]
+    assert np.all(cos_part != 0.0) and np.all(sin_part != 0.0), z
+    radius = np.sqrt(cos_part**2 + sin_part**2)
+    words = np.asarray(W0[:-1], np.float64)  # the last one went to the deep tail
+    expected = np.sqrt(-2.0 * np.log(words / TOP))
+    rtol = 1e-2 if dtype == tf.bfloat16 else 1e-5
+    np.testing.assert_allclose(radius[:-1], expected, rtol=rtol)
+    assert radius[-1] ** 2 / 2 > 32 * math.log(2) * (1 - 1e-2)
+    expected_angle = (np.asarray(W1, np.float64) + 0.5) * 2 * np.pi / TOP
+    off = np.arctan2(sin_part, cos_part) - expected_angle
+    off = (off + np.pi) % (2 * np.pi) - np.pi  # an angle just below 2 pi may wrap to 0
+    # Angle words above 2^24 carry float32 rounding of the word (2^-24 relative).
+    rtol = 1e-2 if dtype == tf.bfloat16 else 1e-6
+    assert np.all(np.abs(off) <= rtol * expected_angle), off
+
+
+def test_numpy_normal_top_words_give_no_zero_draw():
+    class Crafted:
+        def integers(self, low, high, size, dtype):
+            return np.asarray([W0[:-1], W1[:-1]], dtype)
+
+    z = numpy_normal(Crafted(), size=2 * (len(W0) - 1))
+    cos_part, sin_part = z[: len(W0) - 1], z[len(W0) - 1 :]
+    assert np.all(cos_part != 0.0) and np.all(sin_part != 0.0), z
+    radius = np.sqrt(cos_part**2 + sin_part**2)
+    np.testing.assert_allclose(radius, np.sqrt(-2 * np.log(np.asarray(W0[:-1]) / TOP)), rtol=1e-9)
+
+
+SMALL_RADII = [1e-3, 3e-3, 1e-2, 3e-2, 1e-1]
+
+
+def small_radius_counts(chunks=4, size=2**24):
+    """How many of chunks * size / 2 pairs have a radius <= each of SMALL_RADII."""
+    draw = tf.function(lambda seed: standard_normal([size], seed))
+    counts = np.zeros(len(SMALL_RADII), np.int64)
+    for chunk in range(chunks):
+        z = draw(tf.constant([31, chunk], tf.int64)).numpy().astype(np.float64)
+        radius_sq = z[: size // 2] ** 2 + z[size // 2 :] ** 2
+        counts += [int(np.sum(radius_sq <= r**2)) for r in SMALL_RADII]
+    return counts, chunks * size // 2
+
+
+def law_holds(counts, pairs, scale):
+    """Each count within 5 binomial sds of P(R <= r) = 1 - exp(-r^2 / (2 scale^2))."""
+    p = -np.expm1(-np.square(SMALL_RADII) / (2 * scale**2))
+    expected = pairs * p
+    return bool(np.all(np.abs(counts - expected) <= 5 * np.sqrt(expected * (1 - p)) + 1))
+
+
+def test_small_radius_law_near_zero_with_a_negative_control():
+    # 2^25 pairs: about 17 radii below 1e-3, 1,700 below 1e-2, 168,000 below 0.1.
+    counts, pairs = small_radius_counts()
+    assert law_holds(counts, pairs, 1.0), counts
+    # Negative control: the same counts fail the law of a 5% larger or smaller scale.
+    assert not law_holds(counts, pairs, 1.05) and not law_holds(counts, pairs, 0.95)

@@ -14,13 +14,15 @@ steps apart. A `tf.data.Dataset` qualifies when all of these hold, and
 - its elements are batches `(x, y)` or `(x, y, sample_weight)` of one fixed
   size B: `batch(B, drop_remainder=True)`, so the static batch dimension is
   known (the noise is added to a sum over B records and divided by B);
-- its order is the same in every pass: no `shuffle` that reshuffles each
-  iteration (`reshuffle_each_iteration=True`, the default), unless a
-  `cache()` after it freezes the first pass's order; no `shuffle_and_repeat`,
-  no `Dataset.random`, no `sample_from_datasets`, no parallel `map`,
-  `interleave` or `batch` with `deterministic=False`. `shuffle(n,
-  reshuffle_each_iteration=False)` shuffles once (give it a `seed` to keep
-  the order across processes: a resumed run must see the same order);
+- its order is the same in every pass: no shuffle that reshuffles each
+  iteration (`shuffle` or tf.data's global shuffle with
+  `reshuffle_each_iteration=True`, the default, or any other transformation
+  named like a shuffle), unless a `cache()` after it freezes the first
+  pass's order; no `shuffle_and_repeat`, no `Dataset.random`, no
+  `sample_from_datasets`, no parallel `map`, `interleave` or `batch` with
+  `deterministic=False`. `shuffle(n, reshuffle_each_iteration=False)`
+  shuffles once (give it a `seed` to keep the order across processes: a
+  resumed run must see the same order);
 - P >= `bands` (checked by the optimizer).
 
 Each record must be one element of the un-batched pipeline: tfdp cannot see
@@ -28,13 +30,17 @@ a record you put in twice (the same data concatenated twice counts as two
 records).
 
 The pipeline's own structure is checked before training. The order itself
-is also checked while training: tfdp fingerprints the labels of each of the
-P batches in the first pass and stops with an error, before that batch is
-trained on, when a later pass (or a resumed run) brings different labels at
-the same position. That catches what a structural check cannot (a generator
-that yields in another order, a shuffle seeded differently after a resume);
-a reorder that keeps every batch's labels identical would pass it, so the
-structural rules above remain the guarantee.
+is also checked while training: tfdp fingerprints each of the P batches of
+the first pass, features, labels and sample weights (`batch_fingerprint`),
+and stops with an error, before that batch is trained on, when a later pass
+(or a resumed run) brings a batch that differs in any of them at the same
+position. That catches what a structural check cannot: a generator or a
+`py_function` that yields in another order, a shuffle seeded differently
+after a resume, a reorder hidden behind constant labels. What is trained on
+is therefore the first pass's sequence of batches, bit for bit, in every
+pass; a reorder that leaves every batch identical changes nothing the model
+sees. The price: a pipeline whose content changes between passes (random
+augmentation in a `map`) is stopped too; augment in the model instead.
 
 Example:
 
@@ -59,9 +65,9 @@ import tensorflow as tf
 # data/ops). Private names, read only to refuse what breaks the order; the
 # fingerprint check while training does not depend on them.
 _REPEAT = ("_RepeatDataset",)
-_SHUFFLE = ("_ShuffleDataset", "ShuffleDataset")
+_SHUFFLE = ("_ShuffleDataset", "ShuffleDataset", "_GlobalShuffleDataset")
 _SHUFFLE_AND_REPEAT = ("_ShuffleAndRepeatDataset",)
-_RANDOM = ("_RandomDataset", "RandomDataset", "_DirectedInterleaveDataset")
+_RANDOM = ("_RandomDataset", "RandomDataset", "RandomDatasetV2", "_DirectedInterleaveDataset")
 _CACHE = ("CacheDataset", "_CacheDataset", "_MemoryCacheDataset")
 
 
@@ -118,7 +124,7 @@ class FixedOrderData:
         return tuple(tf.nest.map_structure(zeros, self.dataset.element_spec))
 
     def first_pass(self):
-        """Reads the pipeline once: (each batch's `labels_fingerprint`, a
+        """Reads the pipeline once: (each batch's `batch_fingerprint`, a
         SHA-256 hex digest of every batch's tensors in order).
 
         Under several workers each worker reads its own copy of the pipeline;
@@ -138,7 +144,7 @@ class FixedOrderData:
         if self._first_pass is None:
             fingerprints, digest = [], hashlib.sha256()
             for arrays in self.dataset:
-                fingerprints.append(int(labels_fingerprint(arrays[1:])))
+                fingerprints.append(int(batch_fingerprint(arrays)))
                 for tensor in tf.nest.flatten(arrays):
                     digest.update(tf.io.serialize_tensor(tensor).numpy())
             self._first_pass = (np.asarray(fingerprints, np.int64), digest.hexdigest())
@@ -164,7 +170,7 @@ class FixedOrderData:
         stream = self.dataset.repeat().skip(position % steps).enumerate(start=position)
 
         def to_element(index, arrays):
-            checked = order_check.check(index % steps, arrays[1:])
+            checked = order_check.check(index % steps, arrays)
             with tf.control_dependencies([checked]):
                 mask = tf.ones([batch], tf.float32)
             step_info = {"mask": mask, "expected_batch_size": tf.constant(float(batch))}
@@ -174,18 +180,21 @@ class FixedOrderData:
 
 
 ORDER_CHANGED = (
-    "The tf.data pipeline's order changed: the labels of a batch differ from the "
-    "first pass's at the same position of the epoch. DP-BandMF's fixed-order "
-    "accounting needs every record at the same position each epoch (and after a "
-    "resume); this batch was not trained on. Remove any reshuffling (shuffle(..., "
-    "reshuffle_each_iteration=False, seed=...)), or, to train on a different "
-    "pipeline, compile with a new DPBandMF(..., fresh_noise_history=True)."
+    "The tf.data pipeline's order changed: a batch (its features, labels or sample "
+    "weights) differs from the first pass's at the same position of the epoch. "
+    "DP-BandMF's fixed-order accounting needs every record at the same position "
+    "each epoch (and after a resume); this batch was not trained on. Remove any "
+    "reshuffling (shuffle(..., reshuffle_each_iteration=False, seed=...)) and any "
+    "generator that yields in another order; put random augmentation in the model, "
+    "not the pipeline; or, to train on a different pipeline, compile with a new "
+    "DPBandMF(..., fresh_noise_history=True)."
 )
 
 
 class OrderCheck:
-    """Fingerprints of the labels at each of P positions: the first pass
-    records them, every later pass (or a resumed run) must match.
+    """Fingerprints of the batches (`batch_fingerprint`) at each of P
+    positions: the first pass records them, every later pass (or a resumed
+    run) must match.
 
     Args:
         steps_per_epoch: P.
@@ -202,12 +211,13 @@ class OrderCheck:
         """(fingerprints as an int64 array, recorded positions)."""
         return self.fingerprints.numpy(), int(self.recorded.numpy())
 
-    def check(self, position, labels):
-        """Records or checks the fingerprint of `labels` at `position`.
+    def check(self, position, arrays):
+        """Records or checks the fingerprint of the batch `arrays` (features,
+        labels and sample weights) at `position`.
 
         Returns an op that raises InvalidArgumentError on a mismatch.
         """
-        value = labels_fingerprint(labels)
+        value = batch_fingerprint(arrays)
 
         def record():
             with tf.control_dependencies([self.fingerprints.scatter_update(
@@ -239,16 +249,23 @@ class OrderCheck:
         self.recorded.assign(len(fingerprints))
 
 
-def labels_fingerprint(labels):
-    """An int64 fingerprint of a batch's labels (and sample weights).
+def batch_fingerprint(arrays):
+    """An int64 fingerprint of a whole batch: every tensor of `(x, y)` or
+    `(x, y, sample_weight)` (dicts, ragged and sparse components included),
+    its shape and values in order (the dtypes are the pipeline's, fixed).
 
     Example:
 
-    >>> int(labels_fingerprint((tf.constant([1, 2]),))) == int(labels_fingerprint((tf.constant([2, 1]),)))
+    >>> x = tf.constant([[1.0], [2.0]])
+    >>> same_labels = tf.constant([0, 0])
+    >>> int(batch_fingerprint((x, same_labels))) == int(batch_fingerprint((x[::-1], same_labels)))
     False
     """
-    serialized = [tf.io.serialize_tensor(t) for t in tf.nest.flatten(labels)]
-    digest = tf.fingerprint(tf.reshape(tf.strings.reduce_join(serialized), [1]))
+    parts = []  # each tensor's shape and values, hashed in place (no serialized copy)
+    for tensor in tf.nest.flatten(arrays, expand_composites=True):
+        parts.append(tf.fingerprint(tf.reshape(tf.cast(tf.shape(tensor), tf.int64), [1, -1])))
+        parts.append(tf.fingerprint(tf.reshape(tensor, [1, -1])))
+    digest = tf.fingerprint(tf.concat(parts, 1))
     return tf.bitcast(digest[0], tf.int64)
 
 
@@ -301,6 +318,12 @@ def _inputs(dataset):
         return []
 
 
+def _is_shuffle(name):
+    """A shuffle by tf.data's name for it, or any transformation named like one
+    (a shuffle tfdp does not know yet is treated as one that reshuffles)."""
+    return name in _SHUFFLE or ("shuffle" in name.lower() and name not in _SHUFFLE_AND_REPEAT)
+
+
 def _check_pipeline(dataset):
     """Walks the pipeline from its output, refusing what breaks the order."""
     if dataset.options().deterministic is False:
@@ -324,7 +347,7 @@ def _check_pipeline(dataset):
                 "shuffle_and_repeat. Shuffle once: shuffle(n, reshuffle_each_iteration="
                 f"False, seed=...). Received: {name}"
             )
-        if name in _SHUFFLE and getattr(node, "_reshuffle_each_iteration", True) and not behind_cache:
+        if _is_shuffle(name) and getattr(node, "_reshuffle_each_iteration", True) and not behind_cache:
             raise ValueError(
                 "DP-BandMF needs each record at the same position every epoch, but the "
                 "pipeline reshuffles each epoch (shuffle(..., reshuffle_each_iteration="
@@ -333,7 +356,7 @@ def _check_pipeline(dataset):
                 "shuffle(n, reshuffle_each_iteration=False, seed=...), or cache() after "
                 f"the shuffle. Received: {name}"
             )
-        if name in _RANDOM:
+        if name in _RANDOM or "random" in name.lower():
             raise ValueError(
                 "DP-BandMF needs the same order every epoch, but the pipeline draws its "
                 f"elements at random. Received: {name}"

@@ -9,10 +9,20 @@ K~, private normalization's statistics) through `numpy_normal`.
 Box-Muller: an angle theta uniform in [0, 2 pi) and E ~ Exp(1) give two
 independent N(0, 1) draws sqrt(2E) cos(theta) and sqrt(2E) sin(theta). Each
 pair takes two 32-bit random words w0, w1 (stateless Philox, as many random
-bits as two float32 uniforms): theta = 2 pi w1 / 2^32, and E = -ln V for
-V = (w0 + J) 2^-32 uniform on [0, 1), J the part of V finer than a word.
-For w0 >= 1 the draw takes E = 32 ln 2 - ln w0, the top of E's cell (a
-rounding of E by at most 1 / w0, as any float draw rounds).
+bits as two float32 uniforms): theta = 2 pi (w1 + 1/2) / 2^32, the middle
+of w1's cell, and E = -ln V for V = (w0 + J) 2^-32 uniform on [0, 1), J the
+part of V finer than a word. For w0 >= 1 the draw takes E = 32 ln 2 - ln w0,
+the top of E's cell (a rounding of E by at most 1 / w0, as any float draw
+rounds).
+
+No atom anywhere, at 0 included: E is computed in float64, where w0 is
+exact, so E >= -ln(1 - 2^-32) > 2^-32 and the radius is never 0 (a float32
+V = w0 2^-32 would round each w0 >= 2^32 - 128 to 1.0: radius 0, both
+draws exactly 0.0, probability 2^-25 a pair). The angle is never 0, and a
+float angle is never a nonzero multiple of pi / 2, so no draw is exactly
+0.0 (float32 and bfloat16 included: the smallest |draw| is about 1e-14 at
+stddev 1). Near 0 the radius keeps the law P(R <= r) = 1 - exp(-r^2 / 2)
+at every word (E has the resolution of its own cell, 2^-32 near 0).
 
 The tail is never cut. A float uniform cuts it: 1 - U >= 2^-23 for a float32
 uniform caps the radius at sqrt(46 ln 2) = 5.65 (TensorFlow's own normal
@@ -35,7 +45,9 @@ Cost: two random words a pair, as before with two float32 uniforms, and
 one check and one `tf.cond` a call; small tensors share one draw (fewer ops
 a call). On the 2-core AVX-512 Xeon, best of three sessions, within 5% of the
 float32-uniform version on the MLP, text_pooling and tanh CNN shapes
-(`benchmarks/noise_generation.py` times both).
+(`benchmarks/noise_generation.py` times both). The float64 logarithm of the
+radius (issue 43) costs about 12-15% more process CPU time on the MLP and
+text_pooling draws than the float32 one it replaced, and about 1% under XLA.
 
 Example:
 
@@ -51,6 +63,7 @@ import numpy as np
 import tensorflow as tf
 
 _WORD = 2.0**-32  # a word's cell: V = w0 2^-32 is the bottom of V's cell
+_LN_CELLS = 32.0 * math.log(2.0)  # -ln 2^-32: E = -ln(w0 2^-32) = _LN_CELLS - ln w0
 _ANGLE_PER_WORD = 2.0 * math.pi * _WORD
 
 
@@ -60,7 +73,15 @@ def _words(shape, seed):
 
 
 class _Draw:
-    """One tensor's pairs of words, before the radius is finished."""
+    """One tensor's pairs of words, before the radius is finished.
+
+    The radius is built in float64 whatever the dtype: w0 is exact there, so
+    for w0 >= 1, E = 32 ln 2 - ln w0 >= -ln(1 - 2^-32) > 2^-32 and no radius
+    is 0 (a float32 V = w0 2^-32 rounds every w0 >= 2^32 - 128 to 1.0, an
+    atom at 0 of 2^-25 a pair). The angle takes its cell's midpoint
+    2 pi (w1 + 1/2) 2^-32, never 0, and a float angle is never a nonzero
+    multiple of pi / 2: no draw is exactly 0.
+    """
 
     def __init__(self, shape, seed, dtype):
         self.dtype = tf.as_dtype(dtype)
@@ -69,24 +90,21 @@ class _Draw:
         self.count = tf.reduce_prod(self.shape)
         self.seed = seed
         first, second = tf.unstack(_words(tf.stack([2, (self.count + 1) // 2]), seed))
-        self.uniform = self._uniform(first)  # V's cell bottom; 0 only in the deepest cell
-        self.angle = tf.cast(second, self.work) * tf.constant(_ANGLE_PER_WORD, self.work)
+        self.word = tf.cast(first, tf.float64)  # w0, exact; 0 only in the deepest cell
+        self.angle = (tf.cast(second, self.work) + 0.5) * tf.constant(_ANGLE_PER_WORD, self.work)
 
-    def _uniform(self, words):
-        return tf.cast(words, self.work) * tf.constant(_WORD, self.work)
-
-    def smallest_uniform(self):
-        return tf.cast(tf.reduce_min(self.uniform), tf.float32)
+    def smallest_word(self):
+        return tf.reduce_min(self.word)
 
     def exponential(self):
-        """E = -ln V: valid when no word is 0."""
-        return -tf.math.log(self.uniform)
+        """E = 32 ln 2 - ln w0 (float64): valid when no word is 0."""
+        return _LN_CELLS - tf.math.log(self.word)
 
     def exponential_with_deep_tail(self):
         """E with every w0 = 0 replaced by 32 ln 2 + a fresh Exp(1) draw."""
 
-        def part(uniform):  # -ln V, and 32 ln 2 for the deepest cell
-            return -tf.math.log(tf.maximum(uniform, tf.constant(_WORD, self.work)))
+        def part(word):  # 32 ln 2 - ln w, and 32 ln 2 for the deepest cell
+            return _LN_CELLS - tf.math.log(tf.maximum(word, 1.0))
 
         def more(level, e, pending):
             del level, e
@@ -94,16 +112,17 @@ class _Draw:
 
         def deeper(level, e, pending):
             seed = tf.random.experimental.stateless_fold_in(self.seed, level)
-            uniform = self._uniform(_words(tf.shape(self.uniform), seed))
-            e = tf.where(pending, e + part(uniform), e)
-            return level + 1, e, pending & (uniform == 0.0)
+            word = tf.cast(_words(tf.shape(self.word), seed), tf.float64)
+            e = tf.where(pending, e + part(word), e)
+            return level + 1, e, pending & (word == 0.0)
 
-        start = (tf.constant(1, tf.int64), part(self.uniform), self.uniform == 0.0)
+        start = (tf.constant(1, tf.int64), part(self.word), self.word == 0.0)
         _, e, _ = tf.while_loop(more, deeper, start)
         return e
 
     def finish(self, e, stddev):
-        radius = tf.sqrt(e) * (math.sqrt(2.0) * tf.cast(stddev, self.work))
+        # E > 2^-32 is a normal float32: the cast rounds it, never to 0.
+        radius = tf.sqrt(tf.cast(e, self.work)) * (math.sqrt(2.0) * tf.cast(stddev, self.work))
         pairs = tf.concat([radius * tf.cos(self.angle), radius * tf.sin(self.angle)], 0)
         return tf.cast(tf.reshape(pairs[: self.count], self.shape), self.dtype)
 
@@ -165,7 +184,7 @@ def normals(shapes, seeds, dtypes, stddev=1.0):
             owners.append([index])
     if not draws:
         return []
-    deep = tf.reduce_min(tf.stack([draw.smallest_uniform() for draw in draws])) == 0.0
+    deep = tf.reduce_min(tf.stack([draw.smallest_word() for draw in draws])) == 0.0
     exponentials = tf.cond(
         deep,
         lambda: [draw.exponential_with_deep_tail() for draw in draws],
@@ -230,7 +249,7 @@ def numpy_normal(rng, stddev=1.0, size=None):
     count = int(np.prod(shape, dtype=np.int64))
     half = (count + 1) // 2
     words = rng.integers(0, 2**32, size=(2, half), dtype=np.uint64).astype(np.float64)
-    uniform, angle = words[0] * _WORD, words[1] * _ANGLE_PER_WORD
+    uniform, angle = words[0] * _WORD, (words[1] + 0.5) * _ANGLE_PER_WORD
     e = -np.log(np.maximum(uniform, _WORD))
     pending = uniform == 0.0
     while pending.any():  # w0 = 0: 32 ln 2 + a fresh Exp(1), as in `normals`

@@ -23,7 +23,7 @@ from tfdp.accounting import PrivacyLedger
 from tfdp.accounting.calibration import steps_per_epoch as default_steps_per_epoch
 from tfdp.data import interrupts, sources
 from tfdp.data.fixed_order import FixedOrderData
-from tfdp.models import chunked_step, float32_precision, input_checks, user_level
+from tfdp.models import chunked_step, float32_precision, input_checks, state_writes, user_level
 from tfdp.models.atomic_save import atomic_write, is_local_path
 from tfdp.models.chosen_checkpoint import keep_chosen_checkpoints_charged, note_save
 from tfdp.models.jit import resolve_jit_compile
@@ -401,7 +401,9 @@ class DPTrainingMixin:
         # Workers agree (settings checked, sampling seed shared) before any of
         # them builds variables: differing optimizers would break that.
         self.optimizer.agree_with_workers(self, num_examples, batch_size, steps_per_epoch)
-        self._build_for(arrays)
+        sample = self._build_for(arrays)
+        # A layer that writes a variable in training would keep records' data (issue 43).
+        state_writes.check_dp_model(self, sample)
         # Outputs are known once built (a model without keras.Input has none before).
         units = self.outputs[0].shape[-1] if getattr(self, "outputs", None) else None
         if isinstance(x, sources.RecordSource):
@@ -543,7 +545,7 @@ class DPTrainingMixin:
         return x, y, sample_weight
 
     def _build_for(self, arrays):
-        """Builds model, metrics and optimizer on a 1-example batch."""
+        """Builds model, metrics and optimizer on a 1-example batch; returns it."""
         if isinstance(arrays, FixedOrderData):
             sample = arrays.sample_batch()
         elif isinstance(arrays, sources.RecordSource):
@@ -562,6 +564,7 @@ class DPTrainingMixin:
             raise ValueError(
                 f"Record 0 of {arrays!r} does not fit the model: {error}"
             ) from error
+        return sample
 
     def _maybe_symbolic_build(self, iterator=None, data_batch=None):
         # Under a tf.distribute strategy Keras takes a batch from the iterator

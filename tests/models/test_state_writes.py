@@ -1,0 +1,108 @@
+"""A layer that writes a variable in the DP step is refused before the first
+step (issue 43, item 7): a running mean would hold training records' raw
+features after one step and be saved with the model."""
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tfdp
+from tfdp.models.state_writes import check_no_state_writes
+
+LOSS = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+
+class RunningMean(keras.layers.Layer):
+    """Keeps a running mean of its inputs in training (as BatchNormalization does)."""
+
+    def build(self, shape):
+        self.mean = self.add_weight(shape=shape[1:], initializer="zeros", trainable=False,
+                                    name="running_mean")
+
+    def call(self, x, training=None):
+        if training:
+            self.mean.assign(0.5 * self.mean + 0.5 * tf.reduce_mean(x, 0))
+        return x
+
+
+class MemoryInCond(keras.layers.Layer):
+    """Stores the first example of a batch, inside a tf.cond branch."""
+
+    def build(self, shape):
+        self.memory = self.add_weight(shape=shape[1:], initializer="zeros", trainable=False,
+                                      name="memory")
+
+    def call(self, x, training=None):
+        def store():
+            self.memory.assign(x[0])
+            return tf.constant(1.0)
+
+        tf.cond(tf.reduce_sum(x) != 0.0, store, lambda: tf.constant(0.0))
+        return x
+
+
+class SeedFromData(keras.layers.Layer):
+    """Writes data into a SeedGenerator's state: not an RNG advancing itself."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.generator = keras.random.SeedGenerator(1)
+
+    def call(self, x, training=None):
+        state = self.generator.state
+        self.generator.state.assign(tf.cast(x[0, : state.shape[0]], state.dtype))
+        return x
+
+
+def crafted_records(n=32, dim=4):
+    x = np.zeros((n, dim), "float32")
+    x[0] = [1e3, -2e3, 3e3, 7.0]  # a record with recognisable features
+    return x, np.zeros(n, "int64")
+
+
+def dp_model(middle):
+    keras.utils.set_random_seed(0)
+    model = tfdp.DPSequential([keras.Input((4,)), middle, keras.layers.Dense(3)])
+    model.compile(optimizer=tfdp.optimizers.DPSGD(0.1, noise_multiplier=1.0, l2_norm_clip=1.0),
+                  loss=LOSS)
+    return model
+
+
+@pytest.mark.parametrize("make", [RunningMean, MemoryInCond, SeedFromData])
+def test_a_layer_that_writes_a_variable_is_refused_before_the_first_step(make):
+    layer = make(name="keeper")
+    model = dp_model(layer)
+    x, y = crafted_records()
+    with pytest.raises(ValueError, match=r"Layer 'keeper' \(\w+\) writes its variable '\w+'"):
+        model.fit(x, y, batch_size=32, epochs=1, verbose=0)
+    assert model.privacy.steps == 0
+    for variable in layer.non_trainable_variables:  # nothing of a record was kept
+        assert not np.any(np.isin(variable.numpy().astype("float32"), x[0]))
+
+
+def test_dropout_advances_its_seed_and_trains():
+    """Negative control: Dropout's SeedGenerator state advances from itself."""
+    model = dp_model(keras.layers.Dropout(0.5))
+    x, y = crafted_records()
+    model.fit(x, y, batch_size=16, epochs=1, verbose=0)
+    assert model.privacy.steps == 2
+
+
+@pytest.mark.parametrize("method", ["auto", "vectorized"])
+def test_batch_normalization_writes_in_training_and_not_when_frozen(method):
+    """Traced writes, not the class: BatchNormalization in training mode writes
+    its moving statistics; frozen (inference mode), it writes nothing."""
+    loss = lambda y, p: tf.reduce_sum(tf.square(y - p), -1)  # noqa: E731
+    sample = (tf.zeros([1, 4]), tf.zeros([1, 2]))
+    norm = keras.layers.BatchNormalization(name="norm")
+    model = keras.Sequential([keras.Input((4,)), norm, keras.layers.Dense(2)])
+    with pytest.raises(ValueError, match="Layer 'norm' .BatchNormalization. writes its variable 'moving_mean'"):
+        check_no_state_writes(model, sample, loss, method)
+    norm.trainable = False
+    check_no_state_writes(model, sample, loss, method)
+
+
+def test_batch_normalization_in_a_dp_model_is_still_refused():
+    with pytest.raises(ValueError, match="BatchNormalization"):
+        dp_model(keras.layers.BatchNormalization())

@@ -1,0 +1,235 @@
+"""Nothing but tfdp's and the optimizer's state changes in a DP step.
+
+A layer that writes a variable while it trains (a running mean, a queue, a
+memory bank: what BatchNormalization does with its moving statistics) puts
+training records' data into that variable, and the variable is released with
+the model, outside the noise and the accounting. `check_no_state_writes`
+refuses such a model before the first step. It traces the model's forward
+and backward pass exactly as the DP step runs it
+(`tfdp.per_example.compute_per_example_gradients`, on the model's path), so
+the check sees what `call()` does in training, not what the layer class is:
+a frozen layer whose `call()` writes nothing passes. In that trace every op
+that writes a resource (`AssignVariableOp`, `AssignAddVariableOp`,
+`ResourceScatter*`, `ResourceApply*`, a lookup table's insert ...), in the
+step's graph and in every function it calls (`tf.cond` branches, loop
+bodies), is a write by a layer: the optimizer's update and tfdp's own
+counters are not part of it.
+
+One write is allowed: a `keras.random.SeedGenerator`'s state (`Dropout`'s
+random seed) advanced from its own value, which no input reaches. A write
+whose value depends on any input of the traced function is refused even
+there, and so is a write to a resource the check cannot name.
+
+Example:
+
+>>> import keras, tensorflow as tf
+>>> class RunningMean(keras.layers.Layer):
+...     def build(self, shape):
+...         self.mean = self.add_weight(shape=shape[1:], initializer="zeros",
+...                                     trainable=False, name="running_mean")
+...     def call(self, x, training=None):
+...         if training:
+...             self.mean.assign(0.9 * self.mean + 0.1 * tf.reduce_mean(x, 0))
+...         return x
+>>> model = keras.Sequential([keras.Input((3,)), RunningMean(name="stats"), keras.layers.Dense(2)])
+>>> loss = lambda y, p: tf.reduce_sum(tf.square(y - p), -1)
+>>> check_no_state_writes(model, (tf.zeros([1, 3]), tf.zeros([1, 2])), loss)
+Traceback (most recent call last):
+...
+ValueError: Layer 'stats' (RunningMean) writes its variable 'running_mean' ...
+"""
+
+import keras
+import tensorflow as tf
+
+from tfdp.per_example import compute_per_example_gradients
+
+# Op types that change a resource: variables, tables.
+_WRITE_PREFIXES = (
+    "Assign",  # AssignVariableOp, AssignAddVariableOp, AssignSubVariableOp, ...
+    "ResourceScatter",
+    "ResourceApply",
+    "ResourceSparseApply",
+    "ResourceStridedSliceAssign",
+    "LookupTableInsert",
+    "LookupTableRemove",
+    "LookupTableImport",
+    "InitializeTable",
+)
+_CALL_ATTRS = ("f", "then_branch", "else_branch", "body", "cond", "branches")
+
+
+def check_dp_model(model, sample):
+    """`check_no_state_writes` for a compiled `tfdp.DPModel` on a sample batch
+    of its training data (its loss, its per-example path), once per model
+    and configuration (layers' `trainable` flags, path, shapes).
+
+    Args:
+        model: a built, compiled `tfdp.DPModel`.
+        sample: `(x, y)` or `(x, y, sample_weight)`, batch first (NumPy
+            arrays or tensors; one example is enough).
+    """
+    sample = tf.nest.map_structure(tf.convert_to_tensor, tuple(s for s in sample if s is not None))
+    loss_fn, targets = model._per_example_loss, sample[1]  # pylint: disable=protected-access
+    if len(sample) > 2 and sample[2].shape.rank > 1:  # per-token weights, as the step takes them
+        loss_fn, targets = model._per_token_loss, (sample[1], sample[2])  # pylint: disable=protected-access
+    method = model.per_example_gradients
+    key = (method, tuple(layer.trainable for layer in model._flatten_layers()),  # pylint: disable=protected-access
+           str(tf.nest.map_structure(lambda t: (t.shape[1:], t.dtype), (sample[0], targets))))
+    checked = model.__dict__.setdefault("_state_writes_checked", set())
+    if key in checked:
+        return
+    check_no_state_writes(model, (sample[0], targets), loss_fn, method)
+    checked.add(key)
+
+
+def check_no_state_writes(model, sample, loss_fn, method="auto", training=True):
+    """Refuses a model whose DP step would write a variable of its own.
+
+    Args:
+        model: a built Keras model.
+        sample: a batch `(x, y)` or `(x, y, sample_weight)` shaped like the
+            training data (one example is enough; only its shapes are used).
+        loss_fn: the per-example loss, callable(y_true, y_pred) -> [B]
+            (for per-token weights, the model's token-weighted loss and
+            `(y, weights)` as y).
+        method: the per-example path the step takes ("auto", "batched",
+            "vectorized").
+        training: as the step calls the layers.
+
+    Raises:
+        ValueError: naming the layer and the variable it writes (or the op,
+            for a resource that is not a model variable).
+    """
+    x, targets = sample[0], sample[1]
+
+    def forward_backward(x, targets):
+        size = tf.shape(tf.nest.flatten(x)[0])[0]
+        grads, _, _ = compute_per_example_gradients(
+            model, x, targets, tf.ones([size]), loss_fn, method, training)
+        return grads.sq_norms()
+
+    graph = tf.function(forward_backward).get_concrete_function(x, targets).graph
+    variables = _model_variables(model)
+    seeds = _seed_states(model)
+    for op, owner in _writes(graph):
+        variable = _resolve(op.inputs[0], owner, variables) if op.inputs else None
+        if variable is not None and id(variable) in seeds and not _reads_inputs(op.inputs[1:]):
+            continue  # an RNG state advanced from itself
+        raise ValueError(_message(model, op, variable))
+
+
+def _model_variables(model):
+    """{id of a variable's resource handle: the Keras variable}."""
+    found = {}
+    for variable in model.variables:
+        value = getattr(variable, "value", variable)
+        # A distributed variable has one component per replica.
+        for component in (value, *getattr(value, "values", ())):
+            handle = getattr(component, "handle", None)
+            if handle is not None:
+                found[id(handle)] = variable
+    return found
+
+
+def _seed_states(model):
+    """ids of the Keras variables that hold SeedGenerator states."""
+    states = set()
+    for layer in model._flatten_layers(include_self=True):  # pylint: disable=protected-access
+        for generator in getattr(layer, "_seed_generators", ()):
+            if isinstance(generator, keras.random.SeedGenerator):
+                states.add(id(generator.state))
+    return states
+
+
+def _writes(graph, seen=None):
+    """(op, the graph it is in) for every resource write in `graph` and the
+    functions its ops call."""
+    seen = set() if seen is None else seen
+    functions = getattr(graph, "_functions", {})
+    for op in graph.get_operations():
+        if op.type.startswith(_WRITE_PREFIXES):
+            yield op, graph
+        for name in _called_functions(op):
+            function = functions.get(name)
+            nested = getattr(function, "graph", None)
+            if nested is not None and name not in seen:
+                seen.add(name)
+                yield from _writes(nested, seen)
+
+
+def _called_functions(op):
+    names = []
+    for key in _CALL_ATTRS:
+        if key not in op.node_def.attr:
+            continue
+        value = op.node_def.attr[key]
+        if value.HasField("func"):
+            names.append(value.func.name)
+        names.extend(f.name for f in value.list.func)
+    return names
+
+
+def _resolve(handle, graph, variables):
+    """The model variable a resource tensor is, through captures; else None."""
+    while True:
+        external = _external_capture(graph, handle)
+        if external is None:
+            return None
+        outer = getattr(external, "graph", None)  # an eager tensor has none
+        if outer is None:  # an eager handle: the variable itself
+            return variables.get(id(external))
+        handle, graph = external, outer
+
+
+def _external_capture(graph, internal):
+    for external, captured in getattr(graph, "captures", ()):
+        if captured is internal:
+            return external
+    return None
+
+
+def _reads_inputs(tensors):
+    """Whether any input of the traced function (a placeholder that is not a
+    captured resource) reaches `tensors`."""
+    pending, visited = [t.op for t in tensors], set()
+    while pending:
+        op = pending.pop()
+        if op.name in visited:
+            continue
+        visited.add(op.name)
+        if op.type == "Placeholder" and op.outputs[0].dtype != tf.resource:
+            return True
+        pending.extend(t.op for t in op.inputs)
+    return False
+
+
+def _owner(model, variable):
+    """The innermost layer that holds `variable`."""
+    owner = None
+    for layer in model._flatten_layers(include_self=False):  # pylint: disable=protected-access
+        if any(v is variable for v in layer.variables):
+            if owner is None or len(layer.variables) <= len(owner.variables):
+                owner = layer
+    return owner
+
+
+def _message(model, op, variable):
+    why = (
+        "during the DP step: after one step it holds a function of training "
+        "records, outside the clipping and the noise, and it is saved and "
+        "released with the model. Compute it without writing state in training "
+        "(or freeze the layer so that its call() writes nothing), or keep that "
+        "layer out of the DP model."
+    )
+    if variable is None:
+        return (
+            f"Model '{model.name}' writes a resource that is not one of its "
+            f"variables {why} Received: op '{op.name}' ({op.type})"
+        )
+    layer = _owner(model, variable)
+    holder = f"Layer '{layer.name}' ({type(layer).__name__})" if layer else f"Model '{model.name}'"
+    return (
+        f"{holder} writes its variable '{variable.name}' {why} Received: a write "
+        f"({op.type}) to variable '{variable.path}'"
+    )
