@@ -62,7 +62,11 @@ def _momentum(text):
 
 
 def _add_dpsgd_settings(parser, noise=True):
-    parser.add_argument("--num-examples", type=_positive_int, required=True, help="training set size N")
+    units = parser.add_mutually_exclusive_group(required=True)
+    units.add_argument("--num-examples", type=_positive_int, help="training set size N")
+    units.add_argument("--num-users", type=_positive_int,
+                       help="number of people U, for user-level DP (fit(user_ids=...)): "
+                            "--batch-size then counts people and epsilon protects a person")
     parser.add_argument("--batch-size", type=_positive_int, required=True, help="expected (Poisson) batch size")
     parser.add_argument("--epochs", type=_positive_float, required=True, help="epochs (steps = ceil(epochs * max(1, round(N / batch))), as fit runs them)")
     parser.add_argument("--delta", type=_probability, default=1e-5, help="target delta (default 1e-5)")
@@ -111,7 +115,7 @@ def _epsilon(args):
 
     value = accounting.compute_dpsgd_epsilon(
         args.num_examples, args.batch_size, args.noise_multiplier, args.epochs, args.delta,
-        accountant=args.accountant, conversion=args.conversion,
+        accountant=args.accountant, conversion=args.conversion, num_users=args.num_users,
     )
     return {"epsilon": value, "delta": args.delta}
 
@@ -121,10 +125,11 @@ def _calibrate(args):
 
     sigma = accounting.calibrate_dpsgd(
         args.num_examples, args.batch_size, args.epochs, args.epsilon, args.delta,
-        accountant=args.accountant,
+        accountant=args.accountant, num_users=args.num_users,
     )
     achieved = accounting.compute_dpsgd_epsilon(
-        args.num_examples, args.batch_size, sigma, args.epochs, args.delta, accountant=args.accountant
+        args.num_examples, args.batch_size, sigma, args.epochs, args.delta,
+        accountant=args.accountant, num_users=args.num_users,
     )
     return {"noise_multiplier": sigma, "epsilon": achieved, "delta": args.delta}
 
