@@ -22,10 +22,10 @@ def _data(n=32, seed=0):
     return rng.normal(size=(n, 8, 8, 3)).astype("float32"), rng.integers(0, 3, n)
 
 
-def _cnn(frozen=True):
+def _cnn(frozen=True, **norm_settings):
     inputs = keras.Input((8, 8, 3))
     hidden = keras.layers.Conv2D(4, 3, name="conv")(inputs)
-    norm = keras.layers.BatchNormalization(name="bn")
+    norm = keras.layers.BatchNormalization(name="bn", **norm_settings)
     hidden = norm(hidden)
     hidden = keras.layers.GlobalAveragePooling2D()(hidden)
     outputs = keras.layers.Dense(3, name="head")(hidden)
@@ -79,6 +79,26 @@ def test_a_batch_normalization_unfrozen_after_compile_is_refused_before_a_step()
     with pytest.raises(ValueError, match="'bn'.*trainable"):
         model.fit(x, y, batch_size=8, epochs=1, verbose=0)
     assert model.privacy.steps == 0
+
+
+@pytest.mark.parametrize("hook", ["on_train_begin", "on_train_batch_begin"])
+def test_a_batch_normalization_unfrozen_by_a_callback_before_the_trace_is_refused(hook):
+    """A callback runs after fit's own check and before Keras traces the
+    step: the step's trace checks again (found by review; the moving mean
+    held the batch's features before)."""
+    model, norm = _cnn(frozen=True, center=False, scale=False)
+    _compile(model)
+
+    class Unfreeze(keras.callbacks.Callback):
+        pass
+
+    setattr(Unfreeze, hook, lambda self, *args, **kwargs: setattr(norm, "trainable", True))
+    statistics = norm.moving_mean.numpy().copy()
+    x, y = _data()
+    with pytest.raises(ValueError, match="'bn'.*trainable"):
+        model.fit(x, y, batch_size=8, epochs=1, verbose=0, callbacks=[Unfreeze()])
+    np.testing.assert_array_equal(norm.moving_mean.numpy(), statistics)
+    assert int(model._dp_steps.numpy()) == 0
 
 
 def test_the_fixer_replaces_trainable_batch_normalization_keeping_weights():

@@ -207,6 +207,10 @@ class DPTrainingMixin:
     # -- the private step ----------------------------------------------------
 
     def train_step(self, data):
+        # At trace time, after every callback's on_train_begin: a layer
+        # unfrozen since fit's own check (a trainable BatchNormalization
+        # would trace its batch statistics and moving-average writes).
+        check_per_example_support(self)
         arrays, step_info = data
         x, y = arrays[0], arrays[1]
         mask = tf.cast(step_info["mask"], tf.float32)
