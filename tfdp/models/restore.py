@@ -101,11 +101,14 @@ def restore_backups(model, callbacks):
 
 
 class LedgerGuard(keras.callbacks.Callback):
-    """Refuses a callback that replaced the privacy ledger as training began.
+    """Refuses a callback that replaced the privacy ledger as training began,
+    or rolled the model back while it trains.
 
     `fit` adds it last, after opening the step event in `ledger`; a callback
     that loaded weights in `on_train_begin` replaced that ledger (and the
-    releases in it), so training stops before its first step.
+    releases in it), so training stops before its first step. A callback
+    that loads earlier weights between steps (their step count is lower than
+    the steps already run) stops training before the next step.
 
     Args:
         ledger: the ledger `fit` opened the run's step event in.
@@ -119,12 +122,43 @@ class LedgerGuard(keras.callbacks.Callback):
             {
                 type(c).__name__
                 for c in callbacks
-                if type(c).on_train_begin is not keras.callbacks.Callback.on_train_begin
-                and not type(c).__module__.startswith(("tfdp.", "keras."))
+                if not type(c).__module__.startswith(("tfdp.", "keras."))
             }
         )
+        self._steps = None
 
     def on_train_begin(self, logs=None):
+        self._steps = self._ledger.steps
+        self._check_not_replaced()
+
+    def on_train_batch_end(self, batch, logs=None):
+        self._steps = self.model.privacy.steps
+
+    def on_train_batch_begin(self, batch, logs=None):
+        self._check_not_rolled_back()
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self._check_not_rolled_back()
+
+    def _check_not_rolled_back(self):
+        """Refuses a rollback during the fit: a callback that loaded earlier
+        weights (and their step count) between steps would run those steps
+        again under the same noise key, and the ledger would count them
+        once (found by review: two branches' noisy gradients differed by the
+        noise-free difference of their gradients)."""
+        steps = self.model.privacy.steps
+        if self.model.privacy is not self._ledger or steps < self._steps:
+            raise ValueError(
+                "A callback rolled the model back during fit() (it loaded earlier "
+                f"weights: the private step count went from {self._steps} to {steps}): the "
+                "steps after it would run again under the noise already released and the "
+                "ledger would count them once. Roll back between fits (call load_weights, "
+                "then fit again: a new fit draws fresh noise), or stop training with a "
+                "callback instead. Training stopped before another step. Received: "
+                f"callbacks {self._names}"
+            )
+
+    def _check_not_replaced(self):
         if self.model.privacy is not self._ledger:
             raise ValueError(
                 "A callback replaced the model's weights and privacy ledger in "
@@ -132,6 +166,6 @@ class LedgerGuard(keras.callbacks.Callback):
                 "run's privacy event in the ledger it replaced: the steps would be "
                 "charged under the checkpoint's event. Load checkpoints before fit(), "
                 "or use keras.callbacks.BackupAndRestore (tfdp restores it first). "
-                "Training was not started. Received: callbacks with on_train_begin "
+                "Training was not started. Received: callbacks "
                 f"{self._names}"
             )
