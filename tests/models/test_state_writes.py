@@ -106,3 +106,83 @@ def test_batch_normalization_writes_in_training_and_not_when_frozen(method):
 def test_batch_normalization_in_a_dp_model_is_still_refused():
     with pytest.raises(ValueError, match="BatchNormalization"):
         dp_model(keras.layers.BatchNormalization())
+
+
+class PythonWrite(keras.layers.Layer):
+    """Writes its input into a variable from Python (tf.py_function): the
+    traced graph shows only the Python op (found by review: the saved weights
+    held a record's features)."""
+
+    def build(self, shape):
+        self.memory = self.add_weight(shape=shape[1:], initializer="zeros", trainable=False,
+                                      name="memory")
+
+    def call(self, x, training=None):
+        def stash(value):
+            self.memory.assign(value[0])
+            return np.float32(0)
+
+        if training:
+            z = tf.py_function(stash, [x], tf.float32)
+            z.set_shape([])
+            x = x + 0.0 * z
+        return x
+
+
+class SeedThroughQueue(keras.layers.Layer):
+    """Writes data into its seed state through a queue, which broke the
+    "no input reaches it" trace of the first check (found by review)."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.seed_generator = keras.random.SeedGenerator(1)
+        self.queue = tf.queue.FIFOQueue(1000, tf.float32, shapes=[])
+
+    def call(self, x, training=None):
+        if training:
+            with tf.control_dependencies([self.queue.enqueue(x[0, 0])]):
+                value = self.queue.dequeue()
+            state = self.seed_generator.state
+            state.assign(tf.cast(tf.stack([value, value]), state.dtype))
+        return x
+
+
+class GeneratorSkip(keras.layers.Layer):
+    """Advances a tf.random.Generator by a record's value (RngReadAndSkip, an
+    op the first check's list of writes did not know)."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.generator = tf.random.Generator.from_seed(1)
+
+    def call(self, x, training=None):
+        if training:
+            self.generator.skip(tf.cast(tf.abs(x[0, 0]), tf.int64))
+        return x
+
+
+class QueueRecords(keras.layers.Layer):
+    """Puts a record in a queue that outlives the step."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.queue = tf.queue.FIFOQueue(100, tf.float32, shapes=[4])
+
+    def call(self, x, training=None):
+        if training:
+            self.queue.enqueue(x[0])
+        return x
+
+
+@pytest.mark.parametrize("make, match", [
+    (PythonWrite, "runs Python inside its DP step"),
+    (SeedThroughQueue, "writes"),
+    (GeneratorSkip, "writes a resource that is not one of its variables"),
+    (QueueRecords, "writes a resource that is not one of its variables"),
+])
+def test_writes_the_graph_hides_or_a_list_of_writes_misses_are_refused(make, match):
+    model = dp_model(make(name="keeper"))
+    x, y = crafted_records()
+    with pytest.raises(ValueError, match=match):
+        model.fit(x, y, batch_size=32, epochs=1, verbose=0)
+    assert model.privacy.steps == 0

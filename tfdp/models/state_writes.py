@@ -15,10 +15,14 @@ step's graph and in every function it calls (`tf.cond` branches, loop
 bodies), is a write by a layer: the optimizer's update and tfdp's own
 counters are not part of it.
 
-One write is allowed: a `keras.random.SeedGenerator`'s state (`Dropout`'s
-random seed) advanced from its own value, which no input reaches. A write
-whose value depends on any input of the traced function is refused even
-there, and so is a write to a resource the check cannot name.
+Which ops write is decided by an allowlist: any op given a resource from
+outside the traced function is a write unless it only reads (`_READS`), so
+queues, random generators' states and ops tfdp does not know are refused
+too, and so is Python run inside the step (`tf.py_function`), whose writes
+the graph cannot show. One write is allowed: a `keras.random.SeedGenerator`'s
+state (`Dropout`'s random seed) assigned a value computed only from reads of
+that same state, constants and pure arithmetic; anything else reaching it
+(an input, another resource, a stateful op such as a queue) is refused.
 
 Example:
 
@@ -44,18 +48,20 @@ import tensorflow as tf
 
 from tfdp.per_example import compute_per_example_gradients
 
-# Op types that change a resource: variables, tables.
-_WRITE_PREFIXES = (
-    "Assign",  # AssignVariableOp, AssignAddVariableOp, AssignSubVariableOp, ...
-    "ResourceScatter",
-    "ResourceApply",
-    "ResourceSparseApply",
-    "ResourceStridedSliceAssign",
-    "LookupTableInsert",
-    "LookupTableRemove",
-    "LookupTableImport",
-    "InitializeTable",
-)
+# Ops that only read a resource, or pass a handle on (a call or control flow
+# whose body is checked in turn). Any other op given a resource that comes
+# from outside the traced function (a model variable, a table, a queue, a
+# random generator's state) is treated as a write: an allowlist, so that an
+# op this list does not know is refused rather than missed.
+_READS = {
+    "ReadVariableOp", "ResourceGather", "ResourceGatherNd", "VariableShape",
+    "VarIsInitializedOp", "LookupTableFindV2", "LookupTableSizeV2", "Identity",
+    "IdentityN", "PartitionedCall", "StatefulPartitionedCall", "If", "StatelessIf",
+    "While", "StatelessWhile", "Case", "StatelessCase",
+}
+# Python inside the step: what it writes (a variable's assign, a file, a
+# global) is invisible in the graph, so it is refused.
+_PYTHON_OPS = {"EagerPyFunc", "PyFunc", "PyFuncStateless"}
 _CALL_ATTRS = ("f", "then_branch", "else_branch", "body", "cond", "branches")
 
 
@@ -113,8 +119,11 @@ def check_no_state_writes(model, sample, loss_fn, method="auto", training=True):
     variables = _model_variables(model)
     seeds = _seed_states(model)
     for op, owner in _writes(graph):
+        if op.type in _PYTHON_OPS:
+            raise ValueError(_python_message(model, op))
         variable = _resolve(op.inputs[0], owner, variables) if op.inputs else None
-        if variable is not None and id(variable) in seeds and not _reads_inputs(op.inputs[1:]):
+        if (variable is not None and id(variable) in seeds and op.type == "AssignVariableOp"
+                and _advanced_from_itself(op, owner, variable, variables)):
             continue  # an RNG state advanced from itself
         raise ValueError(_message(model, op, variable))
 
@@ -143,12 +152,14 @@ def _seed_states(model):
 
 
 def _writes(graph, seen=None):
-    """(op, the graph it is in) for every resource write in `graph` and the
-    functions its ops call."""
+    """(op, the graph it is in) for every op in `graph` and the functions its
+    ops call that may change a resource from outside the traced function
+    (`_READS` aside), or runs Python."""
     seen = set() if seen is None else seen
     functions = getattr(graph, "_functions", {})
     for op in graph.get_operations():
-        if op.type.startswith(_WRITE_PREFIXES):
+        if op.type in _PYTHON_OPS or (op.type not in _READS and any(
+                _from_outside(t) for t in op.inputs if t.dtype == tf.resource)):
             yield op, graph
         for name in _called_functions(op):
             function = functions.get(name)
@@ -156,6 +167,15 @@ def _writes(graph, seen=None):
             if nested is not None and name not in seen:
                 seen.add(name)
                 yield from _writes(nested, seen)
+
+
+def _from_outside(handle):
+    """Whether a resource tensor comes from outside its function (an input or
+    capture), not from an op inside it that created a local resource."""
+    op = handle.op
+    while op.type in ("Identity", "IdentityN") and op.inputs:
+        op = op.inputs[0].op
+    return op.type == "Placeholder"
 
 
 def _called_functions(op):
@@ -189,19 +209,34 @@ def _external_capture(graph, internal):
     return None
 
 
-def _reads_inputs(tensors):
-    """Whether any input of the traced function (a placeholder that is not a
-    captured resource) reaches `tensors`."""
-    pending, visited = [t.op for t in tensors], set()
+# Ops a seed state's new value may pass through: pure arithmetic on values.
+_PURE = {
+    "Const", "Identity", "Cast", "Add", "AddV2", "Sub", "Mul", "FloorMod", "Mod",
+    "BitwiseXor", "BitwiseAnd", "BitwiseOr", "LeftShift", "RightShift", "Pack",
+    "Unpack", "StridedSlice", "Reshape", "ConcatV2", "GatherV2", "Shape", "Fill",
+    "ZerosLike", "OnesLike", "Maximum", "Minimum", "Neg", "FloorDiv", "Squeeze",
+    "ExpandDims", "Select", "SelectV2", "StatelessRandomGetKeyCounter",
+}
+
+
+def _advanced_from_itself(op, graph, variable, variables):
+    """Whether the value `op` writes to a seed state comes only from reads of
+    that same state, constants and pure arithmetic (no input, no other
+    resource, no stateful op: nothing that could carry a record in)."""
+    pending, visited = [op.inputs[1].op], set()
     while pending:
-        op = pending.pop()
-        if op.name in visited:
+        current = pending.pop()
+        if current.name in visited:
             continue
-        visited.add(op.name)
-        if op.type == "Placeholder" and op.outputs[0].dtype != tf.resource:
-            return True
-        pending.extend(t.op for t in op.inputs)
-    return False
+        visited.add(current.name)
+        if current.type == "ReadVariableOp":
+            if _resolve(current.inputs[0], graph, variables) is not variable:
+                return False
+            continue
+        if current.type not in _PURE:
+            return False
+        pending.extend(t.op for t in current.inputs)
+    return True
 
 
 def _owner(model, variable):
@@ -212,6 +247,16 @@ def _owner(model, variable):
             if owner is None or len(layer.variables) <= len(owner.variables):
                 owner = layer
     return owner
+
+
+def _python_message(model, op):
+    return (
+        f"Model '{model.name}' runs Python inside its DP step (tf.py_function or "
+        "tf.numpy_function): what it writes (a variable, a file, a global) cannot be "
+        "seen or bounded there, and it could keep training records outside the "
+        "clipping and the noise. Compute that part with TensorFlow operations, or "
+        f"keep it out of the DP model. Received: op '{op.name}' ({op.type})"
+    )
 
 
 def _message(model, op, variable):
