@@ -70,3 +70,14 @@ def test_strings_and_tensors_are_accepted():
     # Distinct ids have distinct codes (what keys each person's draws).
     many = UserRecords([f"user-{i}" for i in range(5000)])
     assert np.unique(many.codes, axis=0).shape[0] == 5000
+
+
+@pytest.mark.parametrize("make", [list, lambda ids: np.asarray(ids, dtype=object),
+                                  lambda ids: tf.constant(ids)],
+                         ids=["list", "object array", "tf.string"])
+def test_ids_with_a_nul_character_are_refused(make):
+    """NumPy's string arrays drop trailing NULs: 'bob' and 'bob\\x00' became
+    one person (found by review). A NumPy str array has dropped them before
+    tfdp sees it; lists, object arrays and tf.string tensors are checked."""
+    with pytest.raises(ValueError, match="NUL characters.*position 1"):
+        UserRecords(make(["bob", "bob\x00"]))

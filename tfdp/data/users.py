@@ -78,6 +78,18 @@ def check_examples_per_user(examples_per_user):
     return int(examples_per_user)
 
 
+def _refuse_nul(value, position):
+    """Refuses a string id holding a NUL character: NumPy's string arrays drop
+    trailing NULs, so 'bob' and 'bob\\x00' would become one person (one
+    person's id chosen to merge with another's)."""
+    if ("\x00" if isinstance(value, str) else b"\x00") in value:
+        raise ValueError(
+            "Expected `user_ids` without NUL characters: NumPy drops trailing NULs from "
+            "strings, which would merge two people's ids into one. Received: "
+            f"{value!r} at position {position}"
+        )
+
+
 def _object_ids(ids):
     """An object array of ids as an int64, uint64 or str array; every element
     must be an int (not bool) or a str, all of one kind."""
@@ -86,6 +98,7 @@ def _object_ids(ids):
         if isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_)):
             kinds.append(int)
         elif isinstance(value, str):
+            _refuse_nul(value, position)
             kinds.append(str)
         else:
             raise ValueError(
@@ -119,6 +132,8 @@ def _checked_ids(user_ids):
     if isinstance(user_ids, tf.Tensor):
         user_ids = user_ids.numpy()
         if user_ids.dtype == object:  # a tf.string tensor: one bytes array
+            for position, value in enumerate(user_ids.reshape(-1)):
+                _refuse_nul(value, position)
             user_ids = user_ids.astype(bytes)
     try:
         if isinstance(user_ids, np.ndarray) and user_ids.dtype != object:
