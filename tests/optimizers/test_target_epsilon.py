@@ -129,3 +129,35 @@ def test_dp_bandmf_refuses_a_target_and_points_to_its_accounting():
 def test_the_default_sigma_is_unchanged_without_a_target():
     assert tfdp.optimizers.DPSGD(0.1).noise_multiplier == 1.0
     assert tfdp.optimizers.AdaDP().noise_multiplier == 1.0
+
+
+@pytest.mark.parametrize("user_budget", [False, True])
+def test_a_resumed_run_calibrates_after_its_backup_is_restored(tmp_path, user_budget):
+    """BackupAndRestore brings back the ledger and the epoch inside fit:
+    sigma is planned after that, for the epochs left and on top of what the
+    killed run spent. Before, it was calibrated on an empty ledger and the
+    run ended at epsilon 2.31 for a target of 2 when the user passed a
+    PrivacyBudget of their own (found by review)."""
+    x, y = _data(256)
+    backup = str(tmp_path / "backup")
+
+    class Crash(keras.callbacks.Callback):
+        def on_epoch_end(self, epoch, logs=None):
+            if epoch == 1:
+                raise RuntimeError("killed")
+
+    def target_model():
+        return _model(tfdp.optimizers.DPSGD(0.1, l2_norm_clip=1.0, target_epsilon=2.0,
+                                            target_delta=1e-5))
+
+    first = target_model()
+    with pytest.raises(RuntimeError, match="killed"):
+        first.fit(x, y, batch_size=32, epochs=4, verbose=0,
+                  callbacks=[keras.callbacks.BackupAndRestore(backup), Crash()])
+    resumed = target_model()
+    callbacks = [keras.callbacks.BackupAndRestore(backup)]
+    if user_budget:
+        callbacks.append(tfdp.callbacks.PrivacyBudget(epsilon=None, delta=1e-5))
+    resumed.fit(x, y, batch_size=32, epochs=12, verbose=0, callbacks=callbacks)
+    assert resumed.privacy.steps == 12 * 8           # every planned step ran
+    assert 1.99 < resumed.privacy.epsilon(1e-5) <= 2.0

@@ -396,12 +396,6 @@ class DPTrainingMixin:
         arrays = (x, y) if sample_weight is None else (x, y, sample_weight)
         if isinstance(x, (sources.RecordSource, FixedOrderData)):
             arrays = x
-        if not isinstance(x, FixedOrderData):  # a target epsilon sets sigma now
-            planned = (steps_per_epoch or default_steps_per_epoch(num_examples, batch_size)) * max(
-                0, epochs - initial_epoch)
-            self.optimizer.plan_noise(
-                self, num_examples, batch_size, planned, "records" if users is None else "people",
-                say=io_utils.print_msg if verbose != 0 else lambda message: None)
         # Workers agree (settings checked, sampling seed shared) before any of
         # them builds variables: differing optimizers would break that.
         self.optimizer.agree_with_workers(self, num_examples, batch_size, steps_per_epoch)
@@ -425,6 +419,14 @@ class DPTrainingMixin:
         callbacks = restore_backups(self, list(callbacks or []))
         # A file kept by save_best_only is rewritten with the ledger of each check.
         callbacks = keep_chosen_checkpoints_charged(callbacks)
+        if not isinstance(x, FixedOrderData):  # a target epsilon sets sigma now
+            # After the restore: its ledger and epoch are what this fit continues.
+            first_epoch = getattr(self, "_initial_epoch", None) or initial_epoch
+            planned = (steps_per_epoch or default_steps_per_epoch(num_examples, batch_size)) * max(
+                0, epochs - first_epoch)
+            self.optimizer.plan_noise(
+                self, num_examples, batch_size, planned, "records" if users is None else "people",
+                say=io_utils.print_msg if verbose != 0 else lambda message: None)
         # Reads of records stop at Ctrl-C and when training ends (interrupts).
         with interrupts.reading_scope() as reads:
             try:

@@ -674,7 +674,9 @@ class DPOptimizer(keras.optimizers.Optimizer):
             "batch_size": float(batch_size),
             "steps_per_epoch": steps_per_epoch,
             "steps_run": int(model.privacy.steps),
-            "noise_multiplier": float(self.noise_multiplier),
+            # Open until fit plans it (a target epsilon): the target instead.
+            "noise_multiplier": (repr(self.noise_target.get_config())
+                                 if self.noise_multiplier is None else float(self.noise_multiplier)),
             "l2_norm_clip": float(self.l2_norm_clip),
             "optimizer": f"{type(self).__module__}.{type(self).__qualname__} {config}",
             "mechanism": self.mechanism_setting(num_examples, batch_size),
@@ -683,6 +685,8 @@ class DPOptimizer(keras.optimizers.Optimizer):
     def mechanism_setting(self, num_examples, batch_size):
         """What the ledger will charge per step, as a text every worker
         compares (`run_settings`): the step event at rate b / N."""
+        if self.noise_multiplier is None:  # planned by fit from the target, after this
+            return f"DP-SGD at rate {float(batch_size) / num_examples!r}"
         return repr(self.step_event(float(batch_size) / num_examples))
 
     def training_callbacks(self):
