@@ -19,6 +19,7 @@ Example:
 """
 
 from tfdp.per_example import rules
+from tfdp.per_example.batch_axis import sublayers_off_the_batch
 from tfdp.per_example.configuration import configuration_problem
 from tfdp.per_example.fallback import LayerFallback
 from tfdp.per_example.registry import (
@@ -123,7 +124,12 @@ def _assign_handlers(layer, handlers, seen):
     rule = rule_for(layer)
     if rule is not None:
         handlers.append((layer, rule))
-    elif _own_trainable_variables(layer):
+    elif _own_trainable_variables(layer) or (
+            type(layer) in _DECLARED and sublayers_off_the_batch(layer) != []):
+        # A declared layer whose sublayers run on tensors without the batch
+        # axis (keras.io's TokenAndPositionEmbedding looks up positions):
+        # their rules would read that axis as examples; the layer's own vjp
+        # per example covers all its weights.
         handlers.append((layer, FALLBACK))
     else:
         for sub in layer._flatten_layers(include_self=False, recursive=False):
