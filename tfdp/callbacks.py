@@ -450,6 +450,12 @@ class PrivacyJournal(keras.callbacks.Callback):
         Args:
             model: a `tfdp.DPModel` / `DPSequential` (its `privacy` ledger).
 
+        A DP-BandMF run (`tfdp.optimizers.DPBandMF`) cannot continue its
+        noise stream after charged steps whose noise was lost with the kill:
+        its next `fit` starts a new stream (a new ledger segment) at the
+        journal's count, with a warning, unless its `noise_state` holds the
+        stream at that very step.
+
         Returns:
             The number of steps charged (0 if the checkpoint covers all).
 
@@ -494,6 +500,9 @@ class PrivacyJournal(keras.callbacks.Callback):
                 steps_per_round=saved_open.get("steps_per_round", 1),
                 relation=saved_open.get("relation", "add_or_remove"),
             )
+        # The model's weights are still at step `now`: what comes next (a
+        # DP-BandMF noise stream, `DPBandMF`) may need to know.
+        object.__setattr__(model, "_journal_recovery", (now, high))
         return high - now
 
     def _check_belongs(self, now, high):

@@ -134,7 +134,10 @@ def test_a_person_with_one_record_and_one_with_a_thousand_are_clipped_alike():
     x = (3 * rng.normal(size=(1001, 3, 4))).astype("float32")
     y = np.argmin(make_model()(x).numpy(), axis=1)  # the least likely class: a large gradient
     one, many = (x[:1], y[:1]), (x[1:], y[1:])
-    norms = [np.linalg.norm(user_sum(make_model(), px, py, np.zeros(len(px), int), users=1))
+    # k = 1 for the person with one record: examples_per_user may not exceed the
+    # largest user's record count (it would only repeat the record)
+    norms = [np.linalg.norm(user_sum(make_model(), px, py, np.zeros(len(px), int), users=1,
+                                     k=min(4, len(px))))
              for px, py in (one, many)]
     np.testing.assert_allclose(norms, CLIP, rtol=1e-5)
     # Negative control: record-level clipping lets the thousand records add up.

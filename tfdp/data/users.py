@@ -64,8 +64,23 @@ _INT_CODE, _STR_CODE, _BYTES_CODE = 1, 2, 3
 _LOW32 = 0xFFFFFFFF
 
 
-def check_examples_per_user(examples_per_user):
-    """`examples_per_user` as an int >= 1, or a ValueError saying what to pass."""
+def check_examples_per_user(examples_per_user, users=None):
+    """`examples_per_user` as an int >= 1, or a ValueError saying what to pass.
+
+    With `users` (a `UserRecords`) it must also be at most the largest
+    user's record count: a step holds k rows of every sampled user, and a
+    larger k adds no record of anyone, only repeats (and memory: k = 10**9
+    asked the input pipeline for 10**9 rows a user).
+
+    Example:
+
+    >>> check_examples_per_user(2, UserRecords([7, 3, 7]))
+    2
+    >>> check_examples_per_user(10**9, UserRecords([7, 3, 7]))
+    Traceback (most recent call last):
+    ...
+    ValueError: Expected `examples_per_user` <= 2, ...
+    """
     if isinstance(examples_per_user, bool) or not isinstance(
         examples_per_user, (int, np.integer)
     ) or examples_per_user < 1:
@@ -74,6 +89,16 @@ def check_examples_per_user(examples_per_user):
             "user's records a step uses (a typical choice is about the median number of "
             "records per user; see docs/guides/user-level.md). Received: "
             f"examples_per_user={examples_per_user!r}"
+        )
+    if users is not None and examples_per_user > users.counts.max():
+        largest = int(users.counts.max())
+        raise ValueError(
+            f"Expected `examples_per_user` <= {largest}, the largest number of records one "
+            f"user has: a step reads examples_per_user rows of every sampled user, so a "
+            f"larger value adds no record, only repeats of each user's records (and rows "
+            f"the step must hold: {int(examples_per_user)} per sampled user). A typical "
+            f"choice is about the median, {int(np.median(users.counts))} here. Training "
+            f"was not started. Received: examples_per_user={examples_per_user!r}"
         )
     return int(examples_per_user)
 

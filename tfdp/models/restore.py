@@ -78,6 +78,10 @@ def restore_backups(model, callbacks):
     there is no other moment to recover, and rerunning the same `fit` is
     how a run with a backup resumes.
 
+    An optimizer with a `check_backup(callback)` method (DP-BandMF, whose
+    noise state must be at every backup's step) refuses a backup it cannot
+    resume from, before the restore.
+
     Returns:
         The list with each `BackupAndRestore` replaced by a forwarder that
         skips its `on_train_begin` (the restore it already made).
@@ -86,8 +90,11 @@ def restore_backups(model, callbacks):
 
     result = []
     backups = False
+    check = getattr(model.optimizer, "check_backup", None)  # DP-BandMF's noise state
     for callback in callbacks:
         if isinstance(callback, keras.callbacks.BackupAndRestore):
+            if check is not None:
+                check(callback)
             backups = True
             callback.set_model(model)
             callback.on_train_begin()

@@ -78,6 +78,7 @@ def check_user_level(model, user_ids, examples_per_user, num_records, validation
             f"Expected one user id per training record ({num_records}). Received: "
             f"user_ids with {users.num_records} entries"
         )
+    check_examples_per_user(examples_per_user, users)  # what a step can hold
     if model.privacy.steps and model.privacy.relation != "add_or_remove_user":
         raise ValueError(
             f"This model already ran {model.privacy.steps} record-level private steps: a "

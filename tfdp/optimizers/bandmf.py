@@ -19,6 +19,7 @@ batches, mixed precision and XLA work as for `DPOptimizer`.
 import hashlib
 import os
 import secrets
+import warnings
 
 import keras
 import numpy as np
@@ -40,8 +41,12 @@ ZERO_OUT = "zero_out"
 AMPLIFIED = "add_or_remove"
 
 
-def _noise_state_error(message, path):
-    return ValueError(
+class _StateBehind(ValueError):
+    """The run's own noise state is at an earlier model step than the model."""
+
+
+def _noise_state_error(message, path, kind=ValueError):
+    return kind(
         f"{message} A DP-BandMF step's noise depends on the previous steps' noise, so a "
         "resumed run must continue the same noise stream: pass "
         "noise_state=<the file this run wrote> to the DPBandMF you compile with, or "
@@ -535,9 +540,21 @@ class DPBandMF(DPOptimizer):
         if self.fresh_noise_history and not self.__dict__.get("_fresh_used", False):
             self.__dict__["_fresh_used"] = True
             return self._new_stream(variables, layout, planned, now, shared, strategy), True
+        # Steps a PrivacyJournal charged after the model's weights: their noise
+        # is lost with the kill, so the stream cannot go on unless the state
+        # file holds it at `now`.
+        recovered = _journal_recovered(model, now) if ran_bandmf else None
         if self.noise_state is not None and os.path.exists(self.noise_state) and ran_bandmf:
-            return self._load_stream(variables, layout, planned, now, open_segment, segment,
-                                     strategy, lineage), False
+            try:
+                return self._load_stream(variables, layout, planned, now, open_segment, segment,
+                                         strategy, lineage), False
+            except _StateBehind:
+                if recovered is None:
+                    raise
+        if recovered is not None:
+            warnings.warn(_restart_message(recovered, now, self.noise_state), UserWarning,
+                          stacklevel=2)
+            return self._new_stream(variables, layout, planned, now, shared, strategy), True
         if ran_bandmf:
             where = (
                 f"the file {self.noise_state!r} does not exist."
@@ -670,7 +687,10 @@ class DPBandMF(DPOptimizer):
             raise _noise_state_error(
                 f"The noise state was saved at model step {_saved_step(own[0][1][0])}{older}, "
                 f"but the model is at step {now} (the model and the noise state come from "
-                "different moments of the run).", own[0][0],
+                "different moments of the run; where a PrivacyJournal charged the steps "
+                "after the state, the fit right after its recover(model), or the rerun fit "
+                "with BackupAndRestore, starts a new stream by itself).", own[0][0],
+                kind=_StateBehind,
             )
         others = [f for f in found if f[2] is not None]
         if others:
@@ -718,6 +738,35 @@ class DPBandMF(DPOptimizer):
             )
         bandmf_state.save(stream, path, self._state_settings())
 
+    def check_backup(self, backup):
+        """Refuses a `keras.callbacks.BackupAndRestore` with an integer
+        `save_freq` when the stream is kept in `noise_state`: the state is
+        written at epoch ends, so a backup from the middle of an epoch could
+        never resume the stream. Called by `DPModel.fit` before it restores
+        the backup (`tfdp.models.restore.restore_backups`), before any step.
+
+        Example:
+
+        >>> import keras, tfdp
+        >>> opt = tfdp.optimizers.DPBandMF(keras.optimizers.SGD(), 1.0, 2.0, bands=4,
+        ...                                noise_state="run/noise_state.npz")
+        >>> opt.check_backup(keras.callbacks.BackupAndRestore("run/backup", save_freq=5))
+        Traceback (most recent call last):
+        ...
+        ValueError: BackupAndRestore(save_freq=5) saves in the middle of epochs, ...
+        """
+        if self.noise_state is None or backup.save_freq == "epoch":
+            return
+        raise ValueError(
+            f"BackupAndRestore(save_freq={backup.save_freq!r}) saves in the middle of epochs, "
+            "and DP-BandMF's noise state (noise_state) is written at epoch ends: a run "
+            "resumed from such a backup could never continue its noise stream. Use "
+            "BackupAndRestore(save_freq=\"epoch\") (the default) with noise_state, or drop "
+            "noise_state and resume with DPBandMF(..., fresh_noise_history=True) (a new "
+            "stream, a new ledger segment). Training was not started. Received: "
+            f"save_freq={backup.save_freq!r}, noise_state={self.noise_state!r}"
+        )
+
     def training_callbacks(self):
         """With `noise_state`: a callback writing it at each epoch's end and
         when training ends."""
@@ -758,6 +807,29 @@ def _what_changed(stream, variables, layout):
         return ("it was made for other trainable variables (shapes "
                 f"{stream.shapes}; now {[tuple(v.shape) for v in variables]})")
     return "the model's weights come from another run or another branch of this one"
+
+
+def _journal_recovered(model, now):
+    """The model step of the weights whose ledger a `PrivacyJournal` moved
+    on to `now` (`PrivacyJournal.recover`), or None."""
+    recovery = getattr(model, "_journal_recovery", None)
+    if recovery is None or recovery[1] != now or recovery[0] >= now:
+        return None
+    return recovery[0]
+
+
+def _restart_message(weights_step, now, path):
+    where = ("no noise_state was given" if path is None
+             else f"the noise state {path!r} does not hold the stream at step {now}")
+    return (
+        f"The PrivacyJournal charged {now - weights_step} steps that ran (or were journaled "
+        f"ahead) after the model's step {weights_step}; their DP-BandMF noise was drawn from "
+        f"the killed run's stream and lost with it ({where}), so that stream cannot go on. "
+        f"This fit starts a new DP-BandMF noise stream at model step {now}, charged as a new "
+        "segment of the ledger (as fresh_noise_history=True: the killed stream's rows end "
+        "at the journal's count, and the two streams' participations are counted apart); a "
+        "fixed order restarts from its first batch."
+    )
 
 
 def _continues(open_segment, expected, start):
