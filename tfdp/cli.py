@@ -148,7 +148,8 @@ def build_parser():
     train.add_argument("--data-dir", default=None,
                        help="folder holding Fashion-MNIST's four IDX files (default: "
                             f"{DEBIAN_FASHION_MNIST_DIR}, Debian's dataset-fashion-mnist, "
-                            "then tensorflow-datasets)")
+                            "then Keras's cache ~/.keras/datasets/fashion-mnist, then "
+                            "tensorflow-datasets, which downloads it once)")
     train.add_argument("--features", choices=("none", "scatternet", "scatternet_cnn"), default="none",
                        help="fashion_mnist: train on ScatterNet features (+ linear or CNN) "
                             "(default: none, the pixels)")
