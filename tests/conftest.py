@@ -1,13 +1,29 @@
-"""Shared fixtures.
+"""Shared fixtures and the test run's behaviour.
 
 `installed`: tests that need a file an install step provides call
 `installed(path, how)`. Locally a missing install skips the test; under
 CI=true it fails the run, so CI never goes green with a silently skipped test.
+
+The run itself (README's test command, with or without `-n 2`):
+
+* TensorFlow's native INFO and WARNING lines are off (TF_CPP_MIN_LOG_LEVEL=2,
+  as CI sets it), set here before any test module imports TensorFlow.
+* A failing test is named as it fails ("FAILED <test id>" on its own line,
+  while the run goes on), not only in the summary at the end.
+* Ctrl-C (SIGINT) stops the run, also when it was started from a shell that
+  made it ignore SIGINT (a background job of a script: Python keeps an
+  ignored SIGINT ignored, and the run could then only be killed).
 """
 
 import os
+import signal
 
 import pytest
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def require_installed(path, how):
@@ -23,3 +39,24 @@ def require_installed(path, how):
 @pytest.fixture
 def installed():
     return require_installed
+
+
+_run = {}
+
+
+def pytest_configure(config):
+    _run["config"] = config
+
+
+def pytest_runtest_logreport(report):
+    """Names a failing test at once, in the process that prints the run
+    (the controller under pytest-xdist, which receives the workers' reports)."""
+    config = _run.get("config")
+    if not report.failed or config is None or hasattr(config, "workerinput"):
+        return
+    terminal = config.pluginmanager.get_plugin("terminalreporter")
+    if terminal is None:
+        return
+    kind = "FAILED" if report.when == "call" else f"ERROR (at {report.when})"
+    terminal.ensure_newline()
+    terminal.write_line(f"{kind} {report.nodeid}", red=True, bold=True)

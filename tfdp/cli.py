@@ -22,6 +22,7 @@ import warnings
 
 MECHANISMS = ("dpsgd", "sadpsgd", "dpis", "adadp",)
 DATASETS = ("digits", "fashion_mnist")
+DEBIAN_FASHION_MNIST_DIR = "/usr/share/datasets/fashion-mnist"  # tfdp.data.datasets'
 
 
 def _positive_float(text):
@@ -61,6 +62,53 @@ def _momentum(text):
     return value
 
 
+# tfdp.recipes' settings (DEFAULTS, SCATTERNET_DEFAULTS) and AdaDP's own
+# (tfdp.optimizers.adadp.RECIPE_DEFAULTS), shown by `tfdp train --help`
+# without importing Keras; tests/cli/test_train_help.py checks they agree.
+RECIPES = {
+    "digits": dict(epochs=30, batch_size=64, learning_rate=0.5, momentum=0.0,
+                   l2_norm_clip=1.0, epsilon=3.0, delta=1e-5),
+    "fashion_mnist": dict(epochs=40, batch_size=2048, learning_rate=4.0, momentum=0.9,
+                          l2_norm_clip=0.1, epsilon=3.0, delta=1e-5),
+}
+SCATTERNET_RECIPES = {
+    "scatternet": dict(epochs=40, batch_size=8192, learning_rate=16.0, momentum=0.9,
+                       l2_norm_clip=0.1, epsilon=3.0, delta=1e-5),
+    "scatternet_cnn": dict(epochs=40, batch_size=2048, learning_rate=4.0, momentum=0.9,
+                           l2_norm_clip=0.1, epsilon=3.0, delta=1e-5),
+}
+ADADP_RECIPES = {
+    "digits": dict(batch_size=64, learning_rate=0.02),
+    "fashion_mnist": dict(batch_size=2048, learning_rate=0.002),
+}
+
+# One line of the privacy statement (tfdp.accounting.privacy_statement).
+EPSILON_PROTECTS = (
+    "What epsilon protects: adding or removing any one training record changes the "
+    "probability of any outcome of training by at most a factor e^epsilon, except with "
+    "probability delta (the 10% of the training split held out for validation is not "
+    "trained on, and not covered)."
+)
+
+
+def _recipe_default(name):
+    """"(default: digits 30, fashion_mnist 40; ...)": the recipes' value of
+    setting `name`, one number where they all agree."""
+    def listed(recipes):
+        return ", ".join(f"{key} {values[name]:g}" for key, values in recipes.items()
+                         if name in values)
+
+    every = [r[name] for r in (*RECIPES.values(), *SCATTERNET_RECIPES.values())]
+    if len(set(every)) == 1:
+        return f"(default: {every[0]:g})"
+    text = listed(RECIPES)
+    if any(v[name] != RECIPES["fashion_mnist"][name] for v in SCATTERNET_RECIPES.values()):
+        text += f"; --features {listed(SCATTERNET_RECIPES)}"
+    if any(name in v for v in ADADP_RECIPES.values()):
+        text += f"; adadp: {listed(ADADP_RECIPES)}"
+    return f"(default: {text})"
+
+
 def _add_dpsgd_settings(parser, noise=True):
     units = parser.add_mutually_exclusive_group(required=True)
     units.add_argument("--num-examples", type=_positive_int, help="training set size N")
@@ -70,9 +118,11 @@ def _add_dpsgd_settings(parser, noise=True):
     parser.add_argument("--batch-size", type=_positive_int, required=True, help="expected (Poisson) batch size")
     parser.add_argument("--epochs", type=_positive_float, required=True, help="epochs (steps = ceil(epochs * max(1, round(N / batch))), as fit runs them)")
     parser.add_argument("--delta", type=_probability, default=1e-5, help="target delta (default 1e-5)")
-    parser.add_argument("--accountant", choices=("rdp", "pld"), default="rdp")
+    parser.add_argument("--accountant", choices=("rdp", "pld"), default="rdp",
+                        help="Renyi DP or privacy loss distributions (default: rdp)")
     if noise:
-        parser.add_argument("--noise-multiplier", type=_positive_float, required=True)
+        parser.add_argument("--noise-multiplier", type=_positive_float, required=True,
+                            help="noise standard deviation / clipping norm")
 
 
 def build_parser():
@@ -89,24 +139,48 @@ def build_parser():
     _add_dpsgd_settings(calibrate, noise=False)
     calibrate.add_argument("--epsilon", type=_positive_float, required=True, help="target epsilon")
 
-    train = commands.add_parser("train", help="DP training on a built-in dataset")
-    train.add_argument("--mechanism", choices=MECHANISMS, default="dpsgd")
-    train.add_argument("--dataset", choices=DATASETS, default="digits")
-    train.add_argument("--data-dir", default=None, help="Fashion-MNIST IDX files (default: Debian's)")
+    train = commands.add_parser(
+        "train", help="DP training on a built-in dataset",
+        description="Trains the dataset's recipe model (tfdp.recipes) with differential "
+                    "privacy, then prints test accuracy and epsilon as JSON.",
+        epilog=EPSILON_PROTECTS,
+    )
+    train.add_argument("--mechanism", choices=MECHANISMS, default="dpsgd",
+                       help="the DP optimizer: DP-SGD, SA-DPSGD, DPIS or AdaDP (default: dpsgd)")
+    train.add_argument("--dataset", choices=DATASETS, default="digits",
+                       help="scikit-learn's digits (offline) or Fashion-MNIST (default: digits)")
+    train.add_argument("--data-dir", default=None,
+                       help="folder holding Fashion-MNIST's four IDX files (default: "
+                            f"{DEBIAN_FASHION_MNIST_DIR}, Debian's dataset-fashion-mnist, "
+                            "then Keras's cache ~/.keras/datasets/fashion-mnist, then "
+                            "tensorflow-datasets, which downloads it once)")
     train.add_argument("--features", choices=("none", "scatternet", "scatternet_cnn"), default="none",
-                       help="fashion_mnist: train on ScatterNet features (+ linear or CNN)")
-    train.add_argument("--epochs", type=_positive_int)
-    train.add_argument("--batch-size", type=_positive_int)
-    train.add_argument("--learning-rate", type=_positive_float)
-    train.add_argument("--momentum", type=_momentum, help="SGD momentum (not AdaDP)")
-    train.add_argument("--l2-norm-clip", type=_positive_float)
+                       help="fashion_mnist: train on ScatterNet features (+ linear or CNN) "
+                            "(default: none, the pixels)")
+    train.add_argument("--epochs", type=_positive_int, help="epochs to train " + _recipe_default("epochs"))
+    train.add_argument("--batch-size", type=_positive_int,
+                       help="expected (Poisson) batch size " + _recipe_default("batch_size"))
+    train.add_argument("--learning-rate", type=_positive_float, help="step size " + _recipe_default("learning_rate"))
+    train.add_argument("--momentum", type=_momentum,
+                       help="SGD momentum, not AdaDP " + _recipe_default("momentum"))
+    train.add_argument("--l2-norm-clip", type=_positive_float,
+                       help="bound C on each example's gradient norm " + _recipe_default("l2_norm_clip"))
     budget = train.add_mutually_exclusive_group()
-    budget.add_argument("--epsilon", type=_positive_float, help="target epsilon (noise is calibrated)")
-    budget.add_argument("--noise-multiplier", type=_positive_float)
-    train.add_argument("--delta", type=_probability)
-    train.add_argument("--seed", type=int, default=None, help="reproducible noise (tests only: not private)")
-    train.add_argument("--output", default=None, help="save the trained model (.keras)")
-    train.add_argument("--verbose", type=int, choices=(0, 1, 2), default=2)
+    budget.add_argument("--epsilon", type=_positive_float,
+                        help="target epsilon: the noise is calibrated to spend at most this over the "
+                             "epochs, and training stops there " + _recipe_default("epsilon"))
+    budget.add_argument("--noise-multiplier", type=_positive_float,
+                        help="noise standard deviation / C, instead of --epsilon "
+                             "(default: calibrated from --epsilon)")
+    train.add_argument("--delta", type=_probability,
+                       help="target delta of the guarantee " + _recipe_default("delta"))
+    train.add_argument("--seed", type=int, default=None,
+                       help="reproducible noise (tests only: not private) (default: none)")
+    train.add_argument("--output", default=None,
+                       help="save the trained model, its privacy ledger included (.keras) "
+                            "(default: not saved)")
+    train.add_argument("--verbose", type=int, choices=(0, 1, 2), default=2,
+                       help="0 silent, 1 progress bar, 2 a line per epoch (default: 2)")
     return parser
 
 

@@ -50,10 +50,11 @@ def _require_optional(blocks, require_installed):
 
 @pytest.mark.parametrize("page", PAGES_WITH_CODE, ids=_name)
 def test_the_python_blocks_of_a_page_run(page, keras_settings_restored, installed):
-    blocks = python_blocks(page.read_text())
-    _require_optional(blocks, installed)
+    blocks = code_blocks(page.read_text())
+    python = python_blocks(page.read_text())
+    _require_optional(python, installed)
     ran = run_blocks(blocks, _name(page))
-    assert ran == sum(1 for block in blocks if block.skip_reason is None)
+    assert ran == sum(1 for block in python if block.skip_reason is None)
 
 
 def test_every_page_parses_and_every_guide_runs_code():
@@ -73,6 +74,28 @@ def test_a_failing_block_names_its_page_and_line():
     page = "```python\nx = 1\n```\n\ntext\n\n```python\nraise ValueError('broken')\n```\n"
     with pytest.raises(AssertionError, match=r"page\.md: the code block at line 8 failed: ValueError"):
         run_blocks(python_blocks(page), "page.md")
+
+
+def test_a_shown_output_is_what_the_block_prints():
+    """Negative controls: an output the code no longer prints fails the page,
+    naming the line; an approximate one allows other numbers, not other words."""
+    page = "```python\nprint('epsilon', 2.5)\n```\n\n```text\nepsilon 2.4\n```\n"
+    with pytest.raises(AssertionError, match=r"(?s)page\.md: the output shown at line 6 is not "
+                                             r"what the code block at line 2 prints.*\+epsilon 2\.5"):
+        run_blocks(code_blocks(page), "page.md")
+    approximate = page.replace("```text", "<!-- docs-test: output: approximate: noise -->\n```text")
+    assert run_blocks(code_blocks(approximate), "page.md") == 1
+    with pytest.raises(AssertionError, match="is not what the code block"):
+        run_blocks(code_blocks(approximate.replace("epsilon 2.4", "delta 2.4")), "page.md")
+    with pytest.raises(ValueError, match="above a ```text block"):
+        code_blocks("<!-- docs-test: output: approximate: noise -->\n```python\nx = 1\n```\n")
+
+
+def test_an_output_after_prose_or_a_skipped_block_is_not_compared():
+    after_prose = "```python\nprint(1)\n```\n\nThen:\n\n```text\n2\n```\n"
+    assert run_blocks(code_blocks(after_prose), "page.md") == 1
+    skipped = "```python\nprint(1)\n```\n<!-- docs-test: skip: a sketch -->\n```text\n2\n```\n"
+    assert run_blocks(code_blocks(skipped), "page.md") == 1
 
 
 def test_a_skip_marker_needs_a_reason_and_a_fence():

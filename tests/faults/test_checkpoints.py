@@ -250,6 +250,8 @@ def test_weights_and_ledger_from_two_checkpoints_are_refused(checkpoint, tmp_pat
         fresh.load_weights(path)
 
 
+# Keras warns while it reads the foreign weights this test feeds in on purpose.
+@pytest.mark.filterwarnings("ignore:Skipping variable loading for optimizer:UserWarning")
 def test_weights_without_a_ledger_or_of_another_model_are_refused(checkpoint, tmp_path):
     folder, _ = checkpoint
     plain = keras.Sequential([keras.Input((4,)), keras.layers.Dense(5, activation="tanh"), keras.layers.Dense(3)])

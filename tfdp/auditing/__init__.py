@@ -70,6 +70,10 @@ def __getattr__(name):
     raise AttributeError(f"module 'tfdp.auditing' has no attribute {name!r}")
 
 
+def __dir__():
+    return sorted(set(globals()) | set(_SENSITIVITY))
+
+
 __all__ = [
     "AuditResult",
     "CouplingResult",

@@ -3,8 +3,9 @@
 Each loader returns `((x_train, y_train), (x_test, y_test))` with float32
 features scaled to [0, 1] and int64 labels. Nothing is downloaded by
 scikit-learn's digits (it ships with scikit-learn); Fashion-MNIST is read from
-IDX files (a directory you give, or Debian's `dataset-fashion-mnist` package)
-or, failing both, from tensorflow-datasets.
+IDX files (a directory you give, Debian's `dataset-fashion-mnist` package or
+Keras's download cache) or, failing these, from tensorflow-datasets, which
+downloads it once; offline, the error says where it looked.
 
 Example:
 
@@ -17,12 +18,21 @@ x_train.shape   # (1437, 64)
 import gzip
 import numbers
 import os
+import socket
 
 import numpy as np
 
 __all__ = ["load_digits", "load_fashion_mnist", "load_dataset", "read_idx", "write_idx"]
 
 DEBIAN_FASHION_MNIST_DIR = "/usr/share/datasets/fashion-mnist"
+# tensorflow-datasets' data folder; None: its own default ($TFDS_DATA_DIR or
+# ~/tensorflow_datasets).
+TFDS_DATA_DIR = None
+# Where tensorflow-datasets downloads Fashion-MNIST from (its GCS mirror, then
+# the dataset's own URL). Offline, it retries for minutes before it fails.
+_DOWNLOAD_HOSTS = (("storage.googleapis.com", 443),
+                   ("fashion-mnist.s3-website.eu-central-1.amazonaws.com", 80))
+_PROBE_TIMEOUT_S = 5
 
 _FASHION_MNIST_FILES = {
     "x_train": ("train-images-idx3-ubyte", 3),
@@ -238,21 +248,50 @@ def _scale_images(images):
     return images.astype(np.float32) / np.float32(255.0)
 
 
+def keras_cache_dir():
+    """Where `keras.datasets.fashion_mnist.load_data()` keeps its IDX files."""
+    home = os.environ.get("KERAS_HOME") or os.path.join(os.path.expanduser("~"), ".keras")
+    return os.path.join(home, "datasets", "fashion-mnist")
+
+
+def _can_download():
+    """Whether a download host answers within seconds (it does not offline)."""
+    for host, port in _DOWNLOAD_HOSTS:
+        try:
+            socket.create_connection((host, port), timeout=_PROBE_TIMEOUT_S).close()
+            return True
+        except OSError:
+            continue
+    return False
+
+
 def _load_fashion_mnist_tfds():
+    looked = f"{DEBIAN_FASHION_MNIST_DIR!r} (Debian) and {keras_cache_dir()!r} (Keras's cache)"
+    fixes = (
+        "install the Debian package `dataset-fashion-mnist`, or pass the folder of its "
+        "four IDX files as `data_dir` (`tfdp train --data-dir`)"
+    )
     try:
         import tensorflow_datasets as tfds
     except ImportError as e:
         raise ImportError(
-            "Fashion-MNIST was not found as IDX files (no `data_dir` given and "
-            f"none in {DEBIAN_FASHION_MNIST_DIR!r}) and tensorflow-datasets is "
-            "not installed. Install it with `pip install -e \".[examples]\"` in the tfdp "
-            "repository, or "
-            "install the Debian package `dataset-fashion-mnist`, or pass "
-            "`data_dir` pointing to the IDX files."
+            f"Fashion-MNIST was not found as IDX files (no `data_dir` given and none in "
+            f"{looked}) and tensorflow-datasets is not installed. Install it with "
+            f"`pip install -e \".[examples]\"` in the tfdp repository, or {fixes}."
         ) from e
-    splits = tfds.as_numpy(
-        tfds.load("fashion_mnist", batch_size=-1, as_supervised=True)
-    )
+    builder = tfds.builder("fashion_mnist", data_dir=TFDS_DATA_DIR)
+    if not builder.is_prepared():
+        if not _can_download():
+            hosts = ", ".join(host for host, _ in _DOWNLOAD_HOSTS)
+            raise FileNotFoundError(
+                f"Fashion-MNIST was not found on this machine and cannot be downloaded: "
+                f"no IDX files in {looked} (no `data_dir` given), tensorflow-datasets has "
+                f"not prepared it in {builder.data_dir!r}, and its download hosts ({hosts}) "
+                f"did not answer within {_PROBE_TIMEOUT_S} s. Connect to the network once, "
+                f"or {fixes}."
+            )
+        builder.download_and_prepare()
+    splits = tfds.as_numpy(builder.as_dataset(batch_size=-1, as_supervised=True))
     return tuple(
         (_scale_images(splits[split][0]), np.asarray(splits[split][1]).astype(np.int64))
         for split in ("train", "test")
@@ -266,7 +305,9 @@ def load_fashion_mnist(data_dir=None):
     (`train-images-idx3-ubyte[.gz]`, `train-labels-idx1-ubyte[.gz]`,
     `t10k-images-idx3-ubyte[.gz]`, `t10k-labels-idx1-ubyte[.gz]`); the same
     files in Debian's `/usr/share/datasets/fashion-mnist`
-    (package `dataset-fashion-mnist`); tensorflow-datasets.
+    (package `dataset-fashion-mnist`); Keras's download cache
+    (`~/.keras/datasets/fashion-mnist`); tensorflow-datasets (its prepared
+    copy, else a download).
 
     Args:
         data_dir: optional directory holding the four IDX files.
@@ -277,6 +318,8 @@ def load_fashion_mnist(data_dir=None):
 
     Raises:
         FileNotFoundError: `data_dir` is given but lacks some of the files.
+        FileNotFoundError: no copy was found and the download hosts do not
+            answer (offline); the message names every place looked in.
         ImportError: no IDX files were found and tensorflow-datasets is not
             installed.
 
@@ -301,8 +344,9 @@ def load_fashion_mnist(data_dir=None):
                 f"IDX files. Received: data_dir={data_dir!r} (not a directory)"
             )
         return _read_fashion_mnist_dir(data_dir)
-    if _has_fashion_mnist(DEBIAN_FASHION_MNIST_DIR):
-        return _read_fashion_mnist_dir(DEBIAN_FASHION_MNIST_DIR)
+    for directory in (DEBIAN_FASHION_MNIST_DIR, keras_cache_dir()):
+        if _has_fashion_mnist(directory):
+            return _read_fashion_mnist_dir(directory)
     return _load_fashion_mnist_tfds()
 
 

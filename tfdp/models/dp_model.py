@@ -8,6 +8,8 @@ model's privacy ledger (`model.privacy`), saved with the model and its
 checkpoints. Prediction, evaluation, saving and export are plain Keras.
 """
 
+import contextlib
+import functools
 import json
 import logging
 import os
@@ -15,6 +17,7 @@ import os
 import keras
 import numpy as np
 import tensorflow as tf
+from keras.src.models import cloning
 from keras.src.utils import io_utils
 from keras.src.utils.tracking import no_automatic_dependency_tracking
 
@@ -123,6 +126,13 @@ class DPTrainingMixin:
 
     def _read_dp_steps(self):
         return int(self._dp_steps.numpy())
+
+    def summary(self, *args, **kwargs):
+        """Keras `summary`; its parameter counts leave out the private step
+        counter (bookkeeping saved with the weights, not a parameter), so they
+        equal the plain Keras model's. Example: `model.summary()`."""
+        with _step_counter_hidden(self):
+            super().summary(*args, **kwargs)
 
     @property
     def privacy(self):
@@ -671,6 +681,42 @@ class DPTrainingMixin:
         if state is not None and model.built:
             restore_training_state(model, state)
         return model
+
+
+@contextlib.contextmanager
+def _step_counter_hidden(model):
+    """Takes `dp_steps` out of the model's own variables meanwhile."""
+    own = model._non_trainable_variables
+    index = next(i for i, v in enumerate(own) if v is model._dp_steps)
+    del own[index]
+    try:
+        yield
+    finally:
+        own.insert(index, model._dp_steps)
+
+
+def _clone_sequential_keeping_dp(clone_sequential):
+    """`keras.models.clone_model` builds a plain `keras.Sequential` from any
+    Sequential (keras/src/models/cloning.py), which would train without
+    privacy; this makes a DPSequential's clone a DPSequential (its class, name,
+    `per_example_gradients` and compile settings; new weights, a new ledger),
+    as Keras already clones a DPModel as a DPModel."""
+
+    @functools.wraps(clone_sequential)
+    def clone(model, *args, **kwargs):
+        cloned = clone_sequential(model, *args, **kwargs)
+        if not isinstance(model, DPTrainingMixin):
+            return cloned
+        private = type(model)(cloned._layers, per_example_gradients=model.per_example_gradients,
+                              name=cloned.name, trainable=cloned.trainable)
+        if model.compiled:
+            private.compile_from_config(model.get_compile_config())
+        return private
+
+    return clone
+
+
+cloning._clone_sequential_model = _clone_sequential_keeping_dp(cloning._clone_sequential_model)
 
 
 def _check_train_step(model):

@@ -34,11 +34,15 @@ FIXED_SETTING_ERROR = (
 
 NON_PRIVATE_ERROR = (
     "{name} is a differentially private optimizer: it needs per-example "
-    "gradients to clip, which a plain keras.Model does not compute (it called "
-    "apply_gradients with the batch's mean gradient). Build the model with "
-    "tfdp.DPModel(inputs, outputs) or tfdp.DPSequential([...]) and compile it "
-    "with this optimizer. Training was not started, so nothing ran without "
-    "privacy."
+    "gradients to clip, and apply_gradients received the batch's mean gradient "
+    "(from a plain keras.Model's fit, or from a custom training loop with "
+    "tf.GradientTape). DP training runs only through `model.fit` of a "
+    "tfdp.DPModel(inputs, outputs) or tfdp.DPSequential([...]) compiled with "
+    "this optimizer: its train step computes the per-example gradients and "
+    "the ledger counts the step. A custom training loop is not supported; "
+    "customise the loss, the model's call() or a callback instead "
+    "(docs/guides/your-model.md, \"Customising training\"). Nothing was "
+    "applied, so nothing ran without privacy."
 )
 
 
