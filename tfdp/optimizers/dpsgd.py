@@ -17,8 +17,8 @@ class DPSGD(DPOptimizer):
         l2_norm_clip: clipping bound C > 0 on each example's gradient norm.
         noise_multiplier: sigma > 0 (noise std sigma * C on the clipped sum;
             default 1.0, or chosen by `fit` with `target_epsilon`).
-        weight_decay, weight_decay_placement, seed, name, target_epsilon,
-            target_delta: see `DPOptimizer`.
+        weight_decay: see `DPOptimizer`, as are `weight_decay_placement`,
+            `seed`, `name`, `target_epsilon` and `target_delta`.
 
     Example (the Fashion-MNIST settings of SA-DPSGD's Table 2):
 
