@@ -89,12 +89,12 @@ class EmbeddingGrads(Part):
         return (rounding.dot_rounding(self._entries(), magnitude, size)
                 + rounding.subnormal_reading(self._entries(), magnitude + size))
 
-    def weighted_sum(self, weights):
+    def weighted_sum(self, weights, accumulate=tf.float32):
         keep = tf.not_equal(weights, 0.0)
         g = masked(self.merged_rows(), keep) * weights[:, None, None]
         table = tf.scatter_nd(
             tf.reshape(self.ids, [-1, 1]),
-            tf.reshape(g, [-1, g.shape[-1]]),
+            tf.cast(tf.reshape(g, [-1, g.shape[-1]]), accumulate),
             tf.shape(self._table, out_type=tf.int32),
         )
         return [table]

@@ -101,9 +101,9 @@ class TiedGrads(Part):
     def dot_errors(self, vectors):
         return self.lookup.dot_errors(vectors) + self.projection.dot_errors(vectors)
 
-    def weighted_sum(self, weights):
-        return [a + b for a, b in zip(self.lookup.weighted_sum(weights),
-                                      self.projection.weighted_sum(weights))]
+    def weighted_sum(self, weights, accumulate=tf.float32):
+        return [a + b for a, b in zip(self.lookup.weighted_sum(weights, accumulate),
+                                      self.projection.weighted_sum(weights, accumulate))]
 
     def materialize(self):
         return [a + b for a, b in zip(self.lookup.materialize(), self.projection.materialize())]
