@@ -171,3 +171,15 @@ def test_a_killed_saves_temporary_file_is_removed_at_the_next_save(tmp_path, mon
     (tmp_path / "unrelated.tmp").write_text("not tfdp's")
     model.optimizer.save_noise_state()
     assert sorted(os.listdir(tmp_path)) == ["state.npz", "unrelated.tmp"]
+
+
+@pytest.mark.parametrize("kind", ["fifo", "broken link"])
+def test_a_path_that_is_not_a_regular_file_is_refused_without_reading_it(tmp_path, kind):
+    """A FIFO at the noise_state path blocked fit forever (its read waits for a
+    writer; found by review); a broken link is not a file of tfdp's either."""
+    path = str(tmp_path / "noise.npz")
+    if kind == "fifo":
+        os.mkfifo(path)
+    else:
+        os.symlink(str(tmp_path / "missing"), path)
+    refused_before_a_step(path, "is not a regular file")

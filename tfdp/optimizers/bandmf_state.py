@@ -309,6 +309,14 @@ def check_own_files(path):
                 f"path, for instance {os.path.join(path, 'noise_state.npz')!r}. Training was "
                 f"not started or stopped before the next step. Received: noise_state={path!r}"
             )
+        if os.path.lexists(candidate) and not os.path.isfile(candidate):
+            raise ValueError(
+                f"The noise_state path {candidate!r} exists and is not a regular file (a "
+                "FIFO, a device, a socket or a broken link): reading it could block or read "
+                "another program's data, and tfdp never replaces anything that is not its "
+                "own. Choose another noise_state path. Training was not started or stopped "
+                f"before the next step. Received: noise_state={path!r}"
+            )
         if os.path.lexists(candidate):
             try:
                 load(candidate)
