@@ -30,7 +30,8 @@ Recipe 5 found a privacy bug: tfdp ran a declared layer's sublayers through
 their batched rules, and TokenAndPositionEmbedding looks up positions (no
 batch axis), so the Embedding rule read positions as examples (a refusal,
 or a ratio of 1.022 when the sequence was as long as the batch). A declared
-layer now takes the per-layer fallback, its own vjp per example.
+layer now takes the per-layer fallback, its own vjp per example, unless it
+claims `sublayers_on_the_batch` (the transformer block does).
 """
 
 import keras
@@ -41,7 +42,7 @@ from keras import layers, ops
 import tfdp
 from tfdp.auditing.neighbour_step import NeighbourStep
 from tfdp.per_example import declare_per_example, fix_batch_normalization
-from tfdp.per_example.registry import _DECLARED
+from tfdp.per_example.registry import _DECLARED, _SUBLAYERS_ON_THE_BATCH
 
 
 TOLERANCE = 1.0 + 1e-5
@@ -51,9 +52,10 @@ BATCHED = "per-example gradients: batched pass with per-layer rules"
 @pytest.fixture(autouse=True)
 def _declarations_stay_here():
     """Declarations are process-wide: undo this module's after each test."""
-    saved = set(_DECLARED)
+    saved, on_the_batch = set(_DECLARED), set(_SUBLAYERS_ON_THE_BATCH)
     yield
     _DECLARED.intersection_update(saved)
+    _SUBLAYERS_ON_THE_BATCH.intersection_update(on_the_batch)
 
 
 def _optimizer():
@@ -274,8 +276,8 @@ def test_transformer_text_classification():
     assert "whole-model vectorized_map" in undeclared.per_example_path
     assert "is not known to keep examples independent" in undeclared.per_example_path
     # The documented change: both layers treat each sequence on its own.
-    declare_per_example(TokenAndPositionEmbedding)
-    declare_per_example(TransformerBlock)
+    declare_per_example(TokenAndPositionEmbedding)  # looks up positions: its own vjp
+    declare_per_example(TransformerBlock, sublayers_on_the_batch=True)
     model = _transformer_classifier(vocab_size, maxlen)
     rng = np.random.default_rng(4)
     x = rng.integers(0, vocab_size, size=(32, maxlen)).astype("float32")

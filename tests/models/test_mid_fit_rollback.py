@@ -50,7 +50,31 @@ def test_a_rollback_inside_fit_is_refused_before_the_next_step(tmp_path, make):
     with pytest.raises(ValueError, match="rolled the model back during fit.*from 6 to 3"):
         model.fit(x, x, batch_size=8, epochs=3, steps_per_epoch=3, verbose=0,
                   callbacks=[RollBack(str(tmp_path))])
-    assert model.privacy.steps == 3  # the state loaded back; nothing ran after it
+    assert model.privacy.steps == 6  # every step that ran is counted; none ran after it
+    assert model.privacy.epsilon(1e-5) > 0
+
+
+class AssignBack(keras.callbacks.Callback):
+    """Snapshots every variable after step 1 and writes them back after step 3
+    (the step counter among them): a rollback inside one epoch, before
+    LedgerGuard's own batch hook (found by review: the noise replayed and the
+    ledger counted 4 steps of 6)."""
+
+    def on_train_batch_end(self, batch, logs=None):
+        if batch == 0:
+            self.snapshot = [v.numpy().copy() for v in self.model.variables]
+        if batch == 2:
+            for variable, value in zip(self.model.variables, self.snapshot):
+                variable.assign(value)
+
+
+def test_a_rollback_by_assigning_variables_inside_an_epoch_is_refused_at_once():
+    model = _model(tfdp.optimizers.DPSGD(1.0, 1.0, 1.0))
+    x = np.zeros((64, DIM), np.float32)
+    with pytest.raises(ValueError, match="rolled the model back during fit.*from 3 to 1"):
+        model.fit(x, x, batch_size=8, epochs=1, steps_per_epoch=6, verbose=0,
+                  callbacks=[AssignBack(), tfdp.callbacks.PrivacyBudget(accountant="pld")])
+    assert model.privacy.steps == 3
 
 
 def test_a_dp_bandmf_rollback_inside_fit_is_refused(tmp_path):

@@ -186,3 +186,35 @@ def test_writes_the_graph_hides_or_a_list_of_writes_misses_are_refused(make, mat
     with pytest.raises(ValueError, match=match):
         model.fit(x, y, batch_size=32, epochs=1, verbose=0)
     assert model.privacy.steps == 0
+
+
+class PrintRecords(keras.layers.Layer):
+    """Prints a record (to a log or a file) in training (found by review)."""
+
+    def call(self, x, training=None):
+        if training:
+            tf.print(x[0])
+        return x
+
+
+class WriteRecords(keras.layers.Layer):
+    def __init__(self, path, **kwargs):
+        super().__init__(**kwargs)
+        self.file = path
+
+    def call(self, x, training=None):
+        if training:
+            tf.io.write_file(self.file, tf.strings.as_string(x[0, 0]))
+        return x
+
+
+@pytest.mark.parametrize("make", [PrintRecords, WriteRecords])
+def test_a_layer_that_writes_a_tensor_out_of_the_step_is_refused(make, tmp_path):
+    layer = make(name="keeper") if make is PrintRecords else make(str(tmp_path / "leak"),
+                                                                    name="keeper")
+    model = dp_model(layer)
+    x, y = crafted_records()
+    with pytest.raises(ValueError, match="writes a tensor out of its DP step"):
+        model.fit(x, y, batch_size=32, epochs=1, verbose=0)
+    assert model.privacy.steps == 0
+    assert not (tmp_path / "leak").exists()

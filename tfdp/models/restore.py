@@ -133,37 +133,51 @@ class LedgerGuard(keras.callbacks.Callback):
             }
         )
         self._steps = None
+        self._last_batch = -1
 
     def on_train_begin(self, logs=None):
         self._steps = self._ledger.steps
         self._check_not_replaced()
 
-    def on_train_batch_end(self, batch, logs=None):
-        self._steps = self.model.privacy.steps
+    def on_epoch_begin(self, epoch, logs=None):
+        self._last_batch = -1
+        self._check_not_rolled_back()
 
     def on_train_batch_begin(self, batch, logs=None):
         self._check_not_rolled_back()
 
-    def on_epoch_begin(self, epoch, logs=None):
+    def on_train_batch_end(self, batch, logs=None):
+        # The steps Keras ran since the last check (several with
+        # steps_per_execution): the count must have grown by as many.
+        self._steps += batch - self._last_batch
+        self._last_batch = batch
         self._check_not_rolled_back()
 
     def _check_not_rolled_back(self):
-        """Refuses a rollback during the fit: a callback that loaded earlier
-        weights (and their step count) between steps would run those steps
-        again under the same noise key, and the ledger would count them
-        once (found by review: two branches' noisy gradients differed by the
-        noise-free difference of their gradients)."""
-        steps = self.model.privacy.steps
-        if self.model.privacy is not self._ledger or steps < self._steps:
-            raise ValueError(
-                "A callback rolled the model back during fit() (it loaded earlier "
-                f"weights: the private step count went from {self._steps} to {steps}): the "
-                "steps after it would run again under the noise already released and the "
-                "ledger would count them once. Roll back between fits (call load_weights, "
-                "then fit again: a new fit draws fresh noise), or stop training with a "
-                "callback instead. Training stopped before another step. Received: "
-                f"callbacks {self._names}"
-            )
+        """Refuses a rollback during the fit: a callback that loaded or
+        assigned earlier weights (and their step count) between steps would
+        run those steps again under the same noise key, and the ledger would
+        count them once (found by review: two branches' noisy gradients
+        differed by the noise-free difference of their gradients). The step
+        count must be at least the steps this fit started from plus the steps
+        Keras ran; on a rollback it is set back to that (the ledger then
+        counts every step that ran) and training stops before another step."""
+        model = self.model
+        steps = model.privacy.steps
+        if model.privacy is self._ledger and steps >= self._steps:
+            return
+        counter = getattr(model, "_dp_steps", None)
+        if counter is not None and steps < self._steps:
+            counter.assign(self._steps)
+        raise ValueError(
+            "A callback rolled the model back during fit() (it loaded or assigned earlier "
+            f"weights: the private step count went from {self._steps} to {steps}): the "
+            "steps after it would run again under the noise already released and the "
+            "ledger would count them once. Roll back between fits (call load_weights, "
+            "then fit again: a new fit draws fresh noise), or stop training with a "
+            "callback instead. Training stopped before another step; the ledger counts "
+            f"the {self._steps} steps that ran. Received: callbacks {self._names}"
+        )
 
     def _check_not_replaced(self):
         if self.model.privacy is not self._ledger:

@@ -60,8 +60,12 @@ _READS = {
     "While", "StatelessWhile", "Case", "StatelessCase",
 }
 # Python inside the step: what it writes (a variable's assign, a file, a
-# global) is invisible in the graph, so it is refused.
+# global) is invisible in the graph, so it is refused; and ops that write a
+# tensor outside the model (a file, a log, a summary) release it as it is.
 _PYTHON_OPS = {"EagerPyFunc", "PyFunc", "PyFuncStateless"}
+_OUTPUT_OPS = {"WriteFile", "PrintV2", "Print", "Save", "SaveV2", "SaveSlices",
+               "MergeV2Checkpoints"}
+_OUTPUT_PREFIXES = ("Write",)  # WriteSummary, WriteScalarSummary, ...
 _CALL_ATTRS = ("f", "then_branch", "else_branch", "body", "cond", "branches")
 
 
@@ -121,6 +125,8 @@ def check_no_state_writes(model, sample, loss_fn, method="auto", training=True):
     for op, owner in _writes(graph):
         if op.type in _PYTHON_OPS:
             raise ValueError(_python_message(model, op))
+        if op.type in _OUTPUT_OPS or op.type.startswith(_OUTPUT_PREFIXES):
+            raise ValueError(_output_message(model, op))
         variable = _resolve(op.inputs[0], owner, variables) if op.inputs else None
         if (variable is not None and id(variable) in seeds and op.type == "AssignVariableOp"
                 and _advanced_from_itself(op, owner, variable, variables)):
@@ -158,7 +164,8 @@ def _writes(graph, seen=None):
     seen = set() if seen is None else seen
     functions = getattr(graph, "_functions", {})
     for op in graph.get_operations():
-        if op.type in _PYTHON_OPS or (op.type not in _READS and any(
+        if op.type in _PYTHON_OPS or op.type in _OUTPUT_OPS or op.type.startswith(
+                _OUTPUT_PREFIXES) or (op.type not in _READS and any(
                 _from_outside(t) for t in op.inputs if t.dtype == tf.resource)):
             yield op, graph
         for name in _called_functions(op):
@@ -256,6 +263,16 @@ def _python_message(model, op):
         "seen or bounded there, and it could keep training records outside the "
         "clipping and the noise. Compute that part with TensorFlow operations, or "
         f"keep it out of the DP model. Received: op '{op.name}' ({op.type})"
+    )
+
+
+def _output_message(model, op):
+    return (
+        f"Model '{model.name}' writes a tensor out of its DP step (tf.print, "
+        "tf.io.write_file, a summary or a checkpoint save inside call()): what it writes "
+        "is released as it is, outside the clipping and the noise. Log values outside "
+        "the model (a callback reading the logs), or keep that layer out of the DP "
+        f"model. Received: op '{op.name}' ({op.type})"
     )
 
 

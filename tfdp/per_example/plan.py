@@ -19,7 +19,6 @@ Example:
 """
 
 from tfdp.per_example import rules
-from tfdp.per_example.batch_axis import sublayers_off_the_batch
 from tfdp.per_example.configuration import configuration_problem
 from tfdp.per_example.fallback import LayerFallback
 from tfdp.per_example.registry import (
@@ -28,6 +27,7 @@ from tfdp.per_example.registry import (
     is_per_example,
     node_is_per_example,
     rule_for,
+    runs_sublayer_rules,
 )
 
 FALLBACK = LayerFallback()
@@ -124,12 +124,12 @@ def _assign_handlers(layer, handlers, seen):
     rule = rule_for(layer)
     if rule is not None:
         handlers.append((layer, rule))
-    elif _own_trainable_variables(layer) or (
-            type(layer) in _DECLARED and sublayers_off_the_batch(layer) != []):
-        # A declared layer whose sublayers run on tensors without the batch
-        # axis (keras.io's TokenAndPositionEmbedding looks up positions):
-        # their rules would read that axis as examples; the layer's own vjp
-        # per example covers all its weights.
+    elif _own_trainable_variables(layer) or not runs_sublayer_rules(layer):
+        # A declared layer may call a sublayer on tensors whose rows are not
+        # its examples (keras.io's TokenAndPositionEmbedding looks up
+        # positions): a sublayer's rule would read them as examples. Unless
+        # it claims `sublayers_on_the_batch`, its own vjp per example covers
+        # all its weights.
         handlers.append((layer, FALLBACK))
     else:
         for sub in layer._flatten_layers(include_self=False, recursive=False):

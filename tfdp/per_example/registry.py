@@ -68,28 +68,72 @@ ALLOWED_OPERATIONS = {
 }
 
 _DECLARED = set()
+_SUBLAYERS_ON_THE_BATCH = set()
 RULES = {}
 
 
-def declare_per_example(layer_class):
+def declare_per_example(layer_class=None, *, sublayers_on_the_batch=False):
     """Declares that `layer_class` keeps examples independent.
 
     Use it (as a function or a class decorator) for a custom layer whose
     output for each example depends only on that example: the model then takes
-    the fast batched path. Declaring a layer that mixes examples (a batch
-    mean) would let one record move every other example's clipped gradient,
-    voiding the privacy guarantee; do not declare such a layer.
+    the fast batched path, and the layer's weights (its sublayers' included)
+    get their per-example gradients from the layer's own vjp, one example at a
+    time (the per-layer fallback). Declaring a layer that mixes examples (a
+    batch mean) would let one record move every other example's clipped
+    gradient, voiding the privacy guarantee; do not declare such a layer.
+
+    Args:
+        layer_class: a `keras.layers.Layer` subclass.
+        sublayers_on_the_batch: a second, stronger claim: the layer calls each
+            sublayer that has weights on tensors whose axis 0 is the batch,
+            row i being example i (as a transformer block calls its attention
+            and dense layers). Those sublayers then run their own fast rules.
+            A layer that calls a sublayer on anything else (positions, a
+            transposed or reshaped batch, rows reordered) must not claim it:
+            the rule would read that tensor's rows as examples. Default
+            False.
 
     Returns:
-        `layer_class`, unchanged.
+        `layer_class`, unchanged (or, called with only the keyword, a
+        decorator).
+
+    Example:
+
+    >>> import keras
+    >>> @declare_per_example(sublayers_on_the_batch=True)
+    ... class Block(keras.layers.Layer):
+    ...     def __init__(self, **kwargs):
+    ...         super().__init__(**kwargs)
+    ...         self.dense = keras.layers.Dense(4)
+    ...     def call(self, x):
+    ...         return x + self.dense(x)
+    >>> is_per_example(Block()), runs_sublayer_rules(Block())
+    (True, True)
     """
+    if layer_class is None:
+        return lambda cls: declare_per_example(cls, sublayers_on_the_batch=sublayers_on_the_batch)
     if not (isinstance(layer_class, type) and issubclass(layer_class, keras.layers.Layer)):
         raise TypeError(
             "Expected a keras.layers.Layer subclass. Received: "
             f"layer_class={layer_class!r}"
         )
     _DECLARED.add(layer_class)
+    if sublayers_on_the_batch:
+        _SUBLAYERS_ON_THE_BATCH.add(layer_class)
+    else:
+        _SUBLAYERS_ON_THE_BATCH.discard(layer_class)
     return layer_class
+
+
+def runs_sublayer_rules(layer):
+    """Whether the batched pass may run `layer`'s sublayers through their own
+    rules: every allow-listed layer (Keras's composite layers call their
+    sublayers on the batch), and a declared layer only when it claims
+    `sublayers_on_the_batch`; other declared layers take their own vjp."""
+    if type(layer) in _DECLARED:
+        return type(layer) in _SUBLAYERS_ON_THE_BATCH
+    return True
 
 
 def register_rule(*layer_classes):
