@@ -96,7 +96,7 @@ def test_tfdp_calibrate_on_hostile_arguments(field, value):
 @pytest.mark.parametrize(
     "argv, names",
     [([], "required: command"), (["nonsense"], "invalid choice: 'nonsense'"),
-     (["epsilon"], "required: --num-examples, --batch-size, --epochs, --noise-multiplier"),
+     (["epsilon"], "required: --batch-size, --epochs, --noise-multiplier"),
      (["epsilon", "--num-examples", "10", "--batch-size", "20", "--noise-multiplier", "1", "--epochs", "1"],
       "Received: batch_size=20"),
      (["train", "--dataset", "nope"], "argument --dataset: invalid choice: 'nope'"),

@@ -85,7 +85,7 @@ def check_per_example_support(model):
         if isinstance(layer, _MIXING_LAYERS) and layer.trainable:
             raise ValueError(
                 f"Layer '{layer.name}' ({type(layer).__name__}) is trainable, so in training "
-                "it normalizes with the batch's statistics and mixes examples: per-example "
+                "it normalizes with the batch's statistics: it mixes examples within a batch, so per-example "
                 "gradients (and DP clipping) are undefined, and its moving statistics "
                 "would store the training data. Freeze it (`layer.trainable = False`, or "
                 "`base_model.trainable = False` for a pretrained base: Keras then runs it "
