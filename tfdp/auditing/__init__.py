@@ -71,7 +71,7 @@ def __getattr__(name):
 
 
 def __dir__():
-    return sorted(set(globals()) | set(_SENSITIVITY))
+    return sorted(set(globals()) | set(_SENSITIVITY) | set(_COUPLING))
 
 
 __all__ = [
