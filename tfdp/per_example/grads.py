@@ -404,7 +404,22 @@ class LinearGrads(Part):
         return grads
 
 
-class MaterializedGrads(Part):
+class SummedAsMeasured(Part):
+    """Base of parts whose weighted sum adds w times exactly the float32
+    entries their norm measured (`_entries()` of them per example): only a
+    subnormal entry read as 0 by the float64 norm and not by w * g (per unit
+    weight), and w * g flushed to zero (absolute), below 2^-126 each."""
+
+    def summation_errors(self):
+        return rounding.subnormal_reading(self._entries(), 1.0) + tf.zeros_like(
+            self.sq_norm_bounds())
+
+    def absolute_errors(self):
+        return rounding.flushed_products(self._entries(), 1.0, 0, 0) + tf.zeros_like(
+            self.sq_norm_bounds())
+
+
+class MaterializedGrads(SummedAsMeasured):
     """Per-example gradients held in full, one [B, *shape] tensor a variable.
 
     The weighted sum adds exactly these tensors, so their sums of squares
@@ -424,16 +439,6 @@ class MaterializedGrads(Part):
 
     def _entries(self):
         return tf.add_n([tf.cast(rounding.terms_per_example(g), tf.float64) for g in self.grads])
-
-    def summation_errors(self):
-        # Subnormal entries the float64 norm reads as 0 and w * g does not.
-        return rounding.subnormal_reading(self._entries(), 1.0) + tf.zeros_like(
-            self.sq_norm_bounds())
-
-    def absolute_errors(self):
-        # w * g flushed to zero: below 2^-126 per entry, whatever w.
-        return rounding.flushed_products(self._entries(), 1.0, 0, 0) + tf.zeros_like(
-            self.sq_norm_bounds())
 
     def dots(self, vectors):
         return tf.add_n([

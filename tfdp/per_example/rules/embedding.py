@@ -21,12 +21,12 @@ import keras
 import tensorflow as tf
 
 from tfdp.per_example import rounding
-from tfdp.per_example.grads import Part, as_float32, joined_rows, masked, norm_of
+from tfdp.per_example.grads import SummedAsMeasured, as_float32, joined_rows, masked, norm_of
 from tfdp.per_example.registry import register_rule
 from tfdp.per_example.rules.common import concat_positions, plain_weights
 
 
-class EmbeddingGrads(Part):
+class EmbeddingGrads(SummedAsMeasured):
     """Per-example gradients of an embedding table from ids and row gradients.
 
     The rows of an id an example looked up several times are added first
@@ -66,17 +66,6 @@ class EmbeddingGrads(Part):
 
     def _entries(self):
         return rounding.terms_per_example(self.g)
-
-    def summation_errors(self):
-        # The sum adds the merged rows it measured; only subnormal entries
-        # may be read as 0 by the norm and not by w * rows.
-        return rounding.subnormal_reading(self._entries(), 1.0) + tf.zeros_like(
-            self.sq_norm_bounds())
-
-    def absolute_errors(self):
-        # w * rows flushed to zero: below 2^-126 per entry, whatever w.
-        return rounding.flushed_products(self._entries(), 1.0, 0, 0) + tf.zeros_like(
-            self.sq_norm_bounds())
 
     def dots(self, vectors):
         rows = tf.gather(tf.cast(vectors[0], tf.float64), self.ids)  # [B, T, D]
