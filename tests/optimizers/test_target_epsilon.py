@@ -161,3 +161,16 @@ def test_a_resumed_run_calibrates_after_its_backup_is_restored(tmp_path, user_bu
     resumed.fit(x, y, batch_size=32, epochs=12, verbose=0, callbacks=callbacks)
     assert resumed.privacy.steps == 12 * 8           # every planned step ran
     assert 1.99 < resumed.privacy.epsilon(1e-5) <= 2.0
+
+
+def test_sa_dpsgd_takes_a_target_too():
+    """SA-DPSGD charges every candidate step as DP-SGD's: the same plan."""
+    x, y = _data()
+    public_x, public_y = _data(32, seed=9)   # disjoint from the training data
+    optimizer = tfdp.optimizers.SADPSGD(0.5, l2_norm_clip=1.0, target_epsilon=2.0,
+                                        target_delta=1e-5, public_energy_data=(public_x, public_y))
+    model = _model(optimizer)
+    model.fit(x, y, batch_size=20, epochs=2, verbose=0)
+    assert optimizer.noise_multiplier == pytest.approx(calibrate_dpsgd(400, 20, 2, 2.0, 1e-5),
+                                                       rel=1e-9)
+    assert model.privacy.steps == 40 and model.privacy.epsilon(1e-5) <= 2.0
