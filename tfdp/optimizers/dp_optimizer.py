@@ -363,8 +363,8 @@ class DPOptimizer(keras.optimizers.Optimizer):
         return NoiseTarget(target_epsilon, target_delta)
 
     def plan_noise(self, model, num_units, batch_size, steps, unit_name, say):
-        """Called by `DPModel.fit` before anything is built or released: with
-        a target epsilon, calibrates sigma (unless a fit already trained with
+        """Called by `DPModel.fit` after any backup is restored and before
+        anything is released: with a target epsilon, calibrates sigma (unless a fit already trained with
         it) and refuses a fit that would pass the target (`NoiseTarget.plan`).
         The sigma is fixed when the fit starts releasing (`fix_planned_noise`):
         a fit refused before then leaves it open. No-op without a target."""

@@ -231,6 +231,7 @@ class LinearGrads(Part):
         self._materialized = None
         self._factored_bounds = None
         self._row_bounds = None
+        self._mass = None
         self._bias_rows = None
 
     def _to_kernel(self, matrix, batch_dims):
@@ -274,7 +275,9 @@ class LinearGrads(Part):
     def mass(self):
         """float64 [B] upper bound of sum_s |x_s| |g_s|, which bounds every
         rounding that depends on the sizes of the positions' terms."""
-        return rounding.mass_of(*self._rows())
+        if self._mass is None:  # several bounds read it: one computation
+            self._mass = rounding.mass_of(*self._rows())
+        return self._mass
 
     def _row_sums(self):
         """float64 [B] upper bounds of sum_s |x_s| and sum_s |g_s|."""
