@@ -155,7 +155,7 @@ class StepClock:
         return Clock()
 
 
-def make_models(name, dtype="float32", jit_compile=False):
+def make_models(name, dtype="float32", jit_compile=False, steps_per_execution=1):
     import keras
 
     import tfdp
@@ -170,12 +170,9 @@ def make_models(name, dtype="float32", jit_compile=False):
     private = tfdp.DPModel(inputs, outputs)
     loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
     plain.compile(optimizer=keras.optimizers.SGD(0.01), loss=loss,
-                  jit_compile=jit_compile)
-    private.compile(
-        optimizer=private_optimizer(),
-        loss=loss,
-        jit_compile=jit_compile,
-    )
+                  jit_compile=jit_compile, steps_per_execution=steps_per_execution)
+    private.compile(optimizer=private_optimizer(), loss=loss, jit_compile=jit_compile,
+                    steps_per_execution=steps_per_execution)
     return plain, private, x, y
 
 
