@@ -97,3 +97,24 @@ def test_a_pipeline_shorter_than_its_cardinality_charges_only_what_ran():
     stream = model.optimizer.__dict__["_stream"]
     assert model.privacy.steps == int(stream.step.numpy()) == 5
     assert int(model.optimizer.iterations.numpy()) == 5
+
+
+def failing_loss(y_true, y_pred):
+    """Fails inside the step, after its batch arrived (as an out-of-memory would)."""
+    check = tf.debugging.assert_less(y_true, 5.0, message="label out of range")
+    with tf.control_dependencies([check]):
+        return keras.losses.mean_squared_error(tf.identity(y_true), y_pred)
+
+
+def test_a_step_that_fails_after_its_read_stays_charged():
+    """Charged, not applied: the over-count is kept (never under), and the
+    ledger's statement covers it."""
+    keras.utils.set_random_seed(1)
+    model = tfdp.DPSequential([keras.Input((D,)), keras.layers.Dense(1, kernel_initializer="zeros")])
+    model.compile(optimizer=tfdp.optimizers.DPSGD(0.1, 1.0, 1.0, seed=0), loss=failing_loss)
+    x = np.ones((N, D), np.float32)
+    with pytest.raises(tf.errors.InvalidArgumentError, match="label out of range"):
+        model.fit(x, np.full((N, 1), 9.0, np.float32), batch_size=8, epochs=1, verbose=0)
+    assert not np.any(model.layers[0].kernel.numpy())  # not applied
+    assert model.privacy.steps == 1  # charged
+    assert model.privacy.epsilon(1e-5) > 0
