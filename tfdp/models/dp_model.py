@@ -217,6 +217,25 @@ class DPTrainingMixin:
     # -- the private step ----------------------------------------------------
 
     def train_step(self, data):
+        """One private step: charged once its batch has arrived, before any
+        of it is drawn, written or applied.
+
+        The step counter the ledger reads advances with a data dependency
+        on the batch, and everything else the step does (noise, DP-BandMF's
+        noise stream, the update, the optimizer's iterations, metrics) runs
+        after it. A step whose read fails (an IOError of a record source, a
+        short batch read, a pipeline shorter than its cardinality) is
+        neither applied nor charged; one that fails after its read (out of
+        memory) is charged and not applied: over-counted, never under.
+        Without the dependency the counter could advance (and BandMF's
+        noise be consumed) while the read was still failing.
+        """
+        with tf.control_dependencies(tf.nest.flatten(data)):
+            charged = self._dp_steps.assign_add(1)
+        with tf.control_dependencies([charged]):
+            return self._private_step(data)
+
+    def _private_step(self, data):
         # At trace time, after every callback's on_train_begin: a layer
         # unfrozen since fit's own check (a trainable BatchNormalization
         # would trace its batch statistics and moving-average writes).
@@ -267,7 +286,6 @@ class DPTrainingMixin:
         logs = self.optimizer.apply_private_gradients(
             grads, self.trainable_variables, model=self
         )
-        self._dp_steps.assign_add(1)
         self._nonfinite_counter.update_state(stats["nonfinite_examples"])
         loss_weights = _finite_weights(losses, weights)
         safe_losses = tf.where(tf.math.is_finite(losses), losses, tf.zeros_like(losses))
