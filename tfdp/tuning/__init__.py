@@ -3,7 +3,8 @@
 `PrivateRandomSearch(build, mean_trials=...)` runs a random number of DP
 trials of a KerasTuner hypermodel and releases only the best, charged to its
 ledger as one `RepeatAndSelectDpEvent`; `tfdp.accounting.search` prices a
-search without running it. Needs `keras-tuner` (`pip install "tfdp[tuning]"`).
+search without running it. Needs `keras-tuner` (`pip install -e ".[tuning]"` from a
+checkout).
 Guide: docs/guides/private-tuning.md.
 
 Example:
