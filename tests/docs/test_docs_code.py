@@ -36,7 +36,7 @@ def keras_settings_restored(tmp_path, monkeypatch):
 
 # Optional packages a page's code uses (all in the `test` extra): a page that
 # needs a missing one is skipped locally and fails under CI=true.
-OPTIONAL = {"keras_hub": "keras_hub", "TensorBoard(": "tensorboard"}
+OPTIONAL = {"keras_hub": "keras_hub", "TensorBoard(": "tensorboard", "tfdp.tuning": "keras_tuner"}
 
 
 def _require_optional(blocks, require_installed):

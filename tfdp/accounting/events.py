@@ -201,6 +201,8 @@ _RANGES = {
     "num_buckets": (1, math.inf),
     "rho": (0.0, math.inf),
     "xi": (0.0, math.inf),
+    "mean": (1.0, math.inf),  # RepeatAndSelectDpEvent: the expected number of trials
+    "shape": (0.0, math.inf),  # and its law (inf: Poisson)
 }
 
 

@@ -44,7 +44,7 @@ import dp_accounting
 from tfdp.accounting import _engine
 from tfdp.accounting._validation import check_choice, check_delta, check_int, check_real, show
 from tfdp.accounting.events import event_from_dict, event_to_dict
-from tfdp.accounting.statement import describe_releases, privacy_statement
+from tfdp.accounting.statement import describe_releases, is_search, privacy_statement
 
 _FORMAT = "tfdp.PrivacyLedger"
 # Version 2 adds a segment's "steps_per_round" and "relation"; a ledger that
@@ -271,6 +271,54 @@ class PrivacyLedger:
         _check_event(event)
         count = check_int("count", count, minimum=1)
         self._records.append((event, count))
+        self._version += 1
+
+    def charge_selection(self, event, earlier=()):
+        """Replaces every release so far by `event`, one release that covers them.
+
+        For a model chosen by a private hyperparameter search
+        (`tfdp.tuning`): its steps and score are one trial of the search,
+        and `event` (a `RepeatAndSelectDpEvent` over the trial's releases)
+        charges the whole search. The steps so far become one closed
+        segment that releases `event` once (`steps_per_round` = its steps);
+        the open step event stays open, so further training is charged on
+        top. `earlier` are the events of earlier searches of the same
+        tuner, kept as one-off records (a rerun pays again).
+
+        Args:
+            event: a `dp_accounting.DpEvent` whose guarantee covers every
+                release this ledger holds.
+            earlier: optional DpEvents recorded once each beside it.
+
+        Raises:
+            ValueError: if no step ran yet (there is nothing a search chose).
+
+        Example:
+
+        >>> from tfdp.accounting import dpsgd_event
+        >>> from tfdp.accounting.search import repeat_and_select_event
+        >>> ledger = PrivacyLedger()
+        >>> ledger.begin_steps(dpsgd_event(1.1, 0.01))
+        >>> ledger.advance(100)
+        >>> search = repeat_and_select_event(ledger.composed_event(), 5, "geometric")
+        >>> ledger.charge_selection(search)
+        >>> ledger.composed_event().events == [dp_accounting.SelfComposedDpEvent(search, 1)]
+        True
+        """
+        _check_event(event)
+        earlier = [_check_event(item, "earlier") for item in earlier]
+        now = self.steps
+        self._check_counter(now)
+        if self._open is None or now == 0:
+            raise ValueError(
+                "A search's charge replaces the releases of the chosen trial's steps, but "
+                f"this ledger has run no step. Received: steps={now}"
+            )
+        open_event, _, open_counting = self._open
+        relation = self.relation
+        self._segments = [(event, 0, now, Counting(now, relation))]
+        self._records = [(item, 1) for item in earlier]
+        self._open = (open_event, now, open_counting)
         self._version += 1
 
     # -- composition ---------------------------------------------------------
@@ -508,13 +556,15 @@ class PrivacyLedger:
             mechanism_description=self._description(now),
             accountant=accountant,
             relation=self.relation,
+            search=any(is_search(event) for event, _ in self._parts(now)),
         )
 
     def _description(self, now):
         """`describe_releases` of the releases, with what a rounds segment means."""
         text = describe_releases(self._parts(now))
-        rounds = [(end - start, c) for _, start, end, c in self._spans(now)
-                  if end > start and (c.steps_per_round > 1 or c.relation == "zero_out")]
+        rounds = [(end - start, c) for event, start, end, c in self._spans(now)
+                  if end > start and (c.steps_per_round > 1 or c.relation == "zero_out")
+                  and not is_search(event)]
         for steps, counting in rounds:
             every = counting.steps_per_round
             pattern = (

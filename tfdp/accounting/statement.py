@@ -83,7 +83,7 @@ _NOT_COVERED_UNITS = {
 
 def privacy_statement(
     epsilon, delta, steps, mechanism_description=DEFAULT_MECHANISM, accountant=None,
-    relation="add_or_remove",
+    relation="add_or_remove", search=False,
 ):
     """A few plain-language sentences describing an (epsilon, delta) guarantee.
 
@@ -100,6 +100,9 @@ def privacy_statement(
             "add_or_remove" (default), "zero_out" (DP-BandMF in a fixed
             data order) or "add_or_remove_user" (user-level DP); see
             `PrivacyLedger.relation`.
+        search: True when the ledger charges a private hyperparameter
+            search that chose this model (`tfdp.tuning`): the statement
+            then says the search is covered.
 
     Returns:
         The statement, one sentence group per line.
@@ -152,6 +155,7 @@ def privacy_statement(
         "noise as real-valued, so attacks on floating-point granularity (Mironov 2012) and "
         "timing are not covered.",
         "Not covered: hyperparameters tuned by looking at results on the private data, "
+        "unless tuned by tfdp.tuning's private search (then this statement says so), "
         "training-set loss and metrics shown in the logs, decisions callbacks take from that "
         "logged loss or those metrics (ReduceLROnPlateau, EarlyStopping on the training loss: "
         "the learning rate and the stopping epoch they choose are not protected), "
@@ -160,13 +164,46 @@ def privacy_statement(
         "(model architecture, clipping norm, noise level, schedule), "
         + _NOT_COVERED_UNITS.get(relation, _NOT_COVERED_UNITS["add_or_remove"]),
     ]
+    if search:
+        lines.insert(4, _SEARCH_COVERED)
     if accountant is not None:
         name = _ACCOUNTANT_NAMES.get(accountant, str(accountant))
         lines.append(f"Epsilon was computed with {name}, an upper bound on the privacy loss.")
     return "\n".join(lines)
 
 
+_SEARCH_COVERED = (
+    "Search: this model was chosen by a private hyperparameter search (tfdp.tuning), and "
+    "the guarantee covers the whole search: every trial's training, every trial's private "
+    "score, the choice of the best, its hyperparameters and score, and the random number "
+    "of trials, which is kept secret (the other trials' models and scores were discarded)."
+)
+
+_TRIAL_COUNT_LAWS = {math.inf: "Poisson", 1.0: "geometric", 0.0: "logarithmic"}
+
+
+def is_search(event):
+    """Whether `event` charges a private hyperparameter search (repeat and select)."""
+    return isinstance(event, dp_accounting.dp_event.RepeatAndSelectDpEvent)
+
+
+def _describe_search(event):
+    law = _TRIAL_COUNT_LAWS.get(event.shape, f"truncated negative binomial (shape {event.shape:.4g})")
+    inner = event.event
+    parts = (
+        [(item.event, item.count) if isinstance(item, dp_accounting.SelfComposedDpEvent)
+         else (item, 1) for item in inner.events]
+        if isinstance(inner, dp_accounting.ComposedDpEvent) else [(inner, 1)]
+    )
+    return (
+        f"a private hyperparameter search: the best of a random number of trials ({law} law, "
+        f"mean {event.mean:.4g}), each trial releasing {describe_releases(parts)}"
+    )
+
+
 def _describe_event(event):
+    if is_search(event):
+        return _describe_search(event)
     if isinstance(event, dp_accounting.PoissonSampledDpEvent) and isinstance(
         event.event, dp_accounting.GaussianDpEvent
     ):

@@ -1,0 +1,136 @@
+"""The accounting of a private hyperparameter search (tfdp.accounting.search,
+PrivacyLedger.charge_selection): no TensorFlow, fast."""
+
+import json
+import math
+
+import dp_accounting
+import numpy as np
+import pytest
+from dp_accounting.dp_event import RepeatAndSelectDpEvent
+
+from tfdp.accounting import PrivacyLedger, dpsgd_event, event_from_dict, event_to_dict
+from tfdp.accounting.search import (
+    compute_epsilon_of,
+    draw_trial_count,
+    repeat_and_select_event,
+    trial_count_parameter,
+    trial_count_shape,
+)
+
+LAWS = [("poisson", None), ("geometric", None), ("logarithmic", None), ("negative_binomial", 0.5)]
+
+
+def _trial_ledger(steps=200, sigma=1.1, q=0.02):
+    ledger = PrivacyLedger()
+    ledger.begin_steps(dpsgd_event(sigma, q))
+    ledger.advance(steps)
+    return ledger
+
+
+def _trial_event(ledger, score_sigma=10.0):
+    return dp_accounting.ComposedDpEvent(
+        ledger.composed_event().events + [dp_accounting.GaussianDpEvent(score_sigma)])
+
+
+@pytest.mark.parametrize("distribution, shape", LAWS)
+def test_the_chosen_models_ledger_is_dp_accountings_repeat_and_select(distribution, shape):
+    ledger = _trial_ledger()
+    trial = _trial_event(ledger)
+    search = repeat_and_select_event(trial, 8, distribution, shape)
+    ledger.charge_selection(search)
+
+    by_hand = RepeatAndSelectDpEvent(
+        dp_accounting.ComposedDpEvent([
+            dp_accounting.SelfComposedDpEvent(
+                dp_accounting.PoissonSampledDpEvent(0.02, dp_accounting.GaussianDpEvent(1.1)), 200),
+            dp_accounting.GaussianDpEvent(10.0)]),
+        8.0, {"poisson": math.inf, "geometric": 1.0, "logarithmic": 0.0}.get(distribution, shape))
+    accountant = dp_accounting.rdp.RdpAccountant()
+    accountant.compose(by_hand)
+    assert ledger.epsilon(1e-5) == pytest.approx(accountant.get_epsilon(1e-5), rel=1e-12)
+    # The search costs more than one trial: its charge is not dropped.
+    assert ledger.epsilon(1e-5) > 1.2 * compute_epsilon_of(trial, 1e-5)
+
+
+def test_best_of_k_without_the_charge_would_under_report():
+    """A model trained once reports one trial's epsilon; the same model chosen
+    as the best of a geometric(10) search reports the search's, about
+    twice as much here: reporting the trial's would exceed the bound."""
+    trial_only = _trial_ledger()
+    chosen = _trial_ledger()
+    chosen.charge_selection(repeat_and_select_event(_trial_event(chosen), 10, "geometric"))
+    assert trial_only.epsilon(1e-5) == pytest.approx(1.79, abs=0.01)
+    assert chosen.epsilon(1e-5) == pytest.approx(3.56, abs=0.01)
+    # Negative control: a mean of one trial is (almost) a single trial.
+    single = _trial_ledger()
+    single.charge_selection(repeat_and_select_event(single.composed_event(), 1, "geometric"))
+    assert single.epsilon(1e-5) < 1.1 * trial_only.epsilon(1e-5)
+
+
+def test_training_after_the_search_is_charged_on_top_and_the_ledger_round_trips():
+    ledger = _trial_ledger()
+    first = repeat_and_select_event(_trial_event(ledger), 4, "poisson")
+    earlier = repeat_and_select_event(dp_accounting.GaussianDpEvent(3.0), 2, "logarithmic")
+    ledger.charge_selection(first, earlier=[earlier])
+    at_choice = ledger.epsilon(1e-5)
+    restored = PrivacyLedger.from_json(ledger.to_json())
+    assert restored.composed_event() == ledger.composed_event()
+    assert restored.epsilon(1e-5) == at_choice
+    restored.advance(50)  # more DP-SGD steps of the open event, after the choice
+    assert restored.epsilon(1e-5) > at_choice
+    assert ledger.composed_event().events[1] == earlier  # a rerun of the search pays again
+
+
+@pytest.mark.parametrize("shape", [math.inf, 0.0, 0.5, 1.0, 3.0])
+def test_repeat_and_select_events_round_trip_through_json(shape):
+    event = RepeatAndSelectDpEvent(dpsgd_event(1.0, 0.01), 6.5, shape)
+    assert event_from_dict(json.loads(json.dumps(event_to_dict(event)))) == event
+
+
+@pytest.mark.parametrize("field, value", [("mean", 0.5), ("shape", -1.0), ("mean", "Infinity")])
+def test_a_corrupt_search_event_is_refused(field, value):
+    data = event_to_dict(RepeatAndSelectDpEvent(dp_accounting.GaussianDpEvent(1.0), 2.0, 1.0))
+    data[field] = value
+    if value == "Infinity":
+        return  # an infinite mean is a valid (infinitely costly) bound
+    with pytest.raises(ValueError, match=field):
+        event_from_dict(data)
+
+
+@pytest.mark.parametrize("distribution, shape", LAWS)
+def test_trial_counts_follow_the_law_the_accountant_analyses(distribution, shape):
+    shape = trial_count_shape(distribution, shape)
+    rng = np.random.default_rng(7)
+    counts = np.array([draw_trial_count(rng, 5.0, shape) for _ in range(20000)])
+    assert counts.min() >= (0 if shape == math.inf else 1)
+    assert counts.mean() == pytest.approx(5.0, rel=0.05)
+    if shape == 1.0:  # geometric: P(K = 1) = g
+        assert np.mean(counts == 1) == pytest.approx(trial_count_parameter(5.0, 1.0), abs=0.01)
+
+
+def test_a_fixed_number_of_trials_is_not_a_law():
+    with pytest.raises(ValueError, match="distribution.*Received: distribution='fixed'"):
+        repeat_and_select_event(dp_accounting.GaussianDpEvent(1.0), 5, "fixed")
+    with pytest.raises(ValueError, match="Received: mean_trials=0.5"):
+        repeat_and_select_event(dp_accounting.GaussianDpEvent(1.0), 0.5)
+    with pytest.raises(ValueError, match="Received: shape=2"):
+        repeat_and_select_event(dp_accounting.GaussianDpEvent(1.0), 5, "geometric", shape=2)
+    with pytest.raises(ValueError, match="Received: shape=None"):
+        repeat_and_select_event(dp_accounting.GaussianDpEvent(1.0), 5, "negative_binomial")
+
+
+def test_charge_selection_needs_steps():
+    with pytest.raises(ValueError, match="no step"):
+        PrivacyLedger().charge_selection(dp_accounting.GaussianDpEvent(1.0))
+
+
+def test_the_statement_says_the_search_is_covered():
+    ledger = _trial_ledger()
+    plain = ledger.statement(1e-5)
+    ledger.charge_selection(repeat_and_select_event(_trial_event(ledger), 5, "geometric"))
+    text = ledger.statement(1e-5)
+    assert "Search:" not in plain and "Search: this model was chosen" in text
+    assert "private hyperparameter search" in text.splitlines()[1]
+    assert "geometric law, mean 5" in text
+    assert "DP-BandMF" not in text

@@ -1,0 +1,143 @@
+"""tfdp.tuning.PrivateRandomSearch: tiny models, a few steps each."""
+
+import math
+
+import dp_accounting
+import keras
+import numpy as np
+import pytest
+from dp_accounting.dp_event import RepeatAndSelectDpEvent
+
+pytest.importorskip("keras_tuner")
+
+import tfdp  # noqa: E402
+from tfdp.tuning import PrivateRandomSearch, search as search_module  # noqa: E402
+
+N, BATCH, SPLIT = 100, 20, 0.2
+
+
+def _data():
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(N, 3)).astype("float32")
+    return x, (x[:, 0] > 0).astype("int32")
+
+
+def _build(noise=None, layer=None):
+    def build(hp):
+        sigma = 1.5 if noise is None else noise(hp)
+        model = tfdp.DPSequential([keras.Input((3,)), layer or keras.layers.Dense(2)])
+        model.compile(
+            optimizer=tfdp.optimizers.DPSGD(
+                hp.Float("learning_rate", 0.05, 0.5, sampling="log"),
+                l2_norm_clip=hp.Choice("clip", [0.5, 1.0]), noise_multiplier=sigma),
+            loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        return model
+    return build
+
+
+@pytest.fixture
+def trials(monkeypatch):
+    """Sets the number of trials the next searches draw."""
+    def set_count(count):
+        monkeypatch.setattr(search_module, "draw_trial_count", lambda rng, mean, shape: count)
+    return set_count
+
+
+def test_the_chosen_model_carries_the_search_and_keeps_it_through_save_and_load(trials, tmp_path):
+    trials(3)
+    tuner = PrivateRandomSearch(_build(), mean_trials=4, distribution="poisson")
+    tuner.search(*_data(), batch_size=BATCH, epochs=2, validation_split=SPLIT)
+    model = tuner.get_best_models()[0]
+    hp = tuner.get_best_hyperparameters()[0]
+    assert set(hp.values) == {"learning_rate", "clip"}
+    assert isinstance(tuner.best_score, float)
+
+    steps = 2 * math.ceil((N - 20) / BATCH)  # 80 training records a trial
+    by_hand = RepeatAndSelectDpEvent(dp_accounting.ComposedDpEvent([
+        dp_accounting.SelfComposedDpEvent(
+            dp_accounting.PoissonSampledDpEvent(BATCH / 80, dp_accounting.GaussianDpEvent(1.5)),
+            steps),
+        dp_accounting.GaussianDpEvent(10.0)]), 4.0, math.inf)
+    accountant = dp_accounting.rdp.RdpAccountant()
+    accountant.compose(by_hand)
+    assert model.privacy.steps == steps
+    assert model.privacy.epsilon(1e-5) == pytest.approx(accountant.get_epsilon(1e-5), rel=1e-12)
+    one_trial = dp_accounting.rdp.RdpAccountant()
+    one_trial.compose(by_hand.event)
+    assert model.privacy.epsilon(1e-5) > 1.3 * one_trial.get_epsilon(1e-5)
+    assert "Search: this model was chosen" in model.privacy.statement(1e-5)
+
+    path = str(tmp_path / "chosen.keras")
+    model.save(path)
+    loaded = keras.models.load_model(path)
+    assert loaded.privacy.composed_event() == model.privacy.composed_event()
+    assert loaded.privacy.epsilon(1e-5) == model.privacy.epsilon(1e-5)
+
+    # Only the best is released: no other trial, score or count on the tuner.
+    with pytest.raises(ValueError, match="Received: num_models=3"):
+        tuner.get_best_models(num_models=3)
+    public = {k: v for k, v in vars(tuner).items()}
+    assert set(public) == {"_build", "mean_trials", "distribution", "shape", "_score",
+                           "score_noise_multiplier", "_searches", "_best"}
+    assert len(tuner._best) == 3 and len(tuner._searches) == 1
+
+    # A rerun pays again: the second choice carries the first search too.
+    trials(1)
+    tuner.search(*_data(), batch_size=BATCH, epochs=2, validation_split=SPLIT)
+    second = tuner.get_best_models()[0]
+    assert second.privacy.composed_event().events[1] == by_hand
+    assert second.privacy.epsilon(1e-5) > model.privacy.epsilon(1e-5)
+
+
+def test_public_validation_data_is_scored_exactly_and_not_charged(trials):
+    trials(1)
+    x, y = _data()
+    tuner = PrivateRandomSearch(_build(), mean_trials=2)
+    tuner.search(x, y, batch_size=BATCH, epochs=1, validation_data=(x[:10], y[:10]),
+                 validation_data_is_public=True)
+    inner = tuner.get_best_models()[0].privacy.composed_event().events[0].event.event
+    assert [type(e).__name__ for e in inner.events] == ["SelfComposedDpEvent"]
+    assert tuner.best_score * 10 == round(tuner.best_score * 10)  # an exact count of 10
+
+
+def test_trials_whose_noise_could_differ_are_refused_before_any_training(trials, monkeypatch):
+    trials(2)
+    fits = []
+    fit = tfdp.DPSequential.fit
+
+    def counted_fit(self, *args, **kwargs):
+        fits.append(1)
+        return fit(self, *args, **kwargs)
+
+    monkeypatch.setattr(tfdp.DPSequential, "fit", counted_fit)
+    tuner = PrivateRandomSearch(_build(noise=lambda hp: hp.Float("sigma", 1.0, 2.0)), 3)
+    with pytest.raises(ValueError, match=r"change it: sigma \(drawn sigma="):
+        tuner.search(*_data(), batch_size=BATCH, validation_split=SPLIT)
+    assert not fits
+    # Negative control: a fixed sigma declared as a hyperparameter is accepted.
+    fixed = PrivateRandomSearch(_build(noise=lambda hp: hp.Fixed("sigma", 1.5)), 3)
+    fixed.search(*_data(), batch_size=BATCH, validation_split=SPLIT)
+    assert len(fits) == 2
+
+
+def test_a_trial_sharing_weights_with_an_earlier_one_is_refused(trials):
+    trials(2)
+    tuner = PrivateRandomSearch(_build(layer=keras.layers.Dense(2)), 2)
+    with pytest.raises(ValueError, match="shares .*with an earlier one"):
+        tuner.search(*_data(), batch_size=BATCH, validation_split=SPLIT)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(validation_split=0.2, callbacks=[]), r"Received: \['callbacks'\]"),
+    (dict(), "exactly one of validation_split"),
+    (dict(validation_split=0.2, validation_data_is_public=True), "is private"),
+])
+def test_searches_that_would_leak_are_refused(kwargs, match):
+    tuner = PrivateRandomSearch(_build(), 2)
+    with pytest.raises(ValueError, match=match):
+        tuner.search(*_data(), batch_size=BATCH, **kwargs)
+
+
+def test_a_fixed_number_of_trials_is_refused():
+    with pytest.raises(ValueError, match="Received: max_trials=5"):
+        PrivateRandomSearch(_build(), mean_trials=5, max_trials=5)

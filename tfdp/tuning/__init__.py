@@ -1,0 +1,20 @@
+"""Private hyperparameter search (Papernot & Steinke, ICLR 2022).
+
+`PrivateRandomSearch(build, mean_trials=...)` runs a random number of DP
+trials of a KerasTuner hypermodel and releases only the best, charged to its
+ledger as one `RepeatAndSelectDpEvent`; `tfdp.accounting.search` prices a
+search without running it. Needs `keras-tuner` (`pip install -e ".[tuning]"` from a
+checkout).
+Guide: docs/guides/private-tuning.md.
+
+Example:
+
+>>> from tfdp import tuning
+>>> sorted(tuning.DISTRIBUTIONS)
+['geometric', 'logarithmic', 'negative_binomial', 'poisson']
+"""
+
+from tfdp.accounting.search import DISTRIBUTIONS, search_epsilon
+from tfdp.tuning.search import PrivateRandomSearch
+
+__all__ = ["DISTRIBUTIONS", "PrivateRandomSearch", "search_epsilon"]

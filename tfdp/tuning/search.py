@@ -1,0 +1,343 @@
+"""`PrivateRandomSearch`: a KerasTuner-style random search charged as one DP release.
+
+A search draws the number of trials K from a law (Papernot & Steinke, ICLR
+2022), draws every trial's hyperparameters independently, trains each trial
+with DP, scores it by a noisy count on a validation split carved from the
+private data (or exactly, on data declared public), keeps the best and
+charges its ledger one `RepeatAndSelectDpEvent` over a trial's releases
+(`tfdp.accounting.search`, `PrivacyLedger.charge_selection`). The chosen
+model, its hyperparameters and its score are the output; the other trials'
+models and scores, and K, are never kept where the API can return them.
+
+Example:
+
+>>> import keras, numpy as np, tfdp
+>>> x = np.random.default_rng(0).normal(size=(200, 4)).astype("float32")
+>>> y = (x[:, 0] > 0).astype("int32")
+>>> def build(hp):
+...     model = tfdp.DPSequential([keras.Input((4,)), keras.layers.Dense(2)])
+...     model.compile(
+...         optimizer=tfdp.optimizers.DPSGD(
+...             hp.Float("learning_rate", 0.1, 1.0, sampling="log"),
+...             l2_norm_clip=1.0, noise_multiplier=1.0),
+...         loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+...     return model
+>>> tuner = PrivateRandomSearch(build, mean_trials=2, distribution="geometric")
+>>> tuner.search(x, y, batch_size=40, epochs=1, validation_split=0.2)
+>>> model = tuner.get_best_models()[0]
+>>> "private hyperparameter search" in model.privacy.statement(delta=1e-5)
+True
+"""
+
+import contextlib
+import logging
+import weakref
+
+import dp_accounting
+import numpy as np
+
+from tfdp.accounting._validation import check_real, show
+from tfdp.accounting.search import (
+    check_mean_trials,
+    draw_trial_count,
+    repeat_and_select_event,
+    trial_count_shape,
+)
+from tfdp.tuning import hyperparameters, scores, settings
+
+
+class PrivateRandomSearch:
+    """Random search over a KerasTuner hypermodel, private as a whole.
+
+    Args:
+        hypermodel: `build(hp)` returning a NEW compiled `tfdp.DPModel` /
+            `tfdp.DPSequential` (DPSGD or DPOptimizer, a fixed
+            `noise_multiplier`, no seed), or a `keras_tuner.HyperModel`.
+            Hyperparameters are KerasTuner's (`hp.Float`, `hp.Choice`, ...);
+            those that change the privacy event (noise multiplier, optimizer
+            class) must not vary: a search whose trials could differ is
+            refused, naming the hyperparameter.
+        mean_trials: the expected number of trials, >= 1. The number drawn
+            is secret; the cost grows with the mean (see the guide).
+        distribution: the law of the number of trials: "geometric"
+            (default), "poisson", "logarithmic" or "negative_binomial".
+        shape: the negative binomial's shape (0, inf); only with that law.
+        score: optional `fn(y_true, y_pred)` returning one value per
+            validation example, clipped to [0, 1]; higher is better.
+            Default: accuracy (arg-max class equals the label).
+        score_noise_multiplier: sigma of the Gaussian noise on the sum of
+            the per-example scores of private validation data (default 10:
+            the score's standard deviation is 10 / n_validation).
+        max_trials: refused unless None: a fixed number of trials has no
+            repeat-and-select bound (use `mean_trials`).
+
+    Only `get_best_models()`, `get_best_hyperparameters()` and `best_score`
+    release results; they are safe to print. The number of trials and the
+    search's duration are not released (the wall-clock time of `search`
+    grows with it: do not publish it).
+    """
+
+    def __init__(self, hypermodel, mean_trials, distribution="geometric", shape=None,
+                 score=None, score_noise_multiplier=10.0, max_trials=None):
+        if max_trials is not None:
+            raise ValueError(
+                "A private search draws the number of trials at random: best-of-K with a "
+                "fixed K has no repeat-and-select bound (Papernot & Steinke 2022), and it "
+                "costs about K times one trial. Pass mean_trials instead. Received: "
+                f"max_trials={show(max_trials)}"
+            )
+        self._build = hyperparameters.build_function(hypermodel)
+        self.mean_trials = check_mean_trials(mean_trials)
+        self.distribution = distribution
+        self.shape = trial_count_shape(distribution, shape)
+        if score is not None and not callable(score):
+            raise TypeError(f"Expected `score` to be callable or None. Received: score={score!r}")
+        self._score = scores.accuracy if score is None else score
+        self.score_noise_multiplier = check_real(
+            "score_noise_multiplier", score_noise_multiplier, low=0.0)
+        self._searches = []  # the event of every search this tuner ran: a rerun pays again
+        self._best = None
+
+    # -- the search ----------------------------------------------------------
+
+    def search(self, x, y, batch_size, epochs=1, validation_split=None, validation_data=None,
+               validation_data_is_public=False, physical_batch_size=None, **kwargs):
+        """Runs the search; the best model is `get_best_models()[0]`.
+
+        Args:
+            x, y: the private training data (arrays; N = len(x) is public).
+            batch_size, epochs, physical_batch_size: as in `DPModel.fit`,
+                the same for every trial.
+            validation_split: fraction of the private data each trial holds
+                out (a fresh uniformly random subset of round(fraction * N)
+                records per trial) to score on, with noise.
+            validation_data: (x_val, y_val) instead: scored with noise, or
+                exactly when `validation_data_is_public=True` (then it must
+                be data you could publish; no charge for the score).
+            kwargs: refused (callbacks, verbose, ...): a callback that stops
+                or steers a trial from its metrics makes its privacy cost
+                depend on the data, and logs would count the trials.
+
+        Raises:
+            ValueError: for a fixed number of trials, trials whose privacy
+                settings could differ (before any record is read), missing
+                or contradictory validation arguments, and a non-private
+                score of private data.
+        """
+        if kwargs:
+            raise ValueError(
+                "search() takes only the data, batch_size, epochs, physical_batch_size and "
+                "the validation arguments: callbacks that stop or steer a trial from its "
+                "metrics would make its privacy cost depend on the data, and progress output "
+                f"would count the trials. Received: {sorted(kwargs)}"
+            )
+        rng = np.random.default_rng()  # fresh OS entropy; K and the draws are never kept
+        validation = _Validation(x, y, validation_split, validation_data,
+                                 validation_data_is_public, self.score_noise_multiplier)
+        num_train = validation.num_train
+        if isinstance(batch_size, bool) or not isinstance(batch_size, (int, np.integer)) \
+                or not 1 <= batch_size <= num_train:
+            raise ValueError(
+                f"Expected `batch_size` to be an int in [1, {num_train}] (the records each "
+                f"trial trains on). Received: batch_size={show(batch_size)}"
+            )
+
+        def setting_at(values):
+            model = _build_at(self._build, values)
+            return settings.privacy_setting(model, num_train, batch_size)
+
+        default_values, default_model = hyperparameters.defaults(self._build)
+        reference = settings.privacy_setting(default_model, num_train, batch_size)
+        del default_model
+        count = draw_trial_count(rng, self.mean_trials, self.shape)
+        trials = []
+        for _ in range(count):  # every draw checked before any record is read
+            values, model = hyperparameters.draw(self._build, rng)
+            if settings.privacy_setting(model, num_train, batch_size) != reference:
+                names = settings.differing(setting_at, reference, values, default_values)
+                raise ValueError(
+                    "Every trial of a private search must release the same privacy event, "
+                    "but these hyperparameters change it: "
+                    f"{', '.join(names)} (drawn {', '.join(f'{n}={values[n]!r}' for n in names)}"
+                    f"; the defaults give {reference}). Fix them, or run one search per "
+                    "setting (each charged). Received: a search space whose trials differ in "
+                    "their privacy setting"
+                )
+            trials.append(values)
+        del model
+        self._best = None
+        with _quiet_trials():
+            best = self._run(trials, rng, validation, reference, batch_size, epochs,
+                             physical_batch_size)
+        if best is None:  # the Poisson law drew no trial: nothing is released
+            return
+        model, hp, score, trial_event = best
+        event = repeat_and_select_event(trial_event, self.mean_trials, self.distribution,
+                                        None if self.distribution != "negative_binomial"
+                                        else self.shape)
+        model.privacy.charge_selection(event, earlier=self._searches)
+        self._searches.append(event)
+        self._best = (model, hp, score)
+
+    def _run(self, trials, rng, validation, reference, batch_size, epochs, physical_batch_size):
+        """Trains and scores every trial; keeps only the best (None for no trial)."""
+        best = None
+        trial_event = None
+        earlier = _Owned()
+        for values in trials:
+            hp, model = hyperparameters.rebuild(self._build, values)
+            if settings.privacy_setting(model, validation.num_train, batch_size) != reference:
+                raise RuntimeError(
+                    "build(hp) gave a different privacy setting for the same hyperparameter "
+                    "values: it must depend on nothing but hp."
+                )
+            settings.check_fresh(model)
+            earlier.check_and_add(model)
+            (x_train, y_train), (x_val, y_val) = validation.split(rng)
+            model.fit(x_train, y_train, batch_size=batch_size, epochs=epochs, verbose=0,
+                      physical_batch_size=physical_batch_size)
+            values_ = scores.per_example(self._score, y_val, model.predict(x_val, verbose=0))
+            score, score_event = scores.release_score(values_, validation.noise, rng)
+            released = model.privacy.composed_event().events + (
+                [] if score_event is None else [score_event])
+            event = dp_accounting.ComposedDpEvent(released)
+            if trial_event is None:
+                trial_event = event
+            elif event != trial_event:
+                raise RuntimeError(
+                    "Two trials released different privacy events although their settings "
+                    "agreed; refusing to charge the search as repeats of one mechanism."
+                )
+            if best is None or score > best[2]:
+                best = (model, hp, score, trial_event)
+            del model
+        return best
+
+    # -- results (the only releases) ------------------------------------------
+
+    def _chosen(self):
+        if self._best is None:
+            raise ValueError(
+                "No model to return: call search() first (with the Poisson law a search "
+                "draws no trial with probability exp(-mean_trials), and releases nothing)."
+            )
+        return self._best
+
+    def get_best_models(self, num_models=1):
+        """[the chosen model]: its ledger charges the whole search."""
+        _only_one(num_models, "num_models")
+        return [self._chosen()[0]]
+
+    def get_best_hyperparameters(self, num_trials=1):
+        """[the chosen trial's keras_tuner.HyperParameters]."""
+        _only_one(num_trials, "num_trials")
+        return [self._chosen()[1]]
+
+    @property
+    def best_score(self):
+        """The chosen trial's score (noisy for private validation data)."""
+        return self._chosen()[2]
+
+
+def _only_one(number, name):
+    if number != 1:
+        raise ValueError(
+            "A private search releases only its best trial: the others' models, scores "
+            f"and their number are part of what the guarantee hides. Received: {name}={number!r}"
+        )
+
+
+def _build_at(build, values):
+    import keras_tuner
+
+    hp = keras_tuner.HyperParameters()
+    hp.values.update(values)
+    return build(hp)
+
+
+class _Owned:
+    """Refuses a trial model that shares a model, optimizer or variable with an
+    earlier trial (training that one would change the kept model, or carry a
+    discarded trial's data into another). Holds weak references only."""
+
+    def __init__(self):
+        self._refs = {}
+
+    def _objects(self, model):
+        return [model, model.optimizer, *model.variables]
+
+    def check_and_add(self, model):
+        for item in self._objects(model):
+            ref = self._refs.get(id(item))
+            if ref is not None and ref() is item:
+                raise ValueError(
+                    "build(hp) must create a new model, optimizer and weights for every "
+                    "trial: this trial shares "
+                    f"{getattr(item, 'path', None) or type(item).__name__} with an earlier "
+                    "one, so one trial's training would leak into another's (or into the "
+                    "chosen model). Received: a build function that reuses objects"
+                )
+        for item in self._objects(model):
+            self._refs[id(item)] = weakref.ref(item)
+
+
+class _Validation:
+    """Where trials train and what they score on."""
+
+    def __init__(self, x, y, split, data, public, noise):
+        self._x, self._y = np.asarray(x), np.asarray(y)
+        total = len(self._x)
+        if len(self._y) != total or total == 0:
+            raise ValueError(
+                f"Expected x and y with the same, non-zero number of records. Received: "
+                f"{total} and {len(self._y)}"
+            )
+        if (split is None) == (data is None):
+            raise ValueError(
+                "Give exactly one of validation_split (held out from the private data, "
+                "scored with noise) and validation_data. Received: "
+                f"validation_split={show(split)}, validation_data="
+                f"{'None' if data is None else '(...)'}"
+            )
+        if public and data is None:
+            raise ValueError(
+                "validation_data_is_public=True names public validation data, but a split of "
+                "the private training data is private. Received: validation_split="
+                f"{show(split)}"
+            )
+        self.noise = None if public else noise
+        self._data = None
+        if data is not None:
+            x_val, y_val = data
+            self._data = (np.asarray(x_val), np.asarray(y_val))
+            self._held_out = 0
+        else:
+            fraction = check_real("validation_split", split, low=0.0, high=1.0)
+            self._held_out = int(round(fraction * total))
+            if not 1 <= self._held_out < total:
+                raise ValueError(
+                    f"validation_split holds out round({fraction} * {total}) = "
+                    f"{self._held_out} records: it must hold out at least one and keep one. "
+                    f"Received: validation_split={show(split)}"
+                )
+        self.num_train = total - self._held_out
+
+    def split(self, rng):
+        """((x_train, y_train), (x_val, y_val)) for one trial (a fresh split)."""
+        if self._data is not None:
+            return (self._x, self._y), self._data
+        order = rng.permutation(len(self._x))
+        val, train = order[:self._held_out], order[self._held_out:]
+        return (self._x[train], self._y[train]), (self._x[val], self._y[val])
+
+
+@contextlib.contextmanager
+def _quiet_trials():
+    """tfdp's INFO lines (one per traced step) would count the trials."""
+    logger = logging.getLogger("tfdp")
+    level = logger.level
+    logger.setLevel(max(level, logging.WARNING))
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
