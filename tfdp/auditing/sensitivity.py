@@ -247,7 +247,8 @@ def _settings(model, step):
         f"{type(model).__name__} '{model.name}'",
         f"{type(optimizer).__name__}(l2_norm_clip={optimizer.l2_norm_clip:g}"
         + (f", adaptive: target_unclipped_quantile={optimizer.target_unclipped_quantile:g}, "
-           f"C_t={step.bound * step.batch_size / step.lr:g}" if optimizer.adaptive_clipping else "")
+           f"C_t={float(optimizer.clip_norm()) if optimizer.built else optimizer.l2_norm_clip:g}"
+           if optimizer.adaptive_clipping else "")
         + (f", weight_decay={optimizer.weight_decay:g} {optimizer.weight_decay_placement}"
            if optimizer.weight_decay else "") + ")",
         f"dtype policy {model.dtype_policy.name}",
