@@ -53,7 +53,7 @@ class FirstRowHeavyDPSGD(tfdp.optimizers.DPSGD):
         factors = dpsgd.clip_factors(per_example.sq_norms(), self.l2_norm_clip,
                                      step_info["mask"])
         factors = factors * tf.concat([[3.0], tf.ones_like(factors[1:])], 0)
-        return per_example.weighted_sum(factors), tf.constant(0.0)
+        return per_example.weighted_sum(factors), {"nonfinite_examples": tf.constant(0.0)}
 
 
 def model_with(optimizer_class):

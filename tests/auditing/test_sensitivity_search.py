@@ -299,7 +299,7 @@ class _SkipsClipping(tfdp.optimizers.DPSGD):
     """A broken mechanism: sums the per-example gradients unclipped."""
 
     def clipped_sum(self, per_example, step_info):
-        return per_example.weighted_sum(step_info["mask"]), tf.constant(0.0)
+        return per_example.weighted_sum(step_info["mask"]), {"nonfinite_examples": tf.constant(0.0)}
 
 
 @keras.saving.register_keras_serializable(package="tests.sensitivity")

@@ -83,7 +83,7 @@ class _SkipsClipping(tfdp.optimizers.DPBandMF):
 
     def clipped_sum(self, per_example, step_info):
         ones = tf.ones_like(step_info["mask"]) * step_info["mask"]
-        return per_example.weighted_sum(ones), tf.constant(0.0)
+        return per_example.weighted_sum(ones), {"nonfinite_examples": tf.constant(0.0)}
 
 
 def test_negative_control_a_dpbandmf_that_skips_clipping_is_caught():

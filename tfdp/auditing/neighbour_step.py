@@ -39,6 +39,13 @@ Relations (D has `records` real rows, the batch `records + 1` rows):
   record 0 of the data set).
 * "replace": the full batch with its first record replaced (bound 2C/b).
 
+With adaptive clipping (`target_unclipped_quantile`) the stand-in starts
+from the model optimizer's current clip norm C_t (the bound is lr * C_t / b),
+its count of unclipped units is noiseless too, and `ratio` also records how
+far the record moved that count: `count_ratio` is the largest
+|count(D') - count(D)| seen over its bound (1/2 for adding a unit, each
+unit adding +-1/2; 1 for a replacement).
+
 With `examples_per_user=k` the step is user-level (`fit(user_ids=...)`):
 every row above is a user whose k records are copies of it, each user's
 gradient of their mean loss clipped as one unit, and the bound is per user.
@@ -121,7 +128,10 @@ class NeighbourStep:
         self.records = records
         self.batch_size = float(batch_size)
         self.examples_per_user = examples_per_user
+        self._original_optimizer = model.optimizer
         self.optimizer = _noiseless_optimizer(model.optimizer)
+        self.count_ratio = 0.0 if self.optimizer.adaptive_clipping else None
+        self.last_fraction = None
         # A batch here has records + 1 rows (users, with examples_per_user): a
         # larger chunk is the whole batch.
         if isinstance(physical_batch_size, (int, np.integer)) and not isinstance(
@@ -135,6 +145,7 @@ class NeighbourStep:
         self.rows = [_row(data, i % count) for i in range(records + 1)]
         self.steps = 0
         self._baselines = {}
+        self._baseline_fractions = {}
         self._saved = None
 
     def __enter__(self):
@@ -149,8 +160,13 @@ class NeighbourStep:
             model._build_for(_stack(self.rows[:1]))  # metrics, the stand-in optimizer
             if not self.optimizer.built:
                 self.optimizer.build(model.trainable_variables)
+            if self.optimizer.adaptive_clipping:  # the step's C_t, as the user's optimizer has it
+                original = self._original_optimizer
+                current = (float(original.clip_norm()) if original.built
+                           else original.l2_norm_clip)
+                self.optimizer.clip_norm().assign(current)
             scale = max(float(np.max(np.abs(v.numpy()))) for v in model.trainable_variables)
-            clip = self.optimizer.l2_norm_clip
+            clip = float(self.optimizer.clip_norm())
             exponent = math.ceil(math.log2(max(scale, 1e-30) * 2**20 * self.batch_size / clip))
             # ... but every update (records + 1 clipped gradients) stays below 2^100.
             ceiling = math.floor(math.log2(2.0**100 * self.batch_size / (clip * (self.records + 1))))
@@ -202,8 +218,14 @@ class NeighbourStep:
         if relation not in RELATIONS:
             raise ValueError(f"Expected `relation` in {RELATIONS}. Received: relation={relation!r}")
         record = self.as_data(record)
-        change = np.linalg.norm(self._update(*self._batch(record, relation)) - self._baseline(relation))
-        bound = self.bound * (2.0 if relation == "replace" else 1.0)
+        baseline = self._baseline(relation)  # first: it sets last_fraction when it runs
+        change = np.linalg.norm(self._update(*self._batch(record, relation)) - baseline)
+        scale = 2.0 if relation == "replace" else 1.0
+        if self.count_ratio is not None:  # each count's change: a fraction over 1/b
+            moved = abs(self.last_fraction - self._baseline_fractions[relation]) * self.batch_size
+            moved = moved / (0.5 * scale) if np.isfinite(moved) else math.inf
+            self.count_ratio = max(self.count_ratio, moved)
+        bound = self.bound * scale
         return float(change / bound) if np.isfinite(change) else math.inf
 
     def as_data(self, record):
@@ -224,6 +246,7 @@ class NeighbourStep:
     def _baseline(self, relation):
         if relation not in self._baselines:
             self._baselines[relation] = self._update(*self._batch(None, relation))
+            self._baseline_fractions[relation] = self.last_fraction
         return self._baselines[relation]
 
     def _batch(self, record, relation):
@@ -260,7 +283,9 @@ class NeighbourStep:
         step_info = {"mask": tf.constant(mask), "expected_batch_size": tf.constant(self.batch_size)}
         data = (tf.nest.map_structure(tf.constant, _stack(rows)), step_info)
         try:
-            self.model.train_function([data])
+            logs = self.model.train_function([data])
+            if "unclipped_fraction" in logs:  # adaptive clipping's count, released
+                self.last_fraction = float(np.asarray(logs["unclipped_fraction"]).ravel()[0])
             after = np.concatenate(
                 [np.asarray(v.numpy(), np.float64).ravel() for v in self.model.trainable_variables]
             )
@@ -323,7 +348,8 @@ def _noiseless_optimizer(optimizer):
     from tfdp.optimizers import DPBandMF
 
     cls = type(optimizer)
-    members = {"noise_stddev": lambda self: 0.0}
+    members = {"noise_stddev": lambda self, *args: 0.0,
+               "count_noise_stddev": lambda self, *args: 0.0}
     if isinstance(optimizer, DPBandMF):
         # Without noise a DP-BandMF step is DP-SGD's: its banded noise of zero
         # draws is zero, so the update is the clipped sum over b. The copy

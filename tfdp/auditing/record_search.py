@@ -70,7 +70,7 @@ class ClippedContribution:
                 per_example, {"mask": tf.ones([1]), "expected_batch_size": tf.constant(1.0)}
             )
             value = tf.sqrt(tf.add_n([tf.reduce_sum(tf.square(s)) for s in sums]))
-            value = value / optimizer.l2_norm_clip
+            value = value / optimizer.clip_norm()  # C_t with adaptive clipping
         return value, tape.gradient(value, watched)
 
     def __call__(self, record):

@@ -112,6 +112,9 @@ class SensitivityResult:
             relation of the worst).
         settings: the model's settings that shape its step, in words.
         steps: train steps run; seconds: time the search took.
+        count_ratio: with adaptive clipping, the largest change of the count
+            of unclipped units over its bound (1/2 per added unit, 1 per
+            replacement) among the records tried; None with fixed clipping.
     """
 
     worst_ratio: float
@@ -123,6 +126,7 @@ class SensitivityResult:
     settings: str
     steps: int
     seconds: float
+    count_ratio: float = None
 
     def summary(self):
         """A few lines: the verdict, the settings, and the table."""
@@ -130,6 +134,8 @@ class SensitivityResult:
         lines = [
             f"sensitivity search: worst ratio {self.worst_ratio:.9g} ({verdict}) by "
             f"{self.construction} [{self.relation}]",
+        ] + ([] if self.count_ratio is None else [
+            f"count of unclipped units: worst change {self.count_ratio:.9g} x its bound"]) + [
             f"{self.settings}; {self.steps} train steps in {self.seconds:.1f} s",
             f"per-example path: {self.per_example_path}",
             f"{'construction':<28}{'steps':>7}{'worst ratio':>18}  relation",
@@ -146,6 +152,11 @@ class SensitivityResult:
             tolerance: allowed excess over the bound (float32 rounding of the
                 step itself is about 1e-6).
         """
+        if self.count_ratio is not None and not self.count_ratio <= 1.0 + tolerance:
+            raise SensitivityExceeded(
+                f"One record moved adaptive clipping's count of unclipped units "
+                f"{self.count_ratio:.6g} times its bound (tolerance {tolerance:g}).\n"
+                f"{self.summary()}")
         if self.worst_ratio <= 1.0 + tolerance:
             return
         record = tf.nest.map_structure(
@@ -235,6 +246,9 @@ def _settings(model, step):
     parts = [
         f"{type(model).__name__} '{model.name}'",
         f"{type(optimizer).__name__}(l2_norm_clip={optimizer.l2_norm_clip:g}"
+        + (f", adaptive: target_unclipped_quantile={optimizer.target_unclipped_quantile:g}, "
+           f"C_t={float(optimizer.clip_norm()) if optimizer.built else optimizer.l2_norm_clip:g}"
+           if optimizer.adaptive_clipping else "")
         + (f", weight_decay={optimizer.weight_decay:g} {optimizer.weight_decay_placement}"
            if optimizer.weight_decay else "") + ")",
         f"dtype policy {model.dtype_policy.name}",
@@ -316,7 +330,7 @@ def sensitivity_search(model, x, y, sample_weight=None, *, records=7, batch_size
     return SensitivityResult(
         worst_ratio=ratio, worst_record=record, construction=construction, relation=relation,
         per_example_path=model.per_example_path, table=rows, settings=settings,
-        steps=step.steps, seconds=time.perf_counter() - started,
+        steps=step.steps, seconds=time.perf_counter() - started, count_ratio=step.count_ratio,
     )
 
 
@@ -370,7 +384,7 @@ def _gradient_scale(step):
     """The norm a crafted gradient should reach: the weight-decay offset's
     (lambda times the weights' norm) when decay comes before clipping, else C."""
     optimizer = step.optimizer
-    clip = float(optimizer.l2_norm_clip)
+    clip = float(optimizer.clip_norm())  # C_t with adaptive clipping
     if not optimizer.weight_decay or optimizer.weight_decay_placement != "before_clip":
         return clip
     weights = np.sqrt(sum(float(np.sum(np.square(np.asarray(v.numpy(), np.float64))))

@@ -178,7 +178,7 @@ def chunked_private_gradients(model, x, y, weights, step_info, physical_batch_si
         return (tf.nest.map_structure(take, x), tf.nest.map_structure(take, y),
                 take(weights) * inside, take(mask) * inside)
 
-    def body(i, sums, nonfinite, losses):
+    def body(i, sums, counts, losses):
         cx, cy, cweights, cmask = chunk_of(i * k)
         per_example, y_pred, chunk_losses = compute_per_example_gradients(
             model, cx, cy, cweights, loss_fn or model._per_example_loss,
@@ -189,28 +189,35 @@ def chunked_private_gradients(model, x, y, weights, step_info, physical_batch_si
         unit_info = dict(step_info, mask=cmask)
         if per_user is not None:
             per_example, unit_info = per_user_gradients(per_example, unit_info, per_user)
-        chunk_sums, chunk_nonfinite = optimizer.clipped_sum(per_example, unit_info)
+        chunk_sums, chunk_counts = optimizer.clipped_sum(per_example, unit_info)
         sums = [s + tf.cast(c, s.dtype) for s, c in zip(sums, chunk_sums)]
+        counts = {name: total + chunk_counts[name] for name, total in counts.items()}
         chunk_losses = tf.cast(chunk_losses, tf.float32)
         if update_metrics is not None:
             update_metrics(cx, cy, y_pred, cweights, cmask, chunk_losses)
-        return i + 1, sums, nonfinite + chunk_nonfinite, losses.write(i, chunk_losses)
+        return i + 1, sums, counts, losses.write(i, chunk_losses)
 
     start = (
         tf.constant(0),
         [tf.zeros(v.shape, tf.float32) for v in variables],
-        tf.constant(0.0),
+        # Counts that add up over chunks (non-finite examples; adaptive
+        # clipping's centred count of unclipped units).
+        {name: tf.constant(0.0) for name in (
+            ("nonfinite_examples", "unclipped_count") if optimizer.adaptive_clipping
+            else ("nonfinite_examples",))},
         # Under XLA the array's size must be a compile-time constant: sized
         # from the batch's (static) length, not from the draw, it compiles
         # once for every draw; the loop still stops after the last drawn row.
         tf.TensorArray(tf.float32, size=(rows + k - 1) // k if static_chunks else num_chunks,
                        element_shape=[k if static_chunks else None], infer_shape=static_chunks),
     )
-    _, sums, nonfinite, losses = tf.while_loop(
+    _, sums, counts, losses = tf.while_loop(
         lambda i, *_: i < num_chunks, body, start, parallel_iterations=1
     )
     grads = optimizer.noisy_gradients(sums, step_info, variables)
-    return grads, {"nonfinite_examples": nonfinite}, _rows(losses, rows)
+    stats = {"nonfinite_examples": counts["nonfinite_examples"],
+             **optimizer.update_clip_norm(counts, step_info)}
+    return grads, stats, _rows(losses, rows)
 
 
 def _rows(arrays, rows):

@@ -299,7 +299,10 @@ class DPTrainingMixin:
             metrics = self.get_metrics_result()
         else:
             metrics = update_metrics(x, targets, y_pred, weights, mask, losses)
-        logs = {**metrics, **logs, "nonfinite_examples": self._nonfinite_counter.result()}
+        # Adaptive clipping's released clip norm and unclipped fraction.
+        released = {k: v for k, v in stats.items() if k != "nonfinite_examples"}
+        logs = {**metrics, **logs, **released,
+                "nonfinite_examples": self._nonfinite_counter.result()}
         if not isinstance(tf.distribute.get_strategy(), tf.distribute.MultiWorkerMirroredStrategy):
             # Global values on every replica: Keras averages the replicas' step logs.
             # (Not yet across workers: the all-reduce fails there inside Keras's step.)

@@ -196,6 +196,9 @@ class AdaDP(DPOptimizer):
         "local_clipping", "adaptive_learning_rate", "adaptive_noise",
     )
 
+    adaptive_clipping_unsupported = (
+        "it clips and noises per parameter from its own running statistics."
+    )
     user_level_unsupported = (
         "its adaptive noise is driven by per-record gradient statistics and its analysis "
         "(docs/mechanisms/adadp.md) is stated per record, not per person."

@@ -148,6 +148,9 @@ class DPBandMF(DPOptimizer):
         "bands", "noise_state", "fresh_noise_history",
     )
 
+    adaptive_clipping_unsupported = (
+        "its correlated noise over several steps is analysed at one fixed clip norm."
+    )
     user_level_unsupported = (
         "its participation accounting counts records in a fixed order or cyclic "
         "Poisson groups of records, not people."

@@ -19,7 +19,7 @@ from tfdp import accounting, distribute
 from tfdp.accounting.calibration import steps_per_epoch as default_steps_per_epoch
 from tfdp.data.poisson import PoissonSampler, make_dataset
 from tfdp.data.users import UserSampler
-from tfdp.mechanisms import dpsgd
+from tfdp.mechanisms import dpsgd, quantile_clipping
 from tfdp.optimizers.noise_target import NoiseTarget
 
 WEIGHT_DECAY_PLACEMENTS = ("before_clip", "after_noise")
@@ -220,6 +220,23 @@ class DPOptimizer(keras.optimizers.Optimizer):
             is refused before its first step (`noise_target.NoiseTarget`).
             With both, `noise_multiplier` is used and the target only guards.
         target_delta: the delta of `target_epsilon` (required with it).
+        target_unclipped_quantile: None (the default: C stays `l2_norm_clip`)
+            or gamma in (0, 1) for adaptive clipping (Andrew et al. 2021): C
+            starts at `l2_norm_clip` and moves each step toward the gamma
+            quantile of the units' gradient norms, from a noisy count of the
+            units it left unclipped. The ledger charges the same as fixed
+            clipping at `noise_multiplier`: the gradient's noise multiplier
+            is lowered to (z^-2 - (2 sigma_b)^-2)^(-1/2) to pay for the count
+            (docs/mechanisms/dpsgd.md, "Adaptive clipping"). C is an
+            optimizer variable (saved with the model, restored by
+            BackupAndRestore) and `fit` logs it as `clip_norm`.
+        clip_learning_rate: eta > 0 of C's update (default 0.2, the paper's;
+            only with `target_unclipped_quantile`).
+        clipped_count_stddev: sigma_b > 0, the noise on the count of
+            unclipped units (default None: expected batch size / 20, the
+            paper's); needs 2 sigma_b > noise_multiplier.
+        clip_update: "geometric" (default, C exp(-eta (b - gamma))) or
+            "linear" (C - eta (b - gamma)).
 
     Every privacy setting (the arguments above, and those listed in a
     subclass's `_fixed_settings`) is fixed once the optimizer is created:
@@ -251,7 +268,14 @@ class DPOptimizer(keras.optimizers.Optimizer):
         "weight_decay_placement",
         "seed",
         "noise_target",
+        "target_unclipped_quantile",
+        "clip_learning_rate",
+        "clipped_count_stddev",
+        "clip_update",
     )
+
+    # Why a subclass cannot clip adaptively (None: it can).
+    adaptive_clipping_unsupported = None
 
     # Whether `target_epsilon` can set this optimizer's noise at `fit`: its
     # step is DP-SGD's event (what `calibrate_noise_multiplier` calibrates).
@@ -268,6 +292,10 @@ class DPOptimizer(keras.optimizers.Optimizer):
         name=None,
         target_epsilon=None,
         target_delta=None,
+        target_unclipped_quantile=None,
+        clip_learning_rate=None,
+        clipped_count_stddev=None,
+        clip_update="geometric",
         **kwargs,
     ):
         if not isinstance(inner_optimizer, keras.optimizers.Optimizer):
@@ -304,6 +332,9 @@ class DPOptimizer(keras.optimizers.Optimizer):
             noise_multiplier = check_positive("noise_multiplier", noise_multiplier)
             check_float32_noise(l2_norm_clip, noise_multiplier)
         check_finite_hyperparameters(inner_optimizer)
+        adaptive = self._check_adaptive_clipping(
+            target_unclipped_quantile, clip_learning_rate, clipped_count_stddev, clip_update,
+            noise_multiplier)
         if isinstance(weight_decay, bool) or not isinstance(
             weight_decay, (int, float, np.number)
         ) or not math.isfinite(weight_decay) or weight_decay < 0:
@@ -333,9 +364,95 @@ class DPOptimizer(keras.optimizers.Optimizer):
         self.weight_decay = float(weight_decay)
         self.weight_decay_placement = weight_decay_placement
         self.seed = seed
+        self.target_unclipped_quantile = adaptive[0]
+        self.clip_learning_rate = adaptive[1]
+        self.clipped_count_stddev = adaptive[2]
+        self.clip_update = adaptive[3]
+        self._clip_norm = None  # adaptive clipping: C_t, made by build
         self._noise_key = _noise_key(seed)
         self._model_steps = _ModelSteps()
         self._fit_nonce = _FitNonce()
+
+    def _check_adaptive_clipping(self, quantile, learning_rate, count_stddev, update,
+                                 noise_multiplier):
+        """Validates the adaptive-clipping arguments; returns them resolved
+        (all None but `clip_update` without a target quantile)."""
+        if quantile is None:
+            given = {name: value for name, value in (
+                ("clip_learning_rate", learning_rate), ("clipped_count_stddev", count_stddev))
+                if value is not None}
+            if update != "geometric":
+                given["clip_update"] = update
+            if given:
+                raise ValueError(
+                    f"{_show_kwargs(given)} set(s) adaptive clipping, which "
+                    "`target_unclipped_quantile` turns on (e.g. 0.5, the median norm). "
+                    f"Received: {_show_kwargs(given)} with target_unclipped_quantile=None"
+                )
+            return None, None, None, "geometric"
+        reason = type(self).adaptive_clipping_unsupported
+        if reason:
+            raise ValueError(
+                f"{type(self).__name__} cannot clip adaptively: {reason} Use DPSGD or "
+                f"DPOptimizer. Received: target_unclipped_quantile={quantile!r}"
+            )
+        if isinstance(quantile, bool) or not isinstance(quantile, (int, float, np.number)) or not (
+                0.0 < quantile < 1.0):
+            raise ValueError(
+                "Expected `target_unclipped_quantile` to be a number in (0, 1) (the "
+                "fraction of units left unclipped), or None. Received: "
+                f"target_unclipped_quantile={quantile!r}"
+            )
+        if learning_rate is None:
+            learning_rate = quantile_clipping.DEFAULT_CLIP_LEARNING_RATE
+        learning_rate = check_positive("clip_learning_rate", learning_rate)
+        if count_stddev is not None:
+            count_stddev = check_positive("clipped_count_stddev", count_stddev)
+            if noise_multiplier is not None:
+                quantile_clipping.check_noise_split(
+                    float(noise_multiplier), count_stddev,
+                    f"noise_multiplier={noise_multiplier}, clipped_count_stddev={count_stddev}")
+        if update not in quantile_clipping.CLIP_UPDATES:
+            raise ValueError(
+                f"Expected `clip_update` in {quantile_clipping.CLIP_UPDATES}. Received: "
+                f"clip_update={update!r}"
+            )
+        return float(quantile), learning_rate, count_stddev, update
+
+    @property
+    def adaptive_clipping(self):
+        """Whether C follows a quantile of the norms (`target_unclipped_quantile`)."""
+        return self.target_unclipped_quantile is not None
+
+    def clip_norm(self):
+        """The clip norm this step uses: `l2_norm_clip`, or with adaptive
+        clipping the variable C_t (a float32 scalar; `float(...)` reads it)."""
+        if not self.adaptive_clipping:
+            return self.l2_norm_clip
+        if self._clip_norm is None:
+            raise ValueError(
+                "The adaptive clip norm is made when the optimizer is built (by the "
+                "model's first fit, or optimizer.build(variables)). Received: an "
+                "unbuilt optimizer"
+            )
+        return self._clip_norm
+
+    def count_stddev(self, expected_batch_size):
+        """sigma_b, the noise on the count of unclipped units."""
+        return quantile_clipping.count_stddev(self.clipped_count_stddev, expected_batch_size)
+
+    def check_noise_split(self, batch_size):
+        """With adaptive clipping, refuses a sigma_b at which the gradient's
+        noise multiplier is not defined (2 sigma_b <= z) for `batch_size`."""
+        if not self.adaptive_clipping or self.noise_multiplier is None:
+            return
+        stddev = self.count_stddev(float(batch_size))
+        source = (f"clipped_count_stddev={stddev:g}" if self.clipped_count_stddev is not None
+                  else f"clipped_count_stddev=None (batch_size / 20 = {stddev:g})")
+        sigma = quantile_clipping.check_noise_split(
+            float(self.noise_multiplier), stddev,
+            f"noise_multiplier={self.noise_multiplier:g}, {source}, batch_size={batch_size}")
+        check_float32_noise(self.l2_norm_clip, sigma)
 
     def _noise_target(self, noise_multiplier, target_epsilon, target_delta):
         """The `NoiseTarget` of `target_epsilon` (None without one); refuses
@@ -399,6 +516,11 @@ class DPOptimizer(keras.optimizers.Optimizer):
     def build(self, var_list):
         self.inner_optimizer.build(var_list)
         super().build(var_list)
+        if self.adaptive_clipping and self._clip_norm is None:
+            # C_t: released information only (C_0 and the noisy counts).
+            self._clip_norm = self.add_variable(
+                shape=(), initializer=keras.initializers.Constant(self.l2_norm_clip),
+                dtype="float32", name="clip_norm")
 
     @property
     def variables(self):
@@ -427,9 +549,23 @@ class DPOptimizer(keras.optimizers.Optimizer):
 
     # -- the private step ---------------------------------------------------
 
-    def noise_stddev(self):
-        """Standard deviation of the noise on each coordinate of the sum."""
-        return self.noise_multiplier * self.l2_norm_clip
+    def noise_stddev(self, expected_batch_size=None):
+        """Standard deviation of the noise on each coordinate of the sum.
+
+        With adaptive clipping, sigma_grad * C_t, sigma_grad = (z^-2 -
+        (2 sigma_b)^-2)^(-1/2) for the count's sigma_b at the expected
+        batch size (`expected_batch_size`, required then).
+        """
+        if not self.adaptive_clipping:
+            return self.noise_multiplier * self.l2_norm_clip
+        stddev = tf.cast(self.count_stddev(expected_batch_size), tf.float32)
+        sigma = quantile_clipping.gradient_noise_multiplier(
+            tf.constant(self.noise_multiplier, tf.float32), stddev)
+        return sigma * self.clip_norm()
+
+    def count_noise_stddev(self, expected_batch_size):
+        """sigma_b, the noise on the centred count of unclipped units."""
+        return self.count_stddev(expected_batch_size)
 
     def bind_model_steps(self, model):
         """Keys this optimizer's noise by `model`'s private step counter, and
@@ -516,9 +652,10 @@ class DPOptimizer(keras.optimizers.Optimizer):
             (noisy mean gradients aligned with `per_example.variables`,
             dict of per-step tensors for logging).
         """
-        sums, nonfinite = self.clipped_sum(per_example, step_info)
+        sums, counts = self.clipped_sum(per_example, step_info)
         grads = self.noisy_gradients(sums, step_info, per_example.variables)
-        return grads, {"nonfinite_examples": nonfinite}
+        return grads, {"nonfinite_examples": counts["nonfinite_examples"],
+                       **self.update_clip_norm(counts, step_info)}
 
     def clipped_sum(self, per_example, step_info):
         """The first half of `privatize`: the sum of clipped gradients.
@@ -528,17 +665,45 @@ class DPOptimizer(keras.optimizers.Optimizer):
         (`DPModel.fit(physical_batch_size=...)` relies on it).
 
         Returns:
-            (sums aligned with `per_example.variables`, number of drawn
-            examples whose gradient norm is not finite).
+            (sums aligned with `per_example.variables`, dict of counts that
+            add up over chunks: "nonfinite_examples", the drawn examples
+            whose gradient norm is not finite, and with adaptive clipping
+            "unclipped_count", sum_i (1[unit i unclipped] - 1/2)).
         """
         if self.weight_decay and self.weight_decay_placement == "before_clip":
             per_example = per_example.with_offsets(self._decay_offsets(per_example.variables))
         sq_norms = per_example.sq_norms()
-        factors = dpsgd.clip_factors(sq_norms, self.l2_norm_clip, step_info["mask"])
-        nonfinite = tf.reduce_sum(
-            tf.cast(~tf.math.is_finite(sq_norms), tf.float32) * step_info["mask"]
-        )
-        return per_example.weighted_sum(factors), nonfinite
+        clip = self.clip_norm()
+        factors = dpsgd.clip_factors(sq_norms, clip, step_info["mask"])
+        counts = {"nonfinite_examples": tf.reduce_sum(
+            tf.cast(~tf.math.is_finite(sq_norms), tf.float32) * step_info["mask"])}
+        if self.adaptive_clipping:
+            counts["unclipped_count"] = quantile_clipping.centred_unclipped_count(
+                sq_norms, clip, step_info["mask"])
+        return per_example.weighted_sum(factors), counts
+
+    def update_clip_norm(self, counts, step_info):
+        """Adaptive clipping's release after the step's noisy gradients:
+        the noisy unclipped fraction b_t, and C_{t+1} from C_t and b_t only.
+        Called once a logical step (after `noisy_gradients`, which read
+        C_t). Returns {"clip_norm": C_{t+1}, "unclipped_fraction": b_t}
+        for the logs, or {} with fixed clipping."""
+        if not self.adaptive_clipping:
+            return {}
+        expected = step_info["expected_batch_size"]
+        seed = tf.random.experimental.stateless_fold_in(
+            self.noise_seed(), quantile_clipping.COUNT_STREAM)
+        fraction = quantile_clipping.unclipped_fraction(
+            counts["unclipped_count"], self.count_noise_stddev(expected), expected, seed)
+        noise = quantile_clipping.gradient_noise_multiplier(
+            tf.constant(self.noise_multiplier, tf.float32),
+            tf.cast(self.count_stddev(expected), tf.float32))
+        ceiling = FLOAT32_SAFE_SCALE / tf.maximum(noise, 1.0)
+        clip = quantile_clipping.next_clip_norm(
+            self.clip_norm(), fraction, self.target_unclipped_quantile,
+            self.clip_learning_rate, self.clip_update, ceiling)
+        self._clip_norm.assign(clip)
+        return {"clip_norm": tf.identity(clip), "unclipped_fraction": fraction}
 
     def noisy_gradients(self, sums, step_info, variables):
         """The second half of `privatize`: noise once, divide by b, decay.
@@ -554,8 +719,10 @@ class DPOptimizer(keras.optimizers.Optimizer):
         """
         # Under tf.distribute Keras sums R replicas: each adds noise of
         # variance sigma^2 C^2 / R and 1/R of the decay (tfdp.distribute).
+        stddev = (self.noise_stddev(step_info["expected_batch_size"]) if self.adaptive_clipping
+                  else self.noise_stddev())
         grads = dpsgd.noisy_mean(
-            sums, self.noise_stddev() * distribute.noise_scale(),
+            sums, stddev * distribute.noise_scale(),
             step_info["expected_batch_size"], self.noise_seed(),
         )
         if self.weight_decay and self.weight_decay_placement == "after_noise":
@@ -608,6 +775,13 @@ class DPOptimizer(keras.optimizers.Optimizer):
         replicas = strategy.num_replicas_in_sync
         if replicas <= 1:
             return
+        if self.adaptive_clipping:
+            raise ValueError(
+                "Adaptive clipping (target_unclipped_quantile) trains on one device: its "
+                "count of unclipped units would need a sum across replicas that Keras's "
+                "gradient sum does not make. Train on one device or with a fixed "
+                f"l2_norm_clip. Received: {replicas} replicas"
+            )
         if self.multi_replica_unsupported:
             raise ValueError(
                 f"{type(self).__name__} cannot train under a tf.distribute strategy "
@@ -732,6 +906,7 @@ class DPOptimizer(keras.optimizers.Optimizer):
         num_examples = len(tf.nest.flatten(arrays)[0])
         if users is not None:
             num_examples = users.num_users  # the sampled units: people
+        self.check_noise_split(batch_size)
         strategy = model.distribute_strategy
         self.bind_model_steps(model)
         seed = self.sampling_seed(model.privacy.steps)
@@ -782,6 +957,12 @@ class DPOptimizer(keras.optimizers.Optimizer):
             "weight_decay": self.weight_decay,
             "weight_decay_placement": self.weight_decay_placement,
             **({} if self.noise_target is None else self.noise_target.get_config()),
+            **({} if not self.adaptive_clipping else {
+                "target_unclipped_quantile": self.target_unclipped_quantile,
+                "clip_learning_rate": self.clip_learning_rate,
+                "clipped_count_stddev": self.clipped_count_stddev,
+                "clip_update": self.clip_update,
+            }),
         }
 
     @classmethod

@@ -178,6 +178,9 @@ class DPIS(DPOptimizer):
         "clip_quantile", "accountant", "log_sampling_stats",
     )
 
+    adaptive_clipping_unsupported = (
+        "its importance weights and per-record clip bounds are its own clipping."
+    )
     user_level_unsupported = (
         "its importance sampling draws records by their own gradient bounds and its "
         "analysis is per record, not per person."

@@ -17,6 +17,13 @@ class DPSGD(DPOptimizer):
         l2_norm_clip: clipping bound C > 0 on each example's gradient norm.
         noise_multiplier: sigma > 0 (noise std sigma * C on the clipped sum;
             default 1.0, or chosen by `fit` with `target_epsilon`).
+        target_unclipped_quantile: None (fixed C) or gamma in (0, 1): C
+            starts at `l2_norm_clip` and follows the gamma quantile of the
+            gradient norms (adaptive clipping, Andrew et al. 2021; same
+            epsilon as fixed clipping at `noise_multiplier`). See
+            `DPOptimizer`, as for `clip_learning_rate` (default 0.2),
+            `clipped_count_stddev` (default batch_size / 20) and
+            `clip_update` ("geometric").
         weight_decay: see `DPOptimizer`, as are `weight_decay_placement`,
             `seed`, `name`, `target_epsilon` and `target_delta`.
 
@@ -27,6 +34,13 @@ class DPSGD(DPOptimizer):
     ...                             noise_multiplier=2.15)
     >>> float(opt.learning_rate)
     4.0
+
+    Adaptive clipping to the median norm (C logged as `clip_norm` by fit):
+
+    >>> opt = tfdp.optimizers.DPSGD(learning_rate=0.5, l2_norm_clip=1.0,
+    ...                             noise_multiplier=1.1, target_unclipped_quantile=0.5)
+    >>> opt.clip_learning_rate, opt.clip_update
+    (0.2, 'geometric')
     """
 
     def __init__(
@@ -40,6 +54,10 @@ class DPSGD(DPOptimizer):
         weight_decay_placement="before_clip",
         seed=None,
         name=None,
+        target_unclipped_quantile=None,
+        clip_learning_rate=None,
+        clipped_count_stddev=None,
+        clip_update="geometric",
         **kwargs,
     ):
         inner = keras.optimizers.SGD(
@@ -53,6 +71,10 @@ class DPSGD(DPOptimizer):
             weight_decay_placement=weight_decay_placement,
             seed=seed,
             name=name,
+            target_unclipped_quantile=target_unclipped_quantile,
+            clip_learning_rate=clip_learning_rate,
+            clipped_count_stddev=clipped_count_stddev,
+            clip_update=clip_update,
             **kwargs,
         )
 

@@ -162,6 +162,9 @@ class SADPSGD(DPOptimizer):
         "energy_batch_size",
     )
 
+    adaptive_clipping_unsupported = (
+        "its acceptance test and its analysis assume one fixed clip norm."
+    )
     user_level_unsupported = (
         "its acceptance test and its analysis are stated per record, not per person."
     )
