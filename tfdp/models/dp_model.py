@@ -28,6 +28,8 @@ from tfdp.data import interrupts, sources
 from tfdp.data.fixed_order import FixedOrderData
 from tfdp.models import chunked_step, float32_precision, input_checks, state_writes, user_level
 from tfdp.models.atomic_save import atomic_write, is_local_path
+from tfdp.models.augmentation import check_augmentation
+from tfdp.models.augmentation import step_key as augmentation_key
 from tfdp.models.chosen_checkpoint import keep_chosen_checkpoints_charged, note_save
 from tfdp.models.jit import resolve_jit_compile
 from tfdp.models.losses import per_example_loss
@@ -98,6 +100,7 @@ class DPTrainingMixin:
         self._per_example_loss = None
         self._physical_batch_size = None
         self._examples_per_user = None  # k when training user-level
+        self._augmentation = None  # fit(augment=..., augmentations=k)
         self._add_nonfinite_counter()
         # Saved with the model after its layers (tfdp.models.training_state).
         self._lora_variables = LoraVariables(self)
@@ -266,6 +269,14 @@ class DPTrainingMixin:
         per_user = self._examples_per_user
         if per_user is not None:  # a user's gradient: of the mean loss of their k records
             weights = weights / per_user
+        augmentation = self._augmentation
+        if augmentation is not None:  # k copies a row, each weighed 1/k (tfdp.models.augmentation)
+            x, targets, weights, mask = augmentation.expand(
+                x, targets, weights, mask, augmentation_key(self.optimizer),
+                unit_rows=per_user or 1, vectorized=not self.jit_compile)
+            step_info = dict(step_info, mask=mask)
+            # A unit (an example, or a user) is its rows' copies, joined before clipping.
+            per_user = (per_user or 1) * augmentation.copies
         if self._physical_batch_size is None:
             per_example, y_pred, losses = compute_per_example_gradients(
                 self, x, targets, weights, loss_fn, self.per_example_gradients
@@ -343,6 +354,8 @@ class DPTrainingMixin:
         physical_batch_size=None,
         user_ids=None,
         examples_per_user=None,
+        augment=None,
+        augmentations=None,
     ):
         """Keras `fit` on Poisson-sampled batches (docs/mechanisms/index.md#poisson-sampling).
 
@@ -376,6 +389,15 @@ class DPTrainingMixin:
         `physical_batch_size` counts users), takes k records of each, and
         clips each user's gradient of their mean loss as one unit. Epsilon
         is then per person.
+
+        `augment=fn, augmentations=k` (augmentation multiplicity,
+        `tfdp.models.augmentation`, docs/guides/augmentation.md) replaces
+        each sampled example in the step by k copies `fn(x_i, seed)` (one
+        example, no batch axis; a seed of its own for each copy, for
+        `tf.random.stateless_*` ops) and clips the mean of the k copies'
+        gradients as one unit: sampling, noise and epsilon are unchanged.
+        With user_ids the unit is the user with every copy of each of their
+        records, and `physical_batch_size` counts units, not copies.
         """
         if self.optimizer is None or self._per_example_loss is None:
             raise ValueError("Compile the model with a tfdp optimizer before calling fit().")
@@ -433,6 +455,10 @@ class DPTrainingMixin:
         sample = self._build_for(arrays)
         # A layer that writes a variable in training would keep records' data (issue 43).
         state_writes.check_dp_model(self, sample)
+        augmentation = check_augmentation(augment, augmentations, sample[0], self.optimizer)
+        if augmentation != self._augmentation:
+            self._augmentation = augmentation
+            self.train_function = None  # retrace the step with the new copies
         # Outputs are known once built (a model without keras.Input has none before).
         units = self.outputs[0].shape[-1] if getattr(self, "outputs", None) else None
         if isinstance(x, sources.RecordSource):

@@ -26,6 +26,12 @@ class DPSGD(DPOptimizer):
             `clip_update` ("geometric").
         weight_decay: see `DPOptimizer`, as are `weight_decay_placement`,
             `seed`, `name`, `target_epsilon` and `target_delta`.
+        use_ema, ema_momentum, ema_overwrite_frequency: as SGD (default
+            False, 0.99, None): keep an exponential moving average of the
+            weights, swapped into the model at the end of `fit` (and for
+            validation with `keras.callbacks.SwapEMAWeights`). The average is
+            a function of the noisy updates only, so it is post-processing:
+            the privacy ledger is unchanged (docs/guides/augmentation.md).
 
     Example (the Fashion-MNIST settings of SA-DPSGD's Table 2):
 
@@ -58,10 +64,15 @@ class DPSGD(DPOptimizer):
         clip_learning_rate=None,
         clipped_count_stddev=None,
         clip_update="geometric",
+        use_ema=False,
+        ema_momentum=0.99,
+        ema_overwrite_frequency=None,
         **kwargs,
     ):
         inner = keras.optimizers.SGD(
-            learning_rate=learning_rate, momentum=momentum, nesterov=nesterov
+            learning_rate=learning_rate, momentum=momentum, nesterov=nesterov,
+            use_ema=use_ema, ema_momentum=ema_momentum,
+            ema_overwrite_frequency=ema_overwrite_frequency,
         )
         super().__init__(
             inner,
@@ -85,5 +96,8 @@ class DPSGD(DPOptimizer):
             learning_rate=inner["learning_rate"],
             momentum=inner["momentum"],
             nesterov=inner["nesterov"],
+            use_ema=inner["use_ema"],
+            ema_momentum=inner["ema_momentum"],
+            ema_overwrite_frequency=inner["ema_overwrite_frequency"],
         )
         return config

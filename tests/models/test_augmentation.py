@@ -1,0 +1,215 @@
+"""Augmentation multiplicity: fit(augment=fn, augmentations=k).
+
+Each sampled example becomes k augmented copies whose gradients are averaged
+before clipping, as one unit (tfdp.models.augmentation). The tests check the
+update against a reference computed copy by copy, the bound with a crafted
+record whose copies have huge gradients (with a negative control: the same
+copies as separate units exceed it), that one example's augmentation does
+not depend on the other examples, the ledger, and the refusals.
+"""
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tfdp
+from tfdp.auditing.neighbour_step import NeighbourStep
+from tfdp.models.augmentation import Augmentation, check_augmentation, step_key
+
+CLIP = 0.5
+LR = 1.0
+
+
+class NoiselessDPSGD(tfdp.optimizers.DPSGD):
+    """DPSGD without noise: the update is -lr * clipped sum / b, exactly."""
+
+    def noise_stddev(self):
+        return 0.0
+
+
+def make_model(noiseless=True, **compile_kwargs):
+    keras.utils.set_random_seed(0)
+    model = tfdp.DPSequential([keras.Input((6,)), keras.layers.Dense(4, activation="tanh"),
+                               keras.layers.Dense(3)])
+    cls = NoiselessDPSGD if noiseless else tfdp.optimizers.DPSGD
+    model.compile(optimizer=cls(LR, l2_norm_clip=CLIP, noise_multiplier=1.0, seed=1),
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                  **compile_kwargs)
+    return model
+
+
+def data(n=8, seed=0, scale=2.0):
+    rng = np.random.default_rng(seed)
+    return (scale * rng.normal(size=(n, 6))).astype("float32"), rng.integers(0, 3, n)
+
+
+def shift_and_flip(x, seed):
+    """A random sign and a random shift of the features, from the seed."""
+    sign = tf.where(tf.random.stateless_uniform([], seed) < 0.5, -1.0, 1.0)
+    shift = tf.random.stateless_uniform([], tf.random.experimental.stateless_fold_in(seed, 1),
+                                        minval=0, maxval=6, dtype=tf.int32)
+    return sign * tf.roll(x, shift, axis=0)
+
+
+def weights(model):
+    return [v.numpy().copy() for v in model.trainable_variables]
+
+
+def one_step(model, x, y, **fit_kwargs):
+    """Every record drawn (q = 1), one step; returns the weights' change."""
+    before = weights(model)
+    model.fit(x, y, batch_size=len(x), steps_per_epoch=1, verbose=0, **fit_kwargs)
+    return [a - b for a, b in zip(weights(model), before)]
+
+
+def test_one_copy_equals_training_without_augmentation():
+    x, y = data()
+    plain = one_step(make_model(noiseless=False), x, y)
+    one_copy = one_step(make_model(noiseless=False), x, y, augment=lambda x, seed: x,
+                        augmentations=1)
+    for p, o in zip(plain, one_copy):
+        np.testing.assert_allclose(o, p, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("physical_batch_size, jit", [(None, False), (2, True)])
+def test_update_is_the_clipped_mean_of_each_examples_copies(physical_batch_size, jit):
+    k = 3
+    x, y = data(5)
+    model = make_model(jit_compile=jit)
+    before = weights(model)
+    change = one_step(model, x, y, augment=shift_and_flip, augmentations=k,
+                      physical_batch_size=physical_batch_size)
+    # The step's augmentation key, as the step read it (model steps 0, iteration 0).
+    model._dp_steps.assign(0)
+    model.optimizer.iterations.assign(0)
+    # Compiled as the step was (XLA draws other stateless numbers than TF's kernels).
+    key = tf.function(lambda: step_key(model.optimizer), jit_compile=jit)()
+    for v, b in zip(model.trainable_variables, before):
+        v.assign(b)
+    expand = tf.function(Augmentation(shift_and_flip, k, True).expand, jit_compile=jit)
+    copies = expand(tf.constant(x), tf.constant(y), tf.ones([len(x)]), tf.ones([len(x)]), key,
+                    vectorized=not jit)[0].numpy()
+    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    total = [np.zeros(v.shape, np.float64) for v in model.trainable_variables]
+    for i in range(len(x)):
+        per_copy = []
+        for j in range(k):  # one copy at a time
+            with tf.GradientTape() as tape:
+                value = loss(y[i:i + 1], model(copies[i * k + j][None]))
+            per_copy.append([g.numpy() for g in tape.gradient(value, model.trainable_variables)])
+        mean = [np.mean(gs, axis=0) for gs in zip(*per_copy)]
+        norm = np.sqrt(sum(np.sum(np.square(g.astype(np.float64))) for g in mean))
+        total = [t + min(1.0, CLIP / norm) * g for t, g in zip(total, mean)]
+    for c, t in zip(change, total):
+        np.testing.assert_allclose(c, -LR * t / len(x), rtol=2e-4, atol=2e-7)
+    assert not np.allclose(copies[0], copies[1])  # the copies differ
+
+
+def huge_copies(x, seed):
+    """Copies whose size is drawn from the seed up to 1e6 times the input."""
+    return x * (1.0 + 1e6 * tf.random.stateless_uniform([], seed))
+
+
+@pytest.mark.parametrize("examples_per_user", [None, 2])
+def test_a_crafted_examples_copies_move_the_update_by_at_most_the_bound(examples_per_user):
+    x, y = data(6)
+    model = make_model()
+    model._augmentation = check_augmentation(huge_copies, 4, x[:1], model.optimizer)
+    crafted = (np.full(6, 1e4, "float32"), np.array(2))
+    with NeighbourStep(model, (x, y), records=4, batch_size=5, physical_batch_size=None,
+                       examples_per_user=examples_per_user) as step:
+        for relation in ("add", "replace"):
+            ratio = step.ratio(crafted, relation)
+            assert 0.5 < ratio <= 1 + 1e-5, (relation, ratio)
+    # Negative control: the same four copies clipped as four units move it 4x.
+    model._augmentation = None
+    with NeighbourStep(model, (x, y), records=4, batch_size=5, physical_batch_size=None) as step:
+        key = tf.constant([5, 7], tf.int64)
+        rows = [step.as_data((r, l)) for r, l in zip(x[:4], y[:4])]
+        copies = Augmentation(huge_copies, 4, True).expand(
+            tf.constant(np.stack([crafted[0]])), tf.zeros([1]), tf.ones([1]), tf.ones([1]),
+            key)[0].numpy()
+        with_copies = rows + [(c, crafted[1]) for c in copies]
+        base = step.update(rows + rows[:1] * 4, [1] * 4 + [0] * 4)
+        added = step.update(with_copies, [1] * 8)
+        assert np.linalg.norm(added - base) / step.bound > 3.9
+
+
+def test_an_examples_copies_do_not_depend_on_the_other_examples():
+    aug = Augmentation(shift_and_flip, 3, True)
+    key = tf.constant([11, -4], tf.int64)
+    x, _ = data(5)
+    other = data(5, seed=9)[0]
+
+    def copies(rows):
+        batch = tf.constant(np.stack(rows))
+        out = aug.expand(batch, tf.zeros([len(rows)]), tf.ones([len(rows)]),
+                         tf.ones([len(rows)]), key)[0].numpy()
+        return out.reshape(len(rows), 3, -1)
+
+    base = copies(list(x))
+    replaced = copies([x[0], other[1], x[2], x[3], x[4]])  # example 1 replaced
+    removed = copies([x[0], x[2], x[3], x[4]])             # example 1 removed
+    added = copies([other[0]] + list(x))                   # one added in front
+    np.testing.assert_array_equal(replaced[[0, 2, 3, 4]], base[[0, 2, 3, 4]])
+    np.testing.assert_array_equal(removed, base[[0, 2, 3, 4]])
+    np.testing.assert_array_equal(added[1:], base)
+    # Negative control: seeds keyed by position (a batch-wide draw) change
+    # the later examples' copies when example 1 is removed.
+    def by_position(rows):
+        seeds = tf.random.stateless_uniform([len(rows), 2], key, minval=None, maxval=None,
+                                            dtype=tf.int64)
+        return np.stack([shift_and_flip(tf.constant(r), s).numpy() for r, s in zip(rows, seeds)])
+    assert not np.array_equal(by_position([x[0], x[2], x[3], x[4]]),
+                              by_position(list(x))[[0, 2, 3, 4]])
+
+
+def test_the_ledger_is_plain_dp_sgds():
+    x, y = data(40)
+    plain, augmented = make_model(noiseless=False), make_model(noiseless=False)
+    plain.fit(x, y, batch_size=8, epochs=2, verbose=0)
+    augmented.fit(x, y, batch_size=8, epochs=2, verbose=0, augment=shift_and_flip,
+                  augmentations=4)
+    assert augmented.privacy.steps == plain.privacy.steps == 10
+    assert augmented.privacy.relation == plain.privacy.relation == "add_or_remove"
+    assert augmented.privacy.epsilon(1e-5) == plain.privacy.epsilon(1e-5)
+
+
+def stateful(x, seed):
+    return x * tf.random.uniform([])
+
+
+class Counter(keras.layers.Layer):
+    pass
+
+
+@pytest.mark.parametrize("augment, augmentations, match", [
+    (shift_and_flip, 0, "Received: augmentations=0"),
+    (shift_and_flip, True, "Received: augmentations=True"),
+    (shift_and_flip, 2.0, "Received: augmentations=2.0"),
+    (None, 3, "Received: augmentations=3 and augment=None"),
+    (lambda x: x, 3, "identical.*augmentations=3"),
+    (stateful, 2, r"stateless.*\(RandomUniform\)"),
+    (lambda x, seed: x[:3], 2, "shaped as its input"),
+    (lambda x, seed: tf.cast(x, tf.float64), 2, "shaped as its input"),
+    (Counter(), 2, "Keras layer"),
+    ("flip", 2, "not callable"),
+    (lambda x, seed, other: x, 2, r"parameters \['x', 'seed', 'other'\]"),
+])
+def test_bad_augment_or_augmentations_are_refused_before_training(augment, augmentations, match):
+    x, y = data()
+    model = make_model()
+    with pytest.raises(ValueError, match=match):
+        model.fit(x, y, batch_size=4, augment=augment, augmentations=augmentations, verbose=0)
+    assert model.privacy.steps == 0
+
+
+def test_an_optimizer_with_its_own_privatize_is_refused():
+    class OwnPrivatize(tfdp.optimizers.DPSGD):
+        def privatize(self, per_example, step_info):
+            return super().privatize(per_example, step_info)
+
+    optimizer = OwnPrivatize(0.1, noise_multiplier=1.0)
+    with pytest.raises(ValueError, match="OwnPrivatize cannot average augmented copies"):
+        check_augmentation(shift_and_flip, 2, np.zeros((1, 6), "float32"), optimizer)

@@ -1,0 +1,325 @@
+"""Augmentation multiplicity: k augmented copies of each example, one unit.
+
+`fit(x, y, augment=fn, augmentations=k)` (De, Berrada, Hayes, Smith and
+Balle 2022, "Unlocking high-accuracy differentially private image
+classification through scale"; jax-privacy's augmult) replaces each sampled
+example in the train step by k copies `fn(x_i, seed_ij)`, j < k, weighs each
+copy's loss by 1/k and joins the k copies' gradients into one before
+clipping, with the grouping user-level DP uses
+(`PerExampleGradients.grouped`, `tfdp.models.user_level`). The unit clipped
+to `l2_norm_clip` is still the example, so sampling (Poisson over examples),
+the noise and the ledger are those of DP-SGD without augmentation.
+
+A mean, not a sum: the clipping bound is per unit either way, but the mean of
+the k copies' gradients is on the scale of one example's gradient, so the
+learning rate and `l2_norm_clip` tuned without augmentation keep their
+meaning, and k = 1 is training without multiplicity.
+
+Randomness: copy j of example i is augmented with the seed
+`(key_0 ^ h(x_i), key_1 ^ (p * 2^16 + j))`, where `key` is a secret key of
+this step (the optimizer's step key, folded with a constant of its own, so
+it is fresh for every step and every unseeded fit), `h(x_i)` a hash of the
+example's own content and p its position inside its unit (0, or the
+record's place among a user's k records). For a fixed key each unit's
+contribution is a function of its own data only: adding, removing or
+replacing another example changes neither its augmentation nor its clipped
+gradient. `fn` sees one example at a time (no batch axis, so it cannot mix
+examples) and is refused if it draws from a stateful generator (whose draws
+depend on the batch position and the run's other draws), writes a variable,
+runs Python or writes files.
+
+Example:
+
+>>> import keras, numpy as np, tfdp
+>>> def flip(x, seed):                                   # one example, its own seed
+...     return tf.where(tf.random.stateless_uniform([], seed) < 0.5, -x, x)
+>>> model = tfdp.DPSequential([keras.Input((3,)), keras.layers.Dense(2)])
+>>> model.compile(optimizer=tfdp.optimizers.DPSGD(0.1, noise_multiplier=1.0, seed=0),
+...               loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+>>> x, y = np.ones((60, 3), "float32"), np.zeros(60, "int64")
+>>> _ = model.fit(x, y, augment=flip, augmentations=4, batch_size=10, verbose=0)
+>>> model.privacy.relation
+'add_or_remove'
+"""
+
+import inspect
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+from tfdp.mechanisms import dpsgd
+from tfdp.models.state_writes import _OUTPUT_OPS, _OUTPUT_PREFIXES, _PYTHON_OPS, _READS, _called_functions
+
+__all__ = ["Augmentation", "check_augmentation", "example_hashes"]
+
+# Folded into the optimizer's step key: the augmentation key is not the noise key.
+_KEY_DOMAIN = 0x61756731
+# Stateful ops that only read, or check, and draw nothing.
+_HARMLESS_STATEFUL = _READS | {"Assert", "NoOp", "VarHandleOp"}
+
+
+class Augmentation:
+    """What `fit(augment=fn, augmentations=k)` asked for, checked.
+
+    Args:
+        augment: `fn(x, seed)` or `fn(x)` on one example (see
+            `check_augmentation`), or None (copies unchanged).
+        copies: k, the augmented copies of each example a step uses.
+        takes_seed: whether `augment` takes the seed argument.
+    """
+
+    def __init__(self, augment, copies, takes_seed):
+        self.augment = augment
+        self.copies = int(copies)
+        self.takes_seed = takes_seed
+
+    def __eq__(self, other):
+        return isinstance(other, Augmentation) and (
+            self.augment is other.augment and self.copies == other.copies)
+
+    def __hash__(self):
+        return hash((id(self.augment), self.copies))
+
+    def expand(self, x, targets, weights, mask, key, unit_rows=1, vectorized=True):
+        """Each row's k augmented copies, consecutive, for the train step.
+
+        Args:
+            x: the batch's inputs (a nest of [B, ...] tensors).
+            targets, weights, mask: the batch's targets (a nest), loss
+                weights [B] and padding mask [B]; repeated k times each,
+                weights divided by k (the unit's gradient is the mean).
+            key: int64 [2], this step's augmentation key (`step_key`).
+            unit_rows: rows a unit holds before augmentation (a user's k
+                records in user-level DP; 1 otherwise): a row's position in
+                its unit is part of its seed, so a user's repeated record
+                gets other augmentations.
+            vectorized: `tf.vectorized_map` over the copies (else
+                `tf.map_fn`, which XLA compiles whatever `augment` does).
+
+        Returns:
+            (x, targets, weights, mask) with k * B rows, copy j of row i at
+            row i * k + j.
+
+        Example:
+
+        >>> aug = Augmentation(lambda x, seed: x + tf.cast(seed[1] % 2, x.dtype), 2, True)
+        >>> x, t, w, m = aug.expand(tf.zeros([2, 1]), tf.constant([3, 4]), tf.ones([2]),
+        ...                         tf.ones([2]), tf.constant([0, 0], tf.int64))
+        >>> x.numpy().ravel().tolist(), t.numpy().tolist(), w.numpy().tolist()
+        ([0.0, 1.0, 0.0, 1.0], [3, 3, 4, 4], [0.5, 0.5, 0.5, 0.5])
+        """
+        k = self.copies
+        repeat = lambda t: tf.repeat(t, k, axis=0)  # noqa: E731
+        rows = tf.shape(mask)[0]
+        copy = tf.tile(tf.range(k, dtype=tf.int64), [rows])
+        position = repeat(tf.range(tf.cast(rows, tf.int64)) % unit_rows)
+        seeds = tf.stack([key[0] ^ repeat(example_hashes(x)),
+                          key[1] ^ (position * 65536 + copy)], axis=1)
+        copies = tf.nest.map_structure(repeat, x)
+        if self.augment is not None:
+            one = (lambda a: self.augment(a[0], a[1])) if self.takes_seed else (
+                lambda a: self.augment(a[0]))
+            if vectorized:
+                copies = tf.vectorized_map(one, (copies, seeds))
+            else:
+                signature = tf.nest.map_structure(
+                    lambda t: tf.TensorSpec(t.shape[1:], t.dtype), copies)
+                copies = tf.map_fn(one, (copies, seeds), fn_output_signature=signature)
+        weights = repeat(weights) / k
+        return copies, tf.nest.map_structure(repeat, targets), weights, repeat(mask)
+
+
+def step_key(optimizer):
+    """This step's augmentation key: the optimizer's secret step key folded
+    with a constant, so it is fresh each step (and each unseeded fit) and is
+    not the noise's seed."""
+    return dpsgd.step_seed(optimizer.step_key(), tf.constant(_KEY_DOMAIN, tf.int64))
+
+
+def example_hashes(x):
+    """A 64-bit hash of each row's content, int64 [B].
+
+    Multilinear over the rows' bit patterns (each leaf's elements, read as
+    integers, times fixed pseudo-random int64 constants, summed with
+    wrap-around): plain arithmetic, so XLA compiles it; two different rows
+    collide with probability at most 2^-32.
+
+    Example:
+
+    >>> h = example_hashes(tf.constant([[1.0, 2.0], [1.0, 2.0], [2.0, 1.0]]))
+    >>> bool(h[0] == h[1]), bool(h[0] == h[2])
+    (True, False)
+    """
+    total = None
+    for leaf_index, leaf in enumerate(tf.nest.flatten(x)):
+        rows = tf.shape(leaf)[0]
+        words = tf.reshape(_as_int64(leaf), [rows, -1])
+        size = int(np.prod(leaf.shape[1:]))
+        factors = tf.random.stateless_uniform(
+            [size], seed=[leaf_index, _KEY_DOMAIN], minval=None, maxval=None, dtype=tf.int64)
+        leaf_hash = tf.reduce_sum(words * factors[None, :], axis=1)
+        total = leaf_hash if total is None else total * 1000003 + leaf_hash
+    return total
+
+
+def _as_int64(tensor):
+    """The tensor's elements as int64: a float's bit pattern, an integer's value."""
+    if tensor.dtype.is_floating:
+        bits = {2: tf.int16, 4: tf.int32, 8: tf.int64}[tensor.dtype.size]
+        return tf.cast(tf.bitcast(tensor, bits), tf.int64)
+    return tf.cast(tensor, tf.int64)
+
+
+def check_augmentation(augment, augmentations, sample_x, optimizer):
+    """Validates fit's `augment` and `augmentations`; an `Augmentation` or None.
+
+    Args:
+        augment: None, or a function of one example (its inputs as `x` is
+            structured, without the batch axis) and, optionally, a seed (an
+            int64 tensor [2] for `tf.random.stateless_*` and
+            `tf.image.stateless_random_*` ops), returning an example of the
+            same structure, shapes and dtypes: `fn(x, seed)` or `fn(x)`.
+        augmentations: None or k >= 1, the augmented copies of each example
+            (default 1 with `augment`).
+        sample_x: the inputs of a one-example batch (their shapes and dtypes).
+        optimizer: the model's tfdp optimizer.
+
+    Raises:
+        ValueError: naming the argument and the value received.
+
+    Example:
+
+    >>> import tfdp
+    >>> optimizer = tfdp.optimizers.DPSGD(0.1, noise_multiplier=1.0)
+    >>> check_augmentation(None, 0, tf.zeros([1, 3]), optimizer)
+    Traceback (most recent call last):
+    ...
+    ValueError: Expected `augmentations` to be an int >= 1 ... Received: augmentations=0
+    """
+    if augmentations is not None and (
+            isinstance(augmentations, bool) or not isinstance(augmentations, (int, np.integer))
+            or augmentations < 1):
+        raise ValueError(
+            "Expected `augmentations` to be an int >= 1 (the augmented copies of each "
+            f"example a step averages) or None. Received: augmentations={augmentations!r}"
+        )
+    if augment is None:
+        if augmentations is not None and augmentations > 1:
+            raise ValueError(
+                "augmentations=k averages k augmented copies of each example: pass "
+                "augment=fn too (fn(x, seed) augments one example), or the k copies would "
+                f"be identical. Received: augmentations={augmentations} and augment=None"
+            )
+        return None
+    copies = 1 if augmentations is None else int(augmentations)
+    takes_seed = _takes_seed(augment)
+    if not takes_seed and copies > 1:
+        raise ValueError(
+            "augment takes one argument, so its k copies of an example would be identical: "
+            "give it a second argument, the seed, and draw its randomness with "
+            "tf.random.stateless_* or tf.image.stateless_random_* ops from it "
+            f"(fn(x, seed)). Received: augment={_name(augment)} with augmentations={copies}"
+        )
+    _check_privatize(optimizer)
+    _check_traced(augment, takes_seed, sample_x)
+    return Augmentation(augment, copies, takes_seed)
+
+
+def _name(augment):
+    return getattr(augment, "__qualname__", None) or type(augment).__name__
+
+
+def _takes_seed(augment):
+    if isinstance(augment, keras.layers.Layer) or not callable(augment):
+        why = ("a Keras layer keeps its own random state (a SeedGenerator shared by the "
+               "batch), so its draws are not keyed by example; call a stateless transform "
+               "from a function fn(x, seed) instead") if callable(augment) else "it is not callable"
+        raise ValueError(
+            f"Expected `augment` to be a function fn(x, seed) or fn(x) of one example: {why}. "
+            f"Received: augment={augment!r}"
+        )
+    try:
+        parameters = list(inspect.signature(augment).parameters.values())
+    except (TypeError, ValueError):
+        return True
+    positional = [p for p in parameters if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    required = [p for p in positional if p.default is p.empty]
+    if any(p.kind == p.VAR_POSITIONAL for p in parameters) or (
+            len(positional) >= 2 and len(required) <= 2):
+        return True
+    if len(positional) == 1:
+        return False
+    raise ValueError(
+        "Expected `augment` to take one example and, optionally, a seed: fn(x, seed) or "
+        f"fn(x). Received: augment={_name(augment)} with parameters "
+        f"{[p.name for p in parameters]}"
+    )
+
+
+def _check_privatize(optimizer):
+    from tfdp.optimizers import DPOptimizer
+
+    privatize = getattr(optimizer, "privatize", None)
+    if getattr(privatize, "__func__", privatize) is not DPOptimizer.privatize:
+        name = type(optimizer).__name__
+        raise ValueError(
+            f"{name} cannot average augmented copies: it overrides privatize(), so its "
+            "step does not clip each example's copies as one unit through DP-SGD's "
+            "clipped sum (DPIS and AdaDP clip and analyse per-record gradients of their "
+            "own). Train with DPSGD, DPOptimizer, SADPSGD or DPBandMF, or leave augment=None. "
+            f"Received: augmentations with optimizer={name}"
+        )
+
+
+def _check_traced(augment, takes_seed, sample_x):
+    """Traces `augment` on one example: same structure, shapes and dtypes out,
+    and no op that draws from a stateful generator, writes state or runs Python."""
+    specs = tf.nest.map_structure(lambda t: tf.TensorSpec(t.shape[1:], t.dtype), sample_x)
+    seed = tf.TensorSpec([2], tf.int64)
+    if takes_seed:
+        traced = tf.function(lambda x, s: augment(x, s)).get_concrete_function(specs, seed)
+    else:
+        traced = tf.function(lambda x: augment(x)).get_concrete_function(specs)
+    out = traced.structured_outputs
+    try:
+        tf.nest.assert_same_structure(out, specs)
+        same = all(
+            isinstance(o, tf.Tensor) and o.dtype == s.dtype and o.shape == s.shape
+            for o, s in zip(tf.nest.flatten(out), tf.nest.flatten(specs)))
+    except (ValueError, TypeError):
+        same = False
+    if not same:
+        shown = tf.nest.map_structure(
+            lambda o: f"{o.dtype.name}{o.shape}" if isinstance(o, tf.Tensor) else repr(o), out)
+        wanted = tf.nest.map_structure(lambda s: f"{s.dtype.name}{s.shape}", specs)
+        raise ValueError(
+            "Expected `augment` to return one example shaped as its input (the model takes "
+            f"it in place of the example): {wanted}. Received: augment={_name(augment)} "
+            f"returning {shown}"
+        )
+    for op in _ops(traced.graph):
+        if op.type in _PYTHON_OPS or op.type in _OUTPUT_OPS or op.type.startswith(
+                _OUTPUT_PREFIXES) or (op._is_stateful and op.type not in _HARMLESS_STATEFUL):  # pylint: disable=protected-access
+            raise ValueError(
+                "augment must draw its randomness from its seed argument with stateless "
+                "ops (tf.random.stateless_uniform, tf.image.stateless_random_crop, ...) and "
+                "change nothing else: a stateful generator (tf.random.uniform, "
+                "tf.image.random_flip_left_right, a Keras RandomFlip layer) draws by batch "
+                "position and the run's other draws, and a variable write, Python or a "
+                "file write would keep or release training records. Received: "
+                f"augment={_name(augment)} running op '{op.name}' ({op.type})"
+            )
+
+
+def _ops(graph, seen=None):
+    """Every op of `graph` and of the functions its ops call."""
+    seen = set() if seen is None else seen
+    functions = getattr(graph, "_functions", {})
+    for op in graph.get_operations():
+        yield op
+        for name in _called_functions(op):
+            nested = getattr(functions.get(name), "graph", None)
+            if nested is not None and name not in seen:
+                seen.add(name)
+                yield from _ops(nested, seen)
