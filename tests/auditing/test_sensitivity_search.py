@@ -88,6 +88,19 @@ def normalization(rng):
     return (inputs, outputs) + _regression(inputs, outputs, rng) + ("mse",)
 
 
+def batch_norm(rng):
+    """A trainable BatchNormalization in inference mode (called with
+    training=False, keras.io's fine-tuning): gamma's per-example gradient is
+    sum(G * xhat), with a small moving variance so that xhat is large."""
+    inputs = keras.Input((4, 4, 8))
+    norm = L.BatchNormalization()
+    hidden = norm(L.Conv2D(16, 3, padding="same")(inputs), training=False)
+    norm.moving_mean.assign(np.linspace(-1.0, 1.0, 16).astype("float32"))
+    norm.moving_variance.assign(np.full(16, 1e-2, "float32"))
+    outputs = L.Dense(2)(L.Activation("tanh")(hidden))
+    return (inputs, outputs) + _regression(inputs, outputs, rng) + ("mse",)
+
+
 def recurrent(rng):
     inputs = keras.Input((4, 32))
     h = L.LSTM(16, return_sequences=True)(inputs)
@@ -138,7 +151,7 @@ def decay_dense(rng):
 # Each model is sized so that its layers take the factored ("ghost") norms
 # where the library would (positions x (fan-in + fan-out) < fan-in x fan-out).
 FAMILIES = {f.__name__: f for f in (
-    dense, sequence_dense, conv1d, conv2d, conv3d, embedding, normalization, recurrent,
+    dense, sequence_dense, conv1d, conv2d, conv3d, embedding, normalization, batch_norm, recurrent,
     attention, lora, tied, zero_dense, decay_dense)}
 
 # Optimizer settings spread over the families: every weight decay placement
@@ -190,6 +203,7 @@ CASES = [(family, "float32", None, False) for family in FAMILIES] + [
     ("sequence_dense", "float32", 3, False),
     ("sequence_dense", "float32", None, True),
     ("conv2d", "mixed_bfloat16", None, False),
+    ("batch_norm", "mixed_bfloat16", 3, False),
     ("conv1d", "float32", 3, True),
     ("embedding", "mixed_bfloat16", 3, False),
     ("embedding", "float32", None, True),

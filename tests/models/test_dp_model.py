@@ -192,15 +192,18 @@ def test_epsilon_reaches_the_other_loggers(tmp_path):
     np.testing.assert_allclose(logged, expected, rtol=1e-9)
 
 
-def test_batch_normalization_is_refused_at_compile():
+def test_batch_normalization_in_training_mode_is_refused_before_a_step():
     model = tfdp.DPSequential(
         [keras.Input((4,)), keras.layers.Dense(5), keras.layers.BatchNormalization(),
          keras.layers.Dense(3)]
     )
-    with pytest.raises(ValueError, match="mixes examples within a batch"):
-        model.compile(
-            optimizer=tfdp.optimizers.DPSGD(0.1, l2_norm_clip=1.0, noise_multiplier=1.0), loss=LOSS
-        )
+    model.compile(
+        optimizer=tfdp.optimizers.DPSGD(0.1, l2_norm_clip=1.0, noise_multiplier=1.0), loss=LOSS
+    )
+    x = np.zeros((8, 4), "float32")
+    with pytest.raises(ValueError, match="runs in training mode.*depends on the others"):
+        model.fit(x, np.zeros(8, "int32"), batch_size=4, epochs=1, verbose=0)
+    assert model.privacy.steps == 0
 
 
 def test_weights_file_without_ledger_is_refused(tmp_path):

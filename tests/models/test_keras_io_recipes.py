@@ -9,7 +9,10 @@ filters), on synthetic data of the same shapes:
    residuals and BatchNormalization.
 2. "Transfer learning & fine-tuning": a frozen `keras.applications` base
    called with training=False and a new head (MobileNetV2 at alpha 0.35
-   instead of Xception, which needs 71x71 inputs and 20M weights).
+   instead of Xception, which needs 71x71 inputs and 20M weights); then
+   step 2, fine-tuning, on a small conv base with BatchNormalization:
+   `base_model.trainable = True`, still called with training=False, so its
+   BatchNormalization layers train gamma and beta in inference mode.
 3. "Text classification from scratch": int token inputs (TextVectorization
    outside the model), Embedding, Dropout, strided Conv1D, GlobalMaxPooling1D.
 4. "Timeseries classification from scratch": the fully convolutional network
@@ -62,16 +65,17 @@ def _optimizer():
     return tfdp.optimizers.DPSGD(learning_rate=0.1, l2_norm_clip=1.0, noise_multiplier=1.0)
 
 
-def _train_privately(model, loss, x, y, batch_size, crafted):
-    """Trains one epoch; checks loss, weights, ledger and a crafted record's
-    effect on the step. Returns the model's per-example path."""
+def _train_privately(model, loss, x, y, batch_size, crafted, steps_before=0):
+    """Trains one epoch; checks loss, weights, ledger (after `steps_before`
+    charged by an earlier fit) and a crafted record's effect on the step.
+    Returns the model's per-example path."""
     model.compile(optimizer=_optimizer(), loss=loss)
     before = [v.numpy().copy() for v in model.trainable_variables]
     history = model.fit(x, y, batch_size=batch_size, epochs=1, verbose=0)
     assert np.isfinite(history.history["loss"][-1]), history.history
     moved = [not np.array_equal(v.numpy(), b) for v, b in zip(model.trainable_variables, before)]
     assert all(moved), [v.path for v, m in zip(model.trainable_variables, moved) if not m]
-    steps = len(y) // batch_size
+    steps = steps_before + len(y) // batch_size
     assert model.privacy.steps == steps
     assert model.privacy.epsilon(1e-5) > 0
     with NeighbourStep(model, (x[:8], y[:8]), records=3, batch_size=4,
@@ -159,6 +163,49 @@ def test_transfer_learning_with_a_frozen_base():
     assert path == BATCHED, path
     assert len(model.trainable_variables) == 2  # the head only
     # The frozen base, BatchNormalization statistics included, never moved.
+    for v, b in zip(base_model.non_trainable_variables, statistics):
+        np.testing.assert_array_equal(v.numpy(), b)
+
+
+def test_transfer_learning_fine_tuning_step_2_trains_batch_normalization_in_inference_mode():
+    """keras.io's step 2 as written: the base unfrozen, called with
+    training=False, recompiled, trained end to end. Keras 3.15 would pass
+    fit's training=True to the base (keras-team/keras#20285); the DP step
+    honours the call's training=False, so its BatchNormalization layers run
+    in inference mode: gamma and beta train, the statistics never move."""
+    keras.utils.set_random_seed(0)
+    base_inputs = keras.Input(shape=(16, 16, 3))
+    h = base_inputs
+    for filters in (4, 8):
+        h = layers.Conv2D(filters, 3, padding="same", use_bias=False)(h)
+        h = layers.BatchNormalization()(h)
+        h = layers.Activation("relu")(h)
+    base_model = keras.Model(base_inputs, h, name="base")
+    for norm in base_model.layers:  # pretrained-like statistics
+        if isinstance(norm, layers.BatchNormalization):
+            norm.moving_mean.assign(np.full(norm.moving_mean.shape, 0.1, "float32"))
+            norm.moving_variance.assign(np.full(norm.moving_variance.shape, 2.0, "float32"))
+    base_model.trainable = False
+    inputs = keras.Input(shape=(16, 16, 3))
+    x = layers.Rescaling(scale=1 / 127.5, offset=-1)(inputs)
+    x = base_model(x, training=False)
+    x = layers.GlobalAveragePooling2D()(x)
+    x = layers.Dropout(0.2)(x)
+    outputs = layers.Dense(1)(x)
+    model = tfdp.DPModel(inputs, outputs)
+    rng = np.random.default_rng(4)
+    x = rng.uniform(0, 255, size=(32, 16, 16, 3)).astype("float32")
+    y = rng.integers(0, 2, size=(32, 1)).astype("float32")
+    loss = keras.losses.BinaryCrossentropy(from_logits=True)
+    _train_privately(model, loss, x, y, batch_size=8, crafted=(x[3] * 1e6, y[3]))
+    # Step 2: fine-tuning.
+    base_model.trainable = True
+    statistics = [v.numpy().copy() for v in base_model.non_trainable_variables]
+    assert len(statistics) == 4  # two moving means, two moving variances
+    path = _train_privately(model, loss, x, y, batch_size=8, crafted=(x[3] * 1e6, y[3]),
+                            steps_before=4)
+    assert path == BATCHED, path
+    assert len(model.trainable_variables) == 2 + 2 * 2 + 2  # kernels, gammas and betas, head
     for v, b in zip(base_model.non_trainable_variables, statistics):
         np.testing.assert_array_equal(v.numpy(), b)
 

@@ -90,22 +90,28 @@ def test_dropout_advances_its_seed_and_trains():
 
 
 @pytest.mark.parametrize("method", ["auto", "vectorized"])
-def test_batch_normalization_writes_in_training_and_not_when_frozen(method):
-    """Traced writes, not the class: BatchNormalization in training mode writes
-    its moving statistics; frozen (inference mode), it writes nothing."""
+def test_batch_normalization_in_training_is_refused_and_writes_nothing_in_inference_mode(method):
+    """BatchNormalization in training mode is refused by name as the check
+    traces it (it would write its moving statistics); frozen, or trainable
+    and called with training=False (inference mode), it writes nothing."""
     loss = lambda y, p: tf.reduce_sum(tf.square(y - p), -1)  # noqa: E731
     sample = (tf.zeros([1, 4]), tf.zeros([1, 2]))
     norm = keras.layers.BatchNormalization(name="norm")
     model = keras.Sequential([keras.Input((4,)), norm, keras.layers.Dense(2)])
-    with pytest.raises(ValueError, match="Layer 'norm' .BatchNormalization. writes its variable 'moving_mean'"):
+    with pytest.raises(ValueError, match="Layer 'norm' .BatchNormalization. is trainable and runs in training mode"):
         check_no_state_writes(model, sample, loss, method)
+    inputs = keras.Input((4,))
+    inference = keras.Model(inputs, keras.layers.Dense(2)(norm(inputs, training=False)))
+    check_no_state_writes(inference, sample, loss, method)
     norm.trainable = False
     check_no_state_writes(model, sample, loss, method)
 
 
-def test_batch_normalization_in_a_dp_model_is_still_refused():
+def test_batch_normalization_in_training_mode_in_a_dp_model_is_still_refused():
+    model = dp_model(keras.layers.BatchNormalization())
+    x, y = np.zeros((8, 4), "float32"), np.zeros(8, "int32")
     with pytest.raises(ValueError, match="BatchNormalization"):
-        dp_model(keras.layers.BatchNormalization())
+        model.fit(x, y, batch_size=4, epochs=1, verbose=0)
 
 
 class PythonWrite(keras.layers.Layer):

@@ -1,9 +1,11 @@
 """Pretrained CNNs: a frozen BatchNormalization is a per-example affine map
 (Keras runs it in inference mode whatever `training` says, and its
-statistics never move), so DP training accepts it; a trainable one
-normalizes over the batch and is refused, at compile and at a fit after it
-was unfrozen; `fix_batch_normalization` replaces trainable ones with
-GroupNormalization, keeping the weights that carry over."""
+statistics never move), so DP training accepts it; so is a trainable one
+called with training=False (its gamma and beta train, its statistics stay);
+a trainable one in training mode normalizes over the batch and is refused
+before any step, also after it was unfrozen by a callback;
+`fix_batch_normalization` replaces trainable ones with GroupNormalization,
+keeping the weights that carry over."""
 
 import keras
 import numpy as np
@@ -22,18 +24,18 @@ def _data(n=32, seed=0):
     return rng.normal(size=(n, 8, 8, 3)).astype("float32"), rng.integers(0, 3, n)
 
 
-def _cnn(frozen=True, **norm_settings):
+def _cnn(frozen=True, training=None, method="auto", **norm_settings):
     inputs = keras.Input((8, 8, 3))
     hidden = keras.layers.Conv2D(4, 3, name="conv")(inputs)
     norm = keras.layers.BatchNormalization(name="bn", **norm_settings)
-    hidden = norm(hidden)
+    hidden = norm(hidden) if training is None else norm(hidden, training=training)
     hidden = keras.layers.GlobalAveragePooling2D()(hidden)
     outputs = keras.layers.Dense(3, name="head")(hidden)
     # Statistics that are not the identity, as a pretrained layer has.
     norm.moving_mean.assign(np.full(4, 0.5, "float32"))
     norm.moving_variance.assign(np.full(4, 2.0, "float32"))
     norm.trainable = not frozen
-    return tfdp.DPModel(inputs, outputs), norm
+    return tfdp.DPModel(inputs, outputs, per_example_gradients=method), norm
 
 
 def _compile(model, jit_compile=False):
@@ -65,10 +67,24 @@ def test_a_frozen_batch_normalization_keeps_a_crafted_records_effect_within_the_
     assert max(ratios) <= TOLERANCE, ratios
 
 
-def test_a_trainable_batch_normalization_is_refused_with_the_fixes():
-    model, _ = _cnn(frozen=False)
-    with pytest.raises(ValueError, match="'bn'.*trainable.*Freeze it.*fix_batch_normalization"):
-        _compile(model)
+REFUSED = "'bn'.*trainable and runs in training mode.*training=False.*fix_batch_normalization"
+
+
+@pytest.mark.parametrize("training", [None, True])
+@pytest.mark.parametrize("method", ["auto", "vectorized"])
+def test_a_trainable_batch_normalization_in_training_mode_is_refused_before_a_step(
+        training, method):
+    """Left unspecified under fit (which means training=True) or called with
+    training=True: refused by name, with the fixes, before any step, its
+    statistics untouched."""
+    model, norm = _cnn(frozen=False, training=training, method=method)
+    _compile(model)
+    statistics = [v.numpy().copy() for v in norm.weights]
+    x, y = _data()
+    with pytest.raises(ValueError, match=REFUSED + r".*Received: training=True"):
+        model.fit(x, y, batch_size=8, epochs=1, verbose=0)
+    assert model.privacy.steps == 0 and int(model._dp_steps.numpy()) == 0
+    assert all(np.array_equal(v.numpy(), s) for v, s in zip(norm.weights, statistics))
 
 
 def test_a_batch_normalization_unfrozen_after_compile_is_refused_before_a_step():
@@ -76,29 +92,94 @@ def test_a_batch_normalization_unfrozen_after_compile_is_refused_before_a_step()
     _compile(model)
     norm.trainable = True
     x, y = _data()
-    with pytest.raises(ValueError, match="'bn'.*trainable"):
+    with pytest.raises(ValueError, match=REFUSED):
         model.fit(x, y, batch_size=8, epochs=1, verbose=0)
     assert model.privacy.steps == 0
 
 
-@pytest.mark.parametrize("hook", ["on_train_begin", "on_train_batch_begin"])
-def test_a_batch_normalization_unfrozen_by_a_callback_before_the_trace_is_refused(hook):
-    """A callback runs after fit's own check and before Keras traces the
-    step: the step's trace checks again (found by review; the moving mean
-    held the batch's features before)."""
-    model, norm = _cnn(frozen=True, center=False, scale=False)
-    _compile(model)
-
-    class Unfreeze(keras.callbacks.Callback):
-        pass
-
-    setattr(Unfreeze, hook, lambda self, *args, **kwargs: setattr(norm, "trainable", True))
-    statistics = norm.moving_mean.numpy().copy()
+@pytest.mark.parametrize("jit_compile", [False, True])
+@pytest.mark.parametrize("method", ["auto", "vectorized"])
+def test_a_trainable_batch_normalization_called_in_inference_mode_trains_gamma_and_beta_only(
+        jit_compile, method):
+    model, norm = _cnn(frozen=False, training=False, method=method)
+    _compile(model, jit_compile)
+    gamma, beta = norm.gamma.numpy().copy(), norm.beta.numpy().copy()
+    statistics = [norm.moving_mean.numpy().copy(), norm.moving_variance.numpy().copy()]
     x, y = _data()
-    with pytest.raises(ValueError, match="'bn'.*trainable"):
-        model.fit(x, y, batch_size=8, epochs=1, verbose=0, callbacks=[Unfreeze()])
-    np.testing.assert_array_equal(norm.moving_mean.numpy(), statistics)
-    assert int(model._dp_steps.numpy()) == 0
+    model.fit(x, y, batch_size=8, epochs=2, verbose=0)
+    if method == "auto":
+        assert "batched pass" in model.per_example_path
+        assert "bn" not in model.per_example_path  # its own rule, not the fallback
+    np.testing.assert_array_equal(norm.moving_mean.numpy(), statistics[0])
+    np.testing.assert_array_equal(norm.moving_variance.numpy(), statistics[1])
+    assert not np.array_equal(norm.gamma.numpy(), gamma)
+    assert not np.array_equal(norm.beta.numpy(), beta)
+
+
+def test_a_trainable_batch_normalization_in_inference_mode_keeps_a_crafted_records_effect_within_the_bound():
+    """Huge, tiny and overflowing activations through gamma's per-example
+    gradient sum(G * xhat): every record moves the step by at most C."""
+    model, norm = _cnn(frozen=False, training=False)
+    norm.moving_variance.assign(np.full(4, 1e-6, "float32"))  # xhat = 1e3 x: large
+    _compile(model)
+    x, y = _data(8)
+    records = [(x[0] * 1e6, y[0]), (x[1] * 1e-30, y[1]), (np.full_like(x[0], 3e38), y[2]),
+               (np.full_like(x[0], -1e20), y[0])]
+    with NeighbourStep(model, (x, y), records=3, batch_size=4, physical_batch_size=None) as step:
+        ratios = [step.ratio(record, relation) for record in records
+                  for relation in ("add", "replace")]
+    assert max(ratios) <= TOLERANCE, ratios
+
+
+def test_a_batch_normalization_called_twice_once_in_training_mode_is_refused():
+    """Every call is checked: one call with training=False does not admit
+    another with training left unspecified."""
+    inputs = keras.Input((8, 8, 3))
+    norm = keras.layers.BatchNormalization(name="bn")
+    hidden = keras.layers.Conv2D(3, 3, padding="same")(inputs)
+    hidden = norm(norm(hidden, training=False))
+    model = tfdp.DPModel(inputs, keras.layers.Dense(3)(keras.layers.GlobalAveragePooling2D()(hidden)))
+    _compile(model)
+    x, y = _data()
+    with pytest.raises(ValueError, match=REFUSED):
+        model.fit(x, y, batch_size=8, epochs=1, verbose=0)
+
+
+class _Block(keras.layers.Layer):
+    """A custom layer (not declared per-example: the whole model takes the
+    vectorized path) calling its BatchNormalization with `training` fixed."""
+
+    def __init__(self, training, **kwargs):
+        super().__init__(**kwargs)
+        self.bn = keras.layers.BatchNormalization(name="bn")
+        self.training_of_bn = training
+
+    def call(self, x):
+        if self.training_of_bn == "unspecified":  # the context's: True under fit
+            return self.bn(x)
+        return self.bn(x, training=self.training_of_bn)
+
+
+@pytest.mark.parametrize("training", [False, None, "unspecified"])
+def test_a_custom_layer_on_the_vectorized_path_is_checked_call_by_call(training):
+    """training=None passed explicitly is Keras's inference mode; left out,
+    the BatchNormalization takes fit's training=True and is refused."""
+    inputs = keras.Input((8, 8, 3))
+    block = _Block(training)
+    hidden = block(keras.layers.Conv2D(4, 3)(inputs))
+    model = tfdp.DPModel(inputs, keras.layers.Dense(3)(keras.layers.GlobalAveragePooling2D()(hidden)))
+    _compile(model)
+    x, y = _data()
+    mean = block.bn.moving_mean.numpy().copy()
+    if training == "unspecified":
+        with pytest.raises(ValueError, match=REFUSED):
+            model.fit(x, y, batch_size=8, epochs=1, verbose=0)
+    else:
+        gamma = block.bn.gamma.numpy().copy()
+        model.fit(x, y, batch_size=8, epochs=1, verbose=0)
+        assert "vectorized" in model.per_example_path
+        assert not np.array_equal(block.bn.gamma.numpy(), gamma)
+    np.testing.assert_array_equal(block.bn.moving_mean.numpy(), mean)
 
 
 def test_the_fixer_replaces_trainable_batch_normalization_keeping_weights():

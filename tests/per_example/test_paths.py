@@ -219,10 +219,18 @@ def test_vectorized_path_matches_the_reference_with_layer_normalization():
         np.testing.assert_allclose(got.numpy(), np.tensordot(factors, want, axes=1), rtol=1e-4, atol=1e-6)
 
 
-def test_batch_normalization_is_refused():
+@pytest.mark.parametrize("method", ["auto", "vectorized"])
+def test_batch_normalization_in_training_mode_is_refused_where_it_is_called(method):
+    """Not by class (a trainable one in inference mode is accepted) but call
+    by call, when the per-example pass is traced."""
     model = keras.Sequential([keras.Input((4,)), keras.layers.BatchNormalization(), keras.layers.Dense(2)])
-    with pytest.raises(ValueError, match="BatchNormalization"):
-        check_per_example_support(model)
+    check_per_example_support(model)
+    loss = lambda y, p: tf.reduce_sum(tf.square(y - p), -1)  # noqa: E731
+    args = (model, tf.ones([2, 4]), tf.zeros([2, 2]), tf.ones([2]), loss, method)
+    with pytest.raises(ValueError, match="BatchNormalization.*training mode"):
+        compute_per_example_gradients(*args, training=True)
+    grads, _, _ = compute_per_example_gradients(*args, training=False)
+    assert grads.sq_norms().shape == (2,)
 
 
 def tanh_mlp():

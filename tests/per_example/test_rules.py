@@ -37,6 +37,18 @@ MODELS = {
 }
 
 
+def _batch_norm_model():
+    """A trainable BatchNormalization in inference mode (the harness calls
+    with training=False), with statistics that are not the identity."""
+    norm = L.BatchNormalization()
+    model = _seq((6, 6, 4), L.Conv2D(5, 3), norm, L.Flatten(), L.Dense(2))
+    rng = np.random.default_rng(3)
+    for variable, low in ((norm.moving_mean, -1.0), (norm.moving_variance, 0.2),
+                          (norm.gamma, 0.5), (norm.beta, -1.0)):
+        variable.assign(rng.uniform(low, low + 2.0, 5).astype("float32"))
+    return model
+
+
 def _embedding_model(mask_zero):
     inputs = keras.Input((7,), dtype="int32")
     h = L.Embedding(11, 4, mask_zero=mask_zero)(inputs)
@@ -78,6 +90,7 @@ def _inputs(model, batch, rng):
 
 CASES = dict(MODELS)
 CASES.update(
+    batch_norm_inference=_batch_norm_model,
     embedding=lambda: _embedding_model(False),
     embedding_mask_zero=lambda: _embedding_model(True),
     multi_head_attention=_attention_model,

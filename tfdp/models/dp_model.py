@@ -240,8 +240,9 @@ class DPTrainingMixin:
 
     def _private_step(self, data):
         # At trace time, after every callback's on_train_begin: a layer
-        # unfrozen since fit's own check (a trainable BatchNormalization
-        # would trace its batch statistics and moving-average writes).
+        # changed since fit's own check (made stateful, or its weights
+        # recast). A trainable BatchNormalization is checked call by call
+        # as the per-example pass traces it (training=False only).
         check_per_example_support(self)
         arrays, step_info = data
         x, y = arrays[0], arrays[1]
@@ -402,7 +403,7 @@ class DPTrainingMixin:
         if self.optimizer is None or self._per_example_loss is None:
             raise ValueError("Compile the model with a tfdp optimizer before calling fit().")
         _check_train_step(self)
-        check_per_example_support(self)  # a layer unfrozen since compile (BatchNormalization)
+        check_per_example_support(self)  # a layer changed since compile
         if isinstance(x, tf.data.Dataset) and getattr(self.optimizer, "trains_on_datasets", False):
             x = self.optimizer.fixed_order_data(  # a pipeline in a fixed order (DP-BandMF)
                 x, y, batch_size, sample_weight, class_weight, validation_split,

@@ -47,6 +47,7 @@ import keras
 import tensorflow as tf
 
 from tfdp.per_example import compute_per_example_gradients
+from tfdp.per_example.inference_mode import BatchNormalizationInTraining
 
 # Ops that only read a resource, or pass a handle on (a call or control flow
 # whose body is checked in turn). Any other op given a resource that comes
@@ -121,6 +122,8 @@ def check_no_state_writes(model, sample, loss_fn, method="auto", training=True):
 
     try:
         graph = tf.function(forward_backward).get_concrete_function(x, targets).graph
+    except BatchNormalizationInTraining:
+        raise  # refused by name before the first step, not at the step's trace
     except Exception:  # pylint: disable=broad-except
         # A step that cannot be traced cannot run either: nothing is released,
         # and the step's own trace raises its error (named there) first.

@@ -19,10 +19,12 @@ themselves: DP-SGD needs per-example norms and a reweighted sum.
 
 `per_example_gradients="auto"` on `DPModel` takes the batched path where it
 applies and logs the path once; "batched" (alias "fast") insists on it.
-Layers that mix examples within a batch (a trainable BatchNormalization)
-have no per-example gradient and are refused; a frozen BatchNormalization
-runs in inference mode and is accepted, and `fix_batch_normalization`
-replaces trainable ones with GroupNormalization.
+A BatchNormalization in training mode mixes examples within a batch: it has
+no per-example gradient and is refused. A frozen one runs in inference mode
+and is accepted; a trainable one is accepted when every call of it in the DP
+step passes `training=False` (then its gamma and beta train, the statistics
+fixed; `inference_mode`), and `fix_batch_normalization` replaces trainable
+ones with GroupNormalization.
 
 Example:
 
@@ -36,8 +38,6 @@ Example:
 """
 
 import logging
-
-import keras
 
 from tfdp.per_example.batch_normalization import fix_batch_normalization
 from tfdp.per_example.batched import batched_gradients
@@ -63,37 +63,24 @@ __all__ = [
 
 METHODS = ("auto", "batched", "fast", "vectorized")
 
-_MIXING_LAYERS = (keras.layers.BatchNormalization,)
-
 logger = logging.getLogger("tfdp")
 
 
 def check_per_example_support(model):
     """Raises a clear error if a layer cannot have per-example gradients.
 
+    A trainable BatchNormalization is checked where it runs, call by call,
+    when the DP step is traced (`tfdp.per_example.inference_mode`): only
+    its calls with `training=False` are accepted.
+
     Raises:
-        ValueError: for a trainable BatchNormalization (its batch statistics
-            make every example's output depend on the others, so per-example
-            gradients, and so clipping, are undefined; a frozen one runs in
-            inference mode and is accepted), for a stateful recurrent layer
+        ValueError: for a stateful recurrent layer
             (its state carries other batches' examples into later steps), and
-            and for a layer whose trainable weights are not float32 (noise,
+            for a layer whose trainable weights are not float32 (noise,
             clipping and the update need float32 weights; a mixed precision
             policy such as "mixed_bfloat16" keeps them float32 and is fine).
     """
     for layer in model._flatten_layers(include_self=False):
-        if isinstance(layer, _MIXING_LAYERS) and layer.trainable:
-            raise ValueError(
-                f"Layer '{layer.name}' ({type(layer).__name__}) is trainable, so in training "
-                "it normalizes with the batch's statistics: it mixes examples within a batch, so per-example "
-                "gradients (and DP clipping) are undefined, and its moving statistics "
-                "would store the training data. Freeze it (`layer.trainable = False`, or "
-                "`base_model.trainable = False` for a pretrained base: Keras then runs it "
-                "in inference mode, a per-example affine map whose statistics never "
-                "move), or replace it with `tfdp.per_example.fix_batch_normalization("
-                "model)` (GroupNormalization). Received: layer="
-                f"{type(layer).__name__}(trainable=True)"
-            )
         if getattr(layer, "stateful", False):
             raise ValueError(
                 f"Layer '{layer.name}' ({type(layer).__name__}) is stateful: its state "

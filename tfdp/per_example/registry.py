@@ -170,26 +170,26 @@ def rule_for(layer):
 
 def is_per_example(layer):
     """True if `layer` is known (or declared) to keep examples independent."""
-    return type(layer) in ALLOWED or type(layer) in _DECLARED or is_frozen_batch_normalization(layer)
+    return type(layer) in ALLOWED or type(layer) in _DECLARED or is_batch_normalization(layer)
 
 
-def is_frozen_batch_normalization(layer):
-    """True for a Keras BatchNormalization with `trainable=False`: Keras runs
-    it in inference mode whatever `training` says (its call normalizes with
-    the batch only when `training and self.trainable`), so each example's
+def is_batch_normalization(layer):
+    """True for a Keras BatchNormalization. In inference mode each example's
     output is (x - moving_mean) / sqrt(moving_variance + epsilon) * gamma +
-    beta, with nothing trained and no statistic updated.
+    beta, with no statistic updated: Keras runs a frozen one
+    (`trainable=False`) so whatever `training` says (its call normalizes with
+    the batch only when `training and self.trainable`), and the DP step runs
+    a trainable one only when called with `training=False`, refusing any
+    call in training mode at trace time (`tfdp.per_example.inference_mode`).
 
     Example:
 
-    >>> layer = keras.layers.BatchNormalization()
-    >>> is_frozen_batch_normalization(layer)
-    False
-    >>> layer.trainable = False
-    >>> is_frozen_batch_normalization(layer)
+    >>> is_batch_normalization(keras.layers.BatchNormalization())
     True
+    >>> is_batch_normalization(keras.layers.LayerNormalization())
+    False
     """
-    return type(layer) is _L.BatchNormalization and not layer.trainable
+    return type(layer) is _L.BatchNormalization
 
 
 def node_is_per_example(node):

@@ -21,6 +21,7 @@ TensorShape([4])
 import tensorflow as tf
 
 from tfdp.per_example.grads import MaterializedGrads, PerExampleGradients
+from tfdp.per_example.inference_mode import inference_mode_calls
 from tfdp.per_example.onednn import vectorized_map
 
 
@@ -37,6 +38,7 @@ def vectorized_gradients(model, x, y, weights, loss_fn, training):
         grads = tape.gradient(weighted, variables, unconnected_gradients="zero")
         return grads, tf.nest.map_structure(lambda p: p[0], pred), loss[0]
 
-    grads, y_pred, losses = vectorized_map(one_example, (x, y, weights), f"model '{model.name}'")
+    with inference_mode_calls(model):  # a trainable BatchNormalization only in inference mode
+        grads, y_pred, losses = vectorized_map(one_example, (x, y, weights), f"model '{model.name}'")
     parts = [MaterializedGrads(variables, grads)]
     return PerExampleGradients(variables, parts, path="vectorized"), y_pred, losses

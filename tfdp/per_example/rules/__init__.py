@@ -5,6 +5,7 @@ is imported)."""
 import sys
 
 from tfdp.per_example.rules import (  # noqa: F401
+    batch_normalization,
     conv,
     dense,
     embedding,
