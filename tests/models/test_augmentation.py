@@ -80,8 +80,9 @@ def test_update_is_the_clipped_mean_of_each_examples_copies(physical_batch_size,
     before = weights(model)
     change = one_step(model, x, y, augment=shift_and_flip, augmentations=k,
                       physical_batch_size=physical_batch_size)
-    # The step's augmentation key, as the step read it (model steps 0, iteration 0).
-    model._dp_steps.assign(0)
+    # The step's augmentation key, as the step read it: the model's step count
+    # already advanced by the step's charge (1), the iteration count not yet (0).
+    model._dp_steps.assign(1)
     model.optimizer.iterations.assign(0)
     # Compiled as the step was (XLA draws other stateless numbers than TF's kernels).
     key = tf.function(lambda: step_key(model.optimizer), jit_compile=jit)()
