@@ -66,8 +66,7 @@ def quiet_trials():
     loggers = [logging.getLogger("tfdp"), logging.getLogger("tensorflow")]
     levels = [logger.level for logger in loggers]
     detectors = _tracing_detectors()
-    saved = {key: (list(d._calls_per_tracings), d._call_count, d._total_warning_count)  # pylint: disable=protected-access
-             for key, d in detectors.items()}
+    saved = {key: _counts(detector) for key, detector in detectors.items()}
     for logger in loggers:
         logger.setLevel(logging.ERROR)
     try:
@@ -75,18 +74,31 @@ def quiet_trials():
     finally:
         for key in [key for key in detectors.keys() if key not in saved]:
             del detectors[key]
-        for key, (calls, count, warnings) in saved.items():
+        for key, counts in saved.items():
             if key in detectors:
-                detector = detectors[key]
-                detector._calls_per_tracings, detector._call_count = calls, count  # pylint: disable=protected-access
-                detector._total_warning_count = warnings  # pylint: disable=protected-access
+                _set_counts(detectors[key], counts)
         for logger, level in zip(loggers, levels):
             logger.setLevel(level)
 
 
+# pylint: disable=protected-access
 def _tracing_detectors():
     """TensorFlow's per-function retracing counts (a private table)."""
-    return polymorphic_function._frequent_tracing_detector_manager._detectors  # pylint: disable=protected-access
+    return polymorphic_function._frequent_tracing_detector_manager._detectors
+
+
+_COUNTS = ("_calls_per_tracings", "_call_count", "_total_warning_count")
+
+
+def _counts(detector):
+    return {name: getattr(detector, name) for name in _COUNTS} | {
+        "_calls_per_tracings": list(detector._calls_per_tracings)}
+
+
+def _set_counts(detector, counts):
+    for name, value in counts.items():
+        setattr(detector, name, value)
+# pylint: enable=protected-access
 
 
 def without_frames(error):
