@@ -135,10 +135,31 @@ def draw_trial_count(rng, mean_trials, shape):
         return 1
     if shape == 0.0:  # logarithmic: P(k) = (1-g)^k / (k log(1/g))
         return int(rng.logseries(1.0 - gamma))
-    while True:  # negative binomial (failures before `shape` successes), K >= 1
-        count = int(rng.negative_binomial(shape, gamma))
-        if count >= 1:
-            return count
+    return _truncated_negative_binomial(float(rng.random()), gamma, shape)
+
+
+def _truncated_negative_binomial(uniform, gamma, shape):
+    """The inverse CDF at `uniform` of the negative binomial truncated at k >= 1.
+
+    P(K = k) = C(k + shape - 1, k) g^shape (1 - g)^k / (1 - g^shape): one
+    uniform draw for any shape (rejecting K = 0 took ~1 / (1 - g^shape)
+    draws, forever for a tiny shape). The loop runs K times; it stops where
+    the float probabilities underflow, a tail below 1e-300.
+
+    Example:
+
+    >>> [_truncated_negative_binomial(u, 0.5, 1.0) for u in (0.1, 0.6, 0.9)]
+    [1, 2, 4]
+    """
+    log_gamma = math.log(gamma)
+    probability = (shape * (1.0 - gamma) * math.exp(shape * log_gamma)
+                   / -math.expm1(shape * log_gamma))
+    count, cumulative = 1, probability
+    while uniform >= cumulative and probability > 0.0:
+        probability *= (count + shape) / (count + 1) * (1.0 - gamma)
+        count += 1
+        cumulative += probability
+    return count
 
 
 def repeat_and_select_event(trial_event, mean_trials, distribution="geometric", shape=None):

@@ -160,7 +160,9 @@ def privacy_statement(
         "logged loss or those metrics (ReduceLROnPlateau, EarlyStopping on the training loss: "
         "the learning rate and the stopping epoch they choose are not protected), "
         "validation data (validation_split or validation_data: the records held out get no "
-        "protection at all, and neither do the validation metrics), data-independent choices "
+        "protection at all, and neither do the validation metrics"
+        + ("; a private search's validation split is covered: see Search" if search else "")
+        + "), data-independent choices "
         "(model architecture, clipping norm, noise level, schedule), "
         + _NOT_COVERED_UNITS.get(relation, _NOT_COVERED_UNITS["add_or_remove"]),
     ]

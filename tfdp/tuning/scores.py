@@ -1,11 +1,15 @@
 """A trial's score: a noisy count on private data, or an exact one on public data.
 
 Each validation record adds a per-example score clipped to [0, 1] (NaN counts
-0): for accuracy, 1 for a correct prediction. On private data the sum gets
-Gaussian noise N(0, sigma^2) before it is divided by the (public) number of
-records, so adding or removing one record moves the sum by at most 1 and the
-release is `GaussianDpEvent(sigma)`; the noise comes from float64 normals
-(full tails). On data the user declares public the score is exact and free.
+0): for accuracy, 1 for a correct prediction. The model predicts each record
+alone (`predict_each`) and the score function sees one record at a time
+(`per_example`), so no record changes another's score, whatever the layers or
+the score do with a batch. On private data the sum gets Gaussian noise
+N(0, sigma^2) before it is divided by a public number of records (a split's
+expected size), so adding or removing one record moves the sum by at most 1
+and the release is `GaussianDpEvent(sigma)`; the noise comes from float64
+normals (full tails). On data the user declares public the score is exact
+and free.
 
 Example:
 
@@ -14,7 +18,7 @@ Example:
 >>> y_pred = np.eye(3)[[0, 1, 1, 1]]
 >>> accuracy(y_true, y_pred).tolist()
 [1.0, 1.0, 0.0, 1.0]
->>> score, event = release_score(accuracy(y_true, y_pred), None, np.random.default_rng(0))
+>>> score, event = release_score(accuracy(y_true, y_pred), 4, None, np.random.default_rng(0))
 >>> score, event
 (0.75, None)
 """
@@ -38,22 +42,54 @@ def accuracy(y_true, y_pred):
     return (y_pred.argmax(-1) == labels).astype(np.float64)
 
 
+def predict_each(model, x):
+    """`model`'s predictions for the records of `x`, each record run alone.
+
+    A batched `predict` lets a layer that mixes the batch at inference move
+    every record's prediction with one record; eager calls on one record
+    each also trace nothing (a traced predict per trial would count trials
+    in TensorFlow's retracing warnings).
+
+    Example:
+
+    >>> import keras
+    >>> model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(3)])
+    >>> predict_each(model, np.zeros((4, 2))).shape
+    (4, 3)
+    """
+    if len(x) == 0:
+        return np.zeros((0,) + tuple(model.outputs[0].shape[1:]), "float32")
+    return np.concatenate([np.asarray(model(x[i:i + 1], training=False)) for i in range(len(x))])
+
+
 def per_example(score, y_true, y_pred):
-    """`score(y_true, y_pred)` as float64 values in [0, 1] (NaN -> 0), one per example."""
-    values = np.asarray(score(y_true, y_pred), dtype=np.float64).reshape(-1)
-    if values.shape[0] != len(y_pred):
-        raise ValueError(
-            "`score` must return one value per validation example. Received: "
-            f"{values.shape[0]} values for {len(y_pred)} examples"
-        )
+    """`score` of every example, called on that example alone, as float64
+    values in [0, 1] (NaN -> 0).
+
+    `score(y_true, y_pred)` gets a batch of one example and must return one
+    value per example (shape (1,)); a reduced scalar is refused.
+    """
+    values = np.zeros(len(y_pred), np.float64)
+    for i in range(len(y_pred)):
+        value = np.asarray(score(y_true[i:i + 1], y_pred[i:i + 1]), dtype=np.float64)
+        if value.shape != (1,):
+            raise ValueError(
+                "`score(y_true, y_pred)` must return one value per example (the search calls "
+                "it on one example at a time, so that no example moves another's score). "
+                f"Received: shape {value.shape} for 1 example"
+            )
+        values[i] = value[0]
     return np.clip(np.nan_to_num(values, nan=0.0, posinf=1.0, neginf=0.0), 0.0, 1.0)
 
 
-def release_score(values, noise_multiplier, rng):
-    """(score, event): the mean of `values`, noised when `noise_multiplier` is set.
+def release_score(values, count, noise_multiplier, rng):
+    """(score, event): the sum of `values` over the public `count`, noised
+    when `noise_multiplier` is set.
 
     Args:
         values: per-example scores in [0, 1] (`per_example`).
+        count: the public number the sum is divided by (a split's expected
+            size: its realised size depends on the data).
         noise_multiplier: sigma of the Gaussian noise on their sum, or None
             for public data (exact, no event).
         rng: a `numpy.random.Generator`.
@@ -63,6 +99,6 @@ def release_score(values, noise_multiplier, rng):
     """
     total = float(np.sum(values))
     if noise_multiplier is None:
-        return total / len(values), None
+        return total / count, None
     total += float(rng.normal(0.0, noise_multiplier))
-    return total / len(values), dp_accounting.GaussianDpEvent(noise_multiplier)
+    return total / count, dp_accounting.GaussianDpEvent(noise_multiplier)

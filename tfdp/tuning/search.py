@@ -29,8 +29,6 @@ Example:
 True
 """
 
-import contextlib
-import logging
 import weakref
 
 import dp_accounting
@@ -43,7 +41,7 @@ from tfdp.accounting.search import (
     repeat_and_select_event,
     trial_count_shape,
 )
-from tfdp.tuning import hyperparameters, scores, settings
+from tfdp.tuning import hiding, hyperparameters, scores, settings
 
 
 class PrivateRandomSearch:
@@ -63,7 +61,9 @@ class PrivateRandomSearch:
             (default), "poisson", "logarithmic" or "negative_binomial".
         shape: the negative binomial's shape (0, inf); only with that law.
         score: optional `fn(y_true, y_pred)` returning one value per
-            validation example, clipped to [0, 1]; higher is better.
+            example, clipped to [0, 1]; higher is better. It is called on
+            one validation example at a time (batches of one, shape (1,)
+            returned), and the model predicts each example alone.
             Default: accuracy (arg-max class equals the label).
         score_noise_multiplier: sigma of the Gaussian noise on the sum of
             the per-example scores of private validation data (default 10:
@@ -108,9 +108,12 @@ class PrivateRandomSearch:
             x, y: the private training data (arrays; N = len(x) is public).
             batch_size, epochs, physical_batch_size: as in `DPModel.fit`,
                 the same for every trial.
-            validation_split: fraction of the private data each trial holds
-                out (a fresh uniformly random subset of round(fraction * N)
-                records per trial) to score on, with noise.
+            validation_split: the probability that a trial holds a record
+                out to score on, with noise (each record drawn independently,
+                fresh for every trial). Every trial samples its batches from
+                all N records at rate batch_size / N, the held-out ones with
+                weight 0: a batch holds batch_size * (1 - validation_split)
+                training records on average.
             validation_data: (x_val, y_val) instead: scored with noise, or
                 exactly when `validation_data_is_public=True` (then it must
                 be data you could publish; no charge for the score).
@@ -131,29 +134,58 @@ class PrivateRandomSearch:
                 "metrics would make its privacy cost depend on the data, and progress output "
                 f"would count the trials. Received: {sorted(kwargs)}"
             )
-        rng = np.random.default_rng()  # fresh OS entropy; K and the draws are never kept
         validation = _Validation(x, y, validation_split, validation_data,
                                  validation_data_is_public, self.score_noise_multiplier)
-        num_train = validation.num_train
+        num_examples = validation.num_examples
         if isinstance(batch_size, bool) or not isinstance(batch_size, (int, np.integer)) \
-                or not 1 <= batch_size <= num_train:
+                or not 1 <= batch_size <= num_examples:
             raise ValueError(
-                f"Expected `batch_size` to be an int in [1, {num_train}] (the records each "
-                f"trial trains on). Received: batch_size={show(batch_size)}"
+                f"Expected `batch_size` to be an int in [1, {num_examples}] (the records each "
+                f"trial samples from). Received: batch_size={show(batch_size)}"
             )
+        self._best = None
+        counters = hiding.NameCounters()
+        failure = None
+        try:  # nothing that depends on the number of trials outlives this block
+            with hiding.quiet_trials():
+                best = self._search(counters, validation, batch_size, epochs,
+                                    physical_batch_size)
+        except BaseException as error:  # noqa: BLE001 - Ctrl-C too: its frames hold the trials
+            failure = hiding.without_frames(error)
+            counters.leave()
+        if failure is not None:
+            raise failure
+        if best is None:  # the Poisson law drew no trial: nothing is released
+            counters.leave()
+            return
+        model, hp, score, trial_event, names = best
+        counters.leave(names)
+        event = repeat_and_select_event(trial_event, self.mean_trials, self.distribution,
+                                        None if self.distribution != "negative_binomial"
+                                        else self.shape)
+        model.privacy.charge_selection(event, earlier=self._searches)
+        self._searches.append(event)
+        self._best = (model, hp, score)
+
+    def _search(self, counters, validation, batch_size, epochs, physical_batch_size):
+        """Draws the trials, checks them all before any record is read, runs them."""
+        rng = np.random.default_rng()  # fresh OS entropy; K and the draws are never kept
+        num_examples = validation.num_examples
+
+        def build(hp):
+            return counters.build(self._build, hp)
 
         def setting_at(values):
-            model = _build_at(self._build, values)
-            return settings.privacy_setting(model, num_train, batch_size)
+            return settings.privacy_setting(_build_at(build, values), num_examples, batch_size)
 
-        default_values, default_model = hyperparameters.defaults(self._build)
-        reference = settings.privacy_setting(default_model, num_train, batch_size)
+        default_values, default_model = hyperparameters.defaults(build)
+        reference = settings.privacy_setting(default_model, num_examples, batch_size)
         del default_model
-        count = draw_trial_count(rng, self.mean_trials, self.shape)
         trials = []
-        for _ in range(count):  # every draw checked before any record is read
-            values, model = hyperparameters.draw(self._build, rng)
-            if settings.privacy_setting(model, num_train, batch_size) != reference:
+        owned = _Owned()
+        for _ in range(draw_trial_count(rng, self.mean_trials, self.shape)):
+            values, model = hyperparameters.draw(build, rng)  # checked before any record is read
+            if settings.privacy_setting(model, num_examples, batch_size) != reference:
                 names = settings.differing(setting_at, reference, values, default_values)
                 raise ValueError(
                     "Every trial of a private search must release the same privacy event, "
@@ -163,41 +195,34 @@ class PrivateRandomSearch:
                     "setting (each charged). Received: a search space whose trials differ in "
                     "their privacy setting"
                 )
+            settings.check_fresh(model)
+            owned.check_and_add(model)
             trials.append(values)
-        del model
-        self._best = None
-        with _quiet_trials():
-            best = self._run(trials, rng, validation, reference, batch_size, epochs,
-                             physical_batch_size)
-        if best is None:  # the Poisson law drew no trial: nothing is released
-            return
-        model, hp, score, trial_event = best
-        event = repeat_and_select_event(trial_event, self.mean_trials, self.distribution,
-                                        None if self.distribution != "negative_binomial"
-                                        else self.shape)
-        model.privacy.charge_selection(event, earlier=self._searches)
-        self._searches.append(event)
-        self._best = (model, hp, score)
+        return self._run(trials, rng, build, counters, validation, reference, batch_size,
+                         epochs, physical_batch_size)
 
-    def _run(self, trials, rng, validation, reference, batch_size, epochs, physical_batch_size):
+    def _run(self, trials, rng, build, counters, validation, reference, batch_size, epochs,
+             physical_batch_size):
         """Trains and scores every trial; keeps only the best (None for no trial)."""
         best = None
         trial_event = None
-        earlier = _Owned()
+        owned = _Owned()
         for values in trials:
-            hp, model = hyperparameters.rebuild(self._build, values)
-            if settings.privacy_setting(model, validation.num_train, batch_size) != reference:
+            hp, model = hyperparameters.rebuild(build, values)
+            names = counters.after()
+            if settings.privacy_setting(model, validation.num_examples, batch_size) != reference:
                 raise RuntimeError(
                     "build(hp) gave a different privacy setting for the same hyperparameter "
                     "values: it must depend on nothing but hp."
                 )
             settings.check_fresh(model)
-            earlier.check_and_add(model)
-            (x_train, y_train), (x_val, y_val) = validation.split(rng)
-            model.fit(x_train, y_train, batch_size=batch_size, epochs=epochs, verbose=0,
-                      physical_batch_size=physical_batch_size)
-            values_ = scores.per_example(self._score, y_val, model.predict(x_val, verbose=0))
-            score, score_event = scores.release_score(values_, validation.noise, rng)
+            owned.check_and_add(model)
+            (x_train, y_train, weights), (x_val, y_val) = validation.split(rng)
+            model.fit(x_train, y_train, sample_weight=weights, batch_size=batch_size,
+                      epochs=epochs, verbose=0, physical_batch_size=physical_batch_size)
+            values_ = scores.per_example(self._score, y_val, scores.predict_each(model, x_val))
+            score, score_event = scores.release_score(values_, validation.count,
+                                                      validation.noise, rng)
             released = model.privacy.composed_event().events + (
                 [] if score_event is None else [score_event])
             event = dp_accounting.ComposedDpEvent(released)
@@ -209,7 +234,7 @@ class PrivateRandomSearch:
                     "agreed; refusing to charge the search as repeats of one mechanism."
                 )
             if best is None or score > best[2]:
-                best = (model, hp, score, trial_event)
+                best = (model, hp, score, trial_event, names)
             del model
         return best
 
@@ -306,38 +331,28 @@ class _Validation:
                 f"{show(split)}"
             )
         self.noise = None if public else noise
+        self.num_examples = total
         self._data = None
+        self._fraction = None
         if data is not None:
             x_val, y_val = data
             self._data = (np.asarray(x_val), np.asarray(y_val))
-            self._held_out = 0
+            self.count = len(self._data[0])
         else:
-            fraction = check_real("validation_split", split, low=0.0, high=1.0)
-            self._held_out = int(round(fraction * total))
-            if not 1 <= self._held_out < total:
-                raise ValueError(
-                    f"validation_split holds out round({fraction} * {total}) = "
-                    f"{self._held_out} records: it must hold out at least one and keep one. "
-                    f"Received: validation_split={show(split)}"
-                )
-        self.num_train = total - self._held_out
+            self._fraction = check_real("validation_split", split, low=0.0, high=1.0)
+            self.count = self._fraction * total  # public: the split's realised size is not
 
     def split(self, rng):
-        """((x_train, y_train), (x_val, y_val)) for one trial (a fresh split)."""
+        """((x, y, sample_weight), (x_val, y_val)) for one trial.
+
+        A split of the private data holds out each record independently with
+        probability `validation_split` (fresh draws each trial): one record
+        changes no other record's side. Every trial then trains on all N
+        rows at rate batch_size / N, the held-out ones with weight 0, so the
+        rate and the batch size do not depend on how many were held out.
+        """
         if self._data is not None:
-            return (self._x, self._y), self._data
-        order = rng.permutation(len(self._x))
-        val, train = order[:self._held_out], order[self._held_out:]
-        return (self._x[train], self._y[train]), (self._x[val], self._y[val])
-
-
-@contextlib.contextmanager
-def _quiet_trials():
-    """tfdp's INFO lines (one per traced step) would count the trials."""
-    logger = logging.getLogger("tfdp")
-    level = logger.level
-    logger.setLevel(max(level, logging.WARNING))
-    try:
-        yield
-    finally:
-        logger.setLevel(level)
+            return (self._x, self._y, None), self._data
+        held_out = rng.random(len(self._x)) < self._fraction
+        weights = (~held_out).astype(np.float32)
+        return (self._x, self._y, weights), (self._x[held_out], self._y[held_out])

@@ -1,0 +1,188 @@
+"""What a private search must not leak: a record's effect on others' split,
+the number of trials (names, logs, tracebacks), batch-mixing scores."""
+
+import keras
+import numpy as np
+import pytest
+
+pytest.importorskip("keras_tuner")
+
+import tfdp  # noqa: E402
+from tfdp.tuning import PrivateRandomSearch, scores, search as search_module  # noqa: E402
+
+
+def _build(hp, learning_rate=None):
+    model = tfdp.DPSequential([keras.Input((1,)), keras.layers.Dense(2)])
+    model.compile(
+        optimizer=tfdp.optimizers.DPSGD(
+            learning_rate or hp.Float("learning_rate", 0.05, 0.5), l2_norm_clip=1.0,
+            noise_multiplier=1.5),
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    return model
+
+
+def _data(n):
+    ids = np.arange(n)
+    return ids[:, None].astype("float32"), (ids % 2).astype("int32")
+
+
+@pytest.fixture
+def trials(monkeypatch):
+    def set_count(count):
+        monkeypatch.setattr(search_module, "draw_trial_count", lambda rng, mean, shape: count)
+    return set_count
+
+
+def _regression(hp):
+    model = tfdp.DPSequential([keras.Input((1,)), keras.layers.Dense(1)])
+    model.compile(optimizer=tfdp.optimizers.DPSGD(hp.Fixed("learning_rate", 0.1), l2_norm_clip=1.0,
+                                                  noise_multiplier=1.5), loss="mse")
+    return model
+
+
+def _sides(monkeypatch, num_records, split=None):
+    """(training ids, validation ids) of one trial on records 0..n-1, with
+    the search's randomness fixed (the same seed for D and D + z)."""
+    real = np.random.default_rng
+    monkeypatch.setattr(np.random, "default_rng", lambda seed=None: real(1234))
+    if split is not None:
+        monkeypatch.setattr(search_module._Validation, "split", split)
+    seen = {"val": set()}
+    fit = tfdp.DPSequential.fit
+
+    def spy_fit(self, x, y, **kwargs):
+        weights = kwargs.get("sample_weight")
+        weights = np.ones(len(x)) if weights is None else np.asarray(weights)
+        seen["train"] = {int(v) for v, w in zip(x[:, 0], weights) if w > 0}
+        return fit(self, x, y, **kwargs)
+
+    def score(y_true, y_pred):
+        seen["val"].update(int(v) for v in np.ravel(y_true))
+        return np.zeros(len(y_true))
+
+    monkeypatch.setattr(tfdp.DPSequential, "fit", spy_fit)
+    ids = np.arange(num_records).astype("float32")
+    tuner = PrivateRandomSearch(_regression, mean_trials=1, score=score)
+    tuner.search(ids[:, None], ids, batch_size=10, epochs=1, validation_split=0.3)
+    monkeypatch.setattr(tfdp.DPSequential, "fit", fit)
+    return seen["train"], seen["val"]
+
+
+def _others_moved(monkeypatch, split=None):
+    """Records of D whose side changed when z = record n was added."""
+    n = 40
+    train, val = _sides(monkeypatch, n, split)
+    train_z, val_z = _sides(monkeypatch, n + 1, split)
+    assert train | val == set(range(n)) and train_z | val_z == set(range(n + 1))
+    return (train ^ (train_z - {n})) | (val ^ (val_z - {n}))
+
+
+def _exact_size_split(self, rng):  # the reviewed code: round(f * N) records by permutation
+    x, y = self._x, self._y
+    order = rng.permutation(len(x))
+    val, train = order[:round(0.3 * len(x))], order[round(0.3 * len(x)):]
+    return (x[train], y[train], None), (x[val], y[val])
+
+
+def test_adding_a_record_moves_no_other_record_across_the_split(trials, monkeypatch):
+    trials(1)
+    # An exact-size split let z replace a training record (2x the bound).
+    assert _others_moved(monkeypatch) == set()
+    # Negative control: the exact-size split moves other records.
+    assert _others_moved(monkeypatch, split=_exact_size_split)
+
+
+def _names_and_output(trials, capfd, count):
+    keras.backend.clear_session()
+    trials(count)
+    x, y = _data(40)
+    tuner = PrivateRandomSearch(lambda hp: _build(hp, hp.Fixed("learning_rate", 0.1)),
+                                mean_trials=3)
+    tuner.search(x, y, batch_size=20, epochs=1, validation_split=0.25)
+    model = tuner.get_best_models()[0]
+    model.predict(x[:4], verbose=0)  # the user's next calls: no count in their warnings
+    after = keras.layers.Dense(1).name
+    return (model.to_json(), [v.path for v in model.variables], model.optimizer.name,
+            [v.path for v in model.optimizer.variables], after, capfd.readouterr())
+
+
+def test_names_and_logs_do_not_count_the_trials(trials, capfd):
+    keras.ops.zeros(1)  # TensorFlow's one-time device messages, before the comparison
+    capfd.readouterr()
+    one = _names_and_output(trials, capfd, 1)
+    five = _names_and_output(trials, capfd, 5)  # 5 traces: TensorFlow's retracing warning
+    for a, b in zip(one, five):
+        assert a == b
+
+
+def _frames(error):
+    seen = []
+    while error is not None:
+        tb = error.__traceback__
+        while tb is not None:
+            seen.append(tb.tb_frame)
+            tb = tb.tb_next
+        error = error.__cause__ or error.__context__
+    return seen
+
+
+def _holds(value, kind, depth=0):
+    if isinstance(value, kind):
+        return True
+    if depth < 3 and isinstance(value, (list, tuple, set, dict)):
+        items = value.values() if isinstance(value, dict) else value
+        return any(_holds(item, kind, depth + 1) for item in items)
+    return False
+
+
+def test_an_interrupted_search_leaks_neither_models_nor_the_trial_count(trials, monkeypatch):
+    trials(7)
+    fits = []
+    fit = tfdp.DPSequential.fit
+
+    def interrupted_fit(self, *args, **kwargs):
+        fits.append(1)
+        if len(fits) == 2:
+            raise KeyboardInterrupt("stopped by the user")  # Ctrl-C in trial 2
+        return fit(self, *args, **kwargs)
+
+    monkeypatch.setattr(tfdp.DPSequential, "fit", interrupted_fit)
+    tuner = PrivateRandomSearch(_build, mean_trials=3)
+    with pytest.raises(KeyboardInterrupt, match="stopped by the user") as info:
+        tuner.search(*_data(40), batch_size=20, epochs=1, validation_split=0.25)
+    frames = _frames(info.value)
+    assert frames
+    for frame in frames:
+        for name, value in frame.f_locals.items():
+            assert not _holds(value, keras.Model), (frame.f_code.co_name, name)
+            assert not (type(value) is int and value == 7), (frame.f_code.co_name, name)
+            assert not (isinstance(value, list) and len(value) == 7), (frame.f_code.co_name, name)
+    with pytest.raises(ValueError, match="call search"):
+        tuner.get_best_models()
+
+
+def test_a_score_sees_one_example_at_a_time():
+    def mixing(y_true, y_pred):  # every example scores 1 when the batch holds label 9
+        return np.full(len(y_true), float(np.any(np.ravel(y_true) == 9)))
+
+    y_pred = np.zeros((5, 2))
+    without = scores.per_example(mixing, np.array([0, 1, 0, 1, 0]), y_pred)
+    with_z = scores.per_example(mixing, np.array([0, 1, 0, 1, 9]), y_pred)
+    assert without[:4].tolist() == with_z[:4].tolist()
+    with pytest.raises(ValueError, match=r"one value per example.*Received: shape \(\)"):
+        scores.per_example(lambda t, p: np.mean(t == p.argmax(-1)), np.array([0, 1]),
+                           np.zeros((2, 2)))
+
+
+class _MixesAtInference(keras.layers.Layer):
+    def call(self, x, training=None):
+        return x if training else x + keras.ops.mean(x, axis=0, keepdims=True)
+
+
+def test_predictions_are_made_one_example_at_a_time():
+    model = keras.Sequential([keras.Input((2,)), _MixesAtInference()])
+    x = np.arange(8, dtype="float32").reshape(4, 2)
+    z = np.array([[1e6, -1e6]], dtype="float32")
+    alone = scores.predict_each(model, x)
+    assert np.array_equal(alone, scores.predict_each(model, np.concatenate([x, z]))[:4])
+    assert np.array_equal(alone, 2 * x)
