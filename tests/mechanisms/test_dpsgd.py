@@ -71,3 +71,22 @@ def test_noise_is_fresh_per_step_and_per_tensor():
 def test_divides_by_expected_not_realised_batch_size(expected):
     (mean,) = dpsgd.noisy_mean([tf.ones([3]) * 6.0], 0.0, expected, SEED)
     np.testing.assert_allclose(mean.numpy(), 6.0 / expected)
+
+
+@pytest.mark.parametrize("clip", [1e-30, 1e-20, 2.0**-63, 1e-10, 1.0, 1e30])
+def test_a_squared_norm_that_underflows_float32_is_still_clipped(clip):
+    # Norms around 2^-63 ~ 1e-19, whose squares are subnormal or 0 in float32,
+    # bounded as the per-example gradients bound them (rounded up to float32).
+    from tfdp.per_example.rounding import round_up_to_float32
+
+    norms = np.concatenate([np.geomspace(1e-30, 1e-15, 301), [0.0]])
+    factors = dpsgd.clip_factors(round_up_to_float32(tf.constant(norms**2)), clip).numpy()
+    assert np.all(factors.astype(np.float64) * norms <= clip)
+    # Negative control: the old floor of 1e-30 on the norm let n ~ 1e-20 through at C = 1e-30.
+    if clip < 1e-25:
+        assert np.any(np.minimum(1.0, clip / np.maximum(np.sqrt(np.float32(norms**2)), 1e-30)) * norms > clip)
+
+
+def test_clip_factors_refuses_an_integer_norm():
+    with pytest.raises(ValueError, match=r"sq_norms.*Received: sq_norms dtype=int32"):
+        dpsgd.clip_factors(tf.constant([4]), 1.0)

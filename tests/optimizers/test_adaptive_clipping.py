@@ -149,12 +149,28 @@ class DoubleCount(tfdp.optimizers.DPSGD):
         return sums, dict(counts, unclipped_count=2.0 * counts["unclipped_count"])
 
 
-def test_sensitivity_search_catches_a_count_beyond_its_bound():
+# At C_0 = 100 every unit is unclipped, and with b = 3 below the 6 rows both
+# released fractions are clamped to 1: the unclamped count must be compared.
+@pytest.mark.parametrize("clip, batch_size", [(1.0, None), (100.0, 3.0)])
+def test_sensitivity_search_catches_a_count_beyond_its_bound(clip, batch_size):
     x, y = data()
-    model = build(DoubleCount(0.5, l2_norm_clip=1.0, noise_multiplier=1.0, seed=1,
+    model = build(DoubleCount(0.5, l2_norm_clip=clip, noise_multiplier=1.0, seed=1,
                               target_unclipped_quantile=0.5))
     model.optimizer.build(model.trainable_variables)
-    result = tfdp.auditing.sensitivity_search(model, x[:8], y[:8], records=5, search_steps=0)
+    result = tfdp.auditing.sensitivity_search(model, x[:8], y[:8], records=5, search_steps=0,
+                                              batch_size=batch_size)
     assert result.count_ratio == pytest.approx(2.0, abs=1e-5)
     with pytest.raises(tfdp.auditing.SensitivityExceeded, match="count of unclipped units"):
         result.check()
+
+
+def test_a_clamped_fraction_still_gives_the_count_its_bound():
+    # The mechanism itself, where DoubleCount was missed (all unclipped, b = 3).
+    x, y = data()
+    model = build(adaptive())
+    model.optimizer.build(model.trainable_variables)
+    model.optimizer.clip_norm().assign(100.0)
+    result = tfdp.auditing.sensitivity_search(model, x[:8], y[:8], records=5, search_steps=0,
+                                              batch_size=3.0)
+    result.check()
+    assert result.count_ratio == pytest.approx(1.0, abs=1e-5)

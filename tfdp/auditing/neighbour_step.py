@@ -44,7 +44,11 @@ from the model optimizer's current clip norm C_t (the bound is lr * C_t / b),
 its count of unclipped units is noiseless too, and `ratio` also records how
 far the record moved that count: `count_ratio` is the largest
 |count(D') - count(D)| seen over its bound (1/2 for adding a unit, each
-unit adding +-1/2; 1 for a replacement).
+unit adding +-1/2; 1 for a replacement). The count is read both as the
+step releases it (the fraction b_t, clamped to [0, 1]) and unclamped (the
+stand-in also logs the centred count itself): where every unit is unclipped
+and b is below the batch's rows, both sides' fractions clamp to 1 and
+would hide a count that moves by more than its bound.
 
 With `examples_per_user=k` the step is user-level (`fit(user_ids=...)`):
 every row above is a user whose k records are copies of it, each user's
@@ -83,6 +87,9 @@ _REFUSED = {
 # Baseline jitter (the same batch twice) above this fraction of the bound
 # makes the measurement meaningless.
 _MAX_JITTER = 1e-7
+
+# The stand-in's log of the unclamped centred count of unclipped units.
+CENTRED_COUNT = "centred_unclipped_count"
 
 # The model's attributes a borrowed step replaces, restored on leaving.
 _BORROWED = ("optimizer", "train_function", "_physical_batch_size", "_examples_per_user")
@@ -132,6 +139,7 @@ class NeighbourStep:
         self.optimizer = _noiseless_optimizer(model.optimizer)
         self.count_ratio = 0.0 if self.optimizer.adaptive_clipping else None
         self.last_fraction = None
+        self.last_count = None
         # A batch here has records + 1 rows (users, with examples_per_user): a
         # larger chunk is the whole batch.
         if isinstance(physical_batch_size, (int, np.integer)) and not isinstance(
@@ -145,7 +153,7 @@ class NeighbourStep:
         self.rows = [_row(data, i % count) for i in range(records + 1)]
         self.steps = 0
         self._baselines = {}
-        self._baseline_fractions = {}
+        self._baseline_counts = {}
         self._saved = None
 
     def __enter__(self):
@@ -221,8 +229,10 @@ class NeighbourStep:
         baseline = self._baseline(relation)  # first: it sets last_fraction when it runs
         change = np.linalg.norm(self._update(*self._batch(record, relation)) - baseline)
         scale = 2.0 if relation == "replace" else 1.0
-        if self.count_ratio is not None:  # each count's change: a fraction over 1/b
-            moved = abs(self.last_fraction - self._baseline_fractions[relation]) * self.batch_size
+        if self.count_ratio is not None:  # the released fraction (over 1/b) and the count
+            fraction, count = self._baseline_counts[relation]
+            moved = max(abs(self.last_fraction - fraction) * self.batch_size,
+                        abs(self.last_count - count))
             moved = moved / (0.5 * scale) if np.isfinite(moved) else math.inf
             self.count_ratio = max(self.count_ratio, moved)
         bound = self.bound * scale
@@ -246,7 +256,7 @@ class NeighbourStep:
     def _baseline(self, relation):
         if relation not in self._baselines:
             self._baselines[relation] = self._update(*self._batch(None, relation))
-            self._baseline_fractions[relation] = self.last_fraction
+            self._baseline_counts[relation] = (self.last_fraction, self.last_count)
         return self._baselines[relation]
 
     def _batch(self, record, relation):
@@ -286,6 +296,7 @@ class NeighbourStep:
             logs = self.model.train_function([data])
             if "unclipped_fraction" in logs:  # adaptive clipping's count, released
                 self.last_fraction = float(np.asarray(logs["unclipped_fraction"]).ravel()[0])
+                self.last_count = float(np.asarray(logs[CENTRED_COUNT]).ravel()[0])
             after = np.concatenate(
                 [np.asarray(v.numpy(), np.float64).ravel() for v in self.model.trainable_variables]
             )
@@ -328,7 +339,8 @@ def _stack(rows):
 
 def _noiseless_optimizer(optimizer):
     """The same mechanism (class, clip norm, weight decay) with noise 0 and a
-    plain SGD inner optimizer (its learning rate set by the caller)."""
+    plain SGD inner optimizer (its learning rate set by the caller); with
+    adaptive clipping it also logs the unclamped count (`CENTRED_COUNT`)."""
     from tfdp.optimizers import DPOptimizer, SADPSGD
 
     if not isinstance(optimizer, DPOptimizer):
@@ -348,8 +360,17 @@ def _noiseless_optimizer(optimizer):
     from tfdp.optimizers import DPBandMF
 
     cls = type(optimizer)
+
+    def update_clip_norm(self, counts, step_info):
+        """The mechanism's release, and the count it reads unclamped."""
+        released = cls.update_clip_norm(self, counts, step_info)
+        if released:
+            released = {**released, CENTRED_COUNT: tf.identity(counts["unclipped_count"])}
+        return released
+
     members = {"noise_stddev": lambda self, *args: 0.0,
-               "count_noise_stddev": lambda self, *args: 0.0}
+               "count_noise_stddev": lambda self, *args: 0.0,
+               "update_clip_norm": update_clip_norm}
     if isinstance(optimizer, DPBandMF):
         # Without noise a DP-BandMF step is DP-SGD's: its banded noise of zero
         # draws is zero, so the update is the clipped sum over b. The copy

@@ -18,14 +18,36 @@ import tensorflow as tf
 from tfdp.mechanisms.gaussian import normals
 
 
+# The smallest normal number of each float type: a squared-norm bound below it
+# may be a rounded subnormal or flushed to 0 (CPU and XLA flush float32
+# results below 2^-126), so it says only that the norm is below its square root.
+_SMALLEST_NORMAL = {
+    tf.float16: 2.0**-14,
+    tf.bfloat16: 2.0**-126,
+    tf.float32: 2.0**-126,
+    tf.float64: 2.0**-1022,
+}
+
+
 def clip_factors(sq_norms, l2_norm_clip, weights=None):
     """Per-example factors `min(1, C / ||g_i||)` that clip each gradient to C.
 
     A non-finite norm (NaN or Inf gradient) gets factor 0: such an example
     contributes nothing, so it can never bypass clipping (docs/mechanisms/index.md#clipping).
 
+    `sq_norms` are upper bounds of the squared norms, rounded up with a
+    relative margin (`PerExampleGradients.sq_norms`: 2^-20) wherever they are
+    normal numbers. A bound below the smallest normal t of its type (2^-126
+    in float32) is read as the norm sqrt(t) (2^-63 ~ 1.1e-19 in float32): the
+    true norm n is then below sqrt(t), so the factor min(1, C / sqrt(t)) keeps
+    its contribution below C for every C. Read as 0, it gave factor 1, and a
+    record with n ~ 1e-20 was summed whole at C = 1e-30. A C or a factor
+    that is not a normal number (rounded with a large relative error where
+    subnormals are not flushed) gives factor 0.
+
     Args:
-        sq_norms: float tensor [B], squared L2 norms of per-example gradients.
+        sq_norms: float tensor [B] (float16, bfloat16, float32 or float64),
+            upper bounds of the squared L2 norms of per-example gradients.
         l2_norm_clip: positive float, the clipping bound C.
         weights: optional float tensor [B] multiplied into the factors (0 for
             padded rows of a batch).
@@ -37,15 +59,25 @@ def clip_factors(sq_norms, l2_norm_clip, weights=None):
 
     >>> clip_factors(tf.constant([9.0]), 1.5).numpy()
     array([0.5], dtype=float32)
+    >>> clip_factors(tf.constant([0.0]), 2.0**-64).numpy()   # a norm below 2^-63
+    array([0.5], dtype=float32)
     """
     sq_norms = tf.convert_to_tensor(sq_norms)
+    if sq_norms.dtype not in _SMALLEST_NORMAL:
+        raise ValueError(
+            "Expected `sq_norms` to be a float16, bfloat16, float32 or float64 tensor. "
+            f"Received: sq_norms dtype={sq_norms.dtype.name}"
+        )
+    smallest = _SMALLEST_NORMAL[sq_norms.dtype]
     finite = tf.math.is_finite(sq_norms)
     # ||g + a||^2 expanded as ||g||^2 + 2<g, a> + ||a||^2 can round below 0.
     safe = tf.where(finite, tf.maximum(sq_norms, 0.0), tf.zeros_like(sq_norms))
-    norms = tf.sqrt(safe)
+    norms = tf.maximum(tf.sqrt(safe), smallest**0.5)
     clip = tf.cast(l2_norm_clip, sq_norms.dtype)
-    factors = tf.minimum(1.0, clip / tf.maximum(norms, 1e-30))
-    factors = tf.where(finite, factors, tf.zeros_like(factors))
+    # C / norms overflows to inf only where C > norms: min(1, inf) = 1 is right.
+    factors = tf.minimum(1.0, clip / norms)
+    usable = finite & (clip >= smallest) & (factors >= smallest)
+    factors = tf.where(usable, factors, tf.zeros_like(factors))
     if weights is not None:
         factors = factors * tf.cast(weights, factors.dtype)
     return factors

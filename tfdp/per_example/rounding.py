@@ -299,5 +299,8 @@ def factored_norm_bounds(x, g):
 def round_up_to_float32(value):
     """`value` (float64) as float32, rounded up: the relative margin 2^-20
     covers the float64 -> float32 rounding (2^-24) and the float32 sqrt and
-    division that clipping applies next (a few units of 2^-24)."""
+    division that clipping applies next (a few units of 2^-24). Only in
+    float32's normal range: a result below 2^-126 is a subnormal rounded with
+    a large relative error, or 0 where flushed, which
+    `tfdp.mechanisms.dpsgd.clip_factors` reads as 2^-126."""
     return tf.cast(value * (1.0 + math.ldexp(1.0, -20)), tf.float32)
