@@ -297,7 +297,12 @@ class PrivacyJournal(keras.callbacks.Callback):
     `recover(model)` charges every journaled step the loaded checkpoint does
     not cover to its ledger, so epsilon covers every step that ran. It may
     over-count (steps journaled ahead that never ran: up to one epoch with
-    `frequency="epoch"`, none with "batch"), never under-count. A segment
+    `frequency="epoch"`, none with "batch" unless the data ran out within a
+    call of `steps_per_execution` steps), never under-count. With
+    `compile(steps_per_execution=k)` Keras runs k steps per call and the
+    callback journals each call's k steps ahead of it ("batch"), or the
+    epoch's calls (its steps rounded up to a multiple of k: Keras runs that
+    many). A segment
     counted in rounds (DP-BandMF: one release per P or b steps, under its
     neighbouring relation) is journaled with its rounds, its relation and
     the step its noise stream began at, so a replay charges what the ledger
@@ -314,7 +319,8 @@ class PrivacyJournal(keras.callbacks.Callback):
     Args:
         path: the journal file (JSON lines; created if missing).
         frequency: "epoch" (default: one fsync per epoch, for its planned
-            steps) or "batch" (one fsync per step: exact, slower).
+            steps) or "batch" (one fsync per step, or per call of
+            `steps_per_execution` steps: exact, slower).
 
     Example:
 
@@ -542,10 +548,29 @@ class PrivacyJournal(keras.callbacks.Callback):
                          segment_start=saved["open"]["start"])
         self._append(entry)
 
+    def _steps_per_call(self):
+        """The steps Keras runs between two batch callbacks: steps_per_execution."""
+        return int(getattr(self.model, "steps_per_execution", 1) or 1)
+
+    def _planned_steps(self):
+        """The steps an epoch runs, or None if Keras does not know them.
+
+        Keras starts a call of k = steps_per_execution steps at batches 0,
+        k, 2k, ... below its `steps`; the last call runs k steps too (past
+        `steps`) unless the data runs out.
+        """
+        steps = (self.params or {}).get("steps")
+        if not steps:
+            return None
+        per_call = self._steps_per_call()
+        return -(-int(steps) // per_call) * per_call
+
     def on_epoch_begin(self, epoch, logs=None):
-        if self.frequency == "epoch":
-            self._write_ahead(int((self.params or {}).get("steps") or 1))
+        if self.frequency == "epoch" and self._planned_steps() is not None:
+            self._write_ahead(self._planned_steps())
 
     def on_train_batch_begin(self, batch, logs=None):
-        if self.frequency == "batch":
-            self._write_ahead(1)
+        # Every call's steps, before they run (an epoch of unknown length
+        # is journaled call by call).
+        if self.frequency == "batch" or self._planned_steps() is None:
+            self._write_ahead(self._steps_per_call())

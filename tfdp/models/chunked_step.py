@@ -54,15 +54,32 @@ def unsplittable_reason(optimizer):
     return reason
 
 
-def _refusal(optimizer, physical_batch_size, reason):
-    name = type(optimizer).__name__
-    return ValueError(
-        f"{name} cannot split a logical batch into physical batches: {reason} "
-        "Leave physical_batch_size=None (the whole logical batch at once) and "
-        "lower batch_size if memory is short, or train with DPSGD, "
-        f"DPOptimizer or SADPSGD. Received: physical_batch_size={physical_batch_size} "
-        f"with optimizer={name}"
-    )
+def check_splittable(optimizer, physical_batch_size):
+    """Raises ValueError if `optimizer`'s step cannot run in physical batches.
+
+    `fit` checks it with the other arguments, and `DPModel.train_step` again
+    before it charges the step (an optimizer compiled after a chunked fit,
+    its train step driven by hand): a refused step is not charged.
+
+    Example:
+
+    >>> import tfdp
+    >>> check_splittable(tfdp.optimizers.DPSGD(0.1, noise_multiplier=1.0), 8)
+    >>> check_splittable(tfdp.optimizers.AdaDP(0.01, noise_multiplier=1.0), 8)
+    Traceback (most recent call last):
+    ...
+    ValueError: AdaDP cannot split a logical batch into physical batches: ...
+    """
+    reason = unsplittable_reason(optimizer)
+    if reason:
+        name = type(optimizer).__name__
+        raise ValueError(
+            f"{name} cannot split a logical batch into physical batches: {reason} "
+            "Leave physical_batch_size=None (the whole logical batch at once) and "
+            "lower batch_size if memory is short, or train with DPSGD, "
+            f"DPOptimizer or SADPSGD. Received: physical_batch_size={physical_batch_size} "
+            f"with optimizer={name}"
+        )
 
 
 def check_physical_batch_size(optimizer, physical_batch_size, num_examples, batch_size):
@@ -109,9 +126,7 @@ def check_physical_batch_size(optimizer, physical_batch_size, num_examples, batc
             "Expected `physical_batch_size` to be an int >= 1 or None. "
             f"Received: physical_batch_size={physical_batch_size!r}"
         )
-    reason = unsplittable_reason(optimizer)
-    if reason:
-        raise _refusal(optimizer, physical_batch_size, reason)
+    check_splittable(optimizer, physical_batch_size)
     rows = padded_batch_size(num_examples, batch_size / num_examples,
                              overflow_probability=DEFAULT_OVERFLOW_PROBABILITY)
     if physical_batch_size > rows:
@@ -147,15 +162,16 @@ def chunked_private_gradients(model, x, y, weights, step_info, physical_batch_si
             whole users (k times as many rows) and is clipped per user
             (`tfdp.models.user_level`).
 
+    The caller has checked `check_splittable(model.optimizer, ...)` (the
+    train step does, before it charges the step): an optimizer that
+    overrides `privatize()` would be bypassed here.
+
     Returns:
         (noisy gradients aligned with `model.trainable_variables`, stats
         dict, per-example losses [B]); rows in skipped all-padding chunks
         have loss 0 (their weight is 0).
     """
     optimizer = model.optimizer
-    reason = unsplittable_reason(optimizer)
-    if reason:  # e.g. an optimizer compiled after a chunked fit: never bypass it
-        raise _refusal(optimizer, physical_batch_size, reason)
     variables = list(model.trainable_variables)
     mask = tf.cast(step_info["mask"], tf.float32)
     per_user = examples_per_user

@@ -223,27 +223,40 @@ class DPTrainingMixin:
         """One private step: charged once its batch has arrived, before any
         of it is drawn, written or applied.
 
-        The step counter the ledger reads advances with a data dependency
-        on the batch, and everything else the step does (noise, DP-BandMF's
-        noise stream, the update, the optimizer's iterations, metrics) runs
-        after it. A step whose read fails (an IOError of a record source, a
-        short batch read, a pipeline shorter than its cardinality) is
-        neither applied nor charged; one that fails after its read (out of
-        memory) is charged and not applied: over-counted, never under.
-        Without the dependency the counter could advance (and BandMF's
-        noise be consumed) while the read was still failing.
+        A step the model refuses (a layer changed since compile, an
+        optimizer that cannot run in physical batches) is refused first, and
+        not charged. The write that advances the step counter the ledger
+        reads waits for the batch, and everything else the step does (noise,
+        DP-BandMF's noise stream, the update, the optimizer's iterations,
+        metrics) waits for that write: it is created under a control
+        dependency on the write itself (not on the value written), and reads
+        the batch through identities made after it. A step whose read fails
+        (an IOError of a record source, a short batch read, a pipeline
+        shorter than its cardinality) is neither applied nor charged; one
+        that fails after its read (out of memory) is charged and not
+        applied: over-counted, never under. Without the dependency the
+        counter could advance (and BandMF's noise be consumed) while the
+        read was still failing.
         """
+        self._check_step()
         with tf.control_dependencies(tf.nest.flatten(data)):
-            charged = self._dp_steps.assign_add(1)
+            charged = self._dp_steps.value.assign_add(1, read_value=False)
         with tf.control_dependencies([charged]):
+            data = tf.nest.map_structure(tf.identity, data)
             return self._private_step(data)
 
-    def _private_step(self, data):
-        # At trace time, after every callback's on_train_begin: a layer
-        # changed since fit's own check (made stateful, or its weights
-        # recast). A trainable BatchNormalization is checked call by call
-        # as the per-example pass traces it (training=False only).
+    def _check_step(self):
+        """The step's refusals that Python makes (when the step is traced, or
+        run eagerly), made before the step is charged."""
+        # After every callback's on_train_begin: a layer changed since fit's
+        # own check (made stateful, or its weights recast). A trainable
+        # BatchNormalization is checked call by call as the per-example pass
+        # traces it (training=False only).
         check_per_example_support(self)
+        if self._physical_batch_size is not None:
+            chunked_step.check_splittable(self.optimizer, self._physical_batch_size)
+
+    def _private_step(self, data):
         arrays, step_info = data
         x, y = arrays[0], arrays[1]
         mask = tf.cast(step_info["mask"], tf.float32)
