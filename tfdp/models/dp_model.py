@@ -240,10 +240,12 @@ class DPTrainingMixin:
 
     def _private_step(self, data):
         # At trace time, after every callback's on_train_begin: a layer
-        # changed since fit's own check (made stateful, or its weights
-        # recast). A trainable BatchNormalization is checked call by call
-        # as the per-example pass traces it (training=False only).
+        # changed since fit's own checks (made stateful, its weights recast,
+        # unfrozen: its writes are checked again). A trainable
+        # BatchNormalization is checked call by call as the per-example pass
+        # traces it (training=False only).
         check_per_example_support(self)
+        state_writes.check_dp_model_again(self)
         arrays, step_info = data
         x, y = arrays[0], arrays[1]
         mask = tf.cast(step_info["mask"], tf.float32)

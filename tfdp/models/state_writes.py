@@ -87,11 +87,24 @@ def check_dp_model(model, sample):
     method = model.per_example_gradients
     key = (method, tuple(layer.trainable for layer in model._flatten_layers()),  # pylint: disable=protected-access
            str(tf.nest.map_structure(lambda t: (t.shape[1:], t.dtype), (sample[0], targets))))
+    model.__dict__["_state_writes_sample"] = sample
     checked = model.__dict__.setdefault("_state_writes_checked", set())
     if key in checked:
         return
     check_no_state_writes(model, (sample[0], targets), loss_fn, method)
     checked.add(key)
+
+
+@tf.autograph.experimental.do_not_convert  # Python-side, in the step's trace
+def check_dp_model_again(model):
+    """`check_dp_model` on the sample of fit's last check, with the layers'
+    `trainable` flags as they are now (a set lookup when they have not
+    changed). The DP step calls it as it is traced: after callbacks'
+    `on_train_begin`, which run after fit's own check, so a layer a callback
+    unfroze there is checked before the first step."""
+    sample = model.__dict__.get("_state_writes_sample")
+    if sample is not None:
+        check_dp_model(model, sample)
 
 
 def check_no_state_writes(model, sample, loss_fn, method="auto", training=True):

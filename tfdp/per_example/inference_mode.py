@@ -37,6 +37,7 @@ TensorShape([2, 3])
 """
 
 import contextlib
+import inspect
 
 import keras
 import numpy as np
@@ -51,9 +52,10 @@ class BatchNormalizationInTraining(ValueError):
 
 
 def is_trainable_batch_normalization(layer):
-    """True for a Keras BatchNormalization with `trainable=True` (Keras
-    normalizes such a layer with the batch when `training` is True)."""
-    return type(layer) is keras.layers.BatchNormalization and layer.trainable
+    """True for a Keras BatchNormalization, or an instance of a subclass,
+    with `trainable=True` (Keras normalizes such a layer with the batch when
+    `training` is True)."""
+    return isinstance(layer, keras.layers.BatchNormalization) and layer.trainable
 
 
 def check_inference_call(layer, training):
@@ -69,7 +71,7 @@ def check_inference_call(layer, training):
     if training is None or (isinstance(training, (bool, np.bool_)) and not training):
         return
     raise BatchNormalizationInTraining(
-        f"Layer '{layer.name}' (BatchNormalization) is trainable and runs in training "
+        f"Layer '{layer.name}' ({type(layer).__name__}) is trainable and runs in training "
         "mode in the DP step: it normalizes with the batch's statistics, so every "
         "example's output depends on the others and per-example gradients (and DP "
         "clipping) are undefined, and it writes its moving statistics, which would "
@@ -133,10 +135,23 @@ def inference_mode_calls(model):
 
 
 def _hooked(layer, call, force):
+    # The class's own signature: `call` may be an earlier hook's (*args, **kwargs).
+    signature = inspect.signature(type(layer).call)
+    named = "training" in signature.parameters
+    rest = next((name for name, parameter in signature.parameters.items()
+                 if parameter.kind is parameter.VAR_KEYWORD), None)
+
     def hooked_call(*args, **kwargs):
+        try:  # `training` may come positionally, as in `bn.call(x, True)`
+            bound = signature.bind_partial(layer, *args, **kwargs)
+        except TypeError:  # the call itself raises the error
+            return call(*args, **kwargs)
+        arguments = bound.arguments
+        holder = arguments if named or rest is None else arguments.setdefault(rest, {})
         if force:
-            kwargs["training"] = False
-        check_inference_call(layer, kwargs.get("training"))
+            holder["training"] = False
+            args, kwargs = bound.args[1:], bound.kwargs
+        check_inference_call(layer, holder.get("training"))
         return call(*args, **kwargs)
 
     return hooked_call
