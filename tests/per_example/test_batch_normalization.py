@@ -328,3 +328,16 @@ def test_a_positional_training_argument_is_seen(layer_class, training):
         assert model.privacy.steps == 2
     np.testing.assert_array_equal(block.bn.moving_mean.numpy(), mean)
 
+
+@pytest.mark.parametrize("axis", [0, -2])
+def test_a_batch_normalization_over_the_batch_axis_is_refused_by_name(axis):
+    """axis 0 (with a static batch size) is the batch axis: its gamma and
+    statistics are per position in the batch. It failed with Keras's
+    input-shape error from the DP step's batch of one."""
+    inputs = keras.Input((6,), batch_size=4)
+    hidden = keras.layers.BatchNormalization(axis=axis, name="bn")(
+        keras.layers.Dense(5)(inputs), training=False)
+    model = tfdp.DPModel(inputs, keras.layers.Dense(3)(hidden))
+    with pytest.raises(ValueError, match=r"'bn' \(BatchNormalization\).*axis 0.*batch axis"
+                                         rf".*Received: axis={axis}"):
+        _compile(model)
