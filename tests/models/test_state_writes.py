@@ -248,7 +248,8 @@ def test_a_layer_unfrozen_by_a_callback_at_train_begin_is_checked_again_before_t
             layer.trainable = True
 
     x, y = crafted_records()
-    with pytest.raises(ValueError, match=r"Layer 'keeper' \(TrainableRunningMean\) writes its variable"):
+    with pytest.raises(ValueError,
+                       match=r"Layer 'keeper' \(TrainableRunningMean\) writes its variable"):
         model.fit(x, y, batch_size=32, epochs=1, verbose=0, callbacks=[Unfreeze()])
     assert model.privacy.steps == 0
     np.testing.assert_array_equal(layer.mean.numpy(), 0.0)

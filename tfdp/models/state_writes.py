@@ -4,8 +4,10 @@ A layer that writes a variable while it trains (a running mean, a queue, a
 memory bank: what BatchNormalization does with its moving statistics) puts
 training records' data into that variable, and the variable is released with
 the model, outside the noise and the accounting. `check_no_state_writes`
-refuses such a model before the first step. It traces the model's forward
-and backward pass exactly as the DP step runs it
+refuses such a model before the first step: `fit` runs it, and the DP step
+runs it again as it is traced when a layer's `trainable` flag changed since
+(a callback's `on_train_begin` runs after fit's check). It traces the
+model's forward and backward pass exactly as the DP step runs it
 (`tfdp.per_example.compute_per_example_gradients`, on the model's path), so
 the check sees what `call()` does in training, not what the layer class is:
 a frozen layer whose `call()` writes nothing passes. In that trace every op

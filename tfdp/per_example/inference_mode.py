@@ -8,8 +8,10 @@ not move. Called with `training=True` (or with `training` left unspecified
 under `fit`, which means True), a trainable one normalizes with the batch's
 statistics, which mixes examples, and writes its moving statistics, which
 would store the training data. `inference_mode_calls` runs the DP step's
-forward pass with every call of a trainable BatchNormalization checked at
-trace time: a call in training mode is refused, naming the layer.
+forward pass with every call of a trainable BatchNormalization (or of an
+instance of a subclass) checked at trace time, `training` read whether it
+is passed by keyword or by position: a call in training mode is refused,
+naming the layer.
 
 keras.io's fine-tuning recipe calls a pretrained base with `training=False`
 inside a Functional model (`x = base_model(inputs, training=False)`).
