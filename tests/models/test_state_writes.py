@@ -224,3 +224,51 @@ def test_a_layer_that_writes_a_tensor_out_of_the_step_is_refused(make, tmp_path)
         model.fit(x, y, batch_size=32, epochs=1, verbose=0)
     assert model.privacy.steps == 0
     assert not (tmp_path / "leak").exists()
+
+
+class TrainableRunningMean(RunningMean):
+    """Keeps a running mean only while trainable (a custom 'freezable' layer)."""
+
+    def call(self, x, training=None):
+        if training and self.trainable:
+            self.mean.assign(0.5 * self.mean + 0.5 * tf.reduce_mean(x, 0))
+        return x
+
+
+def test_a_layer_unfrozen_by_a_callback_at_train_begin_is_checked_again_before_the_first_step():
+    """fit's check runs before callbacks' on_train_begin; a layer unfrozen
+    there would write its running mean from the records in every step (it
+    trained on cfab9b6; the check now runs again as the step traces)."""
+    layer = TrainableRunningMean(name="keeper")
+    model = dp_model(layer)
+    layer.trainable = False
+
+    class Unfreeze(keras.callbacks.Callback):
+        def on_train_begin(self, logs=None):
+            layer.trainable = True
+
+    x, y = crafted_records()
+    with pytest.raises(ValueError,
+                       match=r"Layer 'keeper' \(TrainableRunningMean\) writes its variable"):
+        model.fit(x, y, batch_size=32, epochs=1, verbose=0, callbacks=[Unfreeze()])
+    assert model.privacy.steps == 0
+    np.testing.assert_array_equal(layer.mean.numpy(), 0.0)
+
+
+def test_a_layer_frozen_by_a_callback_at_train_begin_is_checked_again_and_trains():
+    """Negative control: a callback freezes a Dense layer after fit's check;
+    the model is checked again with the new flags, writes nothing, trains."""
+    layer, first = TrainableRunningMean(name="keeper"), keras.layers.Dense(4, name="first")
+    model = dp_model(keras.Sequential([first, layer]))
+    layer.trainable = False
+
+    class Freeze(keras.callbacks.Callback):
+        def on_train_begin(self, logs=None):
+            first.trainable = False
+
+    x, y = crafted_records()
+    kernel = first.kernel.numpy().copy()
+    model.fit(x, y, batch_size=16, epochs=1, verbose=0, callbacks=[Freeze()])
+    assert model.privacy.steps == 2 and len(model._state_writes_checked) == 2
+    np.testing.assert_array_equal(first.kernel.numpy(), kernel)
+    np.testing.assert_array_equal(layer.mean.numpy(), 0.0)

@@ -239,3 +239,105 @@ def test_a_keras_applications_base_frozen_then_top_blocks_unfrozen_with_bn_froze
     model.fit(x, y, batch_size=8, epochs=1, verbose=0)
     assert "batched pass" in model.per_example_path
     assert all(np.array_equal(v.numpy(), s) for v, s in zip(base.non_trainable_weights, statistics))
+
+
+class _CustomNorm(keras.layers.BatchNormalization):
+    """A BatchNormalization subclass (a custom "FrozenBN" class): not the
+    exact class, so the model takes the vectorized path."""
+
+
+class _Unfreeze(keras.callbacks.Callback):
+    """Unfreezes a layer after fit's own checks, before the first step."""
+
+    def __init__(self, layer):
+        super().__init__()
+        self.layer = layer
+
+    def on_train_begin(self, logs=None):
+        self.layer.trainable = True
+
+
+def _small(norm, training=None):
+    inputs = keras.Input((6,))
+    hidden = keras.layers.Dense(4, name="dense")(inputs)
+    hidden = norm(hidden) if training is None else norm(hidden, training=training)
+    model = tfdp.DPModel(inputs, keras.layers.Dense(3, name="head")(hidden))
+    _compile(model)
+    rng = np.random.default_rng(0)
+    return model, rng.normal(size=(16, 6)).astype("float32") * 5 + 3, rng.integers(0, 3, 16)
+
+
+@pytest.mark.parametrize("training", [None, False])
+def test_a_batch_normalization_subclass_unfrozen_at_train_begin_is_checked_call_by_call(training):
+    """No weights of its own (center=False, scale=False), frozen at fit's
+    checks, unfrozen by a callback: in training mode it wrote its moving
+    mean from the records on the vectorized path (a record of 1e30 moved it
+    by 1e28; trained on cfab9b6); refused by name now. Called with
+    training=False it trains and its statistics stay (negative control)."""
+    norm = _CustomNorm(name="bn", center=False, scale=False)
+    model, x, y = _small(norm, training)
+    norm.trainable = False
+    mean = norm.moving_mean.numpy().copy()
+    if training is None:
+        with pytest.raises(ValueError, match=r"'bn' \(_CustomNorm\) is trainable and runs in "
+                                             r"training mode.*Received: training=True"):
+            model.fit(x, y, batch_size=8, epochs=1, verbose=0, callbacks=[_Unfreeze(norm)])
+        assert model.privacy.steps == 0
+    else:
+        model.fit(x, y, batch_size=8, epochs=1, verbose=0, callbacks=[_Unfreeze(norm)])
+        assert "vectorized" in model.per_example_path and model.privacy.steps == 2
+    np.testing.assert_array_equal(norm.moving_mean.numpy(), mean)
+
+
+class _CallsCall(keras.layers.Layer):
+    """Calls its BatchNormalization's `call` with `training` positional."""
+
+    def __init__(self, training, **kwargs):
+        super().__init__(**kwargs)
+        self.bn = keras.layers.BatchNormalization(name="bn", center=False, scale=False)
+        self.training_of_bn = training
+
+    def build(self, shape):
+        self.bn.build(shape)
+
+    def call(self, x):
+        return self.bn.call(x, self.training_of_bn)
+
+
+@tfdp.per_example.declare_per_example(sublayers_on_the_batch=True)
+class _DeclaredCallsCall(_CallsCall):
+    """The same, declared to run its sublayers on the batch (batched path)."""
+
+
+@pytest.mark.parametrize("layer_class", [_CallsCall, _DeclaredCallsCall])
+@pytest.mark.parametrize("training", [True, False])
+def test_a_positional_training_argument_is_seen(layer_class, training):
+    """`bn.call(x, True)`: the check read only a keyword `training`; with the
+    layer unfrozen at train begin it normalized over the batch and wrote its
+    statistics (trained on cfab9b6). training=False positional trains."""
+    block = layer_class(training, name="block")
+    model, x, y = _small(block)
+    block.bn.trainable = False
+    mean = block.bn.moving_mean.numpy().copy()
+    if training:
+        with pytest.raises(ValueError, match=REFUSED + r".*Received: training=True"):
+            model.fit(x, y, batch_size=8, epochs=1, verbose=0, callbacks=[_Unfreeze(block.bn)])
+        assert model.privacy.steps == 0
+    else:
+        model.fit(x, y, batch_size=8, epochs=1, verbose=0, callbacks=[_Unfreeze(block.bn)])
+        assert model.privacy.steps == 2
+    np.testing.assert_array_equal(block.bn.moving_mean.numpy(), mean)
+
+
+@pytest.mark.parametrize("axis", [0, -2])
+def test_a_batch_normalization_over_the_batch_axis_is_refused_by_name(axis):
+    """axis 0 (with a static batch size) is the batch axis: its gamma and
+    statistics are per position in the batch. It failed with Keras's
+    input-shape error from the DP step's batch of one."""
+    inputs = keras.Input((6,), batch_size=4)
+    hidden = keras.layers.BatchNormalization(axis=axis, name="bn")(
+        keras.layers.Dense(5)(inputs), training=False)
+    model = tfdp.DPModel(inputs, keras.layers.Dense(3)(hidden))
+    with pytest.raises(ValueError, match=r"'bn' \(BatchNormalization\).*axis 0.*batch axis"
+                                         rf".*Received: axis={axis}"):
+        _compile(model)

@@ -249,10 +249,11 @@ class DPTrainingMixin:
         """The step's refusals that Python makes (when the step is traced, or
         run eagerly), made before the step is charged."""
         # After every callback's on_train_begin: a layer changed since fit's
-        # own check (made stateful, or its weights recast). A trainable
-        # BatchNormalization is checked call by call as the per-example pass
-        # traces it (training=False only).
+        # own checks (made stateful, its weights recast, unfrozen: its writes
+        # are checked again). A trainable BatchNormalization is checked call
+        # by call as the per-example pass traces it (training=False only).
         check_per_example_support(self)
+        state_writes.check_dp_model_again(self)
         if self._physical_batch_size is not None:
             chunked_step.check_splittable(self.optimizer, self._physical_batch_size)
 

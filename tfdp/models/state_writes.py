@@ -4,8 +4,10 @@ A layer that writes a variable while it trains (a running mean, a queue, a
 memory bank: what BatchNormalization does with its moving statistics) puts
 training records' data into that variable, and the variable is released with
 the model, outside the noise and the accounting. `check_no_state_writes`
-refuses such a model before the first step. It traces the model's forward
-and backward pass exactly as the DP step runs it
+refuses such a model before the first step: `fit` runs it, and the DP step
+runs it again as it is traced when a layer's `trainable` flag changed since
+(a callback's `on_train_begin` runs after fit's check). It traces the
+model's forward and backward pass exactly as the DP step runs it
 (`tfdp.per_example.compute_per_example_gradients`, on the model's path), so
 the check sees what `call()` does in training, not what the layer class is:
 a frozen layer whose `call()` writes nothing passes. In that trace every op
@@ -87,11 +89,24 @@ def check_dp_model(model, sample):
     method = model.per_example_gradients
     key = (method, tuple(layer.trainable for layer in model._flatten_layers()),  # pylint: disable=protected-access
            str(tf.nest.map_structure(lambda t: (t.shape[1:], t.dtype), (sample[0], targets))))
+    model.__dict__["_state_writes_sample"] = sample
     checked = model.__dict__.setdefault("_state_writes_checked", set())
     if key in checked:
         return
     check_no_state_writes(model, (sample[0], targets), loss_fn, method)
     checked.add(key)
+
+
+@tf.autograph.experimental.do_not_convert  # Python-side, in the step's trace
+def check_dp_model_again(model):
+    """`check_dp_model` on the sample of fit's last check, with the layers'
+    `trainable` flags as they are now (a set lookup when they have not
+    changed). The DP step calls it as it is traced: after callbacks'
+    `on_train_begin`, which run after fit's own check, so a layer a callback
+    unfroze there is checked before the first step."""
+    sample = model.__dict__.get("_state_writes_sample")
+    if sample is not None:
+        check_dp_model(model, sample)
 
 
 def check_no_state_writes(model, sample, loss_fn, method="auto", training=True):

@@ -39,6 +39,8 @@ Example:
 
 import logging
 
+import keras
+
 from tfdp.per_example.batch_normalization import fix_batch_normalization
 from tfdp.per_example.batched import batched_gradients
 from tfdp.per_example.configuration import declare_per_example_activation
@@ -74,13 +76,16 @@ def check_per_example_support(model):
     its calls with `training=False` are accepted.
 
     Raises:
-        ValueError: for a stateful recurrent layer
+        ValueError: for a BatchNormalization over axis 0 (the batch axis:
+            its statistics and weights are per position in the batch), for a
+            stateful recurrent layer
             (its state carries other batches' examples into later steps), and
             for a layer whose trainable weights are not float32 (noise,
             clipping and the update need float32 weights; a mixed precision
             policy such as "mixed_bfloat16" keeps them float32 and is fine).
     """
     for layer in model._flatten_layers(include_self=False):
+        _check_normalized_axis(layer)
         if getattr(layer, "stateful", False):
             raise ValueError(
                 f"Layer '{layer.name}' ({type(layer).__name__}) is stateful: its state "
@@ -97,6 +102,22 @@ def check_per_example_support(model):
                 "'mixed_float16'), whose weights stay float32. "
                 f"Received: dtype_policy={layer.dtype_policy.name}"
             )
+
+
+def _check_normalized_axis(layer):
+    if not isinstance(layer, keras.layers.BatchNormalization):
+        return
+    rank = getattr(layer.input_spec, "ndim", None)
+    if layer.axis == 0 or (rank and layer.axis % rank == 0):
+        raise ValueError(
+            f"Layer '{layer.name}' ({type(layer).__name__}) normalizes over axis 0, the "
+            "batch axis: its statistics, gamma and beta are per position in the batch "
+            "(in training mode it normalizes over the batch's examples), so an "
+            "example's output depends on its position or on the other examples, and "
+            "it has no per-example gradient. Normalize over a feature axis (axis=-1, "
+            "the channels) instead. "
+            f"Received: axis={layer.axis}"
+        )
 
 
 def compute_per_example_gradients(

@@ -8,8 +8,10 @@ not move. Called with `training=True` (or with `training` left unspecified
 under `fit`, which means True), a trainable one normalizes with the batch's
 statistics, which mixes examples, and writes its moving statistics, which
 would store the training data. `inference_mode_calls` runs the DP step's
-forward pass with every call of a trainable BatchNormalization checked at
-trace time: a call in training mode is refused, naming the layer.
+forward pass with every call of a trainable BatchNormalization (or of an
+instance of a subclass) checked at trace time, `training` read whether it
+is passed by keyword or by position: a call in training mode is refused,
+naming the layer.
 
 keras.io's fine-tuning recipe calls a pretrained base with `training=False`
 inside a Functional model (`x = base_model(inputs, training=False)`).
@@ -37,6 +39,7 @@ TensorShape([2, 3])
 """
 
 import contextlib
+import inspect
 
 import keras
 import numpy as np
@@ -51,9 +54,10 @@ class BatchNormalizationInTraining(ValueError):
 
 
 def is_trainable_batch_normalization(layer):
-    """True for a Keras BatchNormalization with `trainable=True` (Keras
-    normalizes such a layer with the batch when `training` is True)."""
-    return type(layer) is keras.layers.BatchNormalization and layer.trainable
+    """True for a Keras BatchNormalization, or an instance of a subclass,
+    with `trainable=True` (Keras normalizes such a layer with the batch when
+    `training` is True)."""
+    return isinstance(layer, keras.layers.BatchNormalization) and layer.trainable
 
 
 def check_inference_call(layer, training):
@@ -69,7 +73,7 @@ def check_inference_call(layer, training):
     if training is None or (isinstance(training, (bool, np.bool_)) and not training):
         return
     raise BatchNormalizationInTraining(
-        f"Layer '{layer.name}' (BatchNormalization) is trainable and runs in training "
+        f"Layer '{layer.name}' ({type(layer).__name__}) is trainable and runs in training "
         "mode in the DP step: it normalizes with the batch's statistics, so every "
         "example's output depends on the others and per-example gradients (and DP "
         "clipping) are undefined, and it writes its moving statistics, which would "
@@ -133,10 +137,23 @@ def inference_mode_calls(model):
 
 
 def _hooked(layer, call, force):
+    # The class's own signature: `call` may be an earlier hook's (*args, **kwargs).
+    signature = inspect.signature(type(layer).call)
+    named = "training" in signature.parameters
+    rest = next((name for name, parameter in signature.parameters.items()
+                 if parameter.kind is parameter.VAR_KEYWORD), None)
+
     def hooked_call(*args, **kwargs):
+        try:  # `training` may come positionally, as in `bn.call(x, True)`
+            bound = signature.bind_partial(layer, *args, **kwargs)
+        except TypeError:  # the call itself raises the error
+            return call(*args, **kwargs)
+        arguments = bound.arguments
+        holder = arguments if named or rest is None else arguments.setdefault(rest, {})
         if force:
-            kwargs["training"] = False
-        check_inference_call(layer, kwargs.get("training"))
+            holder["training"] = False
+            args, kwargs = bound.args[1:], bound.kwargs
+        check_inference_call(layer, holder.get("training"))
         return call(*args, **kwargs)
 
     return hooked_call
