@@ -17,8 +17,10 @@ meaning, and k = 1 is training without multiplicity.
 
 Randomness: copy j of example i is augmented with the seed
 `(key_0 ^ h(x_i), key_1 ^ (p * 2^16 + j))`, where `key` is a secret key of
-this step (the optimizer's step key, folded with a constant of its own, so
-it is fresh for every step and every unseeded fit), `h(x_i)` a hash of the
+this step (two 64-bit words drawn under the optimizer's step key folded
+with a constant of its own, so it is fresh for every step and every
+unseeded fit, and, being a draw's output, tells `fn` nothing of the noise's
+key), `h(x_i)` a hash of the
 example's own content and p its position inside its unit (0, or the
 record's place among a user's k records). For a fixed key each unit's
 contribution is a function of its own data only: adding, removing or
@@ -131,10 +133,18 @@ class Augmentation:
 
 
 def step_key(optimizer):
-    """This step's augmentation key: the optimizer's secret step key folded
-    with a constant, so it is fresh each step (and each unseeded fit) and is
-    not the noise's seed."""
-    return dpsgd.step_seed(optimizer.step_key(), tf.constant(_KEY_DOMAIN, tf.int64))
+    """This step's augmentation key: two 64-bit words drawn (Philox) under the
+    optimizer's secret step key folded with a constant of its own, so it is
+    fresh each step (and each unseeded fit).
+
+    `fn` sees the key (an all-zero example's hash is 0), so the key is a
+    draw's output, never a seed word: folding alone would give
+    `[U64(step key), constant]`, whose first word is the noise streams' own
+    key word (`dpsgd.gaussian_noise_like` folds the same step key).
+    """
+    domain = dpsgd.step_seed(optimizer.step_key(), _KEY_DOMAIN)
+    return tf.random.stateless_uniform([2], seed=domain, minval=None, maxval=None,
+                                       dtype=tf.int64)
 
 
 def example_hashes(x):
@@ -157,7 +167,7 @@ def example_hashes(x):
         words = tf.reshape(_as_int64(leaf), [rows, -1])
         size = int(np.prod(leaf.shape[1:]))
         factors = tf.random.stateless_uniform(
-            [size], seed=[leaf_index, _KEY_DOMAIN], minval=None, maxval=None, dtype=tf.int64)
+            [size], seed=tf.constant([leaf_index, _KEY_DOMAIN], tf.int64), minval=None, maxval=None, dtype=tf.int64)
         leaf_hash = tf.reduce_sum(words * factors[None, :], axis=1)
         total = leaf_hash if total is None else total * 1000003 + leaf_hash
     return total
