@@ -28,7 +28,9 @@ replacing another example changes neither its augmentation nor its clipped
 gradient. `fn` sees one example at a time (no batch axis, so it cannot mix
 examples) and is refused if it draws from a stateful generator (whose draws
 depend on the batch position and the run's other draws), writes a variable,
-runs Python or writes files.
+runs Python, writes files or asserts on its input (a failed check on one
+record stops training). It is traced once, checked, and that trace is the
+one the step calls.
 
 Example:
 
@@ -57,8 +59,9 @@ __all__ = ["Augmentation", "check_augmentation", "example_hashes"]
 
 # Folded into the optimizer's step key: the augmentation key is not the noise key.
 _KEY_DOMAIN = 0x61756731
-# Stateful ops that only read, or check, and draw nothing.
-_HARMLESS_STATEFUL = _READS | {"Assert", "NoOp", "VarHandleOp"}
+# Stateful ops that only read and draw nothing. Not Assert: a check that fails
+# on one record aborts the step, and whether training stopped tells that record.
+_HARMLESS_STATEFUL = _READS | {"NoOp", "VarHandleOp"}
 
 
 class Augmentation:
@@ -75,6 +78,7 @@ class Augmentation:
         self.augment = augment
         self.copies = int(copies)
         self.takes_seed = takes_seed
+        self._traced = {}  # one example's specs -> the checked ConcreteFunction
 
     def __eq__(self, other):
         return isinstance(other, Augmentation) and (
@@ -82,6 +86,34 @@ class Augmentation:
 
     def __hash__(self):
         return hash((id(self.augment), self.copies))
+
+    def traced(self, specs):
+        """`augment` traced once on one example of `specs`, checked, as the
+        ConcreteFunction the step calls: the trace that is checked is the
+        one that runs (a second trace of a Python function may build other
+        ops than the first).
+
+        Args:
+            specs: a nest of `tf.TensorSpec`, one example (no batch axis).
+
+        Returns:
+            A ConcreteFunction of (x, seed), or of x without the seed.
+
+        Raises:
+            ValueError: if the trace returns another structure, shape or
+                dtype, or runs an op `check_augmentation` refuses.
+
+        Example:
+
+        >>> aug = Augmentation(lambda x, seed: -x, 2, True)
+        >>> traced = aug.traced(tf.TensorSpec([3], tf.float32))
+        >>> traced is aug.traced(tf.TensorSpec([3], tf.float32))
+        True
+        """
+        key = repr(tf.nest.map_structure(lambda s: (s.shape.as_list(), s.dtype.name), specs))
+        if key not in self._traced:
+            self._traced[key] = _check_traced(self.augment, self.takes_seed, specs)
+        return self._traced[key]
 
     def expand(self, x, targets, weights, mask, key, unit_rows=1, vectorized=True):
         """Each row's k augmented copies, consecutive, for the train step.
@@ -120,8 +152,10 @@ class Augmentation:
                           key[1] ^ (position * 65536 + copy)], axis=1)
         copies = tf.nest.map_structure(repeat, x)
         if self.augment is not None:
-            one = (lambda a: self.augment(a[0], a[1])) if self.takes_seed else (
-                lambda a: self.augment(a[0]))
+            traced = self.traced(tf.nest.map_structure(
+                lambda t: tf.TensorSpec(t.shape[1:], t.dtype), copies))
+            one = (lambda a: traced(a[0], a[1])) if self.takes_seed else (
+                lambda a: traced(a[0]))
             if vectorized:
                 copies = tf.vectorized_map(one, (copies, seeds))
             else:
@@ -232,8 +266,10 @@ def check_augmentation(augment, augmentations, sample_x, optimizer):
             f"(fn(x, seed)). Received: augment={_name(augment)} with augmentations={copies}"
         )
     _check_privatize(optimizer)
-    _check_traced(augment, takes_seed, sample_x)
-    return Augmentation(augment, copies, takes_seed)
+    augmentation = Augmentation(augment, copies, takes_seed)
+    augmentation.traced(tf.nest.map_structure(
+        lambda t: tf.TensorSpec(t.shape[1:], t.dtype), sample_x))
+    return augmentation
 
 
 def _name(augment):
@@ -282,10 +318,10 @@ def _check_privatize(optimizer):
         )
 
 
-def _check_traced(augment, takes_seed, sample_x):
-    """Traces `augment` on one example: same structure, shapes and dtypes out,
-    and no op that draws from a stateful generator, writes state or runs Python."""
-    specs = tf.nest.map_structure(lambda t: tf.TensorSpec(t.shape[1:], t.dtype), sample_x)
+def _check_traced(augment, takes_seed, specs):
+    """Traces `augment` on one example of `specs`: same structure, shapes and
+    dtypes out, and no op that draws from a stateful generator, writes state,
+    runs Python or asserts. Returns the checked ConcreteFunction."""
     seed = tf.TensorSpec([2], tf.int64)
     if takes_seed:
         traced = tf.function(lambda x, s: augment(x, s)).get_concrete_function(specs, seed)
@@ -309,6 +345,14 @@ def _check_traced(augment, takes_seed, sample_x):
             f"returning {shown}"
         )
     for op in _ops(traced.graph):
+        if op.type == "Assert":
+            raise ValueError(
+                "augment must not assert on its input: a check that fails on one record "
+                "stops training, and whether training stopped tells that record (a release "
+                "no noise covers). Drop the assertion (tf.debugging.assert_*, tf.Assert) or "
+                "make the transform valid for every input (clip or replace the value). "
+                f"Received: augment={_name(augment)} running op '{op.name}' ({op.type})"
+            )
         if op.type in _PYTHON_OPS or op.type in _OUTPUT_OPS or op.type.startswith(
                 _OUTPUT_PREFIXES) or (op._is_stateful and op.type not in _HARMLESS_STATEFUL):  # pylint: disable=protected-access
             raise ValueError(
@@ -320,6 +364,7 @@ def _check_traced(augment, takes_seed, sample_x):
                 "file write would keep or release training records. Received: "
                 f"augment={_name(augment)} running op '{op.name}' ({op.type})"
             )
+    return traced
 
 
 def _ops(graph, seen=None):
