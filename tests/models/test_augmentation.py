@@ -246,3 +246,17 @@ def test_the_checked_trace_is_the_one_that_runs():
     # Negative control: traced again, the second face runs Python (refused).
     with pytest.raises(ValueError, match=r"EagerPyFunc"):
         check_augmentation(two_faced, 2, x[:1], model.optimizer)
+
+
+def test_a_shape_check_is_not_a_data_dependent_assert():
+    """stateless_random_crop asserts on static shapes only: the same outcome
+    for every example, so it is accepted (assert_less on a value is not)."""
+
+    def crop(image, seed):
+        padded = tf.pad(image, [[2, 2], [2, 2], [0, 0]])
+        return tf.image.stateless_random_crop(padded, tf.shape(image), seed)
+
+    optimizer = tfdp.optimizers.DPSGD(0.1, noise_multiplier=1.0)
+    assert check_augmentation(crop, 2, np.zeros((1, 8, 8, 1), "float32"), optimizer)
+    with pytest.raises(ValueError, match="must not assert on its input"):
+        check_augmentation(asserting, 2, np.zeros((1, 6), "float32"), optimizer)

@@ -59,8 +59,9 @@ __all__ = ["Augmentation", "check_augmentation", "example_hashes"]
 
 # Folded into the optimizer's step key: the augmentation key is not the noise key.
 _KEY_DOMAIN = 0x61756731
-# Stateful ops that only read and draw nothing. Not Assert: a check that fails
-# on one record aborts the step, and whether training stopped tells that record.
+# Stateful ops that only read and draw nothing. Not Assert (allowed only on
+# constants and static shapes): a check that fails on one record aborts the
+# step, and whether training stopped tells that record.
 _HARMLESS_STATEFUL = _READS | {"NoOp", "VarHandleOp"}
 
 
@@ -346,6 +347,8 @@ def _check_traced(augment, takes_seed, specs):
         )
     for op in _ops(traced.graph):
         if op.type == "Assert":
+            if not _reads_values(op):  # a check of constants and static shapes only
+                continue
             raise ValueError(
                 "augment must not assert on its input: a check that fails on one record "
                 "stops training, and whether training stopped tells that record (a release "
@@ -365,6 +368,32 @@ def _check_traced(augment, takes_seed, specs):
                 f"augment={_name(augment)} running op '{op.name}' ({op.type})"
             )
     return traced
+
+
+# Ops whose value is fixed by their input's static shape, when it is fully known.
+_SHAPE_OPS = {"Shape", "ShapeN", "Rank", "Size"}
+
+
+def _reads_values(op):
+    """Whether `op` may depend on an input's values (not only on constants
+    and static shapes): a shape check such as `stateless_random_crop`'s holds
+    or fails alike for every example; anything else is a data-dependent
+    abort. Conservative: a function input (the example, the seed, a branch's
+    argument) reached other than through a fully known shape counts."""
+    pending, seen = list(op.inputs), set()
+    while pending:
+        tensor = pending.pop()
+        producer = tensor.op
+        if producer.name in seen or producer.type == "Const":
+            continue
+        seen.add(producer.name)
+        if producer.type in _SHAPE_OPS and all(
+                t.shape.is_fully_defined() for t in producer.inputs):
+            continue
+        if producer.type == "Placeholder" or not producer.inputs and producer.type != "Const":
+            return True
+        pending.extend(producer.inputs)
+    return False
 
 
 def _ops(graph, seen=None):
