@@ -187,6 +187,12 @@ class Counter(keras.layers.Layer):
     pass
 
 
+def asserting(x, seed):
+    """A data-dependent check: it would abort the step on one record."""
+    tf.debugging.assert_less(x[0], 100.0)
+    return shift_and_flip(x, seed)
+
+
 @pytest.mark.parametrize("augment, augmentations, match", [
     (shift_and_flip, 0, "Received: augmentations=0"),
     (shift_and_flip, True, "Received: augmentations=True"),
@@ -194,6 +200,7 @@ class Counter(keras.layers.Layer):
     (None, 3, "Received: augmentations=3 and augment=None"),
     (lambda x: x, 3, "identical.*augmentations=3"),
     (stateful, 2, r"stateless.*\(RandomUniform\)"),
+    (asserting, 2, r"must not assert on its input.*\(Assert\)"),
     (lambda x, seed: x[:3], 2, "shaped as its input"),
     (lambda x, seed: tf.cast(x, tf.float64), 2, "shaped as its input"),
     (Counter(), 2, "Keras layer"),
@@ -216,3 +223,40 @@ def test_an_optimizer_with_its_own_privatize_is_refused():
     optimizer = OwnPrivatize(0.1, noise_multiplier=1.0)
     with pytest.raises(ValueError, match="OwnPrivatize cannot average augmented copies"):
         check_augmentation(shift_and_flip, 2, np.zeros((1, 6), "float32"), optimizer)
+
+
+def test_the_checked_trace_is_the_one_that_runs():
+    """A two-faced fn (pure when first traced, Python afterwards) never runs
+    its second face: the step calls the trace `check_augmentation` checked."""
+    leaked, calls = [], []
+
+    def two_faced(x, seed):
+        calls.append(1)
+        if len(calls) == 1:
+            return shift_and_flip(x, seed)
+        out = tf.py_function(lambda t: (leaked.append(t.numpy().copy()), t)[1], [x], tf.float32)
+        return tf.ensure_shape(out, x.shape)
+
+    x, y = data(8)
+    model = make_model()
+    model.fit(x, y, batch_size=4, steps_per_epoch=2, augment=two_faced, augmentations=2,
+              verbose=0)
+    assert model.privacy.steps == 2
+    assert leaked == [] and len(calls) == 1
+    # Negative control: traced again, the second face runs Python (refused).
+    with pytest.raises(ValueError, match=r"EagerPyFunc"):
+        check_augmentation(two_faced, 2, x[:1], model.optimizer)
+
+
+def test_a_shape_check_is_not_a_data_dependent_assert():
+    """stateless_random_crop asserts on static shapes only: the same outcome
+    for every example, so it is accepted (assert_less on a value is not)."""
+
+    def crop(image, seed):
+        padded = tf.pad(image, [[2, 2], [2, 2], [0, 0]])
+        return tf.image.stateless_random_crop(padded, tf.shape(image), seed)
+
+    optimizer = tfdp.optimizers.DPSGD(0.1, noise_multiplier=1.0)
+    assert check_augmentation(crop, 2, np.zeros((1, 8, 8, 1), "float32"), optimizer)
+    with pytest.raises(ValueError, match="must not assert on its input"):
+        check_augmentation(asserting, 2, np.zeros((1, 6), "float32"), optimizer)

@@ -182,7 +182,8 @@ def test_each_decision_follows_exp_minus_dE_times_Q():
         energy, temperature, tau = None, 2.0, 0
         for t, row in enumerate(logs.rows):
             accepted = int(row["tau"]) > tau
-            key = dpsgd.step_seed(dpsgd.step_seed(opt._noise_key, t), t)  # model steps, iterations
+            # The step reads its key after its charge: model steps t + 1, iterations t.
+            key = dpsgd.step_seed(dpsgd.step_seed(opt._noise_key, t + 1), t)
             u = float(annealing.decision_uniform(key))
             if energy is not None:
                 dE = np.float32(row["candidate_energy"]) - np.float32(energy)

@@ -26,6 +26,8 @@ import collections
 
 import tensorflow as tf
 
+from tfdp.mechanisms.gaussian import fold_seed
+
 # Constants folded into a step's seed for the annealing's own random draws.
 # Large, so they never coincide with the per-tensor indices (0, 1, ...) that
 # DP-SGD's noise folds into the same step seed.
@@ -91,9 +93,7 @@ def decision_uniform(step_seed):
     >>> 0.0 <= float(u) < 1.0
     True
     """
-    seed = tf.random.experimental.stateless_fold_in(
-        tf.cast(step_seed, tf.int64), DECISION_STREAM
-    )
+    seed = fold_seed(step_seed, DECISION_STREAM)
     return tf.random.stateless_uniform([], seed=seed, dtype=tf.float32)
 
 
@@ -114,9 +114,7 @@ def subset_indices(step_seed, num_examples, subset_size):
     >>> sorted(set(idx.numpy().tolist())) == sorted(idx.numpy().tolist())
     True
     """
-    seed = tf.random.experimental.stateless_fold_in(
-        tf.cast(step_seed, tf.int64), SUBSET_STREAM
-    )
+    seed = fold_seed(step_seed, SUBSET_STREAM)
     keys = tf.random.stateless_uniform(tf.reshape(num_examples, [1]), seed=seed)
     return tf.math.top_k(keys, k=subset_size, sorted=False).indices
 

@@ -15,7 +15,7 @@ array([0.5, 1. , 0. ], dtype=float32)
 
 import tensorflow as tf
 
-from tfdp.mechanisms.gaussian import normals
+from tfdp.mechanisms.gaussian import fold_seed, normals
 
 
 # The smallest normal number of each float type: a squared-norm bound below it
@@ -102,9 +102,7 @@ def step_seed(key, step):
     >>> s.shape
     TensorShape([2])
     """
-    return tf.random.experimental.stateless_fold_in(
-        tf.cast(key, tf.int64), tf.cast(step, tf.int64)
-    )
+    return fold_seed(key, step)
 
 
 def gaussian_noise_like(tensors, stddev, seed):
@@ -128,7 +126,7 @@ def gaussian_noise_like(tensors, stddev, seed):
     >>> n[0].shape
     TensorShape([3])
     """
-    streams = [tf.random.experimental.stateless_fold_in(seed, i) for i in range(len(tensors))]
+    streams = [fold_seed(seed, i) for i in range(len(tensors))]
     shapes = [t.shape if t.shape.is_fully_defined() else tf.shape(t) for t in tensors]
     dtypes = [t.dtype for t in tensors]
     if tf.convert_to_tensor(stddev).shape.rank == 0:  # folded into the radius

@@ -67,6 +67,33 @@ _LN_CELLS = 32.0 * math.log(2.0)  # -ln 2^-32: E = -ln(w0 2^-32) = _LN_CELLS - l
 _ANGLE_PER_WORD = 2.0 * math.pi * _WORD
 
 
+def fold_seed(seed, data):
+    """`seed` folded with `data`: a new int64 seed [2] whose first word is a
+    64-bit Philox draw keyed by `seed`, and whose second is `data`.
+
+    `tf.random.experimental.stateless_fold_in(seed, data)` draws its first
+    word in `data`'s dtype: a Python int makes it int32, a seed with only 32
+    secret bits (2^32 candidates can be searched). Every fold of a secret
+    seed in tfdp goes through here, in int64.
+
+    Args:
+        seed: integer tensor [2] (cast to int64).
+        data: integer scalar (a Python int or a tensor), usually public: a
+            stream's index, a step count, a domain constant.
+
+    Returns:
+        int64 tensor [2].
+
+    Example:
+
+    >>> s = fold_seed(tf.constant([1, 2], tf.int64), 3)
+    >>> s.dtype, int(s[1])
+    (tf.int64, 3)
+    """
+    return tf.random.experimental.stateless_fold_in(
+        tf.cast(seed, tf.int64), tf.cast(data, tf.int64))
+
+
 def _words(shape, seed):
     """Uniform 32-bit random words of `shape` (stateless Philox)."""
     return tf.random.stateless_uniform(shape, seed=seed, minval=None, maxval=None, dtype=tf.uint32)
@@ -111,7 +138,7 @@ class _Draw:
             return tf.reduce_any(pending)
 
         def deeper(level, e, pending):
-            seed = tf.random.experimental.stateless_fold_in(self.seed, level)
+            seed = fold_seed(self.seed, level)
             word = tf.cast(_words(tf.shape(self.word), seed), tf.float64)
             e = tf.where(pending, e + part(word), e)
             return level + 1, e, pending & (word == 0.0)

@@ -17,8 +17,10 @@ meaning, and k = 1 is training without multiplicity.
 
 Randomness: copy j of example i is augmented with the seed
 `(key_0 ^ h(x_i), key_1 ^ (p * 2^16 + j))`, where `key` is a secret key of
-this step (the optimizer's step key, folded with a constant of its own, so
-it is fresh for every step and every unseeded fit), `h(x_i)` a hash of the
+this step (two 64-bit words drawn under the optimizer's step key folded
+with a constant of its own, so it is fresh for every step and every
+unseeded fit, and, being a draw's output, tells `fn` nothing of the noise's
+key), `h(x_i)` a hash of the
 example's own content and p its position inside its unit (0, or the
 record's place among a user's k records). For a fixed key each unit's
 contribution is a function of its own data only: adding, removing or
@@ -26,7 +28,9 @@ replacing another example changes neither its augmentation nor its clipped
 gradient. `fn` sees one example at a time (no batch axis, so it cannot mix
 examples) and is refused if it draws from a stateful generator (whose draws
 depend on the batch position and the run's other draws), writes a variable,
-runs Python or writes files.
+runs Python, writes files or asserts on its input (a failed check on one
+record stops training). It is traced once, checked, and that trace is the
+one the step calls.
 
 Example:
 
@@ -55,8 +59,10 @@ __all__ = ["Augmentation", "check_augmentation", "example_hashes"]
 
 # Folded into the optimizer's step key: the augmentation key is not the noise key.
 _KEY_DOMAIN = 0x61756731
-# Stateful ops that only read, or check, and draw nothing.
-_HARMLESS_STATEFUL = _READS | {"Assert", "NoOp", "VarHandleOp"}
+# Stateful ops that only read and draw nothing. Not Assert (allowed only on
+# constants and static shapes): a check that fails on one record aborts the
+# step, and whether training stopped tells that record.
+_HARMLESS_STATEFUL = _READS | {"NoOp", "VarHandleOp"}
 
 
 class Augmentation:
@@ -73,6 +79,7 @@ class Augmentation:
         self.augment = augment
         self.copies = int(copies)
         self.takes_seed = takes_seed
+        self._traced = {}  # one example's specs -> the checked ConcreteFunction
 
     def __eq__(self, other):
         return isinstance(other, Augmentation) and (
@@ -80,6 +87,34 @@ class Augmentation:
 
     def __hash__(self):
         return hash((id(self.augment), self.copies))
+
+    def traced(self, specs):
+        """`augment` traced once on one example of `specs`, checked, as the
+        ConcreteFunction the step calls: the trace that is checked is the
+        one that runs (a second trace of a Python function may build other
+        ops than the first).
+
+        Args:
+            specs: a nest of `tf.TensorSpec`, one example (no batch axis).
+
+        Returns:
+            A ConcreteFunction of (x, seed), or of x without the seed.
+
+        Raises:
+            ValueError: if the trace returns another structure, shape or
+                dtype, or runs an op `check_augmentation` refuses.
+
+        Example:
+
+        >>> aug = Augmentation(lambda x, seed: -x, 2, True)
+        >>> traced = aug.traced(tf.TensorSpec([3], tf.float32))
+        >>> traced is aug.traced(tf.TensorSpec([3], tf.float32))
+        True
+        """
+        key = repr(tf.nest.map_structure(lambda s: (s.shape.as_list(), s.dtype.name), specs))
+        if key not in self._traced:
+            self._traced[key] = _check_traced(self.augment, self.takes_seed, specs)
+        return self._traced[key]
 
     def expand(self, x, targets, weights, mask, key, unit_rows=1, vectorized=True):
         """Each row's k augmented copies, consecutive, for the train step.
@@ -118,8 +153,10 @@ class Augmentation:
                           key[1] ^ (position * 65536 + copy)], axis=1)
         copies = tf.nest.map_structure(repeat, x)
         if self.augment is not None:
-            one = (lambda a: self.augment(a[0], a[1])) if self.takes_seed else (
-                lambda a: self.augment(a[0]))
+            traced = self.traced(tf.nest.map_structure(
+                lambda t: tf.TensorSpec(t.shape[1:], t.dtype), copies))
+            one = (lambda a: traced(a[0], a[1])) if self.takes_seed else (
+                lambda a: traced(a[0]))
             if vectorized:
                 copies = tf.vectorized_map(one, (copies, seeds))
             else:
@@ -131,10 +168,18 @@ class Augmentation:
 
 
 def step_key(optimizer):
-    """This step's augmentation key: the optimizer's secret step key folded
-    with a constant, so it is fresh each step (and each unseeded fit) and is
-    not the noise's seed."""
-    return dpsgd.step_seed(optimizer.step_key(), tf.constant(_KEY_DOMAIN, tf.int64))
+    """This step's augmentation key: two 64-bit words drawn (Philox) under the
+    optimizer's secret step key folded with a constant of its own, so it is
+    fresh each step (and each unseeded fit).
+
+    `fn` sees the key (an all-zero example's hash is 0), so the key is a
+    draw's output, never a seed word: folding alone would give
+    `[U64(step key), constant]`, whose first word is the noise streams' own
+    key word (`dpsgd.gaussian_noise_like` folds the same step key).
+    """
+    domain = dpsgd.step_seed(optimizer.step_key(), _KEY_DOMAIN)
+    return tf.random.stateless_uniform([2], seed=domain, minval=None, maxval=None,
+                                       dtype=tf.int64)
 
 
 def example_hashes(x):
@@ -157,7 +202,7 @@ def example_hashes(x):
         words = tf.reshape(_as_int64(leaf), [rows, -1])
         size = int(np.prod(leaf.shape[1:]))
         factors = tf.random.stateless_uniform(
-            [size], seed=[leaf_index, _KEY_DOMAIN], minval=None, maxval=None, dtype=tf.int64)
+            [size], seed=tf.constant([leaf_index, _KEY_DOMAIN], tf.int64), minval=None, maxval=None, dtype=tf.int64)
         leaf_hash = tf.reduce_sum(words * factors[None, :], axis=1)
         total = leaf_hash if total is None else total * 1000003 + leaf_hash
     return total
@@ -222,8 +267,10 @@ def check_augmentation(augment, augmentations, sample_x, optimizer):
             f"(fn(x, seed)). Received: augment={_name(augment)} with augmentations={copies}"
         )
     _check_privatize(optimizer)
-    _check_traced(augment, takes_seed, sample_x)
-    return Augmentation(augment, copies, takes_seed)
+    augmentation = Augmentation(augment, copies, takes_seed)
+    augmentation.traced(tf.nest.map_structure(
+        lambda t: tf.TensorSpec(t.shape[1:], t.dtype), sample_x))
+    return augmentation
 
 
 def _name(augment):
@@ -272,10 +319,10 @@ def _check_privatize(optimizer):
         )
 
 
-def _check_traced(augment, takes_seed, sample_x):
-    """Traces `augment` on one example: same structure, shapes and dtypes out,
-    and no op that draws from a stateful generator, writes state or runs Python."""
-    specs = tf.nest.map_structure(lambda t: tf.TensorSpec(t.shape[1:], t.dtype), sample_x)
+def _check_traced(augment, takes_seed, specs):
+    """Traces `augment` on one example of `specs`: same structure, shapes and
+    dtypes out, and no op that draws from a stateful generator, writes state,
+    runs Python or asserts. Returns the checked ConcreteFunction."""
     seed = tf.TensorSpec([2], tf.int64)
     if takes_seed:
         traced = tf.function(lambda x, s: augment(x, s)).get_concrete_function(specs, seed)
@@ -299,6 +346,16 @@ def _check_traced(augment, takes_seed, sample_x):
             f"returning {shown}"
         )
     for op in _ops(traced.graph):
+        if op.type == "Assert":
+            if not _reads_values(op):  # a check of constants and static shapes only
+                continue
+            raise ValueError(
+                "augment must not assert on its input: a check that fails on one record "
+                "stops training, and whether training stopped tells that record (a release "
+                "no noise covers). Drop the assertion (tf.debugging.assert_*, tf.Assert) or "
+                "make the transform valid for every input (clip or replace the value). "
+                f"Received: augment={_name(augment)} running op '{op.name}' ({op.type})"
+            )
         if op.type in _PYTHON_OPS or op.type in _OUTPUT_OPS or op.type.startswith(
                 _OUTPUT_PREFIXES) or (op._is_stateful and op.type not in _HARMLESS_STATEFUL):  # pylint: disable=protected-access
             raise ValueError(
@@ -310,6 +367,33 @@ def _check_traced(augment, takes_seed, sample_x):
                 "file write would keep or release training records. Received: "
                 f"augment={_name(augment)} running op '{op.name}' ({op.type})"
             )
+    return traced
+
+
+# Ops whose value is fixed by their input's static shape, when it is fully known.
+_SHAPE_OPS = {"Shape", "ShapeN", "Rank", "Size"}
+
+
+def _reads_values(op):
+    """Whether `op` may depend on an input's values (not only on constants
+    and static shapes): a shape check such as `stateless_random_crop`'s holds
+    or fails alike for every example; anything else is a data-dependent
+    abort. Conservative: a function input (the example, the seed, a branch's
+    argument) reached other than through a fully known shape counts."""
+    pending, seen = list(op.inputs), set()
+    while pending:
+        tensor = pending.pop()
+        producer = tensor.op
+        if producer.name in seen or producer.type == "Const":
+            continue
+        seen.add(producer.name)
+        if producer.type in _SHAPE_OPS and all(
+                t.shape.is_fully_defined() for t in producer.inputs):
+            continue
+        if producer.type == "Placeholder" or not producer.inputs and producer.type != "Const":
+            return True
+        pending.extend(producer.inputs)
+    return False
 
 
 def _ops(graph, seen=None):

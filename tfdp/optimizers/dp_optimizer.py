@@ -20,6 +20,7 @@ from tfdp.accounting.calibration import steps_per_epoch as default_steps_per_epo
 from tfdp.data.poisson import PoissonSampler, make_dataset
 from tfdp.data.users import UserSampler
 from tfdp.mechanisms import dpsgd, quantile_clipping
+from tfdp.mechanisms.gaussian import fold_seed
 from tfdp.optimizers.noise_target import NoiseTarget
 
 WEIGHT_DECAY_PLACEMENTS = ("before_clip", "after_noise")
@@ -627,9 +628,7 @@ class DPOptimizer(keras.optimizers.Optimizer):
         seed = self.step_key()
         replica = tf.distribute.get_replica_context()
         if replica is not None and replica.num_replicas_in_sync > 1:
-            seed = tf.random.experimental.stateless_fold_in(
-                seed, tf.cast(replica.replica_id_in_sync_group, tf.int64)
-            )
+            seed = fold_seed(seed, replica.replica_id_in_sync_group)
         return seed
 
     def _decay_offsets(self, variables):
@@ -691,8 +690,7 @@ class DPOptimizer(keras.optimizers.Optimizer):
         if not self.adaptive_clipping:
             return {}
         expected = step_info["expected_batch_size"]
-        seed = tf.random.experimental.stateless_fold_in(
-            self.noise_seed(), quantile_clipping.COUNT_STREAM)
+        seed = fold_seed(self.noise_seed(), quantile_clipping.COUNT_STREAM)
         fraction = quantile_clipping.unclipped_fraction(
             counts["unclipped_count"], self.count_noise_stddev(expected), expected, seed)
         noise = quantile_clipping.gradient_noise_multiplier(
