@@ -26,6 +26,8 @@ Example:
 import dp_accounting
 import numpy as np
 
+from tfdp.mechanisms import gaussian
+
 
 def accuracy(y_true, y_pred):
     """1.0 where the arg-max class equals the label (integer or one-hot), else 0.0."""
@@ -100,5 +102,5 @@ def release_score(values, count, noise_multiplier, rng):
     total = float(np.sum(values))
     if noise_multiplier is None:
         return total / count, None
-    total += float(rng.normal(0.0, noise_multiplier))
+    total += float(gaussian.numpy_normal(rng, noise_multiplier))  # the whole tail
     return total / count, dp_accounting.GaussianDpEvent(noise_multiplier)
