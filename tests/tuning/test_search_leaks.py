@@ -1,9 +1,13 @@
 """What a private search must not leak: a record's effect on others' split,
 the number of trials (names, logs, tracebacks), batch-mixing scores."""
 
+import re
+
 import keras
 import numpy as np
 import pytest
+import tensorflow as tf
+from tensorflow.python.framework import ops
 
 pytest.importorskip("keras_tuner")
 
@@ -92,27 +96,56 @@ def test_adding_a_record_moves_no_other_record_across_the_split(trials, monkeypa
     assert _others_moved(monkeypatch, split=_exact_size_split)
 
 
-def _names_and_output(trials, capfd, count):
+def _function_numbers(model, folder):
+    """The numbers TensorFlow's uid counter gave the functions of an export."""
+    model.export(str(folder), verbose=False)
+    graph = (folder / "saved_model.pb").read_bytes()
+    return sorted({int(n) for n in re.findall(rb"__inference_[A-Za-z_]+?_(\d+)", graph)})
+
+
+def _counted(unique_id, start):
+    """A variable's unique id ('<name>_<uid>') with its uid read from `start`."""
+    name, uid = unique_id.rsplit("_", 1)
+    return name, int(uid) - start
+
+
+def _released(trials, tmp_path, count):
+    """Everything the process holds after a search with `count` trials, with
+    TensorFlow's process-wide uid counter read relative to its value before."""
     keras.backend.clear_session()
     trials(count)
     x, y = _data(40)
     tuner = PrivateRandomSearch(lambda hp: _build(hp, hp.Fixed("learning_rate", 0.1)),
                                 mean_trials=3)
+    start = ops.uid()
     tuner.search(x, y, batch_size=20, epochs=1, validation_split=0.25)
     model = tuner.get_best_models()[0]
     model.predict(x[:4], verbose=0)  # the user's next calls: no count in their warnings
-    after = keras.layers.Dense(1).name
-    return (model.to_json(), [v.path for v in model.variables], model.optimizer.name,
-            [v.path for v in model.optimizer.variables], after, capfd.readouterr())
+    return dict(
+        config=model.to_json(), paths=[v.path for v in model.variables],
+        optimizer=[model.optimizer.name] + [v.path for v in model.optimizer.variables],
+        layer_after=keras.layers.Dense(1).name,
+        variable_ids=[_counted(v.value._unique_id, start) for v in model.variables],
+        exported=[n - start for n in _function_numbers(model, tmp_path / f"export{count}")],
+        variable_after=_counted(tf.Variable(0.0)._unique_id, start),
+        history=model.history, metrics=[float(v) for m in model.metrics for v in m.variables],
+        epsilon=model.privacy.epsilon(1e-5))
 
 
-def test_names_and_logs_do_not_count_the_trials(trials, capfd):
-    keras.ops.zeros(1)  # TensorFlow's one-time device messages, before the comparison
+def test_nothing_the_search_leaves_counts_the_trials(trials, capfd, tmp_path):
+    """Names, logs, TensorFlow's uid counter (exported function names, later
+    variables' ids, the chosen model's variables' build order): the same
+    after 1 trial as after 6 (6 traces: TensorFlow's retracing warning)."""
+    _released(trials, tmp_path, 1)  # first exports and loads: one-time costs before comparing
     capfd.readouterr()
-    one = _names_and_output(trials, capfd, 1)
-    five = _names_and_output(trials, capfd, 5)  # 5 traces: TensorFlow's retracing warning
-    for a, b in zip(one, five):
-        assert a == b
+    one = _released(trials, tmp_path, 1)
+    output = capfd.readouterr()
+    six = _released(trials, tmp_path, 6)
+    assert capfd.readouterr() == output
+    histories = one.pop("history"), six.pop("history")
+    assert one == six
+    # The chosen model's training metrics counted the held-out rows: cleared.
+    assert histories == (None, None) and not any(one["metrics"])
 
 
 def _frames(error):
