@@ -35,6 +35,18 @@ def _build(noise=None, layer=None):
     return build
 
 
+@pytest.fixture(autouse=True)
+def in_process(monkeypatch):
+    """Searches run in this process (patched fits, fast); `in_child` undoes it."""
+    monkeypatch.setattr(search_module, "_IN_PROCESS", True)
+
+
+@pytest.fixture
+def in_child(monkeypatch):
+    """Searches run in their child process, as everyone else's."""
+    monkeypatch.setattr(search_module, "_IN_PROCESS", False)
+
+
 @pytest.fixture
 def trials(monkeypatch):
     """Sets the number of trials the next searches draw."""
