@@ -123,8 +123,8 @@ def rebuilt(kind, message):
 
     Example:
 
-    >>> str(rebuilt(KeyError, "k")), type(rebuilt(UnicodeError, "bad")).__name__
-    ("'k'", 'UnicodeError')
+    >>> type(rebuilt(ValueError, "bad")).__name__, str(rebuilt(KeyError, "k"))
+    ('ValueError', 'KeyError: k')
     """
     try:
         fresh = kind(message)

@@ -13,7 +13,7 @@ with a generic message, except a refusal raised before the number of trials
 was drawn, or a search's own `hiding.Refusal`, which keep their message.
 
 The child is a new interpreter (`python -c`) with this process's
-`sys.path`, not `multiprocessing`'s spawn start, which would run the
+`sys.path` and this copy of tfdp first on it, not `multiprocessing`'s spawn start, which would run the
 caller's `__main__` script again in the child. The trials (the hypermodel,
 the score function, the data) travel pickled by `cloudpickle`, so functions
 defined in `__main__` or a notebook work; the temporary folder holding them
@@ -51,7 +51,8 @@ def run(trials):
         with open(os.path.join(folder, _JOB), "wb") as file:
             file.write(job)
         del job
-        child = subprocess.Popen([sys.executable, "-c", _CHILD, folder, *sys.path],
+        tfdp_root = os.path.dirname(os.path.dirname(os.path.dirname(__file__)))
+        child = subprocess.Popen([sys.executable, "-c", _CHILD, folder, tfdp_root, *sys.path],
                                  stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                                  stderr=subprocess.DEVNULL)
         try:
@@ -66,6 +67,33 @@ def run(trials):
 
 
 def _pickled(trials):
+    modules = _without_files(trials.build, getattr(trials.build, "__self__", None),
+                             trials.score)
+    for module in modules:
+        cloudpickle.register_pickle_by_value(module)
+    try:
+        return _dumps(trials)
+    finally:
+        for module in modules:
+            cloudpickle.unregister_pickle_by_value(module)
+
+
+def _without_files(*objects):
+    """The modules of `objects` that the child cannot import (a docs runner's
+    or a tool's module made in memory): their functions travel by value, as
+    `__main__`'s do."""
+    modules = []
+    for item in objects:
+        name = item.__module__ if callable(item) else type(item).__module__
+        module = sys.modules.get(name)
+        if module is not None and name != "__main__" and module not in modules \
+                and getattr(module, "__file__", None) is None \
+                and getattr(module, "__spec__", None) is None:
+            modules.append(module)
+    return modules
+
+
+def _dumps(trials):
     try:
         return cloudpickle.dumps(trials)
     except Exception as error:  # noqa: BLE001 - name the object that cannot travel

@@ -7,7 +7,8 @@ private data (or exactly, on data declared public), keeps the best and
 charges its ledger one `RepeatAndSelectDpEvent` over a trial's releases
 (`tfdp.accounting.search`, `PrivacyLedger.charge_selection`). The chosen
 model, its hyperparameters and its score are the output; the other trials'
-models and scores, and K, are never kept where the API can return them.
+models and scores, and K, stay in the child process that runs the search
+(`tfdp.tuning.process`).
 
 Example:
 
@@ -78,7 +79,11 @@ class PrivateRandomSearch:
     Only `get_best_models()`, `get_best_hyperparameters()` and `best_score`
     release results; they are safe to print. The number of trials and the
     search's duration are not released (the wall-clock time of `search`
-    grows with it: do not publish it).
+    grows with it: do not publish it). `search` runs the trials in a child
+    process (`tfdp.tuning.process`), so that TensorFlow's process-wide
+    counters in yours do not count them: the hypermodel and the score must
+    be picklable with cloudpickle, and an error in a trial comes back with
+    its type but not its message.
     """
 
     def __init__(self, hypermodel, mean_trials, distribution="geometric", shape=None,
@@ -130,6 +135,10 @@ class PrivateRandomSearch:
                 settings could differ (before any record is read), missing
                 or contradictory validation arguments, and a non-private
                 score of private data.
+            TypeError: for a hypermodel, score or data that cannot be
+                pickled for the child process.
+            Any error of a trial, with its type and a message that does
+                not count the trials.
         """
         if kwargs:
             raise ValueError(
