@@ -143,7 +143,7 @@ def _released(tuner, trials, tmp_path, count):
         variable_ids=[_counted(v.value._unique_id, start) for v in model.variables],
         exported=[n - start for n in _function_numbers(model, tmp_path / f"export{count}")],
         variable_after=_counted(tf.Variable(0.0)._unique_id, start),
-        history=getattr(model, "history", None),
+        history=model.history,
         metrics=[float(v) for metric in model.metrics for v in metric.variables],
         events=model.privacy.composed_event().events)
 

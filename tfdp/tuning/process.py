@@ -51,7 +51,7 @@ def run(trials):
         with open(os.path.join(folder, _JOB), "wb") as file:
             file.write(job)
         del job
-        tfdp_root = os.path.dirname(os.path.dirname(os.path.dirname(__file__)))
+        tfdp_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
         child = subprocess.Popen([sys.executable, "-c", _CHILD, folder, tfdp_root, *sys.path],
                                  stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                                  stderr=subprocess.DEVNULL)
@@ -141,6 +141,7 @@ def _outcome(folder):
     from tfdp.models import load_model
 
     model = load_model(os.path.join(folder, _MODEL))
+    model.history = None  # as `Trials.run` leaves it: no trial's training history
     hp = keras_tuner.HyperParameters.from_config(result["hyperparameters"])
     return model, hp, result["score"], event_from_dict(result["event"])
 
