@@ -1,6 +1,7 @@
 """tfdp.tuning.PrivateRandomSearch: tiny models, a few steps each."""
 
 import math
+import threading
 
 import dp_accounting
 import keras
@@ -33,6 +34,18 @@ def _build(noise=None, layer=None):
             loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
         return model
     return build
+
+
+@pytest.fixture(autouse=True)
+def in_process(monkeypatch):
+    """Searches run in this process (patched fits, fast); `in_child` undoes it."""
+    monkeypatch.setattr(search_module, "_IN_PROCESS", True)
+
+
+@pytest.fixture
+def in_child(monkeypatch):
+    """Searches run in their child process, as everyone else's."""
+    monkeypatch.setattr(search_module, "_IN_PROCESS", False)
 
 
 @pytest.fixture
@@ -141,3 +154,16 @@ def test_searches_that_would_leak_are_refused(kwargs, match):
 def test_a_fixed_number_of_trials_is_refused():
     with pytest.raises(ValueError, match="Received: max_trials=5"):
         PrivateRandomSearch(_build(), mean_trials=5, max_trials=5)
+
+
+def test_a_hypermodel_that_cannot_reach_the_child_process_is_named(in_child):
+    lock = threading.Lock()  # no pickle carries a lock
+
+    def build(hp):
+        with lock:
+            return _build()(hp)
+
+    tuner = PrivateRandomSearch(build, 2)
+    with pytest.raises(TypeError, match=r"its `hypermodel` must be picklable.*Received: "
+                                        r"hypermodel=<function .*build"):
+        tuner.search(*_data(), batch_size=BATCH, validation_split=SPLIT)

@@ -1,14 +1,23 @@
 """What a private search must not leak: a record's effect on others' split,
 the number of trials (names, logs, tracebacks), batch-mixing scores."""
 
+import os
+import re
+import subprocess
+import tempfile
+import types
+
 import keras
 import numpy as np
 import pytest
+import tensorflow as tf
+from tensorflow.python.framework import ops
 
 pytest.importorskip("keras_tuner")
 
 import tfdp  # noqa: E402
-from tfdp.tuning import PrivateRandomSearch, scores, search as search_module  # noqa: E402
+from tfdp.tuning import PrivateRandomSearch, hiding, process, scores  # noqa: E402
+from tfdp.tuning import search as search_module  # noqa: E402
 
 
 def _build(hp, learning_rate=None):
@@ -24,6 +33,18 @@ def _build(hp, learning_rate=None):
 def _data(n):
     ids = np.arange(n)
     return ids[:, None].astype("float32"), (ids % 2).astype("int32")
+
+
+@pytest.fixture(autouse=True)
+def in_process(monkeypatch):
+    """Searches run in this process (patched fits, fast); `in_child` undoes it."""
+    monkeypatch.setattr(search_module, "_IN_PROCESS", True)
+
+
+@pytest.fixture
+def in_child(monkeypatch):
+    """Searches run in their child process, as everyone else's."""
+    monkeypatch.setattr(search_module, "_IN_PROCESS", False)
 
 
 @pytest.fixture
@@ -92,27 +113,59 @@ def test_adding_a_record_moves_no_other_record_across_the_split(trials, monkeypa
     assert _others_moved(monkeypatch, split=_exact_size_split)
 
 
-def _names_and_output(trials, capfd, count):
+def _function_numbers(model, folder):
+    """The numbers TensorFlow's uid counter gave the functions of an export."""
+    model.export(str(folder), verbose=False)
+    graph = (folder / "saved_model.pb").read_bytes()
+    return sorted({int(n) for n in re.findall(rb"__inference_[A-Za-z_]+?_(\d+)", graph)})
+
+
+def _counted(unique_id, start):
+    """A variable's unique id ('<name>_<uid>') with its uid read from `start`."""
+    name, uid = unique_id.rsplit("_", 1)
+    return name, int(uid) - start
+
+
+def _released(tuner, trials, tmp_path, count):
+    """Everything the process holds after a search with `count` trials, with
+    TensorFlow's process-wide uid counter read relative to its value before."""
     keras.backend.clear_session()
     trials(count)
     x, y = _data(40)
-    tuner = PrivateRandomSearch(lambda hp: _build(hp, hp.Fixed("learning_rate", 0.1)),
-                                mean_trials=3)
+    start = ops.uid()
     tuner.search(x, y, batch_size=20, epochs=1, validation_split=0.25)
     model = tuner.get_best_models()[0]
     model.predict(x[:4], verbose=0)  # the user's next calls: no count in their warnings
-    after = keras.layers.Dense(1).name
-    return (model.to_json(), [v.path for v in model.variables], model.optimizer.name,
-            [v.path for v in model.optimizer.variables], after, capfd.readouterr())
+    return dict(
+        config=model.to_json(), paths=[v.path for v in model.variables],
+        optimizer=[model.optimizer.name] + [v.path for v in model.optimizer.variables],
+        layer_after=keras.layers.Dense(1).name,
+        variable_ids=[_counted(v.value._unique_id, start) for v in model.variables],
+        exported=[n - start for n in _function_numbers(model, tmp_path / f"export{count}")],
+        variable_after=_counted(tf.Variable(0.0)._unique_id, start),
+        history=model.history,
+        metrics=[float(v) for metric in model.metrics for v in metric.variables],
+        events=model.privacy.composed_event().events)
 
 
-def test_names_and_logs_do_not_count_the_trials(trials, capfd):
+def test_nothing_the_search_leaves_counts_the_trials(in_child, trials, capfd, tmp_path):
+    """Names, logs, TensorFlow's uid counter (exported function names, later
+    variables' ids, the chosen model's variables' build order): the same
+    after 1 trial as after 6 (6 traces: TensorFlow's retracing warning)."""
     keras.ops.zeros(1)  # TensorFlow's one-time device messages, before the comparison
     capfd.readouterr()
-    one = _names_and_output(trials, capfd, 1)
-    five = _names_and_output(trials, capfd, 5)  # 5 traces: TensorFlow's retracing warning
-    for a, b in zip(one, five):
-        assert a == b
+    tuner = PrivateRandomSearch(lambda hp: _build(hp, hp.Fixed("learning_rate", 0.1)),
+                                mean_trials=3)
+    one = _released(tuner, trials, tmp_path, 1)
+    output = capfd.readouterr()
+    six = _released(tuner, trials, tmp_path, 6)
+    assert capfd.readouterr() == output
+    histories = one.pop("history"), six.pop("history")
+    (search,) = one.pop("events")
+    assert six.pop("events") == [search, search.event]  # a rerun pays for the first too
+    assert one == six
+    # The chosen model's training metrics counted the held-out rows: cleared.
+    assert histories == (None, None) and not any(one["metrics"])
 
 
 def _frames(error):
@@ -186,3 +239,70 @@ def test_predictions_are_made_one_example_at_a_time():
     alone = scores.predict_each(model, x)
     assert np.array_equal(alone, scores.predict_each(model, np.concatenate([x, z]))[:4])
     assert np.array_equal(alone, 2 * x)
+
+
+class _Overflows(keras.layers.Layer):
+    """A weightless layer whose check fails when the trial runs."""
+
+    def call(self, x):
+        return tf.debugging.check_numerics(x * np.float32(np.inf), "overflow")
+
+
+def _overflowing(hp):
+    model = tfdp.DPSequential([keras.Input((1,)), keras.layers.Dense(2), _Overflows()])
+    model.compile(
+        optimizer=tfdp.optimizers.DPSGD(hp.Float("learning_rate", 0.05, 0.5), l2_norm_clip=1.0,
+                                        noise_multiplier=1.5),
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True), jit_compile=False)
+    return model
+
+
+def test_a_failing_trial_reports_its_type_and_nothing_that_counts_the_trials(in_child, trials):
+    # TensorFlow's message names the traced function by a uid that all 6 builds advanced.
+    trials(6)
+    with pytest.raises(RuntimeError) as info:
+        PrivateRandomSearch(_overflowing, mean_trials=3).search(
+            *_data(40), batch_size=20, epochs=1, validation_split=0.25)
+    assert str(info.value) == (
+        "InvalidArgumentError: A trial of the private search failed with "
+        "InvalidArgumentError; its message is withheld because it can reveal how many trials "
+        "ran. " + process._HINT)
+    assert info.value.__cause__ is None and info.value.__context__ is None
+
+
+def test_what_the_child_reports_of_an_error():
+    drawn = types.SimpleNamespace(count_drawn=True)
+    withheld = process._error_of(process._failure(ZeroDivisionError("trial 5 of 6"), drawn))
+    assert type(withheld) is ZeroDivisionError and "5" not in str(withheld)
+    # Kept: the search's own refusals, and anything raised before K was drawn.
+    refused = process._error_of(process._failure(hiding.Refusal("sigma varies"), drawn))
+    assert type(refused) is ValueError and str(refused) == "sigma varies"
+    before = types.SimpleNamespace(count_drawn=False)
+    kept = process._error_of(process._failure(TypeError("bad build"), before))
+    assert type(kept) is TypeError and str(kept) == "bad build"
+
+
+def test_ctrl_c_ends_the_child_and_removes_its_files(in_child, trials, monkeypatch):
+    started, folders = [], []
+    popen, mkdtemp = subprocess.Popen, tempfile.mkdtemp
+
+    class Interrupted(popen):
+        def wait(self, timeout=None):
+            if not started:  # Ctrl-C while the child runs the trials
+                started.append(self)
+                raise KeyboardInterrupt
+            return super().wait(timeout)
+
+    def recorded(**kwargs):
+        folders.append(mkdtemp(**kwargs))
+        return folders[-1]
+
+    monkeypatch.setattr(subprocess, "Popen", Interrupted)
+    monkeypatch.setattr(tempfile, "mkdtemp", recorded)
+    tuner = PrivateRandomSearch(_build, mean_trials=3)
+    with pytest.raises(KeyboardInterrupt):
+        tuner.search(*_data(40), batch_size=20, epochs=1, validation_split=0.25)
+    assert started[0].returncode is not None  # killed, not left running
+    assert not os.path.exists(folders[0])  # the pickled data and trials are gone
+    with pytest.raises(ValueError, match="call search"):
+        tuner.get_best_models()

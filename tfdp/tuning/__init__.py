@@ -3,8 +3,9 @@
 `PrivateRandomSearch(build, mean_trials=...)` runs a random number of DP
 trials of a KerasTuner hypermodel and releases only the best, charged to its
 ledger as one `RepeatAndSelectDpEvent`; `tfdp.accounting.search` prices a
-search without running it. Needs `keras-tuner` (`pip install -e ".[tuning]"` from a
-checkout).
+search without running it. The trials run in a child process
+(`tfdp.tuning.process`). Needs `keras-tuner` and `cloudpickle`
+(`pip install -e ".[tuning]"` from a checkout).
 Guide: docs/guides/private-tuning.md.
 
 Example:

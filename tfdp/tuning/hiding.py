@@ -8,6 +8,9 @@ search builds every model from the same name counters (`NameCounters`),
 runs its trials with tfdp's and TensorFlow's loggers silenced and leaves
 TensorFlow's retracing counts as it found them (`quiet_trials`), and
 re-raises an error without the frames of the trials (`without_frames`).
+TensorFlow's own process-wide uid counter cannot be set back: a search runs
+in a child process (`tfdp.tuning.process`), which reports an error's type
+and withholds its message, unless the error is a `Refusal`.
 
 Example:
 
@@ -101,6 +104,37 @@ def _set_counts(detector, counts):
 # pylint: enable=protected-access
 
 
+class Refusal(ValueError):
+    """A search's own refusal of a hypermodel, raised before any record is
+    read: its message names only hyperparameters, their values, Keras paths
+    (set back before every build) and types, never a TensorFlow counter, so
+    the search re-raises it with its message (as a ValueError).
+
+    Example:
+
+    >>> isinstance(Refusal("a shared layer"), ValueError)
+    True
+    """
+
+
+def rebuilt(kind, message):
+    """An exception of type `kind` with `message`, or a RuntimeError naming
+    the type when `kind` cannot be rebuilt from a message alone.
+
+    Example:
+
+    >>> type(rebuilt(ValueError, "bad")).__name__, str(rebuilt(KeyError, "k"))
+    ('ValueError', 'KeyError: k')
+    """
+    try:
+        fresh = kind(message)
+    except Exception:  # noqa: BLE001 - any constructor that does not take a message
+        fresh = None
+    if fresh is None or str(fresh) != message:
+        fresh = RuntimeError(f"{kind.__name__}: {message}")
+    return fresh
+
+
 def without_frames(error):
     """A new exception of `error`'s type and message, with no traceback or
     context: the frames of the trials (their models, the number of trials)
@@ -118,10 +152,4 @@ def without_frames(error):
     while chained is not None:
         traceback.clear_frames(chained.__traceback__)
         chained = chained.__cause__ or chained.__context__
-    try:
-        fresh = type(error)(message)
-    except Exception:  # noqa: BLE001 - any constructor that does not take a message
-        fresh = None
-    if fresh is None or str(fresh) != message:
-        fresh = RuntimeError(f"{type(error).__name__}: {message}")
-    return fresh
+    return rebuilt(type(error), message)

@@ -24,6 +24,8 @@ True
 import keras_tuner
 import numpy as np
 
+from tfdp.tuning.hiding import Refusal
+
 # More rounds than any sane nesting of conditional hyperparameters.
 _MAX_ROUNDS = 100
 
@@ -79,7 +81,7 @@ def draw(build, rng):
         for h in new:
             hp.values[h.name] = h.prob_to_value(float(rng.random()))
             drawn.add(h.name)
-    raise ValueError(
+    raise Refusal(
         f"build(hp) kept declaring new hyperparameters after {_MAX_ROUNDS} rounds; a "
         "hyperparameter's name must not depend on the values drawn for others."
     )
@@ -92,7 +94,7 @@ def rebuild(build, values):
     model = build(hp)
     undrawn = sorted(h.name for h in hp.space if hp.is_active(h) and h.name not in values)
     if undrawn:
-        raise ValueError(
+        raise Refusal(
             "build(hp) declared hyperparameters on a second build with the same values "
             f"that it did not declare on the first: {undrawn}. The search space must not "
             "depend on anything but the values drawn."

@@ -27,13 +27,14 @@ import dp_accounting
 import numpy as np
 
 from tfdp.mechanisms import gaussian
+from tfdp.tuning.hiding import Refusal
 
 
 def accuracy(y_true, y_pred):
     """1.0 where the arg-max class equals the label (integer or one-hot), else 0.0."""
     y_pred = np.asarray(y_pred)
     if y_pred.ndim != 2 or y_pred.shape[-1] < 2:
-        raise ValueError(
+        raise Refusal(
             "The default score (accuracy) needs class scores of shape (n, classes >= 2); "
             "pass score=fn(y_true, y_pred) returning one value in [0, 1] per example. "
             f"Received: predictions of shape {y_pred.shape}"
@@ -75,7 +76,7 @@ def per_example(score, y_true, y_pred):
     for i in range(len(y_pred)):
         value = np.asarray(score(y_true[i:i + 1], y_pred[i:i + 1]), dtype=np.float64)
         if value.shape != (1,):
-            raise ValueError(
+            raise Refusal(
                 "`score(y_true, y_pred)` must return one value per example (the search calls "
                 "it on one example at a time, so that no example moves another's score). "
                 f"Received: shape {value.shape} for 1 example"

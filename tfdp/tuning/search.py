@@ -7,7 +7,8 @@ private data (or exactly, on data declared public), keeps the best and
 charges its ledger one `RepeatAndSelectDpEvent` over a trial's releases
 (`tfdp.accounting.search`, `PrivacyLedger.charge_selection`). The chosen
 model, its hyperparameters and its score are the output; the other trials'
-models and scores, and K, are never kept where the API can return them.
+models and scores, and K, stay in the child process that runs the search
+(`tfdp.tuning.process`).
 
 Example:
 
@@ -41,7 +42,11 @@ from tfdp.accounting.search import (
     repeat_and_select_event,
     trial_count_shape,
 )
-from tfdp.tuning import hiding, hyperparameters, scores, settings
+from tfdp.tuning import hiding, hyperparameters, process, scores, settings
+
+# Tests that patch what a trial calls run the search in their own process;
+# everyone else runs it in a child process (tfdp.tuning.process).
+_IN_PROCESS = False
 
 
 class PrivateRandomSearch:
@@ -74,7 +79,11 @@ class PrivateRandomSearch:
     Only `get_best_models()`, `get_best_hyperparameters()` and `best_score`
     release results; they are safe to print. The number of trials and the
     search's duration are not released (the wall-clock time of `search`
-    grows with it: do not publish it).
+    grows with it: do not publish it). `search` runs the trials in a child
+    process (`tfdp.tuning.process`), so that TensorFlow's process-wide
+    counters in yours do not count them: the hypermodel and the score must
+    be picklable with cloudpickle, and an error in a trial comes back with
+    its type but not its message.
     """
 
     def __init__(self, hypermodel, mean_trials, distribution="geometric", shape=None,
@@ -126,6 +135,10 @@ class PrivateRandomSearch:
                 settings could differ (before any record is read), missing
                 or contradictory validation arguments, and a non-private
                 score of private data.
+            TypeError: for a hypermodel, score or data that cannot be
+                pickled for the child process.
+            Any error of a trial, with its type and a message that does
+                not count the trials.
         """
         if kwargs:
             raise ValueError(
@@ -144,99 +157,15 @@ class PrivateRandomSearch:
                 f"trial samples from). Received: batch_size={show(batch_size)}"
             )
         self._best = None
-        counters = hiding.NameCounters()
-        failure = None
-        try:  # nothing that depends on the number of trials outlives this block
-            with hiding.quiet_trials():
-                best = self._search(counters, validation, batch_size, epochs,
-                                    physical_batch_size)
-        except BaseException as error:  # noqa: BLE001 - Ctrl-C too: its frames hold the trials
-            failure = hiding.without_frames(error)
-            counters.leave()
-        if failure is not None:
-            raise failure
-        if best is None:  # the Poisson law drew no trial: nothing is released
-            counters.leave()
+        trials = Trials(self._build, self._score, self.mean_trials, self.distribution,
+                        self.shape, validation, batch_size, epochs, physical_batch_size,
+                        earlier=tuple(self._searches), draw_count=draw_trial_count)
+        outcome = trials.run_here() if _IN_PROCESS else process.run(trials)
+        if outcome is None:  # the Poisson law drew no trial: nothing is released
             return
-        model, hp, score, trial_event, names = best
-        counters.leave(names)
-        event = repeat_and_select_event(trial_event, self.mean_trials, self.distribution,
-                                        None if self.distribution != "negative_binomial"
-                                        else self.shape)
-        model.privacy.charge_selection(event, earlier=self._searches)
+        model, hp, score, event = outcome
         self._searches.append(event)
         self._best = (model, hp, score)
-
-    def _search(self, counters, validation, batch_size, epochs, physical_batch_size):
-        """Draws the trials, checks them all before any record is read, runs them."""
-        rng = np.random.default_rng()  # fresh OS entropy; K and the draws are never kept
-        num_examples = validation.num_examples
-
-        def build(hp):
-            return counters.build(self._build, hp)
-
-        def setting_at(values):
-            return settings.privacy_setting(_build_at(build, values), num_examples, batch_size)
-
-        default_values, default_model = hyperparameters.defaults(build)
-        reference = settings.privacy_setting(default_model, num_examples, batch_size)
-        del default_model
-        trials = []
-        owned = _Owned()
-        for _ in range(draw_trial_count(rng, self.mean_trials, self.shape)):
-            values, model = hyperparameters.draw(build, rng)  # checked before any record is read
-            if settings.privacy_setting(model, num_examples, batch_size) != reference:
-                names = settings.differing(setting_at, reference, values, default_values)
-                raise ValueError(
-                    "Every trial of a private search must release the same privacy event, "
-                    "but these hyperparameters change it: "
-                    f"{', '.join(names)} (drawn {', '.join(f'{n}={values[n]!r}' for n in names)}"
-                    f"; the defaults give {reference}). Fix them, or run one search per "
-                    "setting (each charged). Received: a search space whose trials differ in "
-                    "their privacy setting"
-                )
-            settings.check_fresh(model)
-            owned.check_and_add(model)
-            trials.append(values)
-        return self._run(trials, rng, build, counters, validation, reference, batch_size,
-                         epochs, physical_batch_size)
-
-    def _run(self, trials, rng, build, counters, validation, reference, batch_size, epochs,
-             physical_batch_size):
-        """Trains and scores every trial; keeps only the best (None for no trial)."""
-        best = None
-        trial_event = None
-        owned = _Owned()
-        for values in trials:
-            hp, model = hyperparameters.rebuild(build, values)
-            names = counters.after()
-            if settings.privacy_setting(model, validation.num_examples, batch_size) != reference:
-                raise RuntimeError(
-                    "build(hp) gave a different privacy setting for the same hyperparameter "
-                    "values: it must depend on nothing but hp."
-                )
-            settings.check_fresh(model)
-            owned.check_and_add(model)
-            (x_train, y_train, weights), (x_val, y_val) = validation.split(rng)
-            model.fit(x_train, y_train, sample_weight=weights, batch_size=batch_size,
-                      epochs=epochs, verbose=0, physical_batch_size=physical_batch_size)
-            values_ = scores.per_example(self._score, y_val, scores.predict_each(model, x_val))
-            score, score_event = scores.release_score(values_, validation.count,
-                                                      validation.noise, rng)
-            released = model.privacy.composed_event().events + (
-                [] if score_event is None else [score_event])
-            event = dp_accounting.ComposedDpEvent(released)
-            if trial_event is None:
-                trial_event = event
-            elif event != trial_event:
-                raise RuntimeError(
-                    "Two trials released different privacy events although their settings "
-                    "agreed; refusing to charge the search as repeats of one mechanism."
-                )
-            if best is None or score > best[2]:
-                best = (model, hp, score, trial_event, names)
-            del model
-        return best
 
     # -- results (the only releases) ------------------------------------------
 
@@ -262,6 +191,136 @@ class PrivateRandomSearch:
     def best_score(self):
         """The chosen trial's score (noisy for private validation data)."""
         return self._chosen()[2]
+
+
+class Trials:
+    """One search's trials: drawn, checked, trained and scored where `run` is
+    called (in the search's child process: `tfdp.tuning.process`).
+
+    `run` returns the chosen trial's model, charged the whole search, with
+    its training history and metric states cleared (the compiled metrics
+    counted the held-out rows, which train with weight 0), its
+    `keras_tuner.HyperParameters`, its score, the search's event and Keras's
+    name counters after its build; or None when no trial was drawn.
+    `count_drawn` turns True when the number of trials is drawn: an error
+    raised before that cannot depend on it.
+    """
+
+    def __init__(self, build, score, mean_trials, distribution, shape, validation, batch_size,
+                 epochs, physical_batch_size, earlier, draw_count):
+        self.build, self.score = build, score
+        self.mean_trials, self.distribution, self.shape = mean_trials, distribution, shape
+        self.validation, self.batch_size, self.epochs = validation, batch_size, epochs
+        self.physical_batch_size = physical_batch_size
+        self.earlier, self.draw_count = earlier, draw_count
+        self.count_drawn = False
+
+    def run(self, counters):
+        """(model, hp, score, event, names) of the chosen trial, or None."""
+        best = self._search(counters)
+        if best is None:
+            return None
+        model, hp, score, trial_event, names = best
+        event = repeat_and_select_event(trial_event, self.mean_trials, self.distribution,
+                                        None if self.distribution != "negative_binomial"
+                                        else self.shape)
+        model.privacy.charge_selection(event, earlier=self.earlier)
+        model.reset_metrics()
+        model.history = None
+        return model, hp, score, event, names
+
+    def run_here(self):
+        """(model, hp, score, event) from `run` in this process, for tests
+        that patch what a trial calls: TensorFlow's process-wide counters
+        then count the trials."""
+        counters = hiding.NameCounters()
+        failure = None
+        try:  # nothing that depends on the number of trials outlives this block
+            with hiding.quiet_trials():
+                outcome = self.run(counters)
+        except BaseException as error:  # noqa: BLE001 - Ctrl-C too: its frames hold the trials
+            failure = hiding.without_frames(error)
+            counters.leave()
+        if failure is not None:
+            raise failure
+        if outcome is None:
+            counters.leave()
+            return None
+        counters.leave(outcome[-1])
+        return outcome[:-1]
+
+    def _search(self, counters):
+        """Draws the trials, checks them all before any record is read, runs them."""
+        rng = np.random.default_rng()  # fresh OS entropy; K and the draws are never kept
+        num_examples = self.validation.num_examples
+        batch_size = self.batch_size
+
+        def build(hp):
+            return counters.build(self.build, hp)
+
+        def setting_at(values):
+            return settings.privacy_setting(_build_at(build, values), num_examples, batch_size)
+
+        default_values, default_model = hyperparameters.defaults(build)
+        reference = settings.privacy_setting(default_model, num_examples, batch_size)
+        del default_model
+        trials = []
+        owned = _Owned()
+        self.count_drawn = True
+        for _ in range(self.draw_count(rng, self.mean_trials, self.shape)):
+            values, model = hyperparameters.draw(build, rng)  # checked before any record is read
+            if settings.privacy_setting(model, num_examples, batch_size) != reference:
+                names = settings.differing(setting_at, reference, values, default_values)
+                raise hiding.Refusal(
+                    "Every trial of a private search must release the same privacy event, "
+                    "but these hyperparameters change it: "
+                    f"{', '.join(names)} (drawn {', '.join(f'{n}={values[n]!r}' for n in names)}"
+                    f"; the defaults give {reference}). Fix them, or run one search per "
+                    "setting (each charged). Received: a search space whose trials differ in "
+                    "their privacy setting"
+                )
+            settings.check_fresh(model)
+            owned.check_and_add(model)
+            trials.append(values)
+        return self._train(trials, rng, build, counters, reference)
+
+    def _train(self, trials, rng, build, counters, reference):
+        """Trains and scores every trial; keeps only the best (None for no trial)."""
+        validation, batch_size = self.validation, self.batch_size
+        best = None
+        trial_event = None
+        owned = _Owned()
+        for values in trials:
+            hp, model = hyperparameters.rebuild(build, values)
+            names = counters.after()
+            if settings.privacy_setting(model, validation.num_examples, batch_size) != reference:
+                raise RuntimeError(
+                    "build(hp) gave a different privacy setting for the same hyperparameter "
+                    "values: it must depend on nothing but hp."
+                )
+            settings.check_fresh(model)
+            owned.check_and_add(model)
+            (x_train, y_train, weights), (x_val, y_val) = validation.split(rng)
+            model.fit(x_train, y_train, sample_weight=weights, batch_size=batch_size,
+                      epochs=self.epochs, verbose=0,
+                      physical_batch_size=self.physical_batch_size)
+            values_ = scores.per_example(self.score, y_val, scores.predict_each(model, x_val))
+            score, score_event = scores.release_score(values_, validation.count,
+                                                      validation.noise, rng)
+            released = model.privacy.composed_event().events + (
+                [] if score_event is None else [score_event])
+            event = dp_accounting.ComposedDpEvent(released)
+            if trial_event is None:
+                trial_event = event
+            elif event != trial_event:
+                raise RuntimeError(
+                    "Two trials released different privacy events although their settings "
+                    "agreed; refusing to charge the search as repeats of one mechanism."
+                )
+            if best is None or score > best[2]:
+                best = (model, hp, score, trial_event, names)
+            del model
+        return best
 
 
 def _only_one(number, name):
@@ -295,7 +354,7 @@ class _Owned:
         for item in self._objects(model):
             ref = self._refs.get(id(item))
             if ref is not None and ref() is item:
-                raise ValueError(
+                raise hiding.Refusal(
                     "build(hp) must create a new model, optimizer and weights for every "
                     "trial: this trial shares "
                     f"{getattr(item, 'path', None) or type(item).__name__} with an earlier "

@@ -18,6 +18,7 @@ Example: see `tfdp.tuning.PrivateRandomSearch`.
 """
 
 from tfdp.optimizers import DPOptimizer, DPSGD
+from tfdp.tuning.hiding import Refusal
 
 # Mechanisms whose event is a fixed function of their settings and fit's
 # arguments. Others (AdaDP, DPIS, SA-DPSGD, DP-BandMF) are refused for now.
@@ -29,25 +30,25 @@ def privacy_setting(model, num_examples, batch_size):
     search cannot charge."""
     optimizer = getattr(model, "optimizer", None)
     if not hasattr(model, "privacy") or optimizer is None:
-        raise ValueError(
+        raise Refusal(
             "build(hp) must return a tfdp.DPModel or tfdp.DPSequential compiled with a "
             f"tfdp optimizer. Received: {type(model).__name__} with optimizer "
             f"{type(optimizer).__name__}"
         )
     if type(optimizer) not in SUPPORTED:
-        raise ValueError(
+        raise Refusal(
             "A private search supports tfdp.optimizers.DPSGD and DPOptimizer (their event is "
             "fixed by their settings). Received: optimizer="
             f"{type(optimizer).__name__}"
         )
     if optimizer.noise_multiplier is None:
-        raise ValueError(
+        raise Refusal(
             "Each trial needs a fixed noise_multiplier: a target_epsilon would calibrate "
             "each trial alone, not the search. Choose sigma for the search's epsilon "
             "(tfdp.accounting.search.search_epsilon). Received: noise_multiplier=None"
         )
     if optimizer.seed is not None:
-        raise ValueError(
+        raise Refusal(
             "A seeded optimizer draws the same noise in every trial, so the trials are not "
             "independent (and anyone with the seed can remove the noise). Received: "
             f"seed={optimizer.seed}"
@@ -58,7 +59,7 @@ def privacy_setting(model, num_examples, batch_size):
 def check_fresh(model):
     """Refuses a model whose ledger already holds releases (steps or records)."""
     if model.privacy.steps or model.privacy.composed_event().events:
-        raise ValueError(
+        raise Refusal(
             "build(hp) must return a new, untrained model: this one's ledger already holds "
             f"{model.privacy.steps} private steps, which a search would count inside every "
             "trial instead of once. Received: a model with a non-empty privacy ledger"
