@@ -90,3 +90,37 @@ def test_a_squared_norm_that_underflows_float32_is_still_clipped(clip):
 def test_clip_factors_refuses_an_integer_norm():
     with pytest.raises(ValueError, match=r"sq_norms.*Received: sq_norms dtype=int32"):
         dpsgd.clip_factors(tf.constant([4]), 1.0)
+
+
+def round_up_to(values, dtype):
+    """The smallest `dtype` number >= each positive float64 value (an upper
+    bound of a squared norm in a half type, as its caller would give it)."""
+    nearest = tf.cast(tf.constant(values, tf.float64), dtype).numpy()
+    below = nearest.astype(np.float64) < values
+    bits = nearest.view(np.uint16) + below.astype(np.uint16)  # next number up
+    return bits.view(nearest.dtype)
+
+
+@pytest.mark.parametrize("dtype", [tf.bfloat16, tf.float16])
+def test_half_type_norms_never_let_a_contribution_exceed_the_clip(dtype):
+    """C and C / norm rounded to nearest in the half type let factor * norm
+    exceed C by up to 0.8% (bfloat16); clipping must hold for every
+    half-type upper bound of the squared norm, below its smallest normal too."""
+    from fractions import Fraction
+
+    rng = np.random.default_rng(0)
+    top = 2.5 if dtype == tf.float16 else 10.0  # (100 C)^2 below float16's max
+    clips = np.concatenate([rng.uniform(0.01, top, 1500), [1.0039, 0.1003, 3e-5, 6.2e-5, 1e-3]])
+    clips = clips.astype(np.float32).astype(np.float64)  # C as the optimizer holds it
+    norms = clips * np.concatenate([rng.uniform(1.0, 100.0, len(clips) - 1), [5.0]])
+    sq = round_up_to(norms**2, dtype)
+    assert np.all(sq.astype(np.float64) >= norms**2)
+    # One C per row (broadcast), to try many in one call.
+    factors = dpsgd.clip_factors(tf.constant(sq), tf.constant(clips, tf.float32)).numpy()
+    assert all(Fraction(float(f)) * Fraction(n) <= Fraction(c)
+               for f, n, c in zip(factors, norms, clips))
+    assert factors.dtype == np.float32
+    assert np.all(factors > 0)  # clipped, not zeroed
+    # Negative control: the same arithmetic in the half type exceeds C.
+    half = tf.minimum(1.0, tf.cast(clips, dtype) / tf.sqrt(tf.constant(sq)))
+    assert np.any(half.numpy().astype(np.float64) * norms > clips)

@@ -202,6 +202,10 @@ def asserting(x, seed):
     (stateful, 2, r"stateless.*\(RandomUniform\)"),
     (asserting, 2, r"must not assert on its input.*\(Assert\)"),
     (lambda x, seed: x[:3], 2, "shaped as its input"),
+    (lambda x, seed: tf.ensure_shape(tf.boolean_mask(x, x < 1e20), [6]), 2,
+     r"static shape.*\(Where\)"),
+    (lambda x, seed: tf.reshape(tf.boolean_mask(x, x < 1e20), [6]), 2,
+     r"static shape.*\(Where\)"),
     (lambda x, seed: tf.cast(x, tf.float64), 2, "shaped as its input"),
     (Counter(), 2, "Keras layer"),
     ("flip", 2, "not callable"),
@@ -260,3 +264,40 @@ def test_a_shape_check_is_not_a_data_dependent_assert():
     assert check_augmentation(crop, 2, np.zeros((1, 8, 8, 1), "float32"), optimizer)
     with pytest.raises(ValueError, match="must not assert on its input"):
         check_augmentation(asserting, 2, np.zeros((1, 6), "float32"), optimizer)
+
+
+def guide_augment(image, seed):
+    """docs/guides/augmentation.md's fn: flip, reflect-pad, crop."""
+    image = tf.image.stateless_random_flip_left_right(image, seed)
+    padded = tf.pad(image, [[2, 2], [2, 2], [0, 0]], mode="REFLECT")
+    crop_seed = tf.random.experimental.stateless_fold_in(seed, 1)
+    return tf.image.stateless_random_crop(padded, tf.shape(image), crop_seed)
+
+
+def test_ops_with_data_dependent_shapes_are_refused():
+    """A run-time shape check on a data-dependent shape fails only on some
+    records (tf.ensure_shape or tf.reshape of a boolean mask): whether
+    training stopped would tell a record, so every tensor of fn's trace
+    (nested bodies too) must have a static shape. The guide's crop/flip fn,
+    static throughout, is accepted (negative control)."""
+    optimizer = tfdp.optimizers.DPSGD(0.1, noise_multiplier=1.0)
+    images = np.zeros((1, 8, 8, 1), "float32")
+    assert check_augmentation(guide_augment, 2, images, optimizer)
+    # A loop's TensorList (a variant: no static shape of its own) is not refused.
+    rows = lambda x, seed: tf.map_fn(lambda row: row * 2.0, x)  # noqa: E731
+    assert check_augmentation(rows, 2, images, optimizer)
+
+    def masked_in_a_branch(x, seed):
+        return tf.cond(seed[0] > 0, lambda: tf.reshape(tf.boolean_mask(x, x < 1e20), [6]),
+                       lambda: x)
+
+    def unique(x, seed):
+        return tf.ensure_shape(tf.cast(tf.unique(tf.cast(x, tf.int32))[0], tf.float32), [6])
+
+    def sliced(x, seed):  # a length read from the values
+        length = tf.cast(x[0] < 1e20, tf.int32) + 5
+        return tf.ensure_shape(tf.pad(tf.slice(x, [0], [length]), [[0, 1]])[:6], [6])
+
+    for fn, op in [(masked_in_a_branch, "Where"), (unique, "Unique"), (sliced, "Slice")]:
+        with pytest.raises(ValueError, match=rf"static shape.*\({op}\)"):
+            check_augmentation(fn, 2, np.zeros((1, 6), "float32"), optimizer)

@@ -53,7 +53,10 @@ def clip_factors(sq_norms, l2_norm_clip, weights=None):
             padded rows of a batch).
 
     Returns:
-        Float tensor [B] of factors in [0, 1].
+        Float tensor [B] of factors in [0, 1]: float64 for float64
+        `sq_norms`, float32 otherwise (a half-type bound is read in float32
+        with float32's margin: C and C / norm rounded to nearest in the half
+        type let a contribution exceed C by 0.8% in bfloat16).
 
     Example:
 
@@ -61,6 +64,8 @@ def clip_factors(sq_norms, l2_norm_clip, weights=None):
     array([0.5], dtype=float32)
     >>> clip_factors(tf.constant([0.0]), 2.0**-64).numpy()   # a norm below 2^-63
     array([0.5], dtype=float32)
+    >>> clip_factors(tf.constant([4.0], tf.bfloat16), 1.0).dtype   # read in float32
+    tf.float32
     """
     sq_norms = tf.convert_to_tensor(sq_norms)
     if sq_norms.dtype not in _SMALLEST_NORMAL:
@@ -68,12 +73,14 @@ def clip_factors(sq_norms, l2_norm_clip, weights=None):
             "Expected `sq_norms` to be a float16, bfloat16, float32 or float64 tensor. "
             f"Received: sq_norms dtype={sq_norms.dtype.name}"
         )
-    smallest = _SMALLEST_NORMAL[sq_norms.dtype]
     finite = tf.math.is_finite(sq_norms)
     # ||g + a||^2 expanded as ||g||^2 + 2<g, a> + ||a||^2 can round below 0.
     safe = tf.where(finite, tf.maximum(sq_norms, 0.0), tf.zeros_like(sq_norms))
+    if sq_norms.dtype in (tf.float16, tf.bfloat16):
+        safe = _half_to_float32_bound(safe)
+    smallest = _SMALLEST_NORMAL[safe.dtype]
     norms = tf.maximum(tf.sqrt(safe), smallest**0.5)
-    clip = tf.cast(l2_norm_clip, sq_norms.dtype)
+    clip = tf.cast(l2_norm_clip, safe.dtype)
     # C / norms overflows to inf only where C > norms: min(1, inf) = 1 is right.
     factors = tf.minimum(1.0, clip / norms)
     usable = finite & (clip >= smallest) & (factors >= smallest)
@@ -81,6 +88,22 @@ def clip_factors(sq_norms, l2_norm_clip, weights=None):
     if weights is not None:
         factors = factors * tf.cast(weights, factors.dtype)
     return factors
+
+
+def _half_to_float32_bound(safe):
+    """A float16 or bfloat16 squared-norm bound as float32 clipping reads it.
+
+    Rounded to nearest in the half type, C and C / norm let a contribution
+    exceed C by 0.8% (bfloat16); in float32 the bound needs the margin
+    float32 clipping's analysis assumes (docs/mechanisms/per-example.md):
+    the cast is exact, the bound is floored at its type's smallest normal t
+    (below it the bound only says that the squared norm is below t), and
+    times (1 + 2^-20), rounded, it is a normal float32 at least
+    s (1 + 2^-20) (1 - 2^-24), as `PerExampleGradients.sq_norms` gives.
+    """
+    floor = _SMALLEST_NORMAL[safe.dtype]
+    safe = tf.maximum(tf.cast(safe, tf.float32), floor)
+    return safe * (1.0 + 2.0**-20)
 
 
 def step_seed(key, step):

@@ -29,8 +29,10 @@ gradient. `fn` sees one example at a time (no batch axis, so it cannot mix
 examples) and is refused if it draws from a stateful generator (whose draws
 depend on the batch position and the run's other draws), writes a variable,
 runs Python, writes files or asserts on its input (a failed check on one
-record stops training). It is traced once, checked, and that trace is the
-one the step calls.
+record stops training), or if any tensor of its trace has a shape that is not
+static (a shape that depends on the values lets a run-time shape check fail
+on one record). It is traced once, checked, and that trace is the one the
+step calls.
 
 Example:
 
@@ -322,7 +324,8 @@ def _check_privatize(optimizer):
 def _check_traced(augment, takes_seed, specs):
     """Traces `augment` on one example of `specs`: same structure, shapes and
     dtypes out, and no op that draws from a stateful generator, writes state,
-    runs Python or asserts. Returns the checked ConcreteFunction."""
+    runs Python or asserts, or whose output shape is not fully static.
+    Returns the checked ConcreteFunction."""
     seed = tf.TensorSpec([2], tf.int64)
     if takes_seed:
         traced = tf.function(lambda x, s: augment(x, s)).get_concrete_function(specs, seed)
@@ -366,6 +369,21 @@ def _check_traced(augment, takes_seed, specs):
                 "position and the run's other draws, and a variable write, Python or a "
                 "file write would keep or release training records. Received: "
                 f"augment={_name(augment)} running op '{op.name}' ({op.type})"
+            )
+        # A variant (a TensorList) or resource handle's shape says nothing of what
+        # it holds; the tensors read out of it are checked.
+        dynamic = [t for t in op.outputs if not t.shape.is_fully_defined()
+                   and t.dtype not in (tf.variant, tf.resource)]
+        if dynamic:
+            raise ValueError(
+                "augment must give every tensor a static shape (the example's shape is "
+                "static): a shape that depends on the values (tf.boolean_mask, tf.where "
+                "with one argument, tf.unique, ...) lets a run-time shape check (tf.reshape, "
+                "tf.ensure_shape, broadcasting) fail on some records only, and whether "
+                "training stopped tells that record. Compute on the whole tensor "
+                "(tf.where(cond, x, y), masks multiplied in) instead. Received: "
+                f"augment={_name(augment)} running op '{op.name}' ({op.type}) with output "
+                f"shape {dynamic[0].shape}"
             )
     return traced
 
