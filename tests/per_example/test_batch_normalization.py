@@ -341,3 +341,23 @@ def test_a_batch_normalization_over_the_batch_axis_is_refused_by_name(axis):
     with pytest.raises(ValueError, match=r"'bn' \(BatchNormalization\).*axis 0.*batch axis"
                                          rf".*Received: axis={axis}"):
         _compile(model)
+
+
+class _TrainingByDefault(keras.layers.BatchNormalization):
+    """A subclass whose `training` defaults to True."""
+
+    def call(self, inputs, training=True, mask=None):
+        return super().call(inputs, training=training, mask=mask)
+
+
+def test_a_subclass_defaulting_to_training_is_refused_by_name_when_its_call_omits_it():
+    """`bn.call(x)` on a subclass with `training=True` by default: the hook
+    read the omitted argument as None (inference) and let it through."""
+    from tfdp.per_example.inference_mode import inference_mode_calls
+
+    inputs = keras.Input((3,))
+    norm = _TrainingByDefault(name="bn", center=False, scale=False)
+    model = keras.Model(inputs, norm(inputs, training=False))
+    with inference_mode_calls(model):
+        with pytest.raises(ValueError, match=REFUSED + r".*Received: training=True"):
+            norm.call(np.ones((2, 3), "float32"))
