@@ -150,7 +150,7 @@ def checked_per_example_pass(model):
     ...         self.mean.assign(tf.reduce_mean(x, 0))
     ...         return x
     >>> model = keras.Sequential([keras.Input((3,)), RunningMean(name="stats")])
-    >>> @tf.function
+    >>> @tf.function(autograph=False)
     ... def step(x):
     ...     with checked_per_example_pass(model):
     ...         return model(x)
