@@ -354,7 +354,7 @@ class DPTrainingMixin:
             f"{type(self).__name__}.train_on_batch is not supported: a DP step must "
             "train on a batch that fit() draws by Poisson sampling (padded, masked "
             "and charged to the privacy ledger), not on a batch chosen by the caller. "
-            "Use model.fit(x, y, batch_size=..., steps_per_epoch=1) for a single step. "
+            "Use model.fit(x, y, batch_size=..., epochs=1, steps_per_epoch=1) for a single step. "
             f"Received: x of type {type(x).__name__}"
         )
 
