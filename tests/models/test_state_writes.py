@@ -269,6 +269,122 @@ def test_a_layer_frozen_by_a_callback_at_train_begin_is_checked_again_and_trains
     x, y = crafted_records()
     kernel = first.kernel.numpy().copy()
     model.fit(x, y, batch_size=16, epochs=1, verbose=0, callbacks=[Freeze()])
-    assert model.privacy.steps == 2 and len(model._state_writes_checked) == 2
+    assert model.privacy.steps == 2
     np.testing.assert_array_equal(first.kernel.numpy(), kernel)
     np.testing.assert_array_equal(layer.mean.numpy(), 0.0)
+
+
+class SwitchedRunningMean(keras.layers.Layer):
+    """Keeps a running mean once a Python attribute switches it on: same
+    `trainable` flags and shapes, different code (second review of issue 45)."""
+
+    enabled = False
+
+    def build(self, shape):
+        self.mean = self.add_weight(shape=shape[1:], initializer="zeros", trainable=False,
+                                    name="running_mean")
+
+    def call(self, x, training=None):
+        if self.enabled and training:
+            self.mean.assign(0.5 * self.mean + 0.5 * tf.reduce_mean(x, 0))
+        return x
+
+
+class WarmBN(keras.layers.BatchNormalization):
+    """Called with training=False, but calls BatchNormalization in training
+    mode (writing its moving statistics) once switched on."""
+
+    adapt = False
+
+    def call(self, inputs, training=None, mask=None):
+        return super().call(inputs, training=self.adapt, mask=mask)
+
+
+def switched_model(case):
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((4,))
+    if case == "running_mean":
+        layer, variable = SwitchedRunningMean(name="keeper"), "running_mean"
+        hidden = layer(inputs)
+    else:
+        layer, variable = WarmBN(name="keeper", center=False, scale=False), "moving_mean"
+        hidden = layer(inputs, training=False)
+    model = tfdp.DPModel(inputs, keras.layers.Dense(3)(hidden))
+    return model, layer, variable
+
+
+def compile_switched(model, **kwargs):
+    model.compile(optimizer=tfdp.optimizers.DPSGD(0.1, noise_multiplier=1.0, l2_norm_clip=1.0,
+                                                  seed=1), loss=LOSS, **kwargs)
+
+
+def switch_on(layer):
+    layer.enabled = layer.adapt = True
+
+
+def check_untouched(model, layer, x):
+    assert model.privacy.steps == 0
+    for variable in layer.non_trainable_variables:
+        assert not np.any(np.isin(variable.numpy().astype("float32"), x[0]))
+    if isinstance(layer, SwitchedRunningMean):
+        np.testing.assert_array_equal(layer.mean.numpy(), 0.0)
+
+
+@pytest.mark.parametrize("case", ["running_mean", "warm_bn"])
+@pytest.mark.parametrize("run_eagerly", [False, True])
+def test_a_layer_switched_on_by_a_callback_at_train_begin_is_refused_before_the_first_step(
+        case, run_eagerly):
+    """A callback sets a Python attribute after fit's check: the trainable
+    flags and shapes are those fit checked, the step's code is not. The
+    step's own graph (or, run eagerly, every step) is checked: refused,
+    naming the layer and the variable, before any step is charged."""
+    model, layer, variable = switched_model(case)
+    compile_switched(model, run_eagerly=run_eagerly)
+
+    class SwitchOn(keras.callbacks.Callback):
+        def on_train_begin(self, logs=None):
+            switch_on(layer)
+
+    x, y = crafted_records()
+    with pytest.raises(ValueError, match=rf"Layer 'keeper' \(\w+\) writes its variable '{variable}'"):
+        model.fit(x, y, batch_size=16, epochs=1, verbose=0, callbacks=[SwitchOn()])
+    check_untouched(model, layer, x)
+
+
+@pytest.mark.parametrize("change", ["recompile", "physical_batch_size"])
+def test_a_layer_switched_on_between_two_fits_is_refused_before_the_next_step(change):
+    """fit, switch the layer on, recompile (or fit in physical batches: the
+    chunked step) and fit again: the new step's graph writes, refused."""
+    model, layer, variable = switched_model("running_mean")
+    compile_switched(model)
+    x, y = crafted_records()
+    model.fit(x, y, batch_size=16, epochs=1, verbose=0)
+    steps = model.privacy.steps
+    switch_on(layer)
+    kwargs = {"physical_batch_size": 4} if change == "physical_batch_size" else {}
+    if change == "recompile":
+        compile_switched(model)
+    with pytest.raises(ValueError, match=rf"Layer 'keeper' \(\w+\) writes its variable '{variable}'"):
+        model.fit(x, y, batch_size=16, epochs=1, verbose=0, **kwargs)
+    assert model.privacy.steps == steps
+    np.testing.assert_array_equal(layer.mean.numpy(), 0.0)
+
+
+def test_a_layer_switched_off_trains_in_the_chunked_step():
+    """Negative control: the same layer, never switched on, trains whole and
+    in physical batches; its running mean stays."""
+    model, layer, _ = switched_model("running_mean")
+    compile_switched(model)
+    x, y = crafted_records()
+    model.fit(x, y, batch_size=16, epochs=1, verbose=0)
+    model.fit(x, y, batch_size=16, epochs=1, verbose=0, physical_batch_size=4)
+    assert model.privacy.steps == 4
+    np.testing.assert_array_equal(layer.mean.numpy(), 0.0)
+
+
+def test_train_on_batch_is_refused_clearly():
+    model = dp_model(keras.layers.Dense(4))
+    x, y = crafted_records()
+    with pytest.raises(NotImplementedError, match="train_on_batch.*fit"):
+        model.train_on_batch(x, y)
+    assert model.privacy.steps == 0

@@ -341,3 +341,35 @@ def test_a_batch_normalization_over_the_batch_axis_is_refused_by_name(axis):
     with pytest.raises(ValueError, match=r"'bn' \(BatchNormalization\).*axis 0.*batch axis"
                                          rf".*Received: axis={axis}"):
         _compile(model)
+
+
+class _TrainingByDefault(keras.layers.BatchNormalization):
+    """A subclass whose `training` defaults to True."""
+
+    def call(self, inputs, training=True, mask=None):
+        return super().call(inputs, training=training, mask=mask)
+
+
+class _CallsCallWithoutTraining(keras.layers.Layer):
+    """Calls such a subclass's `call` without `training`."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.bn = _TrainingByDefault(name="bn", center=False, scale=False)
+
+    def build(self, shape):
+        self.bn.build(shape)
+
+    def call(self, x, training=None):
+        return self.bn.call(x)
+
+
+def test_a_subclass_defaulting_to_training_is_refused_by_name_when_its_call_omits_it():
+    """`bn.call(x)` on a subclass with `training=True` by default: the hook
+    read the omitted argument as None (inference) and let it through."""
+    from tfdp.per_example.inference_mode import inference_mode_calls
+
+    model = keras.Sequential([keras.Input((3,)), _CallsCallWithoutTraining(name="block")])
+    with inference_mode_calls(model):
+        with pytest.raises(ValueError, match=REFUSED + r".*Received: training=True"):
+            model(np.ones((2, 3), "float32"), training=True)

@@ -33,6 +33,7 @@ import numpy as np
 import tensorflow as tf
 
 from tfdp.data.poisson import DEFAULT_OVERFLOW_PROBABILITY, padded_batch_size
+from tfdp.models.state_writes import checked_per_example_pass
 from tfdp.models.user_level import per_user_gradients
 from tfdp.per_example import compute_per_example_gradients
 
@@ -196,10 +197,11 @@ def chunked_private_gradients(model, x, y, weights, step_info, physical_batch_si
 
     def body(i, sums, counts, losses):
         cx, cy, cweights, cmask = chunk_of(i * k)
-        per_example, y_pred, chunk_losses = compute_per_example_gradients(
-            model, cx, cy, cweights, loss_fn or model._per_example_loss,
-            model.per_example_gradients
-        )
+        with checked_per_example_pass(model):  # the layers write nothing (state_writes)
+            per_example, y_pred, chunk_losses = compute_per_example_gradients(
+                model, cx, cy, cweights, loss_fn or model._per_example_loss,
+                model.per_example_gradients
+            )
         if [id(v) for v in per_example.variables] != [id(v) for v in variables]:
             raise ValueError("Per-example gradients must follow model.trainable_variables.")
         unit_info = dict(step_info, mask=cmask)

@@ -238,22 +238,24 @@ class DPTrainingMixin:
         counter could advance (and BandMF's noise be consumed) while the
         read was still failing.
         """
-        self._check_step()
+        self._check_step(data)
         with tf.control_dependencies(tf.nest.flatten(data)):
             charged = self._dp_steps.value.assign_add(1, read_value=False)
         with tf.control_dependencies([charged]):
             data = tf.nest.map_structure(tf.identity, data)
             return self._private_step(data)
 
-    def _check_step(self):
+    def _check_step(self, data):
         """The step's refusals that Python makes (when the step is traced, or
         run eagerly), made before the step is charged."""
         # After every callback's on_train_begin: a layer changed since fit's
-        # own checks (made stateful, its weights recast, unfrozen: its writes
-        # are checked again). A trainable BatchNormalization is checked call
-        # by call as the per-example pass traces it (training=False only).
+        # own checks (made stateful, its weights recast) is refused here. A
+        # layer's writes are refused as the step's graph is traced
+        # (state_writes.checked_per_example_pass, around the per-example
+        # pass); run eagerly there is no graph: the batch is checked here.
         check_per_example_support(self)
-        state_writes.check_dp_model_again(self)
+        if tf.executing_eagerly():
+            state_writes.check_step_eagerly(self, data[0])
         if self._physical_batch_size is not None:
             chunked_step.check_splittable(self.optimizer, self._physical_batch_size)
 
@@ -293,9 +295,10 @@ class DPTrainingMixin:
             # A unit (an example, or a user) is its rows' copies, joined before clipping.
             per_user = (per_user or 1) * augmentation.copies
         if self._physical_batch_size is None:
-            per_example, y_pred, losses = compute_per_example_gradients(
-                self, x, targets, weights, loss_fn, self.per_example_gradients
-            )
+            with state_writes.checked_per_example_pass(self):
+                per_example, y_pred, losses = compute_per_example_gradients(
+                    self, x, targets, weights, loss_fn, self.per_example_gradients
+                )
             unit_info = step_info
             if per_user is not None:  # clipped per user, not per record
                 per_example, unit_info = user_level.per_user_gradients(
@@ -341,6 +344,19 @@ class DPTrainingMixin:
             loss = tf.where(count > 0, tf.math.divide_no_nan(total, count), float("nan"))
             logs.update(loss=loss, nonfinite_examples=nonfinite)
         return distribute.logs_for_keras(logs)
+
+    def train_on_batch(self, x=None, y=None, sample_weight=None, class_weight=None,
+                       return_dict=False):
+        """Refused: a DP step trains on a Poisson-sampled batch that `fit`
+        draws, pads and charges to the privacy ledger; a batch chosen by the
+        caller has no sampling to account for."""
+        raise NotImplementedError(
+            f"{type(self).__name__}.train_on_batch is not supported: a DP step must "
+            "train on a batch that fit() draws by Poisson sampling (padded, masked "
+            "and charged to the privacy ledger), not on a batch chosen by the caller. "
+            "Use model.fit(x, y, batch_size=..., epochs=1, steps_per_epoch=1) for a single step. "
+            f"Received: x of type {type(x).__name__}"
+        )
 
     def test_step(self, data):
         """Keras `test_step`; logs shaped for multi-worker reduction."""

@@ -3,19 +3,26 @@
 A layer that writes a variable while it trains (a running mean, a queue, a
 memory bank: what BatchNormalization does with its moving statistics) puts
 training records' data into that variable, and the variable is released with
-the model, outside the noise and the accounting. `check_no_state_writes`
-refuses such a model before the first step: `fit` runs it, and the DP step
-runs it again as it is traced when a layer's `trainable` flag changed since
-(a callback's `on_train_begin` runs after fit's check). It traces the
-model's forward and backward pass exactly as the DP step runs it
-(`tfdp.per_example.compute_per_example_gradients`, on the model's path), so
-the check sees what `call()` does in training, not what the layer class is:
-a frozen layer whose `call()` writes nothing passes. In that trace every op
-that writes a resource (`AssignVariableOp`, `AssignAddVariableOp`,
-`ResourceScatter*`, `ResourceApply*`, a lookup table's insert ...), in the
-step's graph and in every function it calls (`tf.cond` branches, loop
-bodies), is a write by a layer: the optimizer's update and tfdp's own
-counters are not part of it.
+the model, outside the noise and the accounting. Two checks refuse it:
+
+- `checked_per_example_pass`, the line that holds: the DP step (whole, or
+  chunk by chunk in physical batches) runs its per-example forward and
+  backward pass inside it, and as the step is traced it scans the ops that
+  pass added to the step's own graph. What runs is what is checked, whatever
+  changed since fit began (a callback's `on_train_begin`, a Python attribute
+  a layer's `call()` reads, a recompile). Run eagerly (no graph), the step
+  runs `check_no_state_writes` on its batch before it is charged, every step.
+- `check_dp_model`, fit's early check: it traces the same pass
+  (`tfdp.per_example.compute_per_example_gradients`, on the model's path)
+  before any step, for a clear error before training starts.
+
+In either, every op that writes a resource (`AssignVariableOp`,
+`AssignAddVariableOp`, `ResourceScatter*`, `ResourceApply*`, a lookup
+table's insert ...), in the pass and in every function it calls (`tf.cond`
+branches, loop bodies), is a write by a layer: the optimizer's update and
+tfdp's own counters are not part of the pass. The check sees what `call()`
+does in training, not what the layer class is: a frozen layer whose
+`call()` writes nothing passes.
 
 Which ops write is decided by an allowlist: any op given a resource from
 outside the traced function is a write unless it only reads (`_READS`), so
@@ -44,6 +51,8 @@ Traceback (most recent call last):
 ...
 ValueError: Layer 'stats' (RunningMean) writes its variable 'running_mean' ...
 """
+
+import contextlib
 
 import keras
 import tensorflow as tf
@@ -74,8 +83,11 @@ _CALL_ATTRS = ("f", "then_branch", "else_branch", "body", "cond", "branches")
 
 def check_dp_model(model, sample):
     """`check_no_state_writes` for a compiled `tfdp.DPModel` on a sample batch
-    of its training data (its loss, its per-example path), once per model
-    and configuration (layers' `trainable` flags, path, shapes).
+    of its training data (its loss, its per-example path): fit's early check,
+    made once per model and configuration (layers' `trainable` flags, path,
+    shapes). What changes the step without changing those (a callback, a
+    Python attribute) is refused by `checked_per_example_pass` as the step
+    is traced, or by `check_step_eagerly` when it runs eagerly.
 
     Args:
         model: a built, compiled `tfdp.DPModel`.
@@ -83,30 +95,77 @@ def check_dp_model(model, sample):
             arrays or tensors; one example is enough).
     """
     sample = tf.nest.map_structure(tf.convert_to_tensor, tuple(s for s in sample if s is not None))
-    loss_fn, targets = model._per_example_loss, sample[1]  # pylint: disable=protected-access
-    if len(sample) > 2 and sample[2].shape.rank > 1:  # per-token weights, as the step takes them
-        loss_fn, targets = model._per_token_loss, (sample[1], sample[2])  # pylint: disable=protected-access
+    x, targets, loss_fn = _step_inputs(model, sample)
     method = model.per_example_gradients
     key = (method, tuple(layer.trainable for layer in model._flatten_layers()),  # pylint: disable=protected-access
-           str(tf.nest.map_structure(lambda t: (t.shape[1:], t.dtype), (sample[0], targets))))
-    model.__dict__["_state_writes_sample"] = sample
+           str(tf.nest.map_structure(lambda t: (t.shape[1:], t.dtype), (x, targets))))
     checked = model.__dict__.setdefault("_state_writes_checked", set())
     if key in checked:
         return
-    check_no_state_writes(model, (sample[0], targets), loss_fn, method)
+    check_no_state_writes(model, (x, targets), loss_fn, method)
     checked.add(key)
 
 
-@tf.autograph.experimental.do_not_convert  # Python-side, in the step's trace
-def check_dp_model_again(model):
-    """`check_dp_model` on the sample of fit's last check, with the layers'
-    `trainable` flags as they are now (a set lookup when they have not
-    changed). The DP step calls it as it is traced: after callbacks'
-    `on_train_begin`, which run after fit's own check, so a layer a callback
-    unfroze there is checked before the first step."""
-    sample = model.__dict__.get("_state_writes_sample")
-    if sample is not None:
-        check_dp_model(model, sample)
+def check_step_eagerly(model, arrays):
+    """`check_no_state_writes` on a step's batch, every time: the DP step
+    run eagerly (`run_eagerly=True`) has no graph to scan, and calls this
+    before it is charged.
+
+    Args:
+        model: a compiled `tfdp.DPModel`.
+        arrays: the step's `(x, y)` or `(x, y, sample_weight)`.
+    """
+    x, targets, loss_fn = _step_inputs(model, tuple(arrays))
+    check_no_state_writes(model, (x, targets), loss_fn, model.per_example_gradients)
+
+
+def _step_inputs(model, arrays):
+    """(x, targets, per-example loss) as the step takes them."""
+    # pylint: disable=protected-access
+    if len(arrays) > 2 and arrays[2] is not None and arrays[2].shape.rank > 1:
+        return arrays[0], (arrays[1], arrays[2]), model._per_token_loss  # per-token weights
+    return arrays[0], arrays[1], model._per_example_loss
+
+
+@contextlib.contextmanager
+def checked_per_example_pass(model):
+    """Refuses the model if the ops made inside it write state: the DP step
+    runs its per-example pass in it.
+
+    As the step is traced, the ops added to the graph being built inside the
+    block (and the functions they call: `tf.cond` branches, loop bodies) are
+    checked as `check_no_state_writes` checks them, when the block ends:
+    before the step has ever run, so a refused step is not charged. Run
+    eagerly, the block checks nothing (`check_step_eagerly` did, before the
+    charge).
+
+    Example:
+
+    >>> import keras, tensorflow as tf
+    >>> class RunningMean(keras.layers.Layer):
+    ...     def build(self, shape):
+    ...         self.mean = self.add_weight(shape=shape[1:], initializer="zeros",
+    ...                                     trainable=False, name="running_mean")
+    ...     def call(self, x):
+    ...         self.mean.assign(tf.reduce_mean(x, 0))
+    ...         return x
+    >>> model = keras.Sequential([keras.Input((3,)), RunningMean(name="stats")])
+    >>> @tf.function(autograph=False)
+    ... def step(x):
+    ...     with checked_per_example_pass(model):
+    ...         return model(x)
+    >>> step(tf.ones([2, 3]))
+    Traceback (most recent call last):
+    ...
+    ValueError: Layer 'stats' (RunningMean) writes its variable 'running_mean' ...
+    """
+    if tf.executing_eagerly():
+        yield
+        return
+    graph = tf.compat.v1.get_default_graph()
+    start = len(graph.get_operations())
+    yield
+    _refuse_writes(model, graph, graph.get_operations()[start:])
 
 
 def check_no_state_writes(model, sample, loss_fn, method="auto", training=True):
@@ -143,9 +202,15 @@ def check_no_state_writes(model, sample, loss_fn, method="auto", training=True):
         # A step that cannot be traced cannot run either: nothing is released,
         # and the step's own trace raises its error (named there) first.
         return
+    _refuse_writes(model, graph, graph.get_operations())
+
+
+def _refuse_writes(model, graph, operations):
+    """Raises a ValueError for the first op of `operations` (ops of `graph`),
+    or of a function they call, that writes state or runs Python."""
     variables = _model_variables(model)
     seeds = _seed_states(model)
-    for op, owner in _writes(graph):
+    for op, owner in _writes(graph, operations):
         if op.type in _PYTHON_OPS:
             raise ValueError(_python_message(model, op))
         if op.type in _OUTPUT_OPS or op.type.startswith(_OUTPUT_PREFIXES):
@@ -180,13 +245,13 @@ def _seed_states(model):
     return states
 
 
-def _writes(graph, seen=None):
-    """(op, the graph it is in) for every op in `graph` and the functions its
-    ops call that may change a resource from outside the traced function
-    (`_READS` aside), or runs Python."""
+def _writes(graph, operations=None, seen=None):
+    """(op, the graph it is in) for every op of `operations` (default: all of
+    `graph`'s) and of the functions they call that may change a resource
+    from outside the traced function (`_READS` aside), or runs Python."""
     seen = set() if seen is None else seen
     functions = getattr(graph, "_functions", {})
-    for op in graph.get_operations():
+    for op in graph.get_operations() if operations is None else operations:
         if op.type in _PYTHON_OPS or op.type in _OUTPUT_OPS or op.type.startswith(
                 _OUTPUT_PREFIXES) or (op.type not in _READS and any(
                 _from_outside(t) for t in op.inputs if t.dtype == tf.resource)):
@@ -196,7 +261,7 @@ def _writes(graph, seen=None):
             nested = getattr(function, "graph", None)
             if nested is not None and name not in seen:
                 seen.add(name)
-                yield from _writes(nested, seen)
+                yield from _writes(nested, seen=seen)
 
 
 def _from_outside(handle):

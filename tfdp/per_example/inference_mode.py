@@ -148,6 +148,9 @@ def _hooked(layer, call, force):
             bound = signature.bind_partial(layer, *args, **kwargs)
         except TypeError:  # the call itself raises the error
             return call(*args, **kwargs)
+        # An omitted `training` is the signature's default (a subclass's
+        # `training=True`), not None.
+        bound.apply_defaults()
         arguments = bound.arguments
         holder = arguments if named or rest is None else arguments.setdefault(rest, {})
         if force:
