@@ -353,8 +353,8 @@ def test_tfdp_train_hands_momentum_to_the_optimizer(tmp_path):
         training.train(dataset="digits", mechanism="adadp", epochs=1, momentum=0.5, verbose=0)
 
 
-@pytest.mark.parametrize("run_eagerly, physical_batch_size", [(True, None), (False, None), (False, 4)])
-def test_padding_rows_add_nothing_without_xla(run_eagerly, physical_batch_size):
+@pytest.mark.parametrize("physical_batch_size", [None, 4])
+def test_padding_rows_add_nothing_without_xla(physical_batch_size):
     """Without XLA a full-batch draw of 65 records is still padded to 66 rows
     (a multiple of `draw_multiple(65)` = 2; padding copies a record, mask 0).
     The step must be lr / b times the clipped sum over the 65 drawn rows,
@@ -364,8 +364,7 @@ def test_padding_rows_add_nothing_without_xla(run_eagerly, physical_batch_size):
     x, y = small_data(n=65)
     keras.utils.set_random_seed(0)
     model = small_model()
-    model.compile(optimizer=NoiselessDPSGD(1.0, l2_norm_clip=0.5, noise_multiplier=1.0), loss=LOSS,
-                  run_eagerly=run_eagerly)
+    model.compile(optimizer=NoiselessDPSGD(1.0, l2_norm_clip=0.5, noise_multiplier=1.0), loss=LOSS)
     model(x[:1])
     start = [v.numpy() for v in model.trainable_variables]
     clipped_sum, losses = [np.zeros_like(s) for s in start], []

@@ -331,15 +331,13 @@ def check_untouched(model, layer, x):
 
 
 @pytest.mark.parametrize("case", ["running_mean", "warm_bn"])
-@pytest.mark.parametrize("run_eagerly", [False, True])
-def test_a_layer_switched_on_by_a_callback_at_train_begin_is_refused_before_the_first_step(
-        case, run_eagerly):
+def test_a_layer_switched_on_by_a_callback_at_train_begin_is_refused_before_the_first_step(case):
     """A callback sets a Python attribute after fit's check: the trainable
     flags and shapes are those fit checked, the step's code is not. The
-    step's own graph (or, run eagerly, every step) is checked: refused,
-    naming the layer and the variable, before any step is charged."""
+    step's own graph is checked: refused, naming the layer and the
+    variable, before any step is charged."""
     model, layer, variable = switched_model(case)
-    compile_switched(model, run_eagerly=run_eagerly)
+    compile_switched(model)
 
     class SwitchOn(keras.callbacks.Callback):
         def on_train_begin(self, logs=None):
@@ -388,3 +386,71 @@ def test_train_on_batch_is_refused_clearly():
     with pytest.raises(NotImplementedError, match="train_on_batch.*fit"):
         model.train_on_batch(x, y)
     assert model.privacy.steps == 0
+
+
+@tfdp.per_example.declare_per_example
+class NumpyRunningMean(keras.layers.Layer):
+    """Writes a running mean computed by eager Python (`.numpy()`): no graph
+    can show it (the third review's route around the graph scan)."""
+
+    def build(self, shape):
+        self.mean = self.add_weight(shape=shape[1:], initializer="zeros", trainable=False,
+                                    name="running_mean")
+
+    def call(self, x, training=None):
+        if training:
+            self.mean.assign(0.9 * self.mean + 0.1 * np.mean(x.numpy(), 0))
+        return x
+
+
+def test_a_step_run_eagerly_is_refused_before_it_is_charged():
+    """Eager Python in call() writes training data where no graph shows it
+    (this layer trained under run_eagerly=True and released 1.25e28 for one
+    record of 1e30): run_eagerly is refused at compile, and a step forced
+    eager by tf.config.run_functions_eagerly is refused before its charge."""
+    inputs = keras.Input((4,))
+    layer = NumpyRunningMean(name="numpy_stats")
+    model = tfdp.DPModel(inputs, keras.layers.Dense(3)(layer(inputs)))
+    with pytest.raises(ValueError, match="does not run its private step eagerly.*run_eagerly=True"):
+        compile_switched(model, run_eagerly=True)
+    compile_switched(model)
+    x, y = crafted_records()
+    tf.config.run_functions_eagerly(True)
+    try:
+        with pytest.raises(ValueError, match="does not run its private step eagerly"):
+            model.fit(x, y, batch_size=16, epochs=1, verbose=0)
+    finally:
+        tf.config.run_functions_eagerly(False)
+    assert model.privacy.steps == 0
+    np.testing.assert_array_equal(layer.mean.numpy(), 0.0)
+
+
+class CondRoutedWrite(keras.layers.Layer):
+    """Writes its variable through a handle passed on by a tf.cond: the
+    handle's source is an If op, not the function's input."""
+
+    def build(self, shape):
+        self.mean = self.add_weight(shape=shape[1:], initializer="zeros", trainable=False,
+                                    name="running_mean")
+
+    def call(self, x):
+        handle = tf.cond(tf.constant(True), lambda: self.mean.value.handle,
+                         lambda: self.mean.value.handle)
+        tf.raw_ops.AssignVariableOp(resource=handle, value=tf.reduce_mean(x, 0))
+        return x
+
+
+def test_a_write_through_a_handle_routed_by_control_flow_is_refused():
+    """Only a resource created inside the step counts as local: a
+    variable's handle routed through a tf.cond is the variable (it trained
+    and released 1.25e29 for one record of 1e30 when only a Placeholder
+    counted as from outside)."""
+    inputs = keras.Input((4,))
+    layer = CondRoutedWrite(name="routed")
+    model = tfdp.DPModel(inputs, keras.layers.Dense(3)(layer(inputs)))
+    compile_switched(model)
+    x, y = crafted_records()
+    with pytest.raises(ValueError, match="writes"):
+        model.fit(x, y, batch_size=16, epochs=1, verbose=0)
+    assert model.privacy.steps == 0
+    np.testing.assert_array_equal(layer.mean.numpy(), 0.0)

@@ -177,8 +177,9 @@ class DPTrainingMixin:
         `jit_compile="auto"` (the default) is resolved by
         `tfdp.models.jit.resolve_jit_compile`: True on GPU, where XLA measured
         faster, False on CPU, where the DP step measured faster without it,
-        on devices not yet measured, for layers XLA cannot compile and for
-        `run_eagerly=True`.
+        on devices not yet measured and for layers XLA cannot compile.
+        `run_eagerly=True` is refused: the step's graph is what tfdp checks
+        for layers that write training data into their variables.
         """
         from tfdp.optimizers import DPOptimizer
 
@@ -192,10 +193,13 @@ class DPTrainingMixin:
                 f"{type(optimizer).__name__ if optimizer is not None else None}"
             )
         check_per_example_support(self)
+        if kwargs.get("run_eagerly"):
+            raise ValueError(_EAGER_REFUSAL.format(name=type(self).__name__)
+                             + " Received: run_eagerly=True")
         self._per_example_loss = per_example_loss(loss)
         self._per_token_loss = token_weighted_loss(loss)
         kwargs["jit_compile"] = resolve_jit_compile(
-            kwargs.get("jit_compile", "auto"), model=self, run_eagerly=kwargs.get("run_eagerly", False)
+            kwargs.get("jit_compile", "auto"), model=self
         )
         if kwargs.get("auto_scale_loss") and self.dtype_policy.name == "mixed_float16":
             raise ValueError(
@@ -238,26 +242,28 @@ class DPTrainingMixin:
         counter could advance (and BandMF's noise be consumed) while the
         read was still failing.
         """
-        self._check_step(data)
+        self._check_step()
         with tf.control_dependencies(tf.nest.flatten(data)):
             charged = self._dp_steps.value.assign_add(1, read_value=False)
         with tf.control_dependencies([charged]):
             data = tf.nest.map_structure(tf.identity, data)
             return self._private_step(data)
 
-    def _check_step(self, data):
-        """The step's refusals that Python makes (when the step is traced, or
-        run eagerly), made before the step is charged."""
+    def _check_step(self):
+        """The step's refusals that Python makes (when the step is traced),
+        made before the step is charged."""
         # After every callback's on_train_begin: a layer changed since fit's
         # own checks (made stateful, its weights recast) is refused here. A
         # layer's writes are refused as the step's graph is traced
         # (state_writes.checked_per_example_pass, around the per-example
-        # pass); run eagerly there is no graph: the batch is checked here.
+        # pass).
         check_per_example_support(self)
-        if tf.executing_eagerly():
-            state_writes.check_step_eagerly(self, data[0])
         if self._physical_batch_size is not None:
             chunked_step.check_splittable(self.optimizer, self._physical_batch_size)
+        if tf.executing_eagerly():
+            # No graph to check for writes: eager Python in a layer's call()
+            # (.numpy(), a list, a file) would be invisible.
+            raise ValueError(_EAGER_REFUSAL.format(name=type(self).__name__))
 
     def _private_step(self, data):
         arrays, step_info = data
@@ -762,6 +768,14 @@ class DPTrainingMixin:
 
 
 @contextlib.contextmanager
+_EAGER_REFUSAL = (
+    "{name} does not run its private step eagerly (`run_eagerly=True`, or "
+    "`tf.config.run_functions_eagerly(True)`): a layer's writes of training data "
+    "into its own variables are refused by checking the step's graph, and eager "
+    "Python in a layer's call() (`.numpy()`, a list, a file) has none. Compile "
+    "without run_eagerly (to debug a layer, call it eagerly outside fit).")
+
+
 def _step_counter_hidden(model):
     """Takes `dp_steps` out of the model's own variables meanwhile."""
     own = model._non_trainable_variables

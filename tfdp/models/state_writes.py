@@ -10,8 +10,9 @@ the model, outside the noise and the accounting. Two checks refuse it:
   backward pass inside it, and as the step is traced it scans the ops that
   pass added to the step's own graph. What runs is what is checked, whatever
   changed since fit began (a callback's `on_train_begin`, a Python attribute
-  a layer's `call()` reads, a recompile). Run eagerly (no graph), the step
-  runs `check_no_state_writes` on its batch before it is charged, every step.
+  a layer's `call()` reads, a recompile). A DP step never runs eagerly
+  (`run_eagerly=True` is refused): eager Python in a layer's `call()`
+  (`.numpy()`, a list, a file) has no graph to check.
 - `check_dp_model`, fit's early check: it traces the same pass
   (`tfdp.per_example.compute_per_example_gradients`, on the model's path)
   before any step, for a clear error before training starts.
@@ -24,8 +25,10 @@ tfdp's own counters are not part of the pass. The check sees what `call()`
 does in training, not what the layer class is: a frozen layer whose
 `call()` writes nothing passes.
 
-Which ops write is decided by an allowlist: any op given a resource from
-outside the traced function is a write unless it only reads (`_READS`), so
+Which ops write is decided by an allowlist: any op given a resource that
+was not created inside the traced function by a known creator of fresh
+local resources (`_LOCAL_RESOURCES`: a handle passed through a `tf.cond` or
+a loop counts as from outside) is a write unless it only reads (`_READS`), so
 queues, random generators' states and ops tfdp does not know are refused
 too, and so is Python run inside the step (`tf.py_function`), whose writes
 the graph cannot show. One write is allowed: a `keras.random.SeedGenerator`'s
@@ -79,6 +82,9 @@ _OUTPUT_OPS = {"WriteFile", "PrintV2", "Print", "Save", "SaveV2", "SaveSlices",
                "MergeV2Checkpoints"}
 _OUTPUT_PREFIXES = ("Write",)  # WriteSummary, WriteScalarSummary, ...
 _CALL_ATTRS = ("f", "then_branch", "else_branch", "body", "cond", "branches")
+# Ops that create a fresh resource inside the traced function, no one else's:
+# what is done to it stays in the step.
+_LOCAL_RESOURCES = {"TensorArrayV3", "StackV2"}
 
 
 def check_dp_model(model, sample):
@@ -87,7 +93,7 @@ def check_dp_model(model, sample):
     made once per model and configuration (layers' `trainable` flags, path,
     shapes). What changes the step without changing those (a callback, a
     Python attribute) is refused by `checked_per_example_pass` as the step
-    is traced, or by `check_step_eagerly` when it runs eagerly.
+    is traced.
 
     Args:
         model: a built, compiled `tfdp.DPModel`.
@@ -104,19 +110,6 @@ def check_dp_model(model, sample):
         return
     check_no_state_writes(model, (x, targets), loss_fn, method)
     checked.add(key)
-
-
-def check_step_eagerly(model, arrays):
-    """`check_no_state_writes` on a step's batch, every time: the DP step
-    run eagerly (`run_eagerly=True`) has no graph to scan, and calls this
-    before it is charged.
-
-    Args:
-        model: a compiled `tfdp.DPModel`.
-        arrays: the step's `(x, y)` or `(x, y, sample_weight)`.
-    """
-    x, targets, loss_fn = _step_inputs(model, tuple(arrays))
-    check_no_state_writes(model, (x, targets), loss_fn, model.per_example_gradients)
 
 
 def _step_inputs(model, arrays):
@@ -136,8 +129,8 @@ def checked_per_example_pass(model):
     block (and the functions they call: `tf.cond` branches, loop bodies) are
     checked as `check_no_state_writes` checks them, when the block ends:
     before the step has ever run, so a refused step is not charged. Run
-    eagerly, the block checks nothing (`check_step_eagerly` did, before the
-    charge).
+    eagerly there is nothing to scan: the DP step refuses to run eagerly
+    before it gets here.
 
     Example:
 
@@ -265,12 +258,15 @@ def _writes(graph, operations=None, seen=None):
 
 
 def _from_outside(handle):
-    """Whether a resource tensor comes from outside its function (an input or
-    capture), not from an op inside it that created a local resource."""
+    """Whether a resource tensor may come from outside its function: anything
+    but a fresh resource an op inside it created (`_LOCAL_RESOURCES`). A
+    handle passed on by control flow or a call (`If`, `While`, `Case`, a
+    function's output) counts as from outside: an allowlist of what is local,
+    so that a variable's handle routed through a `tf.cond` is not missed."""
     op = handle.op
     while op.type in ("Identity", "IdentityN") and op.inputs:
         op = op.inputs[0].op
-    return op.type == "Placeholder"
+    return op.type not in _LOCAL_RESOURCES
 
 
 def _called_functions(op):
