@@ -767,7 +767,6 @@ class DPTrainingMixin:
         return model
 
 
-@contextlib.contextmanager
 _EAGER_REFUSAL = (
     "{name} does not run its private step eagerly (`run_eagerly=True`, or "
     "`tf.config.run_functions_eagerly(True)`): a layer's writes of training data "
@@ -776,6 +775,7 @@ _EAGER_REFUSAL = (
     "without run_eagerly (to debug a layer, call it eagerly outside fit).")
 
 
+@contextlib.contextmanager
 def _step_counter_hidden(model):
     """Takes `dp_steps` out of the model's own variables meanwhile."""
     own = model._non_trainable_variables
