@@ -137,7 +137,7 @@ class NeighbourStep:
         self.examples_per_user = examples_per_user
         self._original_optimizer = model.optimizer
         self.optimizer = _noiseless_optimizer(model.optimizer)
-        self.count_ratio = 0.0 if self.optimizer.adaptive_clipping else None
+        self.count_ratio = 0.0 if self.optimizer.clips_adaptively else None
         self.last_fraction = None
         self.last_count = None
         # A batch here has records + 1 rows (users, with examples_per_user): a
@@ -168,7 +168,7 @@ class NeighbourStep:
             model._build_for(_stack(self.rows[:1]))  # metrics, the stand-in optimizer
             if not self.optimizer.built:
                 self.optimizer.build(model.trainable_variables)
-            if self.optimizer.adaptive_clipping:  # the step's C_t, as the user's optimizer has it
+            if self.optimizer.clips_adaptively:  # the step's C_t, as the user's optimizer has it
                 original = self._original_optimizer
                 current = (float(original.clip_norm()) if original.built
                            else original.l2_norm_clip)

@@ -248,7 +248,7 @@ def _settings(model, step):
         f"{type(optimizer).__name__}(l2_norm_clip={optimizer.l2_norm_clip:g}"
         + (f", adaptive: target_unclipped_quantile={optimizer.target_unclipped_quantile:g}, "
            f"C_t={float(optimizer.clip_norm()) if optimizer.built else optimizer.l2_norm_clip:g}"
-           if optimizer.adaptive_clipping else "")
+           if optimizer.clips_adaptively else "")
         + (f", weight_decay={optimizer.weight_decay:g} {optimizer.weight_decay_placement}"
            if optimizer.weight_decay else "") + ")",
         f"dtype policy {model.dtype_policy.name}",

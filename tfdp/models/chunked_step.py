@@ -221,7 +221,7 @@ def chunked_private_gradients(model, x, y, weights, step_info, physical_batch_si
         # Counts that add up over chunks (non-finite examples; adaptive
         # clipping's centred count of unclipped units).
         {name: tf.constant(0.0) for name in (
-            ("nonfinite_examples", "unclipped_count") if optimizer.adaptive_clipping
+            ("nonfinite_examples", "unclipped_count") if optimizer.clips_adaptively
             else ("nonfinite_examples",))},
         # Under XLA the array's size must be a compile-time constant: sized
         # from the batch's (static) length, not from the draw, it compiles

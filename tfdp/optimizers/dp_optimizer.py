@@ -421,14 +421,14 @@ class DPOptimizer(keras.optimizers.Optimizer):
         return float(quantile), learning_rate, count_stddev, update
 
     @property
-    def adaptive_clipping(self):
+    def clips_adaptively(self):
         """Whether C follows a quantile of the norms (`target_unclipped_quantile`)."""
         return self.target_unclipped_quantile is not None
 
     def clip_norm(self):
         """The clip norm this step uses: `l2_norm_clip`, or with adaptive
         clipping the variable C_t (a float32 scalar; `float(...)` reads it)."""
-        if not self.adaptive_clipping:
+        if not self.clips_adaptively:
             return self.l2_norm_clip
         if self._clip_norm is None:
             raise ValueError(
@@ -445,7 +445,7 @@ class DPOptimizer(keras.optimizers.Optimizer):
     def check_noise_split(self, batch_size):
         """With adaptive clipping, refuses a sigma_b at which the gradient's
         noise multiplier is not defined (2 sigma_b <= z) for `batch_size`."""
-        if not self.adaptive_clipping or self.noise_multiplier is None:
+        if not self.clips_adaptively or self.noise_multiplier is None:
             return
         stddev = self.count_stddev(float(batch_size))
         source = (f"clipped_count_stddev={stddev:g}" if self.clipped_count_stddev is not None
@@ -517,7 +517,7 @@ class DPOptimizer(keras.optimizers.Optimizer):
     def build(self, var_list):
         self.inner_optimizer.build(var_list)
         super().build(var_list)
-        if self.adaptive_clipping and self._clip_norm is None:
+        if self.clips_adaptively and self._clip_norm is None:
             # C_t: released information only (C_0 and the noisy counts).
             self._clip_norm = self.add_variable(
                 shape=(), initializer=keras.initializers.Constant(self.l2_norm_clip),
@@ -557,7 +557,7 @@ class DPOptimizer(keras.optimizers.Optimizer):
         (2 sigma_b)^-2)^(-1/2) for the count's sigma_b at the expected
         batch size (`expected_batch_size`, required then).
         """
-        if not self.adaptive_clipping:
+        if not self.clips_adaptively:
             return self.noise_multiplier * self.l2_norm_clip
         stddev = tf.cast(self.count_stddev(expected_batch_size), tf.float32)
         sigma = quantile_clipping.gradient_noise_multiplier(
@@ -676,7 +676,7 @@ class DPOptimizer(keras.optimizers.Optimizer):
         factors = dpsgd.clip_factors(sq_norms, clip, step_info["mask"])
         counts = {"nonfinite_examples": tf.reduce_sum(
             tf.cast(~tf.math.is_finite(sq_norms), tf.float32) * step_info["mask"])}
-        if self.adaptive_clipping:
+        if self.clips_adaptively:
             counts["unclipped_count"] = quantile_clipping.centred_unclipped_count(
                 sq_norms, clip, step_info["mask"])
         return per_example.weighted_sum(factors), counts
@@ -687,7 +687,7 @@ class DPOptimizer(keras.optimizers.Optimizer):
         Called once a logical step (after `noisy_gradients`, which read
         C_t). Returns {"clip_norm": C_{t+1}, "unclipped_fraction": b_t}
         for the logs, or {} with fixed clipping."""
-        if not self.adaptive_clipping:
+        if not self.clips_adaptively:
             return {}
         expected = step_info["expected_batch_size"]
         seed = fold_seed(self.noise_seed(), quantile_clipping.COUNT_STREAM)
@@ -717,7 +717,7 @@ class DPOptimizer(keras.optimizers.Optimizer):
         """
         # Under tf.distribute Keras sums R replicas: each adds noise of
         # variance sigma^2 C^2 / R and 1/R of the decay (tfdp.distribute).
-        stddev = (self.noise_stddev(step_info["expected_batch_size"]) if self.adaptive_clipping
+        stddev = (self.noise_stddev(step_info["expected_batch_size"]) if self.clips_adaptively
                   else self.noise_stddev())
         grads = dpsgd.noisy_mean(
             sums, stddev * distribute.noise_scale(),
@@ -773,7 +773,7 @@ class DPOptimizer(keras.optimizers.Optimizer):
         replicas = strategy.num_replicas_in_sync
         if replicas <= 1:
             return
-        if self.adaptive_clipping:
+        if self.clips_adaptively:
             raise ValueError(
                 "Adaptive clipping (target_unclipped_quantile) trains on one device: its "
                 "count of unclipped units would need a sum across replicas that Keras's "
@@ -955,7 +955,7 @@ class DPOptimizer(keras.optimizers.Optimizer):
             "weight_decay": self.weight_decay,
             "weight_decay_placement": self.weight_decay_placement,
             **({} if self.noise_target is None else self.noise_target.get_config()),
-            **({} if not self.adaptive_clipping else {
+            **({} if not self.clips_adaptively else {
                 "target_unclipped_quantile": self.target_unclipped_quantile,
                 "clip_learning_rate": self.clip_learning_rate,
                 "clipped_count_stddev": self.clipped_count_stddev,
