@@ -104,9 +104,21 @@ def _inference_layers(model):
                 if isinstance(operation, keras.layers.Layer) and getattr(
                         operation, "_call_has_training_arg", False):
                     value = node.arguments.kwargs.get("training", None)
-                    explicit_false = isinstance(value, (bool, np.bool_)) and not value
+                    # A node records the signature's default when the call
+                    # omits `training`: False is written by the user only
+                    # where the default is not False (Dropout's and the
+                    # recurrent layers' default is False: they keep the
+                    # step's training=True, their dropout on).
+                    explicit_false = (isinstance(value, (bool, np.bool_)) and not value
+                                      and _training_default(operation) is not False)
                     flags.setdefault(id(operation), [operation, True])[1] &= explicit_false
     return [layer for layer, all_false in flags.values() if all_false]
+
+
+def _training_default(layer):
+    """The default of `training` in the layer class's `call` (None if none)."""
+    parameter = inspect.signature(type(layer).call).parameters.get("training")
+    return None if parameter is None or parameter.default is parameter.empty else parameter.default
 
 
 @contextlib.contextmanager
