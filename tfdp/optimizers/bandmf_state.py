@@ -53,11 +53,18 @@ model.fit(dataset, epochs=10, callbacks=[keras.callbacks.BackupAndRestore("run/b
 """
 
 import contextlib
+import hashlib
 import json
 import os
 import secrets
 import struct
+import tempfile
 import zipfile
+
+try:
+    import fcntl
+except ImportError:  # not POSIX: no lock around the renames
+    fcntl = None
 
 import numpy as np
 import tensorflow as tf
@@ -258,9 +265,13 @@ def save(stream, path, settings):
         np.savez(file, **arrays)
 
     def replace(temporary):
-        if os.path.lexists(path) and not _same_moment(path, meta):
-            os.replace(path, previous_path(path))
-        os.replace(temporary, path)
+        # Workers that share the path save the same moment at once: the check
+        # and the two renames are one step, or one worker's .prev could be
+        # the other's file of that very moment.
+        with _renames_of(path):
+            if os.path.lexists(path) and not _same_moment(path, meta):
+                os.replace(path, previous_path(path))
+            os.replace(temporary, path)
 
     _write_beside(path, write, replace)
 
@@ -329,6 +340,29 @@ def check_own_files(path):
                     "fresh_noise_history=True) starts a new one). Received: "
                     f"noise_state={path!r}"
                 ) from error
+
+
+@contextlib.contextmanager
+def _renames_of(path):
+    """Holds an exclusive lock, among this machine's processes, for renaming
+    `path` and its `.prev`: a lock file in the temporary folder named by the
+    path's hash (none in the state's own folder). Best effort: without
+    `fcntl` or a writable temporary folder, nothing is held."""
+    if fcntl is None:
+        yield
+        return
+    name = hashlib.sha256(os.path.abspath(path).encode("utf-8")).hexdigest()[:32]
+    try:
+        handle = os.open(os.path.join(tempfile.gettempdir(), f"tfdp-noise-state-{name}.lock"),
+                         os.O_RDWR | os.O_CREAT, 0o600)
+    except OSError:
+        yield
+        return
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(handle)  # releases the lock
 
 
 def _write_beside(path, write, finish):
