@@ -354,7 +354,7 @@ def _renames_of(path):
     name = hashlib.sha256(os.path.abspath(path).encode("utf-8")).hexdigest()[:32]
     try:
         handle = os.open(os.path.join(tempfile.gettempdir(), f"tfdp-noise-state-{name}.lock"),
-                         os.O_RDWR | os.O_CREAT, 0o600)
+                         os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0), 0o600)
     except OSError:
         yield
         return
