@@ -12,7 +12,7 @@ from dp_accounting.dp_event import RepeatAndSelectDpEvent
 pytest.importorskip("keras_tuner")
 
 import tfdp  # noqa: E402
-from tfdp.tuning import PrivateRandomSearch, search as search_module  # noqa: E402
+from tfdp.tuning import PrivateRandomSearch  # noqa: E402
 
 N, BATCH, SPLIT = 100, 20, 0.2
 
@@ -34,26 +34,6 @@ def _build(noise=None, layer=None):
             loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
         return model
     return build
-
-
-@pytest.fixture(autouse=True)
-def in_process(monkeypatch):
-    """Searches run in this process (patched fits, fast); `in_child` undoes it."""
-    monkeypatch.setattr(search_module, "_IN_PROCESS", True)
-
-
-@pytest.fixture
-def in_child(monkeypatch):
-    """Searches run in their child process, as everyone else's."""
-    monkeypatch.setattr(search_module, "_IN_PROCESS", False)
-
-
-@pytest.fixture
-def trials(monkeypatch):
-    """Sets the number of trials the next searches draw."""
-    def set_count(count):
-        monkeypatch.setattr(search_module, "draw_trial_count", lambda rng, mean, shape: count)
-    return set_count
 
 
 def test_the_chosen_model_carries_the_search_and_keeps_it_through_save_and_load(trials, tmp_path):

@@ -35,25 +35,6 @@ def _data(n):
     return ids[:, None].astype("float32"), (ids % 2).astype("int32")
 
 
-@pytest.fixture(autouse=True)
-def in_process(monkeypatch):
-    """Searches run in this process (patched fits, fast); `in_child` undoes it."""
-    monkeypatch.setattr(search_module, "_IN_PROCESS", True)
-
-
-@pytest.fixture
-def in_child(monkeypatch):
-    """Searches run in their child process, as everyone else's."""
-    monkeypatch.setattr(search_module, "_IN_PROCESS", False)
-
-
-@pytest.fixture
-def trials(monkeypatch):
-    def set_count(count):
-        monkeypatch.setattr(search_module, "draw_trial_count", lambda rng, mean, shape: count)
-    return set_count
-
-
 def _regression(hp):
     model = tfdp.DPSequential([keras.Input((1,)), keras.layers.Dense(1)])
     model.compile(optimizer=tfdp.optimizers.DPSGD(hp.Fixed("learning_rate", 0.1), l2_norm_clip=1.0,
