@@ -29,10 +29,10 @@ Example:
 import keras
 import tensorflow as tf
 
-from tfdp.per_example.grads import MaterializedGrads, as_float32
+from tfdp.per_example.grads import as_float32
 from tfdp.per_example.inference_mode import check_inference_call
 from tfdp.per_example.registry import register_rule
-from tfdp.per_example.rules.common import is_float32, sum_per_example
+from tfdp.per_example.rules.common import is_float32, scale_and_offset_parts
 
 
 def _channel_shape(layer, rank):
@@ -66,20 +66,6 @@ class BatchNormalizationRule:
         return record.probe("y", tf.cast(outputs, layer.compute_dtype))
 
     def parts(self, layer, records):
-        variables, grads = [], []
-        params = ((layer.gamma if layer.scale else None, True),
-                  (layer.beta if layer.center else None, False))
-        for param, with_input in params:
-            if param is None or not param.trainable:
-                continue
-            per_call = []
-            for r in records:
-                g = as_float32(r.grads["y"])
-                rank = g.shape.rank
-                if with_input:
-                    g = g * r.normalized
-                channel = layer.axis % rank
-                per_call.append(tf.reduce_sum(g, [a for a in range(1, rank) if a != channel]))
-            variables.append(param)
-            grads.append(sum_per_example(per_call))
-        return [MaterializedGrads(variables, grads)]
+        return scale_and_offset_parts(layer.gamma if layer.scale else None,
+                                      layer.beta if layer.center else None, records,
+                                      lambda rank: (layer.axis % rank,))

@@ -11,6 +11,7 @@ array([[-2.]], dtype=float32)
 
 import tensorflow as tf
 
+from tfdp.per_example.grads import MaterializedGrads, as_float32
 
 def call_pre_activation(layer, call, *args, **kwargs):
     """`call(*args, **kwargs)` with `layer.activation` switched off.
@@ -83,3 +84,34 @@ def concat_positions(tensors):
 def sum_per_example(tensors):
     """Sums per-example gradients of several calls ([B, ...] each)."""
     return tensors[0] if len(tensors) == 1 else tf.add_n(tensors)
+
+
+def scale_and_offset_parts(scale, offset, records, kept_axes):
+    """The exact per-example gradients of a normalization's scale and offset:
+    `dL/dy * normalized` and `dL/dy`, each summed over every axis but the
+    batch and `kept_axes(rank)` (the parameter's), over every call.
+
+    Args:
+        scale, offset: the layer's variables (None, or frozen: left out).
+        records: the calls' records, each with `grads["y"]` and `normalized`.
+        kept_axes: callable(rank) -> the axes the parameter spans.
+
+    Returns:
+        A one-part list: `MaterializedGrads` of the trainable ones.
+    """
+    variables, grads = [], []
+    for param, with_input in ((scale, True), (offset, False)):
+        if param is None or not param.trainable:
+            continue
+        per_call = []
+        for r in records:
+            g = as_float32(r.grads["y"])
+            rank = g.shape.rank
+            if with_input:
+                g = g * r.normalized
+            keep = kept_axes(rank)
+            summed = tf.reduce_sum(g, [a for a in range(1, rank) if a not in keep])
+            per_call.append(tf.reshape(summed, tf.concat([[tf.shape(g)[0]], param.shape], 0)))
+        variables.append(param)
+        grads.append(sum_per_example(per_call))
+    return [MaterializedGrads(variables, grads)]

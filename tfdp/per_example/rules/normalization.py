@@ -17,9 +17,9 @@ True
 import keras
 import tensorflow as tf
 
-from tfdp.per_example.grads import MaterializedGrads, as_float32
+from tfdp.per_example.grads import as_float32
 from tfdp.per_example.registry import register_rule
-from tfdp.per_example.rules.common import is_float32, sum_per_example
+from tfdp.per_example.rules.common import is_float32, scale_and_offset_parts
 
 _L = keras.layers
 _RMS = getattr(_L, "RMSNormalization", None)
@@ -87,19 +87,4 @@ class NormalizationRule:
 
     def parts(self, layer, records):
         scale, offset = _scale_and_offset(layer)
-        variables, grads = [], []
-        for param, with_input in ((scale, True), (offset, False)):
-            if param is None or not param.trainable:
-                continue
-            per_call = []
-            for r in records:
-                g = as_float32(r.grads["y"])
-                rank = g.shape.rank
-                if with_input:
-                    g = g * r.normalized
-                keep = _axes(layer, rank)
-                summed = tf.reduce_sum(g, [a for a in range(1, rank) if a not in keep])
-                per_call.append(tf.reshape(summed, tf.concat([[tf.shape(g)[0]], param.shape], 0)))
-            variables.append(param)
-            grads.append(sum_per_example(per_call))
-        return [MaterializedGrads(variables, grads)]
+        return scale_and_offset_parts(scale, offset, records, lambda rank: _axes(layer, rank))
