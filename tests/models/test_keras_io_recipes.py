@@ -143,17 +143,22 @@ def test_image_classification_from_scratch():
 
 # 2. Transfer learning ---------------------------------------------------------
 
-def test_transfer_learning_with_a_frozen_base():
-    base_model = keras.applications.MobileNetV2(
-        input_shape=(32, 32, 3), alpha=0.35, weights=None, include_top=False)
-    base_model.trainable = False
-    inputs = keras.Input(shape=(32, 32, 3))
+def _transfer_model(base_model, shape):
+    """keras.io's head on a base called with training=False."""
+    inputs = keras.Input(shape=shape)
     x = layers.Rescaling(scale=1 / 127.5, offset=-1)(inputs)
     x = base_model(x, training=False)
     x = layers.GlobalAveragePooling2D()(x)
     x = layers.Dropout(0.2)(x)
     outputs = layers.Dense(1)(x)
-    model = tfdp.DPModel(inputs, outputs)
+    return tfdp.DPModel(inputs, outputs)
+
+
+def test_transfer_learning_with_a_frozen_base():
+    base_model = keras.applications.MobileNetV2(
+        input_shape=(32, 32, 3), alpha=0.35, weights=None, include_top=False)
+    base_model.trainable = False
+    model = _transfer_model(base_model, (32, 32, 3))
     statistics = [v.numpy().copy() for v in base_model.non_trainable_variables]
     rng = np.random.default_rng(1)
     x = rng.uniform(0, 255, size=(32, 32, 32, 3)).astype("float32")
@@ -186,13 +191,7 @@ def test_transfer_learning_fine_tuning_step_2_trains_batch_normalization_in_infe
             norm.moving_mean.assign(np.full(norm.moving_mean.shape, 0.1, "float32"))
             norm.moving_variance.assign(np.full(norm.moving_variance.shape, 2.0, "float32"))
     base_model.trainable = False
-    inputs = keras.Input(shape=(16, 16, 3))
-    x = layers.Rescaling(scale=1 / 127.5, offset=-1)(inputs)
-    x = base_model(x, training=False)
-    x = layers.GlobalAveragePooling2D()(x)
-    x = layers.Dropout(0.2)(x)
-    outputs = layers.Dense(1)(x)
-    model = tfdp.DPModel(inputs, outputs)
+    model = _transfer_model(base_model, (16, 16, 3))
     rng = np.random.default_rng(4)
     x = rng.uniform(0, 255, size=(32, 16, 16, 3)).astype("float32")
     y = rng.integers(0, 2, size=(32, 1)).astype("float32")
