@@ -4,10 +4,14 @@ Configs (random-init, the real KerasHub classes):
 * bert_small: BertTextClassifier, 4 layers, hidden 256, 4 heads,
   intermediate 1024, vocabulary 30522, sequence 128;
 * gpt2_tiny: GPT2CausalLM, 2 layers, hidden 128, 2 heads, intermediate 512,
-  vocabulary 50257, sequence 128 (the tied output projection included).
-Each runs with LoRA (`backbone.enable_lora(4)`: only the LoRA factors of the
-attention's query/value projections and a classifier's head train) and as
-full fine-tuning. tfdp runs twice: on the whole Poisson batch at once
+  vocabulary 50257, sequence 128 (the tied output projection included);
+* gemma_tiny: GemmaCausalLM, 2 layers, hidden 256, 4 query heads sharing 1
+  key/value head of 64, intermediate 1024, vocabulary 32000, sequence 128
+  (a small Gemma-style model: grouped-query attention, RMS norms, gated MLP).
+BERT and GPT-2 run with LoRA rank 4 and Gemma with rank 8
+(`backbone.enable_lora(rank)`: only the LoRA factors of the attention's
+query/value projections and a classifier's head train), BERT and GPT-2 also
+as full fine-tuning. tfdp runs twice: on the whole Poisson batch at once
 ("unsplit": the draw as it comes, not padded below batch 64) and with
 `physical_batch_size` equal to the batch size ("k = batch": chunks past
 the last drawn row are skipped and each chunk's logits are dropped with
@@ -43,7 +47,9 @@ CONFIGS = {
     "gpt2_tiny_lora": (8, 16),
     "bert_small_full": (32, 16),
     "gpt2_tiny_full": (8, 16),
+    "gemma_tiny_lora": (8, 16),
 }
+LORA_RANKS = {"bert": 4, "gpt2": 4, "gemma": 8}
 LENGTH = 128
 KINDS = ("plain", "dp", "dp_k")  # plain Keras; tfdp unsplit; tfdp with physical_batch_size = batch
 DP_KINDS = KINDS[1:]
@@ -66,6 +72,14 @@ def build(name):
         x = {"token_ids": rng.integers(1, 30522, (n, LENGTH)).astype("int32"),
              "segment_ids": np.zeros((n, LENGTH), "int32"), "padding_mask": mask}
         y = rng.integers(0, 2, n)
+    elif name.startswith("gemma"):
+        backbone = keras_hub.models.GemmaBackbone(
+            vocabulary_size=32000, num_layers=2, num_query_heads=4, num_key_value_heads=1,
+            hidden_dim=256, intermediate_dim=1024, head_dim=64)
+        task = keras_hub.models.GemmaCausalLM(backbone=backbone, preprocessor=None)
+        tokens = rng.integers(1, 32000, (n, LENGTH + 1)).astype("int32")
+        x = {"token_ids": tokens[:, :-1], "padding_mask": mask}
+        y = tokens[:, 1:]
     else:
         backbone = keras_hub.models.GPT2Backbone(
             vocabulary_size=50257, num_layers=2, num_heads=2, hidden_dim=128,
@@ -75,7 +89,7 @@ def build(name):
         x = {"token_ids": tokens[:, :-1], "padding_mask": mask}
         y = tokens[:, 1:]
     if name.endswith("lora"):
-        backbone.enable_lora(4)
+        backbone.enable_lora(LORA_RANKS[name.split("_")[0]])
     return task.inputs, task.outputs, x, y
 
 
