@@ -234,7 +234,10 @@ def main():
     run_parser.add_argument("--data-dir", default=None)
     commands.add_parser("report", help="the table of every search run")
     args = parser.parse_args()
-    run(args) if args.command == "run" else report(args)
+    if args.command == "run":
+        run(args)
+    else:
+        report(args)
 
 
 if __name__ == "__main__":
