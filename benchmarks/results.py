@@ -528,22 +528,26 @@ def paper_mode_table(results):
 def user_level_section():
     """RESULTS.md lines of the user-level benchmark: the table that
     benchmarks/user_level_fashion_mnist.py writes, as it is (none before it ran)."""
-    path = os.path.join(RESULTS_DIR, "user_level_fashion_mnist.md")
+    table = written_table("user_level_fashion_mnist.md")
+    return ["", "## User-level DP on pseudo-users", ""] + table if table else []
+
+
+def written_table(name):
+    """The lines of the table a benchmark wrote to benchmarks/results/`name`,
+    as they are, or [] before it ran."""
+    path = os.path.join(RESULTS_DIR, name)
     if not os.path.exists(path):
         return []
     with open(path) as f:
-        table = f.read().rstrip("\n").split("\n")
-    return ["", "## User-level DP on pseudo-users", ""] + table
+        return f.read().rstrip("\n").split("\n")
 
 
 def tuned_section():
     """RESULTS.md lines of the searches charged to the budget: the table that
     benchmarks/tuned_fashion_mnist.py report writes (none before it ran)."""
-    path = os.path.join(RESULTS_DIR, "tuned_fashion_mnist.md")
-    if not os.path.exists(path):
+    table = written_table("tuned_fashion_mnist.md")
+    if not table:
         return []
-    with open(path) as f:
-        table = f.read().rstrip("\n").split("\n")
     return [
         "",
         "## Hyperparameters tuned inside the budget",

@@ -181,7 +181,7 @@ def untuned_rows(features, epsilon):
     return [json.load(open(path)) for path in sorted(glob.glob(pattern))]
 
 
-def report(args):
+def report():
     """Prints the table of every search run and writes it to TABLE (RESULTS.md includes it)."""
     rows = [json.load(open(p)) for p in sorted(glob.glob(os.path.join(TUNED_DIR, "*.json")))]
     lines = [
@@ -193,9 +193,8 @@ def report(args):
         space = ", ".join(f"{k} {v}" for k, v in r["search_space"].items())
         chosen = ", ".join(f"{k} {v:.3g}" if isinstance(v, float) else f"{k} {v}"
                            for k, v in r["chosen"].items())
-        validation = r.get("validation") or f"{r['validation_split']:g} of the training records, noisy"
         lines.append(
-            f"| {r['features']} + DP-SGD | {validation} | {space} | {r['distribution']}, mean "
+            f"| {r['features']} + DP-SGD | {r['validation']} | {space} | {r['distribution']}, mean "
             f"{r['mean_trials']:g} | {r['epsilon']:.2f} / {r['epsilon_one_trial']:.2f} | "
             f"{r['noise_multiplier']:.2f} | {chosen} | {100 * r['validation_score']:.2f} | "
             f"{100 * r['test_accuracy']:.2f} | {r['seed']} |")
@@ -237,7 +236,7 @@ def main():
     if args.command == "run":
         run(args)
     else:
-        report(args)
+        report()
 
 
 if __name__ == "__main__":
