@@ -13,6 +13,7 @@ import tensorflow as tf
 
 from tfdp.per_example.grads import MaterializedGrads, as_float32
 
+
 def call_pre_activation(layer, call, *args, **kwargs):
     """`call(*args, **kwargs)` with `layer.activation` switched off.
 
