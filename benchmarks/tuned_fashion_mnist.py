@@ -40,13 +40,12 @@ import sys
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
-import dp_accounting  # noqa: E402
 import keras  # noqa: E402
 
 import tfdp  # noqa: E402
 from tfdp import recipes  # noqa: E402
-from tfdp.accounting import dpsgd_event  # noqa: E402
-from tfdp.accounting.search import compute_epsilon_of  # noqa: E402
+from tfdp.accounting.calibration import dpsgd_steps  # noqa: E402
+from tfdp.accounting.search import compute_epsilon_of, dpsgd_trial_event  # noqa: E402
 from tfdp.data import load_fashion_mnist  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -67,29 +66,6 @@ VALIDATION_SPLIT = 0.2
 LEARNING_RATES = {"none": (1.0, 16.0), "scatternet": (4.0, 64.0), "scatternet_cnn": (1.0, 16.0)}
 MODEL_NAMES = {"none": "tanh CNN", "scatternet": "scatternet", "scatternet_cnn": "scatternet_cnn"}
 CLIP_NORM = 0.1
-
-
-def trial_event(noise_multiplier, sampling_probability, steps, scored_privately=True):
-    """What one trial releases: its DP-SGD steps and its noisy validation
-    count (none when it is scored on public data)."""
-    training = dp_accounting.SelfComposedDpEvent(
-        dpsgd_event(noise_multiplier, sampling_probability), steps)
-    if not scored_privately:
-        return training
-    return dp_accounting.ComposedDpEvent(
-        [training, dp_accounting.GaussianDpEvent(SCORE_NOISE_MULTIPLIER)])
-
-
-def calibrate_search(epsilon, mean_trials, distribution, sampling_probability, steps,
-                     scored_privately=True):
-    """The smallest noise multiplier (to 1e-3) whose search costs <= epsilon."""
-    low, high = 0.3, 100.0
-    while high - low > 1e-3:
-        middle = (low + high) / 2
-        event = trial_event(middle, sampling_probability, steps, scored_privately)
-        cost = tfdp.tuning.search_epsilon(event, mean_trials, DELTA, distribution)
-        low, high = (middle, high) if cost > epsilon else (low, middle)
-    return high
 
 
 def hypermodel(features, noise_multiplier, momentum, tune_ema=True, quantile=None):
@@ -122,11 +98,11 @@ def run(args):
         x_train = cached_features(args.features, "train", x_train)
         x_test = cached_features(args.features, "test", x_test)
     num_examples = len(x_train)
-    steps = args.epochs * round(num_examples / batch_size)
-    q = batch_size / num_examples
     public = args.validation == "public_half"
-    sigma = calibrate_search(args.epsilon, args.mean_trials, args.distribution, q, steps,
-                             scored_privately=not public)
+    score_noise = None if public else SCORE_NOISE_MULTIPLIER
+    sigma = tfdp.tuning.calibrate_search_noise(
+        num_examples, batch_size, args.epochs, args.epsilon, DELTA, args.mean_trials,
+        args.distribution, score_noise_multiplier=score_noise)
     tuner = tfdp.tuning.PrivateRandomSearch(
         hypermodel(args.features, sigma, momentum, not args.no_ema, args.adaptive_clipping),
         mean_trials=args.mean_trials,
@@ -149,14 +125,15 @@ def run(args):
         "features": args.features,
         "target_epsilon": args.epsilon,
         "epsilon": model.privacy.epsilon(DELTA),
-        "epsilon_one_trial": compute_epsilon_of(trial_event(sigma, q, steps, not public), DELTA),
+        "epsilon_one_trial": compute_epsilon_of(
+            dpsgd_trial_event(sigma, num_examples, batch_size, args.epochs, score_noise), DELTA),
         "delta": DELTA,
         "distribution": args.distribution,
         "mean_trials": args.mean_trials,
         "noise_multiplier": sigma,
         "batch_size": batch_size,
         "epochs": args.epochs,
-        "steps": steps,
+        "steps": dpsgd_steps(num_examples, batch_size, args.epochs),
         "momentum": momentum,
         "validation": ("the test split's first half, public; tested on the second half"
                        if public else f"{VALIDATION_SPLIT:g} of the training records, noisy"),
@@ -186,8 +163,9 @@ def untuned_rows(features, epsilon):
     return [json.load(open(path)) for path in sorted(glob.glob(pattern))]
 
 
-def report():
-    """Prints the table of every search run and writes it to TABLE (RESULTS.md includes it)."""
+def report(output=TABLE):
+    """Prints the table of every search run and writes it to `output`
+    (RESULTS.md includes TABLE)."""
     rows = [json.load(open(p)) for p in sorted(glob.glob(os.path.join(TUNED_DIR, "*.json")))]
     lines = [
         "| model | validation | search space | trials | epsilon (search / one trial) | sigma | "
@@ -215,7 +193,7 @@ def report():
             lines.append(
                 f"| {MODEL_NAMES[features]} + DP-SGD | {r['epsilon']:.2f} | {100 * r['test_accuracy_full']:.2f}"
                 f" / {100 * r['test_accuracy_held_out_half']:.2f} | {r['seed']} |")
-    with open(TABLE, "w") as f:
+    with open(output, "w") as f:
         f.write("\n".join(lines) + "\n")
     print("\n".join(lines))
 
@@ -237,12 +215,13 @@ def main():
     run_parser.add_argument("--adaptive-clipping", type=float, default=None, metavar="QUANTILE",
                             help="clip to this quantile of the norms (adaptive clipping)")
     run_parser.add_argument("--data-dir", default=None)
-    commands.add_parser("report", help="the table of every search run")
+    report_parser = commands.add_parser("report", help="the table of every search run")
+    report_parser.add_argument("--output", default=TABLE, help="where to write it")
     args = parser.parse_args()
     if args.command == "run":
         run(args)
     else:
-        report()
+        report(args.output)
 
 
 if __name__ == "__main__":

@@ -10,10 +10,18 @@ import pytest
 import scipy.special as sp_special
 from dp_accounting.dp_event import RepeatAndSelectDpEvent
 
-from tfdp.accounting import PrivacyLedger, dpsgd_event, event_from_dict, event_to_dict
+from tfdp.accounting import (
+    PrivacyLedger,
+    calibrate_dpsgd,
+    dpsgd_event,
+    event_from_dict,
+    event_to_dict,
+)
 from tfdp.accounting.search import (
     _truncated_negative_binomial,
+    calibrate_search_noise,
     compute_epsilon_of,
+    dpsgd_trial_event,
     draw_trial_count,
     repeat_and_select_event,
     trial_count_parameter,
@@ -189,3 +197,43 @@ def test_truncated_negative_binomial_counts_follow_its_law(shape):
     # Negative control: the law of another shape with the same mean is rejected.
     wrong, wrong_dof = chi2(_truncated_pmf(4.0, shape * 3 + 1.0, ks))
     assert wrong > wrong_dof + 5 * math.sqrt(2 * wrong_dof)
+
+
+@pytest.mark.parametrize("distribution, shape", LAWS)
+@pytest.mark.parametrize("score_noise", [10.0, None])
+def test_search_noise_is_the_smallest_that_keeps_the_whole_search_within_the_target(
+        distribution, shape, score_noise):
+    sigma = calibrate_search_noise(20000, 400, 5, 2.0, 1e-5, 6, distribution, shape,
+                                   score_noise_multiplier=score_noise, tolerance=1e-4)
+
+    def cost(s):
+        trial = dpsgd_trial_event(s, 20000, 400, 5, score_noise)
+        return compute_epsilon_of(repeat_and_select_event(trial, 6, distribution, shape), 1e-5)
+
+    assert cost(sigma) <= 2.0 < cost(sigma / 1.0001)
+    # Negative control: the noise for ONE trial of epsilon 2 overspends as a search.
+    one_trial = calibrate_dpsgd(20000, 400, 5, target_epsilon=2.0, delta=1e-5)
+    assert one_trial < sigma and cost(one_trial) > 2.1
+
+
+def test_the_trial_event_is_the_tuners_ledger_plus_its_noisy_score():
+    ledger = PrivacyLedger()
+    ledger.begin_steps(dpsgd_event(1.5, 400 / 20000))
+    ledger.advance(5 * 50)
+    assert dpsgd_trial_event(1.5, 20000, 400, 5) == _trial_event(ledger)
+    assert dpsgd_trial_event(1.5, 20000, 400, 5, None) == ledger.composed_event().events[0]
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(target_epsilon=0.5, score_noise_multiplier=0.5), "raise score_noise_multiplier"),
+    (dict(target_epsilon=0.0), "target_epsilon"),
+    (dict(mean_trials=0.5), "mean_trials"),
+    (dict(distribution="uniform"), "distribution"),
+    (dict(score_noise_multiplier=-1.0), "score_noise_multiplier"),
+    (dict(batch_size=30000), "batch_size"),
+])
+def test_search_noise_refuses_what_it_cannot_calibrate(kwargs, match):
+    arguments = dict(num_examples=20000, batch_size=400, epochs=5, target_epsilon=2.0,
+                     delta=1e-5, mean_trials=4)
+    with pytest.raises(ValueError, match=match):
+        calibrate_search_noise(**{**arguments, **kwargs})

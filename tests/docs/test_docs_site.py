@@ -294,6 +294,18 @@ def test_the_condensed_gpu_table_is_what_its_script_prints():
     assert table.strip() == completed.stdout.strip()
 
 
+def test_the_tuned_table_is_what_its_script_prints_from_the_kept_searches(tmp_path):
+    """benchmarks/results/tuned_fashion_mnist.md (RESULTS.md shows it) is what
+    `tuned_fashion_mnist.py report` prints from the committed JSON files."""
+    written = tmp_path / "tuned.md"
+    subprocess.run(
+        [sys.executable, "benchmarks/tuned_fashion_mnist.py", "report", "--output", str(written)],
+        cwd=ROOT, capture_output=True, text=True, timeout=300, check=True,
+    )
+    kept = (ROOT / "benchmarks" / "results" / "tuned_fashion_mnist.md").read_text()
+    assert written.read_text() == kept
+
+
 def source_page_references(root):
     """(file, page, anchor) for every `docs/....md[#anchor]` that tfdp's source names."""
     pattern = re.compile(r"docs/([\w/.-]+?\.md)(?:#([\w-]+))?")

@@ -93,6 +93,21 @@ def test_public_validation_data_is_scored_exactly_and_not_charged(trials):
     assert tuner.best_score * 10 == round(tuner.best_score * 10)  # an exact count of 10
 
 
+@pytest.mark.parametrize("public", [False, True])
+def test_a_search_calibrated_for_a_target_is_charged_the_target(trials, public):
+    trials(2)
+    x, y = _data()
+    score_noise = None if public else 10.0
+    sigma = tfdp.tuning.calibrate_search_noise(N, BATCH, 2, 6.0, 1e-3, mean_trials=3,
+                                               score_noise_multiplier=score_noise)
+    tuner = PrivateRandomSearch(_build(noise=lambda hp: sigma), mean_trials=3)
+    validation = (dict(validation_data=(x[:10], y[:10]), validation_data_is_public=True)
+                  if public else dict(validation_split=SPLIT))
+    tuner.search(x, y, batch_size=BATCH, epochs=2, **validation)
+    epsilon = tuner.get_best_models()[0].privacy.epsilon(1e-3)
+    assert 6.0 * 0.999 < epsilon <= 6.0
+
+
 def test_trials_whose_noise_could_differ_are_refused_before_any_training(trials, monkeypatch):
     trials(2)
     fits = []

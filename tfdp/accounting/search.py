@@ -42,7 +42,15 @@ from dp_accounting.dp_event import RepeatAndSelectDpEvent
 from dp_accounting.rdp import rdp_privacy_accountant as _rdp_lib
 
 from tfdp.accounting import _engine
-from tfdp.accounting._validation import check_choice, check_delta, check_real, show
+from tfdp.accounting._validation import (
+    check_choice,
+    check_delta,
+    check_real,
+    show,
+    warn_if_delta_exceeds_one_over_n,
+)
+from tfdp.accounting.calibration import SIGMA_MAX, _quiet_dp_accounting, _search, dpsgd_steps
+from tfdp.accounting.events import dpsgd_event
 
 # The laws of the number of trials, as dp_accounting's `shape` (None: given).
 DISTRIBUTIONS = {
@@ -212,3 +220,92 @@ def search_epsilon(trial_event, mean_trials, delta, distribution="geometric", sh
     """
     return compute_epsilon_of(
         repeat_and_select_event(trial_event, mean_trials, distribution, shape), delta)
+
+
+def dpsgd_trial_event(noise_multiplier, num_examples, batch_size, epochs,
+                      score_noise_multiplier=10.0):
+    """What one DP-SGD trial of `tfdp.tuning.PrivateRandomSearch` releases:
+    `fit(epochs=epochs, batch_size=batch_size)` on N records (every trial
+    samples all N, held-out records with weight 0), then its validation
+    score with noise `score_noise_multiplier`, or no score release when it
+    is None (validation data you could publish).
+
+    Example:
+
+    >>> dpsgd_trial_event(2.0, 1000, 100, 1, score_noise_multiplier=None)
+    SelfComposedDpEvent(event=PoissonSampledDpEvent(sampling_probability=0.1, event=GaussianDpEvent(noise_multiplier=2.0)), count=10)
+    """
+    steps = dpsgd_steps(num_examples, batch_size, epochs)
+    training = dp_accounting.SelfComposedDpEvent(
+        dpsgd_event(noise_multiplier, batch_size / num_examples), steps)
+    if score_noise_multiplier is None:
+        return training
+    score = check_real("score_noise_multiplier", score_noise_multiplier, low=0.0)
+    return dp_accounting.ComposedDpEvent([training, dp_accounting.GaussianDpEvent(score)])
+
+
+def calibrate_search_noise(num_examples, batch_size, epochs, target_epsilon, delta, mean_trials,
+                           distribution="geometric", shape=None, score_noise_multiplier=10.0,
+                           tolerance=1e-4):
+    """The smallest DP-SGD noise multiplier whose whole private search
+    costs at most `target_epsilon` at `delta`.
+
+    The search is `tfdp.tuning.PrivateRandomSearch(..., mean_trials,
+    distribution, shape, score_noise_multiplier)` whose trials run
+    `fit(x, y, batch_size=batch_size, epochs=epochs)` on `num_examples`
+    records with this noise multiplier (`dpsgd_trial_event`); pass
+    `score_noise_multiplier=None` when the trials are scored on public
+    validation data. The ledger of the chosen model then reports at most
+    `target_epsilon` (the same accountant), and a noise multiplier
+    `1 + tolerance` times smaller would exceed it.
+
+    Args:
+        num_examples: N, the records the trials sample from.
+        batch_size: the expected batch size, an integer in [1, N].
+        epochs: a finite number > 0.
+        target_epsilon: the search's target, a finite number > 0.
+        delta: target delta in (0, 1); above 1/N a `LargeDeltaWarning`.
+        mean_trials, distribution, shape: the law of the number of trials.
+        score_noise_multiplier: the search's (default 10), or None.
+        tolerance: relative precision of the answer, in (0, 1).
+
+    Returns:
+        The noise multiplier, to pass to the hypermodel's optimizer.
+
+    Raises:
+        ValueError: if even sigma = 1e4 cannot reach the target (the score
+            release alone may cost more: raise `score_noise_multiplier`),
+            or an argument is invalid.
+
+    Example:
+
+    >>> sigma = calibrate_search_noise(60000, 2048, 40, target_epsilon=3.0, delta=1e-5,
+    ...                                mean_trials=4, distribution="logarithmic")
+    >>> event = dpsgd_trial_event(sigma, 60000, 2048, 40)
+    >>> search_epsilon(event, 4, 1e-5, "logarithmic") <= 3.0
+    True
+    >>> round(sigma, 2)
+    2.74
+    """
+    # Checks N, the batch size, the epochs and the score's noise first.
+    dpsgd_trial_event(1.0, num_examples, batch_size, epochs, score_noise_multiplier)
+    target = check_real("target_epsilon", target_epsilon, low=0.0)
+    warn_if_delta_exceeds_one_over_n(check_delta(delta), num_examples)
+    mean_trials = check_mean_trials(mean_trials)
+    shape = trial_count_shape(distribution, shape)
+    tolerance = check_real("tolerance", tolerance, low=0.0, high=1.0)
+
+    def epsilon_at(sigma):
+        trial = dpsgd_trial_event(sigma, num_examples, batch_size, epochs, score_noise_multiplier)
+        return compute_epsilon_of(RepeatAndSelectDpEvent(trial, mean_trials, shape), delta)
+
+    def unreachable(at_max):
+        return ValueError(
+            f"The target epsilon cannot be reached: even noise_multiplier={SIGMA_MAX:g} gives a "
+            f"search epsilon of {at_max:.4g} at delta={delta:g} (the noisy validation scores "
+            "cost epsilon too: raise score_noise_multiplier, or score on public data). "
+            f"Received: target_epsilon={target_epsilon!r}"
+        )
+
+    with _quiet_dp_accounting():
+        return _search(epsilon_at, target, tolerance, unreachable)
