@@ -31,6 +31,7 @@ PACKAGES = (
     "tfdp.per_example",
     "tfdp.layers",
     "tfdp.recipes",
+    "tfdp.tuning",
 )
 
 pytestmark = pytest.mark.xdist_group("docs_site")

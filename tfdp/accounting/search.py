@@ -52,13 +52,14 @@ from tfdp.accounting._validation import (
 from tfdp.accounting.calibration import SIGMA_MAX, _quiet_dp_accounting, _search, dpsgd_steps
 from tfdp.accounting.events import dpsgd_event
 
-# The laws of the number of trials, as dp_accounting's `shape` (None: given).
 DISTRIBUTIONS = {
     "poisson": math.inf,
     "geometric": 1.0,
     "logarithmic": 0.0,
     "negative_binomial": None,
 }
+"""The laws a search can draw its number of trials from, each with
+dp_accounting's `shape` (None: the negative binomial's, which you give)."""
 
 
 def trial_count_shape(distribution, shape=None):

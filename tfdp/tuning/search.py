@@ -137,8 +137,8 @@ class PrivateRandomSearch:
                 score of private data.
             TypeError: for a hypermodel, score or data that cannot be
                 pickled for the child process.
-            Any error of a trial, with its type and a message that does
-                not count the trials.
+            Exception: any error of a trial comes back with its type and a
+                message that does not count the trials.
         """
         if kwargs:
             raise ValueError(
