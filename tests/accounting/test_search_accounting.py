@@ -231,6 +231,7 @@ def test_the_trial_event_is_the_tuners_ledger_plus_its_noisy_score():
     (dict(distribution="uniform"), "distribution"),
     (dict(score_noise_multiplier=-1.0), "score_noise_multiplier"),
     (dict(batch_size=30000), "batch_size"),
+    (dict(epochs=0), "epochs"),
 ])
 def test_search_noise_refuses_what_it_cannot_calibrate(kwargs, match):
     arguments = dict(num_examples=20000, batch_size=400, epochs=5, target_epsilon=2.0,

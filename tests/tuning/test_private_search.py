@@ -108,6 +108,22 @@ def test_a_search_calibrated_for_a_target_is_charged_the_target(trials, public):
     assert 6.0 * 0.999 < epsilon <= 6.0
 
 
+def test_a_model_that_runs_several_steps_per_call_is_refused(trials):
+    """Keras runs whole calls of `steps_per_execution` steps, so an epoch of 5
+    steps at 3 per call runs 6: a search calibrated for 10 steps would be
+    charged 12, over its target. Refused before any trial trains."""
+    trials(2)
+
+    def build(hp):
+        model = _build()(hp)
+        model.compile(optimizer=model.optimizer, loss=model.loss, steps_per_execution=3)
+        return model
+
+    with pytest.raises(ValueError, match="steps_per_execution=3"):
+        PrivateRandomSearch(build, mean_trials=3).search(*_data(), batch_size=BATCH, epochs=2,
+                                                         validation_split=SPLIT)
+
+
 def test_trials_whose_noise_could_differ_are_refused_before_any_training(trials, monkeypatch):
     trials(2)
     fits = []

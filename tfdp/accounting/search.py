@@ -236,6 +236,7 @@ def dpsgd_trial_event(noise_multiplier, num_examples, batch_size, epochs,
     >>> dpsgd_trial_event(2.0, 1000, 100, 1, score_noise_multiplier=None)
     SelfComposedDpEvent(event=PoissonSampledDpEvent(sampling_probability=0.1, event=GaussianDpEvent(noise_multiplier=2.0)), count=10)
     """
+    check_real("epochs", epochs, low=0.0)
     steps = dpsgd_steps(num_examples, batch_size, epochs)
     training = dp_accounting.SelfComposedDpEvent(
         dpsgd_event(noise_multiplier, batch_size / num_examples), steps)
@@ -256,9 +257,12 @@ def calibrate_search_noise(num_examples, batch_size, epochs, target_epsilon, del
     `fit(x, y, batch_size=batch_size, epochs=epochs)` on `num_examples`
     records with this noise multiplier (`dpsgd_trial_event`); pass
     `score_noise_multiplier=None` when the trials are scored on public
-    validation data. The ledger of the chosen model then reports at most
-    `target_epsilon` (the same accountant), and a noise multiplier
-    `1 + tolerance` times smaller would exceed it.
+    validation data. The ledger of the chosen model of a tuner's first
+    search then reports at most `target_epsilon` (the same accountant; a
+    second search with the same tuner is charged on top of the first), and
+    a noise multiplier `1 + tolerance` times smaller would exceed it, unless
+    the answer is the floor 0.01: then even that little noise meets the
+    target.
 
     Args:
         num_examples: N, the records the trials sample from.
@@ -271,7 +275,8 @@ def calibrate_search_noise(num_examples, batch_size, epochs, target_epsilon, del
         tolerance: relative precision of the answer, in (0, 1).
 
     Returns:
-        The noise multiplier, to pass to the hypermodel's optimizer.
+        The noise multiplier, to pass to the hypermodel's optimizer (its
+        model must keep `steps_per_execution=1`, as the search requires).
 
     Raises:
         ValueError: if even sigma = 1e4 cannot reach the target (the score

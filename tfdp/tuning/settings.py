@@ -12,7 +12,9 @@ the number of trials, and every law here is charged more for a larger mean.)
 
 Hyperparameters that do not change the event (learning rate, clipping norm
 C, architecture, weight decay) are free to vary. The noise multiplier, a
-target epsilon, the optimizer's class or a seed are not.
+target epsilon, the optimizer's class or a seed are not, and every trial
+runs one step per call (`steps_per_execution=1`), so it runs the steps
+`tfdp.tuning.calibrate_search_noise` counts.
 
 Example: see `tfdp.tuning.PrivateRandomSearch`.
 """
@@ -45,7 +47,15 @@ def privacy_setting(model, num_examples, batch_size):
         raise Refusal(
             "Each trial needs a fixed noise_multiplier: a target_epsilon would calibrate "
             "each trial alone, not the search. Choose sigma for the search's epsilon "
-            "(tfdp.accounting.search.search_epsilon). Received: noise_multiplier=None"
+            "(tfdp.tuning.calibrate_search_noise). Received: noise_multiplier=None"
+        )
+    steps_per_execution = getattr(model, "steps_per_execution", 1)
+    if steps_per_execution != 1:
+        raise Refusal(
+            "A private search needs steps_per_execution=1: Keras runs whole calls of "
+            "steps_per_execution steps, so an epoch would run more steps than the search's "
+            "calibration (tfdp.tuning.calibrate_search_noise) counts and cost more than its "
+            f"target. Received: steps_per_execution={steps_per_execution!r}"
         )
     if optimizer.seed is not None:
         raise Refusal(
