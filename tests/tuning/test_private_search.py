@@ -71,7 +71,7 @@ def test_the_chosen_model_carries_the_search_and_keeps_it_through_save_and_load(
         tuner.get_best_models(num_models=3)
     public = {k: v for k, v in vars(tuner).items()}
     assert set(public) == {"_build", "mean_trials", "distribution", "shape", "_score",
-                           "score_noise_multiplier", "_searches", "_best"}
+                           "score_noise_multiplier", "_searches", "_best", "_drew_nothing"}
     assert len(tuner._best) == 3 and len(tuner._searches) == 1
 
     # A rerun pays again: the second choice carries the first search too.
@@ -122,6 +122,19 @@ def test_a_model_that_runs_several_steps_per_call_is_refused(trials):
     with pytest.raises(ValueError, match="steps_per_execution=3"):
         PrivateRandomSearch(build, mean_trials=3).search(*_data(), batch_size=BATCH, epochs=2,
                                                          validation_split=SPLIT)
+
+
+def test_a_search_after_one_that_drew_no_trial_is_refused(trials):
+    """Retrying a Poisson search until it draws a trial runs a search of K
+    conditioned on K >= 1, a larger mean than the ledger would charge."""
+    tuner = PrivateRandomSearch(_build(), mean_trials=1, distribution="poisson")
+    trials(0)
+    tuner.search(*_data(), batch_size=BATCH, epochs=1, validation_split=SPLIT)
+    with pytest.raises(ValueError, match="drew no trial"):
+        tuner.get_best_models()
+    trials(2)
+    with pytest.raises(ValueError, match="drew no trial"):
+        tuner.search(*_data(), batch_size=BATCH, epochs=1, validation_split=SPLIT)
 
 
 def test_trials_whose_noise_could_differ_are_refused_before_any_training(trials, monkeypatch):

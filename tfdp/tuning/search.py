@@ -106,6 +106,7 @@ class PrivateRandomSearch:
             "score_noise_multiplier", score_noise_multiplier, low=0.0)
         self._searches = []  # the event of every search this tuner ran: a rerun pays again
         self._best = None
+        self._drew_nothing = False  # a Poisson search drew no trial: no retry on this tuner
 
     # -- the search ----------------------------------------------------------
 
@@ -140,6 +141,12 @@ class PrivateRandomSearch:
             Exception: any error of a trial comes back with its type and a
                 message that does not count the trials.
         """
+        if self._drew_nothing:
+            raise ValueError(_DREW_NOTHING + " It refuses another search: searching again "
+                             "until one runs a trial makes K follow the Poisson law "
+                             "conditioned on K >= 1, a larger mean than the ledger would "
+                             "charge. The geometric, logarithmic and negative binomial laws "
+                             "always run a trial.")
         if kwargs:
             raise ValueError(
                 "search() takes only the data, batch_size, epochs, physical_batch_size and "
@@ -162,6 +169,7 @@ class PrivateRandomSearch:
                         earlier=tuple(self._searches), draw_count=draw_trial_count)
         outcome = trials.run_here() if _IN_PROCESS else process.run(trials)
         if outcome is None:  # the Poisson law drew no trial: nothing is released
+            self._drew_nothing = True
             return
         model, hp, score, event = outcome
         self._searches.append(event)
@@ -170,6 +178,8 @@ class PrivateRandomSearch:
     # -- results (the only releases) ------------------------------------------
 
     def _chosen(self):
+        if self._drew_nothing:
+            raise ValueError(_DREW_NOTHING)
         if self._best is None:
             raise ValueError(
                 "No model to return: call search() first (with the Poisson law a search "
@@ -191,6 +201,12 @@ class PrivateRandomSearch:
     def best_score(self):
         """The chosen trial's score (noisy for private validation data)."""
         return self._chosen()[2]
+
+
+_DREW_NOTHING = (
+    "No model to return: this tuner's search drew no trial (the Poisson law does with "
+    "probability exp(-mean_trials)) and released nothing."
+)
 
 
 class Trials:
