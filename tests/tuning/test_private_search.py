@@ -71,7 +71,8 @@ def test_the_chosen_model_carries_the_search_and_keeps_it_through_save_and_load(
         tuner.get_best_models(num_models=3)
     public = {k: v for k, v in vars(tuner).items()}
     assert set(public) == {"_build", "mean_trials", "distribution", "shape", "_score",
-                           "score_noise_multiplier", "_searches", "_best", "_drew_nothing"}
+                           "score_noise_multiplier", "_searches", "_best",
+                           "_released_nothing"}
     assert len(tuner._best) == 3 and len(tuner._searches) == 1
 
     # A rerun pays again: the second choice carries the first search too.
@@ -119,9 +120,12 @@ def test_a_model_that_runs_several_steps_per_call_is_refused(trials):
         model.compile(optimizer=model.optimizer, loss=model.loss, steps_per_execution=3)
         return model
 
+    tuner = PrivateRandomSearch(build, mean_trials=3)
     with pytest.raises(ValueError, match="steps_per_execution=3"):
-        PrivateRandomSearch(build, mean_trials=3).search(*_data(), batch_size=BATCH, epochs=2,
-                                                         validation_split=SPLIT)
+        tuner.search(*_data(), batch_size=BATCH, epochs=2, validation_split=SPLIT)
+    # Refused before the number of trials was drawn: the tuner is not spent.
+    with pytest.raises(ValueError, match="call search"):
+        tuner.get_best_models()
 
 
 def test_a_search_after_one_that_drew_no_trial_is_refused(trials):
@@ -130,10 +134,10 @@ def test_a_search_after_one_that_drew_no_trial_is_refused(trials):
     tuner = PrivateRandomSearch(_build(), mean_trials=1, distribution="poisson")
     trials(0)
     tuner.search(*_data(), batch_size=BATCH, epochs=1, validation_split=SPLIT)
-    with pytest.raises(ValueError, match="drew no trial"):
+    with pytest.raises(ValueError, match="it drew no trial"):
         tuner.get_best_models()
     trials(2)
-    with pytest.raises(ValueError, match="drew no trial"):
+    with pytest.raises(ValueError, match="refuses another search"):
         tuner.search(*_data(), batch_size=BATCH, epochs=1, validation_split=SPLIT)
 
 

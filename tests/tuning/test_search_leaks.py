@@ -191,8 +191,11 @@ def test_an_interrupted_search_leaks_neither_models_nor_the_trial_count(trials, 
             assert not _holds(value, keras.Model), (frame.f_code.co_name, name)
             assert not (type(value) is int and value == 7), (frame.f_code.co_name, name)
             assert not (isinstance(value, list) and len(value) == 7), (frame.f_code.co_name, name)
-    with pytest.raises(ValueError, match="call search"):
+    with pytest.raises(ValueError, match="released no model"):
         tuner.get_best_models()
+    # Retrying until a search releases a model would change the law of K: refused.
+    with pytest.raises(ValueError, match="refuses another search"):
+        tuner.search(*_data(40), batch_size=20, epochs=1, validation_split=0.25)
 
 
 def test_a_score_sees_one_example_at_a_time():
@@ -241,26 +244,32 @@ def _overflowing(hp):
 def test_a_failing_trial_reports_its_type_and_nothing_that_counts_the_trials(in_child, trials):
     # TensorFlow's message names the traced function by a uid that all 6 builds advanced.
     trials(6)
+    tuner = PrivateRandomSearch(_overflowing, mean_trials=3)
     with pytest.raises(RuntimeError) as info:
-        PrivateRandomSearch(_overflowing, mean_trials=3).search(
+        tuner.search(
             *_data(40), batch_size=20, epochs=1, validation_split=0.25)
     assert str(info.value) == (
         "InvalidArgumentError: A trial of the private search failed with "
         "InvalidArgumentError; its message is withheld because it can reveal how many trials "
         "ran. " + process._HINT)
     assert info.value.__cause__ is None and info.value.__context__ is None
+    with pytest.raises(ValueError, match="refuses another search"):
+        tuner.search(*_data(40), batch_size=20, epochs=1, validation_split=0.25)
 
 
 def test_what_the_child_reports_of_an_error():
     drawn = types.SimpleNamespace(count_drawn=True)
-    withheld = process._error_of(process._failure(ZeroDivisionError("trial 5 of 6"), drawn))
+    failure = process._failure(ZeroDivisionError("trial 5 of 6"), drawn)
+    withheld = process._error_of(failure)
     assert type(withheld) is ZeroDivisionError and "5" not in str(withheld)
+    assert failure["drawn"] is True  # the parent's tuner then refuses a retry
     # Kept: the search's own refusals, and anything raised before K was drawn.
     refused = process._error_of(process._failure(hiding.Refusal("sigma varies"), drawn))
     assert type(refused) is ValueError and str(refused) == "sigma varies"
     before = types.SimpleNamespace(count_drawn=False)
-    kept = process._error_of(process._failure(TypeError("bad build"), before))
-    assert type(kept) is TypeError and str(kept) == "bad build"
+    failure = process._failure(TypeError("bad build"), before)
+    kept = process._error_of(failure)
+    assert type(kept) is TypeError and str(kept) == "bad build" and failure["drawn"] is False
 
 
 def test_ctrl_c_ends_the_child_and_removes_its_files(in_child, trials, monkeypatch):
@@ -285,5 +294,5 @@ def test_ctrl_c_ends_the_child_and_removes_its_files(in_child, trials, monkeypat
         tuner.search(*_data(40), batch_size=20, epochs=1, validation_split=0.25)
     assert started[0].returncode is not None  # killed, not left running
     assert not os.path.exists(folders[0])  # the pickled data and trials are gone
-    with pytest.raises(ValueError, match="call search"):
+    with pytest.raises(ValueError, match="released no model"):  # it may have drawn K
         tuner.get_best_models()

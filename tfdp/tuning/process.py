@@ -51,6 +51,9 @@ def run(trials):
         with open(os.path.join(folder, _JOB), "wb") as file:
             file.write(job)
         del job
+        # Until the child says otherwise, it may have drawn the number of trials
+        # (a crash or Ctrl-C leaves no answer): a search that then fails counts.
+        trials.count_drawn = True
         tfdp_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
         child = subprocess.Popen([sys.executable, "-c", _CHILD, folder, tfdp_root, *sys.path],
                                  stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
@@ -61,7 +64,7 @@ def run(trials):
             if child.poll() is None:
                 child.kill()
                 child.wait()
-        return _outcome(folder)
+        return _outcome(folder, trials)
     finally:
         shutil.rmtree(folder, ignore_errors=True)
 
@@ -119,7 +122,7 @@ def _short(value):
     return text if len(text) <= 200 else text[:200] + "..."
 
 
-def _outcome(folder):
+def _outcome(folder, trials):
     try:
         with open(os.path.join(folder, _RESULT), encoding="utf-8") as file:
             result = json.load(file)
@@ -132,6 +135,7 @@ def _outcome(folder):
             "reveal how many trials ran. " + _HINT
         )
     if "error" in result:
+        trials.count_drawn = result.get("drawn", True)
         raise _error_of(result)
     if not result["chosen"]:
         return None
@@ -211,12 +215,13 @@ def _plain(value):
 
 
 def _failure(error, trials):
-    """The error's type, and its message only when it cannot count the trials."""
+    """The error's type, its message only when it cannot count the trials,
+    and whether the number of trials was drawn before it."""
     from tfdp.tuning.hiding import Refusal
 
+    drawn = trials is not None and trials.count_drawn
     if isinstance(error, Refusal):
-        return {"error": ["builtins", "ValueError"], "message": str(error)}
+        return {"error": ["builtins", "ValueError"], "message": str(error), "drawn": drawn}
     kind = type(error)
-    kept = trials is None or not trials.count_drawn
     return {"error": [kind.__module__, kind.__qualname__],
-            "message": str(error) if kept else None}
+            "message": None if drawn else str(error), "drawn": drawn}

@@ -76,6 +76,11 @@ class PrivateRandomSearch:
         max_trials: refused unless None: a fixed number of trials has no
             repeat-and-select bound (use `mean_trials`).
 
+    A search that drew its number of trials and released no model (a
+    Poisson search that drew none, or one that failed or was stopped in a
+    trial) spends the tuner: it refuses another search, since retrying
+    until a model is released changes the law of the number of trials.
+
     Only `get_best_models()`, `get_best_hyperparameters()` and `best_score`
     release results; they are safe to print. The number of trials and the
     search's duration are not released (the wall-clock time of `search`
@@ -106,7 +111,8 @@ class PrivateRandomSearch:
             "score_noise_multiplier", score_noise_multiplier, low=0.0)
         self._searches = []  # the event of every search this tuner ran: a rerun pays again
         self._best = None
-        self._drew_nothing = False  # a Poisson search drew no trial: no retry on this tuner
+        # A search drew its number of trials and released no model: no retry on this tuner.
+        self._released_nothing = False
 
     # -- the search ----------------------------------------------------------
 
@@ -141,12 +147,15 @@ class PrivateRandomSearch:
             Exception: any error of a trial comes back with its type and a
                 message that does not count the trials.
         """
-        if self._drew_nothing:
-            raise ValueError(_DREW_NOTHING + " It refuses another search: searching again "
-                             "until one runs a trial makes K follow the Poisson law "
-                             "conditioned on K >= 1, a larger mean than the ledger would "
-                             "charge. The geometric, logarithmic and negative binomial laws "
-                             "always run a trial.")
+        if self._released_nothing:
+            raise ValueError(
+                _RELEASED_NOTHING + " The tuner refuses another search: searching until one "
+                "releases a model changes the law of the number of trials (the Poisson law "
+                "conditioned on K >= 1 has a larger mean than the one charged), and a failure "
+                "can depend on the data. That search still counts: add one search's epsilon "
+                "(tfdp.tuning.search_epsilon) to any later search's, in any tuner. The "
+                "geometric, logarithmic and negative binomial laws always run a trial."
+            )
         if kwargs:
             raise ValueError(
                 "search() takes only the data, batch_size, epochs, physical_batch_size and "
@@ -167,9 +176,13 @@ class PrivateRandomSearch:
         trials = Trials(self._build, self._score, self.mean_trials, self.distribution,
                         self.shape, validation, batch_size, epochs, physical_batch_size,
                         earlier=tuple(self._searches), draw_count=draw_trial_count)
-        outcome = trials.run_here() if _IN_PROCESS else process.run(trials)
+        try:
+            outcome = trials.run_here() if _IN_PROCESS else process.run(trials)
+        except BaseException:
+            self._released_nothing = trials.count_drawn  # failed or stopped after the draw
+            raise
         if outcome is None:  # the Poisson law drew no trial: nothing is released
-            self._drew_nothing = True
+            self._released_nothing = True
             return
         model, hp, score, event = outcome
         self._searches.append(event)
@@ -178,8 +191,8 @@ class PrivateRandomSearch:
     # -- results (the only releases) ------------------------------------------
 
     def _chosen(self):
-        if self._drew_nothing:
-            raise ValueError(_DREW_NOTHING)
+        if self._released_nothing:
+            raise ValueError(_RELEASED_NOTHING)
         if self._best is None:
             raise ValueError(
                 "No model to return: call search() first (with the Poisson law a search "
@@ -203,9 +216,10 @@ class PrivateRandomSearch:
         return self._chosen()[2]
 
 
-_DREW_NOTHING = (
-    "No model to return: this tuner's search drew no trial (the Poisson law does with "
-    "probability exp(-mean_trials)) and released nothing."
+_RELEASED_NOTHING = (
+    "No model to return: this tuner's last search drew its number of trials and released "
+    "no model (it drew no trial, which the Poisson law does with probability "
+    "exp(-mean_trials), or it failed or was stopped after the draw)."
 )
 
 
