@@ -141,3 +141,44 @@ def test_sample_weight_of_shape_n_by_1_trains_as_one_weight_per_example():
     unweighted = build()
     fit(unweighted, steps_per_epoch=3)
     assert not np.array_equal(unweighted.trainable_weights[0].numpy(), flat.trainable_weights[0].numpy())
+
+
+# -- ids beyond an Embedding's vocabulary ---------------------------------------------------
+
+
+def _text_model(functional):
+    keras.utils.set_random_seed(0)
+    ids = keras.Input((3,), dtype="int32")
+    if functional:  # the Embedding inside a nested functional model
+        inner = keras.Model(ids, keras.layers.Embedding(10, 4, name="tokens")(ids))
+        outer_ids = keras.Input((3,), dtype="int32")
+        features = inner(outer_ids)
+        logits = keras.layers.Dense(CLASSES)(keras.layers.GlobalAveragePooling1D()(features))
+        model = tfdp.DPModel(outer_ids, logits)
+    else:
+        model = tfdp.DPSequential([ids, keras.layers.Embedding(10, 4, name="tokens"),
+                                   keras.layers.GlobalAveragePooling1D(),
+                                   keras.layers.Dense(CLASSES)])
+    model.compile(optimizer=tfdp.optimizers.DPSGD(0.1, l2_norm_clip=1.0, noise_multiplier=1.0),
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    return model
+
+
+@pytest.mark.parametrize("functional", [False, True])
+@pytest.mark.parametrize("bad, shown", [(10, "10"), (-1, "-1"), (np.nan, "nan")])
+def test_an_id_beyond_the_vocabulary_is_refused_before_the_first_step(functional, bad, shown):
+    """One crafted record with id 10 in a vocabulary of 10 crashed the step
+    that sampled it (a gather out of range on CPU): whether and when
+    training failed depended on that record. It is refused by name now,
+    whatever its sample weight."""
+    ids = (np.arange(N * 3) % 10).reshape(N, 3).astype(np.float32 if bad is np.nan else np.int32)
+    ids[17, 1] = bad
+    model = _text_model(functional)
+    steps = model.privacy.steps
+    match = rf"ids in `x` that feed Embedding 'tokens' to lie in \[0, 9\].*record 17 holds id {shown}"
+    with pytest.raises(ValueError, match=match):
+        fit(model, ids, Y, sample_weight=np.ones(N))
+    assert model.privacy.steps == steps  # nothing ran
+    with pytest.raises(ValueError, match="validation_data's x"):
+        fit(model, ids[:16], Y[:16], validation_data=(ids, Y))
+    fit(model, ids[:16], Y[:16])  # control: the same model trains on in-range ids

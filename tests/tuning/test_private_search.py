@@ -141,6 +141,28 @@ def test_a_search_after_one_that_drew_no_trial_is_refused(trials):
         tuner.search(*_data(), batch_size=BATCH, epochs=1, validation_split=SPLIT)
 
 
+def test_an_id_beyond_the_vocabulary_is_refused_before_the_trials_are_drawn(trials):
+    """A trial crashing on one record's id would reveal the record (and spend
+    the tuner); the ids are checked on the default trial's model first."""
+    trials(2)
+
+    def build(hp):
+        model = tfdp.DPSequential([keras.Input((3,), dtype="int32"), keras.layers.Embedding(8, 2),
+                                   keras.layers.Flatten(), keras.layers.Dense(2)])
+        model.compile(optimizer=tfdp.optimizers.DPSGD(hp.Float("learning_rate", 0.05, 0.5),
+                                                      l2_norm_clip=1.0, noise_multiplier=1.5),
+                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        return model
+
+    ids = np.arange(N * 3).reshape(N, 3) % 8
+    ids[5, 0] = 8
+    tuner = PrivateRandomSearch(build, mean_trials=3)
+    with pytest.raises(ValueError, match="record 5 holds id 8"):
+        tuner.search(ids, ids[:, 0] % 2, batch_size=BATCH, epochs=1, validation_split=SPLIT)
+    with pytest.raises(ValueError, match="call search"):  # refused before the draw
+        tuner.get_best_models()
+
+
 def test_trials_whose_noise_could_differ_are_refused_before_any_training(trials, monkeypatch):
     trials(2)
     fits = []

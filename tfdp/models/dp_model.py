@@ -502,6 +502,7 @@ class DPTrainingMixin:
             arrays = input_checks.check_record_source(x, units)
         elif not isinstance(x, FixedOrderData):  # a pipeline's labels arrive as it runs
             input_checks.check_label_values(y, units)
+            input_checks.check_embedding_ids(self, x)
         validation_data = input_checks.check_validation_data_fits(self, validation_data, units)
         if not self.trainable_variables:
             raise ValueError(

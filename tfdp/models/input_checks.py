@@ -12,6 +12,7 @@ Traceback (most recent call last):
 ValueError: Expected `x` to be a rectangular numeric array (pad ragged rows to one length, or use a tfdp.data.RecordSource). Received: x with rows of different lengths
 """
 
+import keras
 import numpy as np
 import tensorflow as tf
 
@@ -140,6 +141,7 @@ def check_validation_data_fits(model, validation_data, units):
         weights = as_array("validation_data's sample_weight", validation_data[2])
         check_sample_weight_shape(weights, y, "validation_data's sample_weight")
     x = x if not isinstance(x, list) else tuple(x)
+    check_embedding_ids(model, x, "validation_data's x")
     first = tf.nest.map_structure(lambda a: np.asarray(a[:1]), x)
     try:
         model(first, training=False)
@@ -225,3 +227,65 @@ def check_validation_data(validation_data):
             "Expected the arrays of `validation_data` to have one entry per example "
             f"each. Received: validation_data with lengths {lengths}"
         )
+
+
+def check_embedding_ids(model, x, name="x"):
+    """Refuses ids outside an Embedding's vocabulary before any record is used.
+
+    An input that feeds a `keras.layers.Embedding` directly (in the model's
+    graph, or a nested functional model's) holds ids in [0, input_dim).
+    An id beyond it crashes the step that samples its record (a gather out
+    of range on CPU), so whether and when training fails would depend on
+    one record: a release no epsilon covers. Ids are checked here instead,
+    naming the first record that breaks the range. An Embedding inside a
+    layer's own `call` (a KerasHub token-and-position embedding) is not
+    seen: check its ids yourself.
+
+    Args:
+        model: the built model.
+        x: its inputs (arrays, as `fit` takes them).
+        name: what to call `x` in the error.
+
+    Example:
+
+    >>> import keras
+    >>> model = keras.Sequential([keras.Input((2,), dtype="int32"), keras.layers.Embedding(5, 3)])
+    >>> check_embedding_ids(model, np.array([[1, 4], [0, 7]]))
+    Traceback (most recent call last):
+    ...
+    ValueError: Expected the ids in `x` that feed Embedding 'embedding' to lie in [0, 4] (its input_dim is 5). Received: record 1 holds id 7
+    """
+    inputs = list(getattr(model, "inputs", None) or [])
+    arrays = tf.nest.flatten(x)
+    if len(inputs) != len(arrays):
+        return
+    for tensor, array in zip(inputs, arrays):
+        array = np.asarray(array)
+        if array.dtype.kind not in "biuf" or array.size == 0:
+            continue
+        for layer in _embeddings_reading(model, tensor):
+            limit = layer.input_dim
+            flat = array.reshape(len(array), -1)
+            wrong = ~(np.isfinite(flat) & (flat >= 0) & (flat < limit)) if flat.dtype.kind == "f" \
+                else (flat < 0) | (flat >= limit)
+            if wrong.any():
+                row = int(np.argmax(wrong.any(axis=1)))
+                value = flat[row][wrong[row]][0]
+                raise ValueError(
+                    f"Expected the ids in `{name}` that feed Embedding '{layer.name}' to lie in "
+                    f"[0, {limit - 1}] (its input_dim is {limit}). Received: record {row} holds "
+                    f"id {value:g}"
+                )
+
+
+def _embeddings_reading(model, tensor):
+    """The Embedding layers whose input is `tensor` itself, in `model` or in
+    a functional model nested in it that takes `tensor` as its only input."""
+    for layer in getattr(model, "layers", ()):
+        for node in getattr(layer, "_inbound_nodes", ()):
+            if [id(t) for t in node.input_tensors] != [id(tensor)]:
+                continue
+            if isinstance(layer, keras.layers.Embedding):
+                yield layer
+            elif isinstance(layer, keras.Model) and len(getattr(layer, "inputs", None) or ()) == 1:
+                yield from _embeddings_reading(layer, layer.inputs[0])

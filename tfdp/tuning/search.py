@@ -42,6 +42,7 @@ from tfdp.accounting.search import (
     repeat_and_select_event,
     trial_count_shape,
 )
+from tfdp.models import input_checks
 from tfdp.tuning import hiding, hyperparameters, process, scores, settings
 
 # Tests that patch what a trial calls run the search in their own process;
@@ -293,6 +294,7 @@ class Trials:
 
         default_values, default_model = hyperparameters.defaults(build)
         reference = settings.privacy_setting(default_model, num_examples, batch_size)
+        self.validation.check_ids(default_model)  # before the draw: its message is kept
         del default_model
         trials = []
         owned = _Owned()
@@ -430,6 +432,14 @@ class _Validation:
         else:
             self._fraction = check_real("validation_split", split, low=0.0, high=1.0)
             self.count = self._fraction * total  # public: the split's realised size is not
+
+    def check_ids(self, model):
+        """Refuses ids beyond the vocabulary of an Embedding that an input
+        feeds (`input_checks.check_embedding_ids`): a trial that crashed on
+        one record would reveal it."""
+        input_checks.check_embedding_ids(model, self._x)
+        if self._data is not None:
+            input_checks.check_embedding_ids(model, self._data[0], "validation_data's x")
 
     def split(self, rng):
         """((x, y, sample_weight), (x_val, y_val)) for one trial.
