@@ -165,20 +165,61 @@ def _text_model(functional):
 
 
 @pytest.mark.parametrize("functional", [False, True])
-@pytest.mark.parametrize("bad, shown", [(10, "10"), (-1, "-1"), (np.nan, "nan")])
+@pytest.mark.parametrize("bad, shown", [(10, "10"), (-1, "-1"), (np.nan, "-2147483648")])
 def test_an_id_beyond_the_vocabulary_is_refused_before_the_first_step(functional, bad, shown):
     """One crafted record with id 10 in a vocabulary of 10 crashed the step
     that sampled it (a gather out of range on CPU): whether and when
     training failed depended on that record. It is refused by name now,
-    whatever its sample weight."""
+    whatever its sample weight (NaN reaches the int32 Input as its lowest value)."""
     ids = (np.arange(N * 3) % 10).reshape(N, 3).astype(np.float32 if bad is np.nan else np.int32)
     ids[17, 1] = bad
     model = _text_model(functional)
     steps = model.privacy.steps
-    match = rf"ids in `x` that feed Embedding 'tokens' to lie in \[0, 9\].*record 17 holds id {shown}"
+    match = rf"ids in `x` that feed Embedding 'tokens' to lie in \[0, 9\].*record 17, which gives it id {shown}$"
     with pytest.raises(ValueError, match=match):
         fit(model, ids, Y, sample_weight=np.ones(N))
     assert model.privacy.steps == steps  # nothing ran
     with pytest.raises(ValueError, match="validation_data's x"):
         fit(model, ids[:16], Y[:16], validation_data=(ids, Y))
     fit(model, ids[:16], Y[:16])  # control: the same model trains on in-range ids
+
+
+def _tabular_model():
+    """A categorical column sliced out of a float matrix feeds the Embedding."""
+    keras.utils.set_random_seed(0)
+    columns = keras.Input((2,), name="columns")
+    amount = keras.Input((1,), name="amount")
+    category = keras.layers.Embedding(10, 4, name="tokens")(columns[:, 0])
+    logits = keras.layers.Dense(CLASSES)(keras.layers.Concatenate()([category, amount]))
+    model = tfdp.DPModel([columns, amount], logits)
+    model.compile(optimizer=tfdp.optimizers.DPSGD(0.1, l2_norm_clip=1.0, noise_multiplier=1.0),
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    return model
+
+
+@pytest.mark.parametrize("as_dict", [False, True])
+def test_ids_are_checked_as_the_model_computes_them(as_dict):
+    """Through a slice, the float32 cast of the Input (9.99999999 becomes
+    10.0) and Keras's mapping of a dict by input name (review findings: the
+    first check compared float64 values, matched a dict by sorted keys and
+    saw no Embedding behind an op)."""
+    columns = np.stack([np.arange(N) % 10, np.zeros(N)], axis=1).astype(np.float64)
+    columns[:, 0] = np.minimum(columns[:, 0] + 0.5, 9.5)  # cast toward zero: valid ids
+    amount = np.full((N, 1), -1.5)  # not an id: never checked as one
+    model = _tabular_model()
+
+    def x(cols):
+        return {"amount": amount, "columns": cols} if as_dict else (cols, amount)
+
+    fit(model, x(columns), Y)  # control: valid ids, a negative amount
+    crafted = columns.copy()
+    crafted[23, 0] = 9.99999999
+    with pytest.raises(ValueError, match=r"'tokens'.*record 23, which gives it id 10\.0$"):
+        fit(model, x(crafted), Y)
+
+
+def test_an_id_in_the_split_off_validation_records_is_named_as_a_record_of_x():
+    ids = (np.arange(N * 3) % 10).reshape(N, 3).astype(np.int32)
+    ids[37, 2] = 12
+    with pytest.raises(ValueError, match=r"ids in `x`.*record 37, which gives it id 12$"):
+        fit(_text_model(False), ids, Y, validation_split=0.25)

@@ -157,10 +157,31 @@ def test_an_id_beyond_the_vocabulary_is_refused_before_the_trials_are_drawn(tria
     ids = np.arange(N * 3).reshape(N, 3) % 8
     ids[5, 0] = 8
     tuner = PrivateRandomSearch(build, mean_trials=3)
-    with pytest.raises(ValueError, match="record 5 holds id 8"):
+    with pytest.raises(ValueError, match="record 5, which gives it id 8"):
         tuner.search(ids, ids[:, 0] % 2, batch_size=BATCH, epochs=1, validation_split=SPLIT)
     with pytest.raises(ValueError, match="call search"):  # refused before the draw
         tuner.get_best_models()
+
+
+def test_a_vocabulary_that_varies_between_trials_is_refused(trials):
+    """The ids were checked against the default trial's vocabulary: a drawn
+    trial with a smaller one would crash on a record's id after the draw."""
+    trials(4)
+
+    def build(hp):
+        rate = hp.Float("learning_rate", 0.05, 0.5, default=0.5)
+        vocabulary = 32 if rate == 0.5 else 10  # every drawn trial: 10
+        model = tfdp.DPSequential([keras.Input((3,), dtype="int32"),
+                                   keras.layers.Embedding(vocabulary, 2),
+                                   keras.layers.Flatten(), keras.layers.Dense(2)])
+        model.compile(optimizer=tfdp.optimizers.DPSGD(rate, l2_norm_clip=1.0, noise_multiplier=1.5),
+                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        return model
+
+    ids = np.arange(N * 3).reshape(N, 3) % 10
+    tuner = PrivateRandomSearch(build, mean_trials=3)
+    with pytest.raises(ValueError, match=r"Embedding vocabularies.*input_dim \[10\] drawn"):
+        tuner.search(ids, ids[:, 0] % 2, batch_size=BATCH, epochs=1, validation_split=SPLIT)
 
 
 def test_trials_whose_noise_could_differ_are_refused_before_any_training(trials, monkeypatch):

@@ -455,10 +455,12 @@ class DPTrainingMixin:
                 "validation_split cannot split a RecordSource; pass validation_data. "
                 f"Received: validation_split={validation_split}"
             )
+        split_at = None  # where validation_split cut x: the validation records' first index
         if validation_split and validation_data is None:
             x, y, sample_weight, validation_data = _split_validation(
                 x, y, sample_weight, validation_split
             )
+            split_at = _first_dim(x)
         num_examples = _first_dim(x)
         users = user_level.check_user_level(
             self, user_ids, examples_per_user, num_examples, validation_split)
@@ -503,7 +505,8 @@ class DPTrainingMixin:
         elif not isinstance(x, FixedOrderData):  # a pipeline's labels arrive as it runs
             input_checks.check_label_values(y, units)
             input_checks.check_embedding_ids(self, x)
-        validation_data = input_checks.check_validation_data_fits(self, validation_data, units)
+        validation_data = input_checks.check_validation_data_fits(
+            self, validation_data, units, split_at)
         if not self.trainable_variables:
             raise ValueError(
                 f"Model '{self.name}' has no trainable weights, so there is nothing to "

@@ -99,7 +99,7 @@ def one_weight_per_example(sample_weight):
     return sample_weight
 
 
-def check_validation_data_fits(model, validation_data, units):
+def check_validation_data_fits(model, validation_data, units, split_at=None):
     """Refuses validation data the built `model` could not evaluate.
 
     Keras evaluates `validation_data` only after an epoch of steps, so a
@@ -113,6 +113,8 @@ def check_validation_data_fits(model, validation_data, units):
         model: the built model `fit` trains.
         validation_data: as given to `fit`.
         units: the model's number of outputs (None if unknown).
+        split_at: where `validation_split` cut `x`, when it gave
+            `validation_data` (its records are then named as x's).
 
     Returns:
         `validation_data`, with an `ArraySource` given as its arrays (which
@@ -141,7 +143,10 @@ def check_validation_data_fits(model, validation_data, units):
         weights = as_array("validation_data's sample_weight", validation_data[2])
         check_sample_weight_shape(weights, y, "validation_data's sample_weight")
     x = x if not isinstance(x, list) else tuple(x)
-    check_embedding_ids(model, x, "validation_data's x")
+    if split_at is None:
+        check_embedding_ids(model, x, "validation_data's x")
+    else:
+        check_embedding_ids(model, x, "x", first_record=split_at)
     first = tf.nest.map_structure(lambda a: np.asarray(a[:1]), x)
     try:
         model(first, training=False)
@@ -229,22 +234,27 @@ def check_validation_data(validation_data):
         )
 
 
-def check_embedding_ids(model, x, name="x"):
+def check_embedding_ids(model, x, name="x", first_record=0):
     """Refuses ids outside an Embedding's vocabulary before any record is used.
 
-    An input that feeds a `keras.layers.Embedding` directly (in the model's
-    graph, or a nested functional model's) holds ids in [0, input_dim).
-    An id beyond it crashes the step that samples its record (a gather out
-    of range on CPU), so whether and when training fails would depend on
-    one record: a release no epsilon covers. Ids are checked here instead,
-    naming the first record that breaks the range. An Embedding inside a
-    layer's own `call` (a KerasHub token-and-position embedding) is not
-    seen: check its ids yourself.
+    Every `keras.layers.Embedding` in the model's graph (or in a functional
+    model nested in it) receives ids in [0, input_dim), after the casts,
+    slices and ops between it and the inputs, and after its own cast of
+    floats to integers (toward zero). An id beyond it crashes the step that
+    samples its record (a gather out of range on CPU), so whether and when
+    training fails would depend on one record: a release no epsilon covers.
+    The ids each Embedding would receive are computed here by the model's
+    own graph (the part that leads to the Embeddings, in chunks), and the
+    first record that breaks the range is named. Not seen: an Embedding
+    inside a layer's own `call` (KerasHub's token-and-position embedding),
+    a subclassed model without a graph, and lookup layers without an
+    out-of-vocabulary index: check their ids yourself.
 
     Args:
         model: the built model.
         x: its inputs (arrays, as `fit` takes them).
         name: what to call `x` in the error.
+        first_record: the index in `name` of x's first record.
 
     Example:
 
@@ -253,39 +263,68 @@ def check_embedding_ids(model, x, name="x"):
     >>> check_embedding_ids(model, np.array([[1, 4], [0, 7]]))
     Traceback (most recent call last):
     ...
-    ValueError: Expected the ids in `x` that feed Embedding 'embedding' to lie in [0, 4] (its input_dim is 5). Received: record 1 holds id 7
+    ValueError: Expected the ids in `x` that feed Embedding 'embedding' to lie in [0, 4] (its input_dim is 5). Received: record 1, which gives it id 7
     """
-    inputs = list(getattr(model, "inputs", None) or [])
-    arrays = tf.nest.flatten(x)
-    if len(inputs) != len(arrays):
+    probe, layers = _id_probe(model)
+    if probe is None:
         return
-    for tensor, array in zip(inputs, arrays):
-        array = np.asarray(array)
-        if array.dtype.kind not in "biuf" or array.size == 0:
-            continue
-        for layer in _embeddings_reading(model, tensor):
-            limit = layer.input_dim
-            flat = array.reshape(len(array), -1)
-            wrong = ~(np.isfinite(flat) & (flat >= 0) & (flat < limit)) if flat.dtype.kind == "f" \
-                else (flat < 0) | (flat >= limit)
-            if wrong.any():
-                row = int(np.argmax(wrong.any(axis=1)))
-                value = flat[row][wrong[row]][0]
-                raise ValueError(
-                    f"Expected the ids in `{name}` that feed Embedding '{layer.name}' to lie in "
-                    f"[0, {limit - 1}] (its input_dim is {limit}). Received: record {row} holds "
-                    f"id {value:g}"
-                )
+    count = len(tf.nest.flatten(x)[0])
+    for start in range(0, count, _CHUNK):
+        chunk = tf.nest.map_structure(lambda a: np.asarray(a[start:start + _CHUNK]), x)
+        if isinstance(chunk, tuple):
+            chunk = list(chunk)  # the probe's inputs are a list
+        received = probe(chunk, training=False)
+        received = received if isinstance(received, (list, tuple)) else [received]
+        for ids, layer in zip(received, layers):
+            if isinstance(layer, keras.Model):  # a nested functional model: its own graph
+                check_embedding_ids(layer, np.asarray(ids), name, first_record + start)
+            else:
+                _check_ids_in_range(np.asarray(ids), layer, name, first_record + start)
 
 
-def _embeddings_reading(model, tensor):
-    """The Embedding layers whose input is `tensor` itself, in `model` or in
-    a functional model nested in it that takes `tensor` as its only input."""
+_CHUNK = 4096  # records a probe call reads at once
+
+
+def _id_probe(model):
+    """(a keras.Model from `model`'s inputs to what each Embedding, or nested
+    functional model with one input, receives; those layers), or (None, [])."""
+    inputs = getattr(model, "inputs", None)
+    if not inputs:
+        return None, []
+    tensors, layers = [], []
     for layer in getattr(model, "layers", ()):
+        nested = isinstance(layer, keras.Model) and len(getattr(layer, "inputs", None) or ()) == 1
+        if not (isinstance(layer, keras.layers.Embedding) or nested):
+            continue
         for node in getattr(layer, "_inbound_nodes", ()):
-            if [id(t) for t in node.input_tensors] != [id(tensor)]:
+            if len(node.input_tensors) != 1:
                 continue
-            if isinstance(layer, keras.layers.Embedding):
-                yield layer
-            elif isinstance(layer, keras.Model) and len(getattr(layer, "inputs", None) or ()) == 1:
-                yield from _embeddings_reading(layer, layer.inputs[0])
+            try:  # a node of another model's graph is not reachable from these inputs
+                keras.Model(inputs, node.input_tensors[0])
+            except ValueError:
+                continue
+            tensors.append(node.input_tensors[0])
+            layers.append(layer)
+    if not tensors:
+        return None, []
+    return keras.Model(inputs[0] if len(inputs) == 1 else list(inputs), tensors), layers
+
+
+def _check_ids_in_range(ids, layer, name, first_record):
+    """`ids` [records, ...] as `layer` receives them: floats are cast toward zero."""
+    limit = layer.input_dim
+    flat = ids.reshape(len(ids), -1)
+    if flat.dtype.kind == "f":
+        finite = np.isfinite(flat)
+        whole = np.trunc(np.where(finite, flat, 0))
+        wrong = ~finite | (whole < 0) | (whole >= limit)
+    else:
+        wrong = (flat < 0) | (flat >= limit)
+    if wrong.any():
+        row = int(np.argmax(wrong.any(axis=1)))
+        value = flat[row][wrong[row]][0]
+        raise ValueError(
+            f"Expected the ids in `{name}` that feed Embedding '{layer.name}' to lie in "
+            f"[0, {limit - 1}] (its input_dim is {limit}). Received: record "
+            f"{first_record + row}, which gives it id {value.item()!r}"
+        )

@@ -33,6 +33,7 @@ True
 import weakref
 
 import dp_accounting
+import keras
 import numpy as np
 
 from tfdp.accounting._validation import check_real, show
@@ -153,9 +154,11 @@ class PrivateRandomSearch:
                 _RELEASED_NOTHING + " The tuner refuses another search: searching until one "
                 "releases a model changes the law of the number of trials (the Poisson law "
                 "conditioned on K >= 1 has a larger mean than the one charged), and a failure "
-                "can depend on the data. That search still counts: add one search's epsilon "
-                "(tfdp.tuning.search_epsilon) to any later search's, in any tuner. The "
-                "geometric, logarithmic and negative binomial laws always run a trial."
+                "can depend on the data. That search still counts: if it drew no trial or "
+                "failed for a reason that does not depend on the data, add one search's "
+                "epsilon (tfdp.tuning.search_epsilon) to any later search's, in any tuner; "
+                "a failure caused by one record is covered by no epsilon. The geometric, "
+                "logarithmic and negative binomial laws always run a trial."
             )
         if kwargs:
             raise ValueError(
@@ -295,6 +298,7 @@ class Trials:
         default_values, default_model = hyperparameters.defaults(build)
         reference = settings.privacy_setting(default_model, num_examples, batch_size)
         self.validation.check_ids(default_model)  # before the draw: its message is kept
+        vocabularies = _vocabularies(default_model)
         del default_model
         trials = []
         owned = _Owned()
@@ -310,6 +314,14 @@ class Trials:
                     f"; the defaults give {reference}). Fix them, or run one search per "
                     "setting (each charged). Received: a search space whose trials differ in "
                     "their privacy setting"
+                )
+            if _vocabularies(model) != vocabularies:
+                raise hiding.Refusal(
+                    "Every trial of a private search must keep the Embedding vocabularies of "
+                    "its default trial, against which the ids were checked before the search "
+                    "drew its trials (a trial crashing on one record's id would reveal it). "
+                    f"Received: input_dim {_vocabularies(model)} drawn, {vocabularies} by "
+                    "default"
                 )
             settings.check_fresh(model)
             owned.check_and_add(model)
@@ -353,6 +365,12 @@ class Trials:
                 best = (model, hp, score, trial_event, names)
             del model
         return best
+
+
+def _vocabularies(model):
+    """The sorted input_dims of the Embedding layers in `model`."""
+    return sorted(layer.input_dim for layer in model._flatten_layers()  # pylint: disable=protected-access
+                  if isinstance(layer, keras.layers.Embedding))
 
 
 def _only_one(number, name):
