@@ -184,38 +184,74 @@ def test_an_id_beyond_the_vocabulary_is_refused_before_the_first_step(functional
     fit(model, ids[:16], Y[:16])  # control: the same model trains on in-range ids
 
 
-def _tabular_model():
-    """A categorical column sliced out of a float matrix feeds the Embedding."""
+def _two_input_model(nested):
+    """Ids (float32) feed an Embedding directly, beside an amount that is no id;
+    with `nested`, inside a functional model that takes both."""
     keras.utils.set_random_seed(0)
-    columns = keras.Input((2,), name="columns")
+    tokens = keras.Input((2,), name="tokens")
     amount = keras.Input((1,), name="amount")
-    category = keras.layers.Embedding(10, 4, name="tokens")(columns[:, 0])
-    logits = keras.layers.Dense(CLASSES)(keras.layers.Concatenate()([category, amount]))
-    model = tfdp.DPModel([columns, amount], logits)
+    if nested:
+        inner_tokens, inner_amount = keras.Input((2,)), keras.Input((1,))
+        embedded = keras.layers.Embedding(10, 4, name="tokens_table")(inner_tokens)
+        inner = keras.Model([inner_tokens, inner_amount], keras.layers.Concatenate()(
+            [keras.layers.Flatten()(embedded), inner_amount]))
+        features = inner([tokens, amount])
+    else:
+        embedded = keras.layers.Embedding(10, 4, name="tokens_table")(tokens)
+        features = keras.layers.Concatenate()([keras.layers.Flatten()(embedded), amount])
+    model = tfdp.DPModel([tokens, amount], keras.layers.Dense(CLASSES)(features))
     model.compile(optimizer=tfdp.optimizers.DPSGD(0.1, l2_norm_clip=1.0, noise_multiplier=1.0),
                   loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
     return model
 
 
+@pytest.mark.parametrize("nested", [False, True])
 @pytest.mark.parametrize("as_dict", [False, True])
-def test_ids_are_checked_as_the_model_computes_them(as_dict):
-    """Through a slice, the float32 cast of the Input (9.99999999 becomes
-    10.0) and Keras's mapping of a dict by input name (review findings: the
-    first check compared float64 values, matched a dict by sorted keys and
-    saw no Embedding behind an op)."""
-    columns = np.stack([np.arange(N) % 10, np.zeros(N)], axis=1).astype(np.float64)
-    columns[:, 0] = np.minimum(columns[:, 0] + 0.5, 9.5)  # cast toward zero: valid ids
+def test_ids_are_checked_as_the_embedding_receives_them(as_dict, nested):
+    """After the float32 cast of the Input (9.99999999 becomes 10.0), with a
+    dict mapped by input name, and inside a nested two-input model (review
+    findings: the first check compared float64 values, matched a dict by
+    sorted keys and skipped nested models with two inputs)."""
+    tokens = np.stack([np.arange(N) % 10, np.full(N, 9.5)], axis=1)  # toward zero: valid
     amount = np.full((N, 1), -1.5)  # not an id: never checked as one
-    model = _tabular_model()
+    model = _two_input_model(nested)
 
-    def x(cols):
-        return {"amount": amount, "columns": cols} if as_dict else (cols, amount)
+    def x(ids):
+        return {"amount": amount, "tokens": ids} if as_dict else (ids, amount)
 
-    fit(model, x(columns), Y)  # control: valid ids, a negative amount
-    crafted = columns.copy()
-    crafted[23, 0] = 9.99999999
-    with pytest.raises(ValueError, match=r"'tokens'.*record 23, which gives it id 10\.0$"):
+    fit(model, x(tokens), Y)  # control: valid ids, a negative amount
+    crafted = tokens.copy()
+    crafted[23, 1] = 9.99999999
+    with pytest.raises(ValueError, match=r"'tokens_table'.*record 23, which gives it id 10\.0$"):
         fit(model, x(crafted), Y)
+
+
+class _KeepsTheLargestIdAtInference(keras.layers.Layer):
+    def build(self, shape):
+        self.largest = self.add_weight(shape=(), initializer="zeros", trainable=False)
+
+    def call(self, ids, training=None):
+        if not training:
+            self.largest.assign(keras.ops.maximum(self.largest, keras.ops.max(
+                keras.ops.cast(ids, "float32"))))
+        return ids
+
+
+def test_the_check_runs_no_layer_of_the_model_on_the_training_records():
+    """A check that ran the model's layers over every record at inference
+    (the second version did, to reach Embeddings behind them) let a layer
+    that writes in inference keep the records' data, noise-free."""
+    keras.utils.set_random_seed(0)
+    keeper = _KeepsTheLargestIdAtInference()
+    model = tfdp.DPSequential([keras.Input((3,), dtype="int32"), keeper,
+                               keras.layers.Embedding(10, 4), keras.layers.Flatten(),
+                               keras.layers.Dense(CLASSES)])
+    model.compile(optimizer=tfdp.optimizers.DPSGD(0.0, l2_norm_clip=1.0, noise_multiplier=1.0),
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    ids = (np.arange(N * 3) % 5).reshape(N, 3).astype(np.int32)
+    ids[11, 0] = 9  # the secret
+    fit(model, ids, Y)
+    assert float(keeper.largest.numpy()) < 9
 
 
 def test_an_id_in_the_split_off_validation_records_is_named_as_a_record_of_x():

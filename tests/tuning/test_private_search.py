@@ -180,7 +180,7 @@ def test_a_vocabulary_that_varies_between_trials_is_refused(trials):
 
     ids = np.arange(N * 3).reshape(N, 3) % 10
     tuner = PrivateRandomSearch(build, mean_trials=3)
-    with pytest.raises(ValueError, match=r"Embedding vocabularies.*input_dim \[10\] drawn"):
+    with pytest.raises(ValueError, match=r"Embedding vocabularies.*input_dim per input \[\[10\]\] drawn"):
         tuner.search(ids, ids[:, 0] % 2, batch_size=BATCH, epochs=1, validation_split=SPLIT)
 
 

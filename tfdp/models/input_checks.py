@@ -237,22 +237,22 @@ def check_validation_data(validation_data):
 def check_embedding_ids(model, x, name="x", first_record=0):
     """Refuses ids outside an Embedding's vocabulary before any record is used.
 
-    Every `keras.layers.Embedding` in the model's graph (or in a functional
-    model nested in it) receives ids in [0, input_dim), after the casts,
-    slices and ops between it and the inputs, and after its own cast of
-    floats to integers (toward zero). An id beyond it crashes the step that
-    samples its record (a gather out of range on CPU), so whether and when
-    training fails would depend on one record: a release no epsilon covers.
-    The ids each Embedding would receive are computed here by the model's
-    own graph (the part that leads to the Embeddings, in chunks), and the
-    first record that breaks the range is named. Not seen: an Embedding
-    inside a layer's own `call` (KerasHub's token-and-position embedding),
-    a subclassed model without a graph, and lookup layers without an
-    out-of-vocabulary index: check their ids yourself.
+    A `keras.layers.Embedding` that a model input feeds directly (in the
+    model's graph, or in a functional model nested in it) receives ids in
+    [0, input_dim): the input's values after Keras casts them to the
+    Input's dtype and the Embedding casts floats to integers (toward zero).
+    An id beyond it crashes the step that samples its record (a gather out
+    of range on CPU), so whether and when training fails would depend on
+    one record: a release no epsilon covers. The ids are checked here, from
+    the arrays alone (no layer of the model runs), naming the first record
+    that breaks the range. Not seen: an Embedding behind any layer or op
+    (a slice, a Lambda), inside a layer's own `call` (KerasHub's
+    token-and-position embedding) or a subclassed model, and lookup layers
+    without an out-of-vocabulary index: check their ids yourself.
 
     Args:
         model: the built model.
-        x: its inputs (arrays, as `fit` takes them).
+        x: its inputs (arrays, as `fit` takes them; a dict by input name).
         name: what to call `x` in the error.
         first_record: the index in `name` of x's first record.
 
@@ -265,49 +265,63 @@ def check_embedding_ids(model, x, name="x", first_record=0):
     ...
     ValueError: Expected the ids in `x` that feed Embedding 'embedding' to lie in [0, 4] (its input_dim is 5). Received: record 1, which gives it id 7
     """
-    probe, layers = _id_probe(model)
-    if probe is None:
-        return
-    count = len(tf.nest.flatten(x)[0])
-    for start in range(0, count, _CHUNK):
-        chunk = tf.nest.map_structure(lambda a: np.asarray(a[start:start + _CHUNK]), x)
-        if isinstance(chunk, tuple):
-            chunk = list(chunk)  # the probe's inputs are a list
-        received = probe(chunk, training=False)
-        received = received if isinstance(received, (list, tuple)) else [received]
-        for ids, layer in zip(received, layers):
-            if isinstance(layer, keras.Model):  # a nested functional model: its own graph
-                check_embedding_ids(layer, np.asarray(ids), name, first_record + start)
-            else:
-                _check_ids_in_range(np.asarray(ids), layer, name, first_record + start)
-
-
-_CHUNK = 4096  # records a probe call reads at once
-
-
-def _id_probe(model):
-    """(a keras.Model from `model`'s inputs to what each Embedding, or nested
-    functional model with one input, receives; those layers), or (None, [])."""
-    inputs = getattr(model, "inputs", None)
-    if not inputs:
-        return None, []
-    tensors, layers = [], []
-    for layer in getattr(model, "layers", ()):
-        nested = isinstance(layer, keras.Model) and len(getattr(layer, "inputs", None) or ()) == 1
-        if not (isinstance(layer, keras.layers.Embedding) or nested):
+    for tensor, array in _inputs_with_arrays(model, x):
+        layers = list(_embeddings_reading(model, tensor))
+        if not layers:
             continue
+        array = np.asarray(array)
+        if array.dtype.kind not in "biuf" or array.size == 0:
+            continue
+        for start in range(0, len(array), _CHUNK):  # as Keras casts it to the Input's dtype
+            ids = tf.cast(array[start:start + _CHUNK], tensor.dtype).numpy()
+            for layer in layers:
+                _check_ids_in_range(ids, layer, name, first_record + start)
+
+
+_CHUNK = 65536  # records cast at once
+
+
+def _inputs_with_arrays(model, x):
+    """[(model input, its array)]: a dict by input name, else by position."""
+    inputs = list(getattr(model, "inputs", None) or [])
+    if isinstance(x, dict):
+        if not all(tensor.name in x for tensor in inputs):
+            return []
+        return [(tensor, x[tensor.name]) for tensor in inputs]
+    arrays = list(x) if isinstance(x, (list, tuple)) else [x]
+    return list(zip(inputs, arrays)) if len(arrays) == len(inputs) else []
+
+
+def _embeddings_reading(model, tensor):
+    """The Embedding layers whose input is `tensor` itself, in `model` or in
+    the functional models nested in it that take `tensor` as an input."""
+    for layer in getattr(model, "layers", ()):
         for node in getattr(layer, "_inbound_nodes", ()):
-            if len(node.input_tensors) != 1:
+            positions = [i for i, t in enumerate(node.input_tensors) if t is tensor]
+            if not positions:
                 continue
-            try:  # a node of another model's graph is not reachable from these inputs
-                keras.Model(inputs, node.input_tensors[0])
-            except ValueError:
-                continue
-            tensors.append(node.input_tensors[0])
-            layers.append(layer)
-    if not tensors:
-        return None, []
-    return keras.Model(inputs[0] if len(inputs) == 1 else list(inputs), tensors), layers
+            if isinstance(layer, keras.layers.Embedding):
+                yield layer
+            elif isinstance(layer, keras.Model):
+                inner = list(getattr(layer, "inputs", None) or [])
+                if len(inner) == len(node.input_tensors):
+                    for position in positions:
+                        yield from _embeddings_reading(layer, inner[position])
+
+
+def embedding_vocabularies(model):
+    """For each model input, the sorted input_dims of the Embeddings it
+    feeds directly (what `check_embedding_ids` checks).
+
+    Example:
+
+    >>> import keras
+    >>> model = keras.Sequential([keras.Input((2,), dtype="int32"), keras.layers.Embedding(5, 3)])
+    >>> embedding_vocabularies(model)
+    [[5]]
+    """
+    return [sorted(layer.input_dim for layer in _embeddings_reading(model, tensor))
+            for tensor in getattr(model, "inputs", None) or []]
 
 
 def _check_ids_in_range(ids, layer, name, first_record):

@@ -33,7 +33,6 @@ True
 import weakref
 
 import dp_accounting
-import keras
 import numpy as np
 
 from tfdp.accounting._validation import check_real, show
@@ -298,7 +297,7 @@ class Trials:
         default_values, default_model = hyperparameters.defaults(build)
         reference = settings.privacy_setting(default_model, num_examples, batch_size)
         self.validation.check_ids(default_model)  # before the draw: its message is kept
-        vocabularies = _vocabularies(default_model)
+        vocabularies = input_checks.embedding_vocabularies(default_model)
         del default_model
         trials = []
         owned = _Owned()
@@ -315,13 +314,13 @@ class Trials:
                     "setting (each charged). Received: a search space whose trials differ in "
                     "their privacy setting"
                 )
-            if _vocabularies(model) != vocabularies:
+            drawn = input_checks.embedding_vocabularies(model)
+            if drawn != vocabularies:
                 raise hiding.Refusal(
                     "Every trial of a private search must keep the Embedding vocabularies of "
                     "its default trial, against which the ids were checked before the search "
                     "drew its trials (a trial crashing on one record's id would reveal it). "
-                    f"Received: input_dim {_vocabularies(model)} drawn, {vocabularies} by "
-                    "default"
+                    f"Received: input_dim per input {drawn} drawn, {vocabularies} by default"
                 )
             settings.check_fresh(model)
             owned.check_and_add(model)
@@ -365,12 +364,6 @@ class Trials:
                 best = (model, hp, score, trial_event, names)
             del model
         return best
-
-
-def _vocabularies(model):
-    """The sorted input_dims of the Embedding layers in `model`."""
-    return sorted(layer.input_dim for layer in model._flatten_layers()  # pylint: disable=protected-access
-                  if isinstance(layer, keras.layers.Embedding))
 
 
 def _only_one(number, name):
