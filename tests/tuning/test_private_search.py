@@ -180,7 +180,28 @@ def test_a_vocabulary_that_varies_between_trials_is_refused(trials):
 
     ids = np.arange(N * 3).reshape(N, 3) % 10
     tuner = PrivateRandomSearch(build, mean_trials=3)
-    with pytest.raises(ValueError, match=r"Embedding vocabularies.*input_dim per input \[\[10\]\] drawn"):
+    with pytest.raises(ValueError, match=r"Embedding vocabularies.*\[\('int32', \[10\]\)\] drawn"):
+        tuner.search(ids, ids[:, 0] % 2, batch_size=BATCH, epochs=1, validation_split=SPLIT)
+
+
+def test_an_input_dtype_that_varies_between_trials_is_refused(trials):
+    """bfloat16 rounds id 999 to 1000: ids checked as the default trial's
+    int32 Input sees them would crash a drawn trial (review finding)."""
+    trials(4)
+
+    def build(hp):
+        rate = hp.Float("learning_rate", 0.05, 0.5, default=0.5)
+        model = tfdp.DPSequential([
+            keras.Input((3,), dtype="int32" if rate == 0.5 else "bfloat16"),
+            keras.layers.Embedding(1000, 2), keras.layers.Flatten(), keras.layers.Dense(2)])
+        model.compile(optimizer=tfdp.optimizers.DPSGD(rate, l2_norm_clip=1.0, noise_multiplier=1.5),
+                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        return model
+
+    ids = np.arange(N * 3).reshape(N, 3) % 1000
+    ids[5, 0] = 999
+    tuner = PrivateRandomSearch(build, mean_trials=3)
+    with pytest.raises(ValueError, match=r"Input dtypes.*\[\('bfloat16', \[1000\]\)\] drawn"):
         tuner.search(ids, ids[:, 0] % 2, batch_size=BATCH, epochs=1, validation_split=SPLIT)
 
 

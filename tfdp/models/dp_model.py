@@ -494,6 +494,7 @@ class DPTrainingMixin:
         sample = self._build_for(arrays)
         # A layer that writes a variable in training would keep records' data (issue 43).
         state_writes.check_dp_model(self, sample)
+        input_checks.check_input_names(self)  # before any array meets an input
         augmentation = check_augmentation(augment, augmentations, sample[0], self.optimizer)
         if augmentation != self._augmentation:
             self._augmentation = augmentation

@@ -237,8 +237,8 @@ def check_validation_data(validation_data):
 def check_embedding_ids(model, x, name="x", first_record=0):
     """Refuses ids outside an Embedding's vocabulary before any record is used.
 
-    A `keras.layers.Embedding` that a model input feeds directly (in the
-    model's graph, or in a functional model nested in it) receives ids in
+    A `keras.layers.Embedding` that a model input feeds directly (a layer
+    of the model's own graph called on the Input) receives ids in
     [0, input_dim): the input's values after Keras casts them to the
     Input's dtype and the Embedding casts floats to integers (toward zero).
     An id beyond it crashes the step that samples its record (a gather out
@@ -246,9 +246,10 @@ def check_embedding_ids(model, x, name="x", first_record=0):
     one record: a release no epsilon covers. The ids are checked here, from
     the arrays alone (no layer of the model runs), naming the first record
     that breaks the range. Not seen: an Embedding behind any layer or op
-    (a slice, a Lambda), inside a layer's own `call` (KerasHub's
-    token-and-position embedding) or a subclassed model, and lookup layers
-    without an out-of-vocabulary index: check their ids yourself.
+    (a slice, a Lambda), inside a nested model (which casts again, to its
+    own Input's dtype), a layer's own `call` (KerasHub's token-and-position
+    embedding) or a subclassed model, and lookup layers without an
+    out-of-vocabulary index: check their ids yourself.
 
     Args:
         model: the built model.
@@ -293,35 +294,52 @@ def _inputs_with_arrays(model, x):
 
 
 def _embeddings_reading(model, tensor):
-    """The Embedding layers whose input is `tensor` itself, in `model` or in
-    the functional models nested in it that take `tensor` as an input."""
+    """The Embedding layers of `model`'s graph called on `tensor` itself."""
     for layer in getattr(model, "layers", ()):
-        for node in getattr(layer, "_inbound_nodes", ()):
-            positions = [i for i, t in enumerate(node.input_tensors) if t is tensor]
-            if not positions:
-                continue
-            if isinstance(layer, keras.layers.Embedding):
-                yield layer
-            elif isinstance(layer, keras.Model):
-                inner = list(getattr(layer, "inputs", None) or [])
-                if len(inner) == len(node.input_tensors):
-                    for position in positions:
-                        yield from _embeddings_reading(layer, inner[position])
+        if isinstance(layer, keras.layers.Embedding) and any(
+                len(node.input_tensors) == 1 and node.input_tensors[0] is tensor
+                for node in getattr(layer, "_inbound_nodes", ())):
+            yield layer
 
 
 def embedding_vocabularies(model):
-    """For each model input, the sorted input_dims of the Embeddings it
-    feeds directly (what `check_embedding_ids` checks).
+    """For each model input, its dtype and the sorted input_dims of the
+    Embeddings it feeds directly: what `check_embedding_ids` checks ids
+    against.
 
     Example:
 
     >>> import keras
     >>> model = keras.Sequential([keras.Input((2,), dtype="int32"), keras.layers.Embedding(5, 3)])
     >>> embedding_vocabularies(model)
-    [[5]]
+    [('int32', [5])]
     """
-    return [sorted(layer.input_dim for layer in _embeddings_reading(model, tensor))
+    return [(str(tensor.dtype), sorted(layer.input_dim for layer in _embeddings_reading(model, tensor)))
             for tensor in getattr(model, "inputs", None) or []]
+
+
+def check_input_names(model):
+    """Refuses a model built from a dict of Inputs whose keys differ from
+    the Inputs' names: Keras feeds such a model by name in some places and
+    by key in others, so training and evaluation would pair the arrays
+    with different inputs.
+
+    Example:
+
+    >>> import keras
+    >>> check_input_names(keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)]))
+    """
+    struct = getattr(model, "_inputs_struct", None)
+    if not isinstance(struct, dict):
+        return
+    renamed = {key: tensor.name for key, tensor in struct.items() if key != tensor.name}
+    if renamed:
+        raise ValueError(
+            "Name each Input as its key in the model's inputs dict (keras.Input(..., "
+            "name=key)): Keras feeds the model by Input name when it trains and by key when "
+            "it evaluates, so the arrays would meet different inputs. Received: keys mapped to "
+            f"Inputs named {renamed}"
+        )
 
 
 def _check_ids_in_range(ids, layer, name, first_record):

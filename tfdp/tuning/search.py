@@ -317,10 +317,11 @@ class Trials:
             drawn = input_checks.embedding_vocabularies(model)
             if drawn != vocabularies:
                 raise hiding.Refusal(
-                    "Every trial of a private search must keep the Embedding vocabularies of "
-                    "its default trial, against which the ids were checked before the search "
-                    "drew its trials (a trial crashing on one record's id would reveal it). "
-                    f"Received: input_dim per input {drawn} drawn, {vocabularies} by default"
+                    "Every trial of a private search must keep the Input dtypes and Embedding "
+                    "vocabularies of its default trial, against which the ids were checked "
+                    "before the search drew its trials (a trial crashing on one record's id "
+                    f"would reveal it). Received: (dtype, input_dims) per input {drawn} drawn, "
+                    f"{vocabularies} by default"
                 )
             settings.check_fresh(model)
             owned.check_and_add(model)
