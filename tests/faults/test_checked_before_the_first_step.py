@@ -258,6 +258,17 @@ def test_the_check_runs_no_layer_of_the_model_on_the_training_records():
     assert float(keeper.largest.numpy()) < 9
 
 
+def test_a_nested_inputs_dict_is_not_mistaken_for_renamed_inputs():
+    """The name check looked for a name on every value of the inputs dict
+    and crashed on a dict of dicts (review finding): only Inputs are compared."""
+    tokens, amount = keras.Input((1,), name="tokens"), keras.Input((1,), name="amount")
+    model = tfdp.DPModel({"features": {"tokens": tokens, "amount": amount}},
+                         keras.layers.Dense(CLASSES)(keras.layers.Concatenate()([tokens, amount])))
+    model.compile(optimizer=tfdp.optimizers.DPSGD(0.1, l2_norm_clip=1.0, noise_multiplier=1.0),
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    fit(model, {"features": {"tokens": X[:, :1], "amount": X[:, 1:2]}}, Y)
+
+
 def test_an_id_in_the_split_off_validation_records_is_named_as_a_record_of_x():
     ids = (np.arange(N * 3) % 10).reshape(N, 3).astype(np.int32)
     ids[37, 2] = 12

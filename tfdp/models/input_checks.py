@@ -245,11 +245,13 @@ def check_embedding_ids(model, x, name="x", first_record=0):
     of range on CPU), so whether and when training fails would depend on
     one record: a release no epsilon covers. The ids are checked here, from
     the arrays alone (no layer of the model runs), naming the first record
-    that breaks the range. Not seen: an Embedding behind any layer or op
-    (a slice, a Lambda), inside a nested model (which casts again, to its
-    own Input's dtype), a layer's own `call` (KerasHub's token-and-position
-    embedding) or a subclassed model, and lookup layers without an
-    out-of-vocabulary index: check their ids yourself.
+    that breaks the range. `fit` checks in-memory arrays and validation
+    data this way. Not seen: ids read from a RecordSource or a tf.data
+    pipeline, ids that `fit(augment=...)` produces, an Embedding behind any
+    layer or op (a slice, a Lambda), inside a nested model (which casts
+    again, to its own Input's dtype), a layer's own `call` (KerasHub's
+    token-and-position embedding) or a subclassed model, and lookup layers
+    without an out-of-vocabulary index: check their ids yourself.
 
     Args:
         model: the built model.
@@ -332,7 +334,8 @@ def check_input_names(model):
     struct = getattr(model, "_inputs_struct", None)
     if not isinstance(struct, dict):
         return
-    renamed = {key: tensor.name for key, tensor in struct.items() if key != tensor.name}
+    renamed = {key: tensor.name for key, tensor in struct.items()
+               if isinstance(tensor, keras.KerasTensor) and key != tensor.name}
     if renamed:
         raise ValueError(
             "Name each Input as its key in the model's inputs dict (keras.Input(..., "
