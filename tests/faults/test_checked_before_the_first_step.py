@@ -269,6 +269,31 @@ def test_a_nested_inputs_dict_is_not_mistaken_for_renamed_inputs():
     fit(model, {"features": {"tokens": X[:, :1], "amount": X[:, 1:2]}}, Y)
 
 
+@pytest.mark.parametrize("nesting", ["dict of dicts", "dict of lists", "mixed"])
+def test_ids_in_nested_inputs_are_checked(nesting):
+    """The check read only a flat dict and checked nothing in a nested one
+    (review finding): x is paired with the model's inputs structure."""
+    keras.utils.set_random_seed(0)
+    tokens, amount = keras.Input((2,), dtype="int32", name="tokens"), keras.Input((1,), name="amount")
+    structs = {"dict of dicts": ({"f": {"tokens": tokens, "amount": amount}},
+                                 lambda t, a: {"f": {"tokens": t, "amount": a}}),
+               "dict of lists": ({"f": [tokens, amount]}, lambda t, a: {"f": [t, a]}),
+               "mixed": ({"tokens": tokens, "more": {"amount": amount}},
+                         lambda t, a: {"tokens": t, "more": {"amount": a}})}
+    struct, x = structs[nesting]
+    features = keras.layers.Concatenate()(
+        [keras.layers.Flatten()(keras.layers.Embedding(10, 2, name="tokens_table")(tokens)), amount])
+    model = tfdp.DPModel(struct, keras.layers.Dense(CLASSES)(features))
+    model.compile(optimizer=tfdp.optimizers.DPSGD(0.1, l2_norm_clip=1.0, noise_multiplier=1.0),
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    ids = (np.arange(N * 2) % 10).reshape(N, 2).astype(np.int32)
+    amounts = np.full((N, 1), 50.0, np.float32)  # not ids: never checked as ids
+    fit(model, x(ids, amounts), Y, validation_data=(x(ids[:8], amounts[:8]), Y[:8]))  # control
+    ids[13, 1] = 50
+    with pytest.raises(ValueError, match=r"'tokens_table'.*record 13, which gives it id 50$"):
+        fit(model, x(ids, amounts), Y)
+
+
 def test_an_id_in_the_split_off_validation_records_is_named_as_a_record_of_x():
     ids = (np.arange(N * 3) % 10).reshape(N, 3).astype(np.int32)
     ids[37, 2] = 12

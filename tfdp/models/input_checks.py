@@ -224,8 +224,7 @@ def check_validation_data(validation_data):
         return
     lengths = []
     for part in validation_data:
-        leaves = list(part.values()) if isinstance(part, dict) else part
-        leaves = leaves if isinstance(leaves, (tuple, list)) else [leaves]
+        leaves = keras.tree.flatten(part) if isinstance(part, (dict, tuple, list)) else [part]
         lengths += [len(leaf) for leaf in leaves if hasattr(leaf, "__len__")]
     if len(set(lengths)) > 1:
         raise ValueError(
@@ -268,11 +267,11 @@ def check_embedding_ids(model, x, name="x", first_record=0):
     ...
     ValueError: Expected the ids in `x` that feed Embedding 'embedding' to lie in [0, 4] (its input_dim is 5). Received: record 1, which gives it id 7
     """
-    for tensor, array in _inputs_with_arrays(model, x):
+    for tensor in getattr(model, "inputs", None) or []:
         layers = list(_embeddings_reading(model, tensor))
         if not layers:
             continue
-        array = np.asarray(array)
+        array = np.asarray(_array_of(model, x, tensor, name))
         if array.dtype.kind not in "biuf" or array.size == 0:
             continue
         for start in range(0, len(array), _CHUNK):  # as Keras casts it to the Input's dtype
@@ -284,15 +283,32 @@ def check_embedding_ids(model, x, name="x", first_record=0):
 _CHUNK = 65536  # records cast at once
 
 
-def _inputs_with_arrays(model, x):
-    """[(model input, its array)]: a dict by input name, else by position."""
-    inputs = list(getattr(model, "inputs", None) or [])
-    if isinstance(x, dict):
-        if not all(tensor.name in x for tensor in inputs):
-            return []
-        return [(tensor, x[tensor.name]) for tensor in inputs]
-    arrays = list(x) if isinstance(x, (list, tuple)) else [x]
-    return list(zip(inputs, arrays)) if len(arrays) == len(inputs) else []
+def _array_of(model, x, tensor, name):
+    """The array of `x` that Keras feeds to the Input `tensor`: paired with
+    the model's inputs structure (dicts by key, at any depth), a flat dict
+    by Input name, else by position."""
+    inputs = list(model.inputs)
+    struct = getattr(model, "_inputs_struct", None)
+    if isinstance(x, dict) and isinstance(struct, dict):
+        struct, x = keras.tree.lists_to_tuples(struct), keras.tree.lists_to_tuples(x)
+        try:
+            keras.tree.assert_same_structure(struct, x)
+        except (ValueError, TypeError):
+            pass
+        else:
+            for candidate, array in zip(keras.tree.flatten(struct), keras.tree.flatten(x)):
+                if candidate is tensor:
+                    return array
+    if isinstance(x, dict) and tensor.name in x:
+        return x[tensor.name]
+    arrays = keras.tree.flatten(x) if isinstance(x, (list, tuple)) else [x]
+    if not isinstance(x, dict) and len(arrays) == len(inputs):
+        return arrays[next(i for i, candidate in enumerate(inputs) if candidate is tensor)]
+    raise ValueError(
+        f"Expected `{name}` structured as the model's inputs, so that the ids of Input "
+        f"'{tensor.name}' (it feeds an Embedding) can be checked. Received: {name} with "
+        f"structure {keras.tree.map_structure(lambda a: np.shape(a), x)}"
+    )
 
 
 def _embeddings_reading(model, tensor):
