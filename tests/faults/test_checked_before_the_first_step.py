@@ -294,6 +294,32 @@ def test_ids_in_nested_inputs_are_checked(nesting):
         fit(model, x(ids, amounts), Y)
 
 
+@pytest.mark.parametrize("where", ["x", "validation_data"])
+def test_a_dict_with_another_key_is_refused_when_an_input_feeds_an_embedding(where):
+    """Keras feeds a dict model flatten(x) by position, so an extra key "n"
+    (sorted before "tokens") reaches the Embedding; the check read
+    x["tokens"] (review finding)."""
+    keras.utils.set_random_seed(0)
+    tokens, amount = keras.Input((2,), dtype="int32", name="tokens"), keras.Input((1,), name="amount")
+    features = keras.layers.Concatenate()(
+        [keras.layers.Flatten()(keras.layers.Embedding(10, 2)(tokens)), amount])
+    model = tfdp.DPModel({"tokens": tokens, "amount": amount}, keras.layers.Dense(CLASSES)(features))
+    model.compile(optimizer=tfdp.optimizers.DPSGD(0.1, l2_norm_clip=1.0, noise_multiplier=1.0),
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    ids = (np.arange(N * 2) % 10).reshape(N, 2).astype(np.int32)
+    amounts = np.zeros((N, 1), np.float32)
+    bad = ids.copy()
+    bad[13, 0] = 50
+    odd = {"amount": amounts, "n": bad, "tokens": ids}
+    steps = model.privacy.steps
+    with pytest.raises(ValueError, match=r"structured as the model's inputs.*'tokens'"):
+        if where == "x":
+            fit(model, odd, Y)
+        else:
+            fit(model, {"amount": amounts, "tokens": ids}, Y, validation_data=(odd, Y))
+    assert model.privacy.steps == steps
+
+
 def test_an_id_in_the_split_off_validation_records_is_named_as_a_record_of_x():
     ids = (np.arange(N * 3) % 10).reshape(N, 3).astype(np.int32)
     ids[37, 2] = 12

@@ -290,16 +290,19 @@ def _array_of(model, x, tensor, name):
     inputs = list(model.inputs)
     struct = getattr(model, "_inputs_struct", None)
     if isinstance(x, dict) and isinstance(struct, dict):
-        struct, x = keras.tree.lists_to_tuples(struct), keras.tree.lists_to_tuples(x)
+        # Keras feeds flatten(x) by position (warning, not refusing, when the
+        # keys differ), so only x of the model's own structure is paired here.
+        same_struct, same_x = keras.tree.lists_to_tuples(struct), keras.tree.lists_to_tuples(x)
         try:
-            keras.tree.assert_same_structure(struct, x)
+            keras.tree.assert_same_structure(same_struct, same_x)
         except (ValueError, TypeError):
             pass
         else:
-            for candidate, array in zip(keras.tree.flatten(struct), keras.tree.flatten(x)):
+            for candidate, array in zip(keras.tree.flatten(same_struct),
+                                        keras.tree.flatten(same_x)):
                 if candidate is tensor:
                     return array
-    if isinstance(x, dict) and tensor.name in x:
+    elif isinstance(x, dict) and tensor.name in x:  # Keras reads a dict by Input name
         return x[tensor.name]
     arrays = keras.tree.flatten(x) if isinstance(x, (list, tuple)) else [x]
     if not isinstance(x, dict) and len(arrays) == len(inputs):
