@@ -215,9 +215,10 @@ def test_ids_are_checked_as_the_embedding_receives_them(as_dict):
 
 
 def test_inputs_keyed_other_than_their_names_are_refused():
-    """Keras trains such a model by Input name and evaluates it by key, so
-    one split-off record could pass the checks and crash evaluation after
-    the epoch's steps were charged (review finding)."""
+    """The id check paired such inputs by name while Keras fed them by key,
+    so one split-off record passed the check and crashed evaluation after
+    the epoch's steps were charged (review finding). Keras asks for
+    matching names; tfdp refuses others before the first step."""
     first, second = keras.Input((1,), name="b"), keras.Input((1,), name="a")
     with pytest.warns(UserWarning):
         model = tfdp.DPModel({"a": first, "b": second},

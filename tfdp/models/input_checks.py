@@ -341,9 +341,11 @@ def embedding_vocabularies(model):
 
 def check_input_names(model):
     """Refuses a model built from a dict of Inputs whose keys differ from
-    the Inputs' names: Keras feeds such a model by name in some places and
-    by key in others, so training and evaluation would pair the arrays
-    with different inputs.
+    the Inputs' names. Keras asks for matching names (it warns when such a
+    model is built), and an array's key and its Input's name would then
+    disagree on which input it feeds: a check that pairs by name (as an
+    earlier version of `check_embedding_ids` did) would read another array
+    than the one Keras feeds.
 
     Example:
 
@@ -358,9 +360,9 @@ def check_input_names(model):
     if renamed:
         raise ValueError(
             "Name each Input as its key in the model's inputs dict (keras.Input(..., "
-            "name=key)): Keras feeds the model by Input name when it trains and by key when "
-            "it evaluates, so the arrays would meet different inputs. Received: keys mapped to "
-            f"Inputs named {renamed}"
+            "name=key)), as Keras asks: with other names, an array's key and its Input's name "
+            "disagree on which input it feeds. Received: keys mapped to Inputs named "
+            f"{renamed}"
         )
 
 
