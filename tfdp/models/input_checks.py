@@ -254,7 +254,8 @@ def check_embedding_ids(model, x, name="x", first_record=0):
 
     Args:
         model: the built model.
-        x: its inputs (arrays, as `fit` takes them; a dict by input name).
+        x: its inputs (arrays, as `fit` takes them; dicts structured as the
+            model's inputs, or by Input name for a model built from a list).
         name: what to call `x` in the error.
         first_record: the index in `name` of x's first record.
 

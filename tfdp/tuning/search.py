@@ -198,8 +198,7 @@ class PrivateRandomSearch:
             raise ValueError(_RELEASED_NOTHING)
         if self._best is None:
             raise ValueError(
-                "No model to return: call search() first (with the Poisson law a search "
-                "draws no trial with probability exp(-mean_trials), and releases nothing)."
+                "No model to return: call search() first."
             )
         return self._best
 
