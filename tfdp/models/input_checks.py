@@ -262,11 +262,12 @@ def check_embedding_ids(model, x, name="x", first_record=0):
     Example:
 
     >>> import keras
-    >>> model = keras.Sequential([keras.Input((2,), dtype="int32"), keras.layers.Embedding(5, 3)])
+    >>> model = keras.Sequential([keras.Input((2,), dtype="int32"),
+    ...                           keras.layers.Embedding(5, 3, name="tokens")])
     >>> check_embedding_ids(model, np.array([[1, 4], [0, 7]]))
     Traceback (most recent call last):
     ...
-    ValueError: Expected the ids in `x` that feed Embedding 'embedding' to lie in [0, 4] (its input_dim is 5). Received: record 1, which gives it id 7
+    ValueError: Expected the ids in `x` that feed Embedding 'tokens' to lie in [0, 4] (its input_dim is 5). Received: record 1, which gives it id 7
     """
     for tensor in getattr(model, "inputs", None) or []:
         layers = list(_embeddings_reading(model, tensor))
