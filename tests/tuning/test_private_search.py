@@ -163,6 +163,23 @@ def test_an_id_beyond_the_vocabulary_is_refused_before_the_trials_are_drawn(tria
         tuner.get_best_models()
 
 
+@pytest.mark.parametrize("where", ["y", "validation_data"])
+def test_a_label_out_of_range_is_refused_before_the_trials_are_drawn(trials, where):
+    """It was refused by the first trial's fit, after the draw: whether the
+    search failed (and spent its tuner) depended on that record."""
+    trials(2)
+    x, y = _data()
+    bad = y.copy()
+    bad[7] = 5
+    tuner = PrivateRandomSearch(_build(), mean_trials=3)
+    arguments = (dict(y=bad, validation_split=SPLIT) if where == "y" else
+                 dict(y=y, validation_data=(x[:10], bad[:10])))
+    with pytest.raises(ValueError, match=r"class indices in \[0, 1\].*labels in \[0, 5\]"):
+        tuner.search(x, batch_size=BATCH, epochs=1, **arguments)
+    with pytest.raises(ValueError, match="call search"):  # refused before the draw
+        tuner.get_best_models()
+
+
 def test_a_vocabulary_that_varies_between_trials_is_refused(trials):
     """The ids were checked against the default trial's vocabulary: a drawn
     trial with a smaller one would crash on a record's id after the draw."""

@@ -295,7 +295,7 @@ class Trials:
 
         default_values, default_model = hyperparameters.defaults(build)
         reference = settings.privacy_setting(default_model, num_examples, batch_size)
-        self.validation.check_ids(default_model)  # before the draw: its message is kept
+        self.validation.check_against(default_model)  # before the draw: its message is kept
         vocabularies = input_checks.embedding_vocabularies(default_model)
         del default_model
         trials = []
@@ -444,12 +444,15 @@ class _Validation:
             self._fraction = check_real("validation_split", split, low=0.0, high=1.0)
             self.count = self._fraction * total  # public: the split's realised size is not
 
-    def check_ids(self, model):
-        """Refuses ids beyond the vocabulary of an Embedding that an input
-        feeds (`input_checks.check_embedding_ids`): a trial that crashed on
-        one record would reveal it."""
+    def check_against(self, model):
+        """Refuses labels out of the range of `model`'s outputs and ids beyond
+        the vocabulary of an Embedding that an input feeds, as `fit` does
+        (`input_checks`): a trial that failed on one record would reveal it."""
+        units = model.outputs[0].shape[-1] if getattr(model, "outputs", None) else None
+        input_checks.check_label_values(self._y, units)
         input_checks.check_embedding_ids(model, self._x)
         if self._data is not None:
+            input_checks.check_label_values(self._data[1], units, "validation_data's y")
             input_checks.check_embedding_ids(model, self._data[0], "validation_data's x")
 
     def split(self, rng):
