@@ -180,6 +180,42 @@ def test_a_label_out_of_range_is_refused_before_the_trials_are_drawn(trials, whe
         tuner.get_best_models()
 
 
+def test_fewer_output_units_in_a_drawn_trial_are_refused(trials):
+    """Labels were checked against the default trial's 3 units; a drawn
+    trial with 2 failed on a record labelled 2, after the draw (review)."""
+    trials(4)
+
+    def build(hp):
+        rate = hp.Float("learning_rate", 0.05, 0.5, default=0.5)
+        model = tfdp.DPSequential([keras.Input((3,)), keras.layers.Dense(3 if rate == 0.5 else 2)])
+        model.compile(optimizer=tfdp.optimizers.DPSGD(rate, l2_norm_clip=1.0, noise_multiplier=1.5),
+                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        return model
+
+    x, y = _data()
+    y[7] = 2
+    with pytest.raises(ValueError, match=r"output shapes.*\[\(2,\)\]\) drawn"):
+        PrivateRandomSearch(build, mean_trials=3).search(x, y, batch_size=BATCH, epochs=1,
+                                                         validation_split=SPLIT)
+
+
+def test_a_model_without_known_outputs_is_refused_before_the_draw(trials):
+    """Its labels could not be checked before the draw (review)."""
+    trials(1)
+
+    def build(hp):
+        model = tfdp.DPSequential([keras.layers.Dense(2)])
+        model.compile(optimizer=tfdp.optimizers.DPSGD(0.1, l2_norm_clip=1.0, noise_multiplier=1.5),
+                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        return model
+
+    tuner = PrivateRandomSearch(build, mean_trials=3)
+    with pytest.raises(ValueError, match="start it with keras.Input"):
+        tuner.search(*_data(), batch_size=BATCH, epochs=1, validation_split=SPLIT)
+    with pytest.raises(ValueError, match="call search"):
+        tuner.get_best_models()
+
+
 def test_a_vocabulary_that_varies_between_trials_is_refused(trials):
     """The ids were checked against the default trial's vocabulary: a drawn
     trial with a smaller one would crash on a record's id after the draw."""
@@ -197,7 +233,7 @@ def test_a_vocabulary_that_varies_between_trials_is_refused(trials):
 
     ids = np.arange(N * 3).reshape(N, 3) % 10
     tuner = PrivateRandomSearch(build, mean_trials=3)
-    with pytest.raises(ValueError, match=r"Embedding vocabularies.*\[\('int32', \[10\]\)\] drawn"):
+    with pytest.raises(ValueError, match=r"Embedding vocabularies.*\(\[\('int32', \[10\]\)\], \[\(2,\)\]\) drawn"):
         tuner.search(ids, ids[:, 0] % 2, batch_size=BATCH, epochs=1, validation_split=SPLIT)
 
 
@@ -218,7 +254,7 @@ def test_an_input_dtype_that_varies_between_trials_is_refused(trials):
     ids = np.arange(N * 3).reshape(N, 3) % 1000
     ids[5, 0] = 999
     tuner = PrivateRandomSearch(build, mean_trials=3)
-    with pytest.raises(ValueError, match=r"Input dtypes.*\[\('bfloat16', \[1000\]\)\] drawn"):
+    with pytest.raises(ValueError, match=r"Input dtypes.*\[\('bfloat16', \[1000\]\)\], \[\(2,\)\]\) drawn"):
         tuner.search(ids, ids[:, 0] % 2, batch_size=BATCH, epochs=1, validation_split=SPLIT)
 
 

@@ -296,7 +296,7 @@ class Trials:
         default_values, default_model = hyperparameters.defaults(build)
         reference = settings.privacy_setting(default_model, num_examples, batch_size)
         self.validation.check_against(default_model)  # before the draw: its message is kept
-        vocabularies = input_checks.embedding_vocabularies(default_model)
+        checked = _checked_against(default_model)
         del default_model
         trials = []
         owned = _Owned()
@@ -313,14 +313,14 @@ class Trials:
                     "setting (each charged). Received: a search space whose trials differ in "
                     "their privacy setting"
                 )
-            drawn = input_checks.embedding_vocabularies(model)
-            if drawn != vocabularies:
+            drawn = _checked_against(model)
+            if drawn != checked:
                 raise hiding.Refusal(
-                    "Every trial of a private search must keep the Input dtypes and Embedding "
-                    "vocabularies of its default trial, against which the ids were checked "
-                    "before the search drew its trials (a trial crashing on one record's id "
-                    f"would reveal it). Received: (dtype, input_dims) per input {drawn} drawn, "
-                    f"{vocabularies} by default"
+                    "Every trial of a private search must keep the Input dtypes, Embedding "
+                    "vocabularies and output shapes of its default trial, against which the ids "
+                    "and labels were checked before the search drew its trials (a trial failing "
+                    "on one record would reveal it). Received: ((dtype, input_dims) per input, "
+                    f"output shapes) {drawn} drawn, {checked} by default"
                 )
             settings.check_fresh(model)
             owned.check_and_add(model)
@@ -364,6 +364,13 @@ class Trials:
                 best = (model, hp, score, trial_event, names)
             del model
         return best
+
+
+def _checked_against(model):
+    """What a search checks the data against before its draw: each Input's
+    dtype and Embedding vocabularies, and the model's output shapes."""
+    return (input_checks.embedding_vocabularies(model),
+            [tuple(output.shape[1:]) for output in model.outputs])
 
 
 def _only_one(number, name):
@@ -448,7 +455,14 @@ class _Validation:
         """Refuses labels out of the range of `model`'s outputs and ids beyond
         the vocabulary of an Embedding that an input feeds, as `fit` does
         (`input_checks`): a trial that failed on one record would reveal it."""
-        units = model.outputs[0].shape[-1] if getattr(model, "outputs", None) else None
+        if not getattr(model, "outputs", None):
+            raise ValueError(
+                "build(hp) must return a model whose inputs and outputs are known before it "
+                "trains (start it with keras.Input), so that the search can check the labels "
+                "and ids before it draws its trials: a trial failing on one record would reveal "
+                f"it. Received: {type(model).__name__} '{model.name}' without outputs"
+            )
+        units = model.outputs[0].shape[-1]
         input_checks.check_label_values(self._y, units)
         input_checks.check_embedding_ids(model, self._x)
         if self._data is not None:
