@@ -36,6 +36,16 @@ def _build(noise=None, layer=None):
     return build
 
 
+def _refused_before_the_draw(build, match, x, y=None, **validation):
+    """A search of `build` on (x, y) is refused with `match`, and its tuner
+    is not spent: the refusal came before the number of trials was drawn."""
+    tuner = PrivateRandomSearch(build, mean_trials=3)
+    with pytest.raises(ValueError, match=match):
+        tuner.search(x, y, batch_size=BATCH, epochs=1, **validation)
+    with pytest.raises(ValueError, match="call search"):
+        tuner.get_best_models()
+
+
 def test_the_chosen_model_carries_the_search_and_keeps_it_through_save_and_load(trials, tmp_path):
     trials(3)
     tuner = PrivateRandomSearch(_build(), mean_trials=4, distribution="poisson")
@@ -120,12 +130,7 @@ def test_a_model_that_runs_several_steps_per_call_is_refused(trials):
         model.compile(optimizer=model.optimizer, loss=model.loss, steps_per_execution=3)
         return model
 
-    tuner = PrivateRandomSearch(build, mean_trials=3)
-    with pytest.raises(ValueError, match="steps_per_execution=3"):
-        tuner.search(*_data(), batch_size=BATCH, epochs=2, validation_split=SPLIT)
-    # Refused before the number of trials was drawn: the tuner is not spent.
-    with pytest.raises(ValueError, match="call search"):
-        tuner.get_best_models()
+    _refused_before_the_draw(build, "steps_per_execution=3", *_data(), validation_split=SPLIT)
 
 
 def test_a_search_after_one_that_drew_no_trial_is_refused(trials):
@@ -156,11 +161,8 @@ def test_an_id_beyond_the_vocabulary_is_refused_before_the_trials_are_drawn(tria
 
     ids = np.arange(N * 3).reshape(N, 3) % 8
     ids[5, 0] = 8
-    tuner = PrivateRandomSearch(build, mean_trials=3)
-    with pytest.raises(ValueError, match="record 5, which gives it id 8"):
-        tuner.search(ids, ids[:, 0] % 2, batch_size=BATCH, epochs=1, validation_split=SPLIT)
-    with pytest.raises(ValueError, match="call search"):  # refused before the draw
-        tuner.get_best_models()
+    _refused_before_the_draw(build, "record 5, which gives it id 8", ids, ids[:, 0] % 2,
+                             validation_split=SPLIT)
 
 
 @pytest.mark.parametrize("where", ["y", "validation_data"])
@@ -171,13 +173,10 @@ def test_a_label_out_of_range_is_refused_before_the_trials_are_drawn(trials, whe
     x, y = _data()
     bad = y.copy()
     bad[7] = 5
-    tuner = PrivateRandomSearch(_build(), mean_trials=3)
     arguments = (dict(y=bad, validation_split=SPLIT) if where == "y" else
                  dict(y=y, validation_data=(x[:10], bad[:10])))
-    with pytest.raises(ValueError, match=r"class indices in \[0, 1\].*labels in \[0, 5\]"):
-        tuner.search(x, batch_size=BATCH, epochs=1, **arguments)
-    with pytest.raises(ValueError, match="call search"):  # refused before the draw
-        tuner.get_best_models()
+    _refused_before_the_draw(_build(), r"class indices in \[0, 1\].*labels in \[0, 5\]", x,
+                             **arguments)
 
 
 def test_fewer_output_units_in_a_drawn_trial_are_refused(trials):
@@ -209,11 +208,7 @@ def test_a_model_without_known_outputs_is_refused_before_the_draw(trials):
                       loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
         return model
 
-    tuner = PrivateRandomSearch(build, mean_trials=3)
-    with pytest.raises(ValueError, match="start it with keras.Input"):
-        tuner.search(*_data(), batch_size=BATCH, epochs=1, validation_split=SPLIT)
-    with pytest.raises(ValueError, match="call search"):
-        tuner.get_best_models()
+    _refused_before_the_draw(build, "start it with keras.Input", *_data(), validation_split=SPLIT)
 
 
 def test_a_vocabulary_that_varies_between_trials_is_refused(trials):
