@@ -49,7 +49,7 @@ from tfdp.accounting.search import compute_epsilon_of, dpsgd_trial_event  # noqa
 from tfdp.data import load_fashion_mnist  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from results import RESULTS_DIR, cached_features, cpu_name  # noqa: E402
+from results import RESULTS_DIR, cached_features, cpu_name, run_name  # noqa: E402
 
 TUNED_DIR = os.path.join(RESULTS_DIR, "tuned")
 TABLE = os.path.join(RESULTS_DIR, "tuned_fashion_mnist.md")
@@ -158,8 +158,7 @@ def run(args):
 
 def untuned_rows(features, epsilon):
     """The DP-SGD runs of RESULTS.md with `features` at `epsilon` (no tuning charged)."""
-    with_features = f"_{features}" if features != "none" else ""
-    pattern = os.path.join(RESULTS_DIR, f"dpsgd{with_features}_momentum0.9_eps{epsilon:g}_seed*_ep40.json")
+    pattern = os.path.join(RESULTS_DIR, run_name("dpsgd", epsilon, "*", 40, 0.9, features) + ".json")
     return [json.load(open(path)) for path in sorted(glob.glob(pattern))]
 
 
