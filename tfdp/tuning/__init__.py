@@ -4,9 +4,9 @@
 trials of a KerasTuner hypermodel and releases only the best, charged to its
 ledger as one `RepeatAndSelectDpEvent`; `tfdp.accounting.search` prices a
 search without running it, and `calibrate_search_noise` finds the DP-SGD
-noise multiplier for which the whole search costs a target epsilon. The trials run in a child process
-(`tfdp.tuning.process`). Needs `keras-tuner` and `cloudpickle`
-(`pip install -e ".[tuning]"` from a checkout).
+noise multiplier for which the whole search costs a target epsilon. The
+trials run in a child process (`tfdp.tuning.process`). Needs `keras-tuner`
+and `cloudpickle` (`pip install -e ".[tuning]"` from a checkout).
 Guide: docs/guides/private-tuning.md.
 
 Example:
