@@ -21,7 +21,7 @@ from keras.src.models import cloning
 from keras.src.utils import io_utils
 from keras.src.utils.tracking import no_automatic_dependency_tracking
 
-from tfdp import distribute
+from tfdp import distribute, preprocessing
 from tfdp.accounting import PrivacyLedger
 from tfdp.accounting.calibration import steps_per_epoch as default_steps_per_epoch
 from tfdp.data import interrupts, sources
@@ -494,6 +494,8 @@ class DPTrainingMixin:
         sample = self._build_for(arrays)
         # A layer that writes a variable in training would keep records' data (issue 43).
         state_writes.check_dp_model(self, sample)
+        # Preprocessing state (vocabularies, means, bins) needs a provenance (issue 52).
+        preprocessing.check_model(self, user_level=users is not None)
         input_checks.check_input_names(self)  # before any array meets an input
         augmentation = check_augmentation(augment, augmentations, sample[0], self.optimizer)
         if augmentation != self._augmentation:
