@@ -158,3 +158,40 @@ def test_an_adaptation_per_record_is_refused_for_a_fit_per_person():
     with pytest.raises(ValueError, match="adapted privately per record, but this fit protects"):
         fit(lookup_model(lookup), ids, user_ids=np.arange(len(ids)) // 2,
             examples_per_user=2)
+
+
+def channel_statistics(ledger):
+    features = np.random.default_rng(0).normal(size=(200, 3))
+    return tfdp.layers.private_channel_statistics(features, ledger, 3.0, 9.0, 2.0, seed=0)
+
+
+def test_private_channel_statistics_in_a_model_are_charged_to_its_ledger():
+    stats = channel_statistics(tfdp.accounting.PrivacyLedger())
+    inputs = keras.Input((3,))
+    model = tfdp.DPModel(inputs, keras.layers.Dense(2)(stats.layer()(inputs)))
+    model.compile(optimizer=tfdp.optimizers.DPSGD(0.1, l2_norm_clip=1.0, noise_multiplier=1.0),
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    x = np.random.default_rng(1).normal(size=(60, 3)).astype("float32")
+    model.fit(x, np.zeros(60, "int32"), batch_size=20, epochs=1, verbose=0)
+    assert model.privacy.preprocessing[0]["what"] == "mean and variance"
+    assert stats.event in model.privacy.composed_event().events
+
+
+class _Holder:
+    """A model's two parts check_model reads: its layers and its ledger."""
+
+    def __init__(self, layer, ledger):
+        self.privacy, self._layer = ledger, layer
+
+    def _flatten_layers(self, include_self=False):
+        return [self._layer]
+
+
+def test_statistics_recorded_in_the_models_own_ledger_are_not_charged_twice():
+    ledger = tfdp.accounting.PrivacyLedger()
+    stats = channel_statistics(ledger)
+    layer = stats.layer()
+    layer.build((None, 3))
+    preprocessing.check_model(_Holder(layer, ledger))
+    assert len(ledger.preprocessing) == 1
+    assert ledger.composed_event().events == [stats.event]  # recorded once, by the release
