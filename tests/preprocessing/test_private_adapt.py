@@ -85,11 +85,18 @@ def test_the_thresholds_delta_is_charged_and_the_bound_holds_at_the_reported_eps
     without, with_threshold = trained_ledger(gaussian), trained_ledger(gaussian, additive=1e-6)
     eps = with_threshold.epsilon(DELTA)
     assert eps > without.epsilon(DELTA)  # fails if the threshold's delta is dropped
+    # Independently: dp_accounting at delta - A, plus -log(1 - A) (tfdp.accounting.additive_delta).
+    accountant = dp_accounting.rdp.RdpAccountant()
+    accountant.compose(dp_accounting.ComposedDpEvent(
+        [gaussian, dp_accounting.SelfComposedDpEvent(dpsgd_event(1.1, 0.01), 500)]))
+    assert eps == pytest.approx(accountant.get_epsilon(DELTA - 1e-6) - math.log1p(-1e-6),
+                                rel=1e-12)
+    # Both directions' terms at the reported epsilon: delta_acc(eps - s) and delta_acc(eps) + A.
     parts = [(gaussian, 1), (dpsgd_event(1.1, 0.01), 500)]
-    assert _engine.delta(parts, eps) + math.exp(eps) * 1e-6 <= DELTA
-    assert with_threshold.delta(eps) == pytest.approx(
-        _engine.delta(parts, eps) + math.exp(eps) * 1e-6)
-    assert with_threshold.epsilon(1e-6) == math.inf  # e^eps * 1e-6 > 1e-6: no bound
+    assert _engine.delta(parts, eps + math.log1p(-1e-6)) <= DELTA * (1 + 1e-9)
+    assert _engine.delta(parts, eps) + 1e-6 <= DELTA * (1 + 1e-9)
+    assert with_threshold.delta(eps) >= 1e-6
+    assert with_threshold.epsilon(1e-6) == math.inf  # the threshold alone spends delta
 
 
 def test_the_ledger_keeps_its_preprocessing_through_json_and_refuses_a_corrupt_entry():
@@ -194,7 +201,7 @@ def test_the_adaptation_alone_is_within_its_epsilon_with_its_threshold_delta_cha
     entry = preprocessing.adapt_privately(layer, np.repeat(np.arange(5), 100), epsilon=1.0,
                                           delta=1e-6, seed=0)
     event = provenance._PENDING[layer][1]
-    assert entry["additive_delta"] == pytest.approx(1e-6 / (2 * math.e))  # delta / (2 e^eps)
+    assert entry["additive_delta"] == 1e-6 / 2  # the threshold's half of delta
     ledger = PrivacyLedger()
     ledger.charge_preprocessing(entry, event)
     assert 0.9 < ledger.epsilon(1e-6) <= 1.0 + 1e-3  # calibrated to (1, delta / 2) by RDP

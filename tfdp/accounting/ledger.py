@@ -285,7 +285,7 @@ class PrivacyLedger:
         `tfdp.preprocessing` calls it when `fit` first meets a layer whose
         state was adapted privately (`event` is the adaptation's Gaussian
         release, recorded like `record(event)`, and `entry["additive_delta"]`
-        its threshold's failure probability, added to delta as
+        its threshold's failure probability, accounted as
         `tfdp.accounting.additive_delta` derives) or declared public (no
         event, no delta). The statement names every entry.
 

@@ -35,7 +35,7 @@ from tfdp.models.jit import resolve_jit_compile
 from tfdp.models.losses import per_example_loss
 from tfdp.models.restore import LedgerGuard, restore_backups
 from tfdp.models.sequence_loss import token_weighted_loss
-from tfdp.models.task_inputs import check_graph_arguments, check_no_text
+from tfdp.models.task_inputs import check_graph_arguments, check_no_text, text_as_tensors
 from tfdp.models.tied_layers import retie, tied_layers
 from tfdp.models.training_state import (
     LoraVariables, NoiseStreamRecord, restore_training_state, training_state,
@@ -659,8 +659,8 @@ class DPTrainingMixin:
             sample = tf.nest.map_structure(lambda a: a[None], arrays[0])
         else:
             sample = _take(arrays, slice(0, 1))
-        check_no_text(sample[0])  # raw text for a KerasHub task: say task.preprocessor
-        data = tuple(sample) + ((None,) if len(sample) == 2 else ())
+        check_no_text(sample[0], self)  # raw text for a KerasHub task: say task.preprocessor
+        data = text_as_tensors(tuple(sample) + ((None,) if len(sample) == 2 else ()))
         strategy = self.distribute_strategy
         try:
             with strategy.scope():

@@ -16,7 +16,8 @@ tokens are noised independently, so one of them passes with probability
 `delta_threshold`: p = 1 - (1 - delta_threshold)^(1/k) and
 T = 1 + s * Phi^-1(1 - p). The Gaussian part (counts of tokens the other
 units also hold) is `GaussianDpEvent(sigma)` in the ledger; the threshold's
-delta is added on top (`tfdp.accounting.additive_delta` derives the bound).
+delta is accounted on top (`tfdp.accounting.additive_delta` derives the
+bound: epsilon at delta - delta_threshold, plus -log(1 - delta_threshold)).
 
 Example:
 

@@ -9,9 +9,11 @@ accountant (`calibrate_noise_multiplier`, one release):
   record (or person, with `user_ids`) contributes at most
   `max_tokens_per_record` distinct tokens, each token's count gets
   Gaussian noise, and a token is kept above a threshold. delta is split in
-  two: delta / 2 for the Gaussian part, and the threshold's own
-  delta / (2 e^epsilon), so that the adaptation alone is (epsilon,
-  delta)-DP (`tfdp.accounting.additive_delta`). TF-IDF weights come from
+  two: delta / 2 for the Gaussian part, and delta / 2 for the threshold
+  (the probability that a token of one record alone passes), so that the
+  adaptation alone is (epsilon, delta)-DP (`tfdp.accounting.additive_delta`
+  derives the bound; the Gaussian part is calibrated to epsilon minus
+  -log(1 - delta / 2)). TF-IDF weights come from
   the noisy counts: idf = log(1 + N / (1 + noisy count)), Keras's formula.
 - `Normalization`: the mean and variance of each feature clipped to
   `value_range`, from one noisy sum of the clipped values and of their
@@ -41,6 +43,7 @@ import dp_accounting
 import keras
 import numpy as np
 
+from tfdp.accounting import additive_delta
 from tfdp.accounting.calibration import calibrate_noise_multiplier
 from tfdp.mechanisms.gaussian import numpy_normal
 from tfdp.preprocessing import partition_selection, provenance
@@ -134,9 +137,10 @@ def _vocabulary(layer, data, epsilon, delta, max_tokens_per_record, user_ids, rn
     units = _units(len(records), user_ids)
     special = _special_tokens(layer)
     unit_tokens = [[t for i in unit for t in records[i] if t not in special] for unit in units]
-    sigma = _noise_multiplier(epsilon, delta / 2)
+    delta_threshold = delta / 2
+    # eps_acc(delta / 2) + additive_delta.shift(delta / 2) <= epsilon: alone, (epsilon, delta)-DP.
+    sigma = _noise_multiplier(epsilon - additive_delta.shift(delta_threshold), delta / 2)
     noise_std = sigma * math.sqrt(k)
-    delta_threshold = delta / (2 * math.exp(epsilon))
     cut = partition_selection.threshold(noise_std, k, delta_threshold)
     counts = partition_selection.bounded_counts(unit_tokens, k, rng)
     kept = partition_selection.select(counts, noise_std, cut, rng)
@@ -144,7 +148,7 @@ def _vocabulary(layer, data, epsilon, delta, max_tokens_per_record, user_ids, rn
     limit = lookup.max_tokens
     vocabulary = list(kept)
     if limit is not None:
-        vocabulary = vocabulary[:max(0, limit - len(lookup._special_tokens()))]  # pylint: disable=protected-access
+        vocabulary = vocabulary[:max(0, limit - lookup._token_start_index())]  # pylint: disable=protected-access
     idf = None
     if lookup.output_mode == "tf_idf":
         noisy = np.asarray([kept[t] for t in vocabulary], np.float64)
