@@ -9,6 +9,7 @@ ledger once, kept through save and load).
 """
 
 import os
+import zipfile
 
 import keras
 import numpy as np
@@ -144,6 +145,8 @@ def test_private_adaptation_drops_the_unique_id_and_is_charged_once(private):
 
 def test_a_private_adaptation_survives_save_and_load(private):
     _, entry, path = private
+    with zipfile.ZipFile(path) as archive:  # the crafted id is in no file of the model
+        assert not any(str(UNIQUE).encode() in archive.read(name) for name in archive.namelist())
     loaded = tfdp.load_model(path)
     assert [e["id"] for e in loaded.privacy.preprocessing] == [entry["id"]]
     assert loaded.privacy.preprocessing[0]["additive_delta"] > 0
