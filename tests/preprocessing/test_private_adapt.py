@@ -171,6 +171,30 @@ def test_normalization_of_clipped_features_moves_at_most_its_sensitivity_for_an_
     assert np.all(np.abs(means[1]) < 100)
 
 
+def test_a_nan_record_moves_normalization_by_at_most_its_sensitivity_and_never_to_nan():
+    x = np.random.default_rng(0).uniform(20, 60, size=(500, 1))
+    crafted = np.vstack([x[:-1], [[np.nan]]])
+    means = []
+    for data in (x, crafted):
+        layer = keras.layers.Normalization()
+        preprocessing.adapt_privately(layer, data, epsilon=1.0, delta=1e-6,
+                                      value_range=(0, 100), seed=3)
+        means.append(layer.adapt_mean.numpy())
+        assert np.all(np.isfinite(layer.adapt_variance.numpy()))
+    assert np.max(np.abs(means[1] - means[0])) <= 100 / 500 + 1e-4
+
+
+def test_data_of_the_wrong_kind_is_refused_without_showing_a_value():
+    with pytest.raises(TypeError, match="integer ids") as caught:
+        preprocessing.adapt_privately(keras.layers.IntegerLookup(), np.array([1.5, 99950.0]),
+                                      epsilon=1.0, delta=1e-6)
+    assert "99950" not in str(caught.value)
+    with pytest.raises(TypeError, match="takes numbers") as caught:
+        preprocessing.adapt_privately(keras.layers.Normalization(), np.array([["secret"]]),
+                                      epsilon=1.0, delta=1e-6, value_range=(0, 1))
+    assert "secret" not in str(caught.value)
+
+
 def test_normalization_refuses_a_missing_range_and_constants():
     with pytest.raises(ValueError, match="needs `value_range"):
         preprocessing.adapt_privately(keras.layers.Normalization(), np.ones((5, 1)),

@@ -844,7 +844,8 @@ def _check_preprocessing(entry, where):
         )
     for key in _PREPROCESSING_KEYS[:-1]:
         if not isinstance(entry[key], str):
-            raise ValueError(f"Expected {where}[{key!r}] to be a string. Received: {show(entry[key])}")
+            raise ValueError(
+                f"Expected {where}[{key!r}] to be a string. Received: {show(entry[key])}")
     check_choice(f"{where}['kind']", entry["kind"], _PREPROCESSING_KINDS)
     value = check_real(f"{where}['additive_delta']", entry["additive_delta"], low=0.0, high=1.0,
                        low_inclusive=True)

@@ -57,8 +57,10 @@ _TEXT_LAYERS = (keras.layers.TextVectorization, keras.layers.StringLookup)
 def reads_text(model):
     """True if `model` holds a Keras layer that maps strings to numbers
     (`TextVectorization`, `StringLookup`): it then takes text inputs."""
-    return model is not None and any(
-        isinstance(layer, _TEXT_LAYERS) for layer in model._flatten_layers(include_self=False))  # pylint: disable=protected-access
+    if model is None:
+        return False
+    layers = model._flatten_layers(include_self=False)  # pylint: disable=protected-access
+    return any(isinstance(layer, _TEXT_LAYERS) for layer in layers)
 
 
 def check_no_text(x, model=None):

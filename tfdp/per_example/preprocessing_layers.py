@@ -33,5 +33,6 @@ def keeps_examples_independent(layer):
     if type(layer) in _ELEMENTWISE:
         return True
     if type(layer) is _L.TextVectorization:
-        return layer._output_mode != "int" or layer._output_sequence_length is not None  # pylint: disable=protected-access
+        # pylint: disable-next=protected-access
+        return layer._output_mode != "int" or layer._output_sequence_length is not None
     return False

@@ -63,7 +63,8 @@ def _check_budget(epsilon, delta):
             raise TypeError(f"Expected `{name}` to be a number. Received: {name} of type "
                             f"{type(value).__name__}")
     if not (0 < epsilon < math.inf):
-        raise ValueError(f"Expected `epsilon` to be a finite number > 0. Received: epsilon={epsilon}")
+        raise ValueError(
+            f"Expected `epsilon` to be a finite number > 0. Received: epsilon={epsilon}")
     if not 0 < delta < 1:
         raise ValueError(f"Expected `delta` in (0, 1). Received: delta={delta}")
 
@@ -102,6 +103,10 @@ def _record_tokens(layer, data):
     rows = array.reshape(len(array), -1).tolist()
     if isinstance(layer, keras.layers.StringLookup):
         return [[_text(v) for v in row] for row in rows]
+    if array.dtype.kind not in "iu":
+        raise TypeError(
+            f"adapt_privately({layer.name!r}) takes integer ids for an IntegerLookup. "
+            f"Received: data of dtype {array.dtype}")
     return [[int(v) for v in row] for row in rows]
 
 
@@ -148,7 +153,8 @@ def _vocabulary(layer, data, epsilon, delta, max_tokens_per_record, user_ids, rn
     limit = lookup.max_tokens
     vocabulary = list(kept)
     if limit is not None:
-        vocabulary = vocabulary[:max(0, limit - lookup._token_start_index())]  # pylint: disable=protected-access
+        special = lookup._token_start_index()  # pylint: disable=protected-access
+        vocabulary = vocabulary[:max(0, limit - special)]
     idf = None
     if lookup.output_mode == "tf_idf":
         noisy = np.asarray([kept[t] for t in vocabulary], np.float64)
@@ -186,7 +192,13 @@ def _value_range(layer, value_range, features):
 
 
 def _numbers(layer, data):
-    array = np.asarray(data, np.float64)
+    """`data` as float64 (N, features); never shows a value in an error."""
+    try:
+        array = np.asarray(data, np.float64)
+    except (TypeError, ValueError):
+        raise TypeError(
+            f"adapt_privately({layer.name!r}) takes numbers. Received: data of dtype "
+            f"{np.asarray(data).dtype}") from None
     if array.ndim == 1:
         array = array[:, None]
     if array.ndim != 2 or not len(array):
@@ -209,6 +221,7 @@ def _normalization(layer, data, epsilon, delta, value_range, user_ids, rng):
     x = _numbers(layer, data)
     low, high = _value_range(layer, value_range, x.shape[1])
     center, radius = (low + high) / 2, (high - low) / 2
+    x = np.where(np.isnan(x), center, x)                     # NaN: the centre, never NaN out
     z = (np.clip(x, low, high) - center) / radius            # in [-1, 1]
     units = _units(len(x), user_ids)
     parts = np.stack([np.concatenate([z[u].mean(0), (2 * z[u] ** 2 - 1).mean(0)]) for u in units])

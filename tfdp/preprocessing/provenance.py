@@ -230,7 +230,8 @@ def _data_layers(model):
         if state is None:
             continue
         found.append((layer, *state))
-        inside.update(id(inner) for inner in layer._flatten_layers(include_self=False))  # pylint: disable=protected-access
+        inner = layer._flatten_layers(include_self=False)  # pylint: disable=protected-access
+        inside.update(id(sublayer) for sublayer in inner)
     return found
 
 
@@ -261,7 +262,8 @@ def check_model(model, user_level=False):
             _check_unit(layer, entry, user_level)
             ledger.charge_preprocessing(entry, None if charged is ledger else event)
             continue
-        known = [e for e in ledger.preprocessing if e["state"] == digest and e["layer"] == layer.name]
+        known = [e for e in ledger.preprocessing
+                 if e["state"] == digest and e["layer"] == layer.name]
         if known:
             _check_unit(layer, known[0], user_level)
             continue
