@@ -60,8 +60,9 @@ def test_a_text_model_trains_and_a_private_vocabulary_keeps_no_unique_word(how, 
         preprocessing.declare_public(vectorizer, source="(a wrong declaration)")
     model = text_model(vectorizer)
     assert model.per_example_path.startswith("per-example gradients: batched pass")
-    model.fit(x, y, batch_size=50, epochs=1, verbose=0)
-    assert model.privacy.steps > 0
+    history = model.fit(x, y, batch_size=50, epochs=1, verbose=0,
+                        validation_data=reviews(20, seed=1))  # text validation data too
+    assert model.privacy.steps > 0 and "val_loss" in history.history
     assert (UNIQUE_WORD.encode() in saved_bytes(model, tmp_path)) == (how == "declared")
 
 

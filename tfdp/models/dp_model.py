@@ -508,8 +508,8 @@ class DPTrainingMixin:
         elif not isinstance(x, FixedOrderData):  # a pipeline's labels arrive as it runs
             input_checks.check_label_values(y, units)
             input_checks.check_embedding_ids(self, x)
-        validation_data = input_checks.check_validation_data_fits(
-            self, validation_data, units, split_at)
+        validation_data = text_as_tensors(input_checks.check_validation_data_fits(
+            self, validation_data, units, split_at))  # Keras evaluates text as tensors
         if not self.trainable_variables:
             raise ValueError(
                 f"Model '{self.name}' has no trainable weights, so there is nothing to "
