@@ -151,6 +151,13 @@ def test_text_vectorization_gets_a_private_vocabulary_and_idf_from_noisy_counts(
     assert provenance.data_state(layer)[0] == entry["what"]
 
 
+def test_a_vocabulary_with_no_token_over_the_threshold_is_refused_with_the_fixes():
+    with pytest.raises(ValueError, match="No token of 'few' passed .* Raise epsilon") as caught:
+        preprocessing.adapt_privately(keras.layers.IntegerLookup(name="few"),
+                                      np.array([3, 3, 99950]), epsilon=1.0, delta=1e-6, seed=0)
+    assert "99950" not in str(caught.value)
+
+
 def test_text_vectorization_needs_k():
     with pytest.raises(ValueError, match="needs `max_tokens_per_record`"):
         preprocessing.adapt_privately(keras.layers.TextVectorization(), np.array(["a b"]),

@@ -17,6 +17,7 @@ import pytest
 
 import tfdp
 from tfdp import preprocessing
+from tfdp.preprocessing import provenance
 
 UNIQUE = 99950
 DELTA = 1e-5
@@ -198,3 +199,61 @@ def test_statistics_recorded_in_the_models_own_ledger_are_not_charged_twice():
     preprocessing.check_model(_Holder(layer, ledger))
     assert len(ledger.preprocessing) == 1
     assert ledger.composed_event().events == [stats.event]  # recorded once, by the release
+
+
+class _Adaptable(keras.layers.Layer):
+    """A custom layer with `adapt`: its weights count as data-derived state."""
+
+    def build(self, input_shape):
+        self.offset = self.add_weight(shape=(1,), initializer="zeros", trainable=False)
+
+    def adapt(self, data):
+        self.offset.assign([float(np.mean(data))])
+
+    def call(self, x):
+        return x - self.offset
+
+
+def test_every_kind_of_data_derived_state_is_found_and_nothing_else():
+    normalization = keras.layers.Normalization()
+    normalization.adapt(np.ones((4, 2)))
+    bins = keras.layers.Discretization(num_bins=2)
+    bins.adapt(np.arange(10.0))
+    custom = _Adaptable()
+    custom.build((None, 1))
+    found = {
+        "adapted mean": normalization,
+        "given mean": keras.layers.Normalization(mean=3.0, variance=4.0),
+        "adapted bins": bins,
+        "given bins": keras.layers.Discretization(bin_boundaries=[0.5]),
+        "given words": keras.layers.StringLookup(vocabulary=["a"]),
+        "tf-idf": keras.layers.TextVectorization(output_mode="tf_idf", vocabulary=["a"],
+                                                 idf_weights=[0.5]),
+        "custom": custom,
+    }
+    kinds = {name: provenance.data_state(layer)[0] for name, layer in found.items()}
+    assert kinds == {"adapted mean": "mean and variance", "given mean": "mean and variance",
+                     "adapted bins": "bin boundaries", "given bins": "bin boundaries",
+                     "given words": "vocabulary", "tf-idf": "vocabulary and TF-IDF weights",
+                     "custom": "state"}
+    for empty in (keras.layers.StringLookup(), keras.layers.Discretization(num_bins=2),
+                  keras.layers.Dense(2), keras.layers.Normalization()):
+        assert provenance.data_state(empty) is None
+
+
+def test_a_vectorizers_own_lookup_is_part_of_its_state_not_another_layer():
+    vectorizer = keras.layers.TextVectorization(vocabulary=["a", "b"], name="words")
+    inputs = keras.Input((1,), dtype="string")
+    model = keras.Model(inputs, vectorizer(inputs))
+    assert [layer.name for layer, _, _ in provenance._data_layers(model)] == ["words"]
+
+
+def test_an_adaptation_per_person_is_refused_for_a_fit_per_record():
+    lookup = keras.layers.IntegerLookup(name="lookup", output_mode="one_hot")
+    ids = private_ids()
+    preprocessing.adapt_privately(lookup, ids, epsilon=4.0, delta=1e-7,
+                                  max_tokens_per_record=2, user_ids=np.arange(len(ids)) // 2,
+                                  seed=0)
+    with pytest.raises(ValueError, match="adapted privately per person, but this fit protects "
+                                         "each record"):
+        fit(lookup_model(lookup), ids)
