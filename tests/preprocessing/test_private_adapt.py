@@ -137,6 +137,12 @@ def test_a_token_of_one_person_is_dropped_where_per_record_counting_keeps_it():
     assert entry["unit"] == "person" and "per person" in entry["source"]
 
 
+def test_float_user_ids_are_refused_as_fit_refuses_them():
+    with pytest.raises(ValueError, match="NaN != NaN would split one person"):
+        preprocessing.adapt_privately(keras.layers.IntegerLookup(), np.array([1, 2]),
+                                      epsilon=1.0, delta=1e-6, user_ids=np.array([0.0, np.nan]))
+
+
 def test_text_vectorization_gets_a_private_vocabulary_and_idf_from_noisy_counts():
     texts = np.array(["the cat sat", "the dog sat", "a cat ran"] * 300 + ["zyzzyva unique"])
     layer = keras.layers.TextVectorization(output_mode="tf_idf", name="text")

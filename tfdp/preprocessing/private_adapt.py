@@ -45,6 +45,7 @@ import numpy as np
 
 from tfdp.accounting import additive_delta
 from tfdp.accounting.calibration import calibrate_noise_multiplier
+from tfdp.data.users import UserRecords
 from tfdp.mechanisms.gaussian import numpy_normal
 from tfdp.preprocessing import partition_selection, provenance
 from tfdp.preprocessing.provenance import _text
@@ -73,15 +74,13 @@ def _units(num_records, user_ids):
     """Lists of record indices, one per unit (record or person)."""
     if user_ids is None:
         return [[i] for i in range(num_records)]
-    ids = np.asarray(user_ids)
-    if ids.ndim != 1 or len(ids) != num_records:
+    users = UserRecords(user_ids)  # fit's rules for ids: no float (NaN) ids, no mixed types
+    if users.num_records != num_records:
         raise ValueError(
-            "Expected one user id per record: `user_ids` of shape (N,) with N = "
-            f"{num_records}. Received: user_ids of shape {ids.shape}")
-    groups = {}
-    for index, user in enumerate(ids.tolist()):
-        groups.setdefault(user, []).append(index)
-    return list(groups.values())
+            f"Expected one user id per record ({num_records}). Received: user_ids with "
+            f"{users.num_records} entries")
+    return [users.order[start:start + count].tolist()
+            for start, count in zip(users.starts, users.counts)]
 
 
 # -- vocabularies ------------------------------------------------------------------
