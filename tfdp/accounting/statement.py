@@ -193,7 +193,7 @@ def describe_preprocessing(entries):
 
     >>> print(describe_preprocessing([dict(layer="lookup", what="vocabulary", kind="public",
     ...                                    source="the 2020 census codes", additive_delta=0.0)]))
-    Preprocessing: vocabulary of 'lookup' from data declared public: the 2020 census codes.
+    Preprocessing: vocabulary of 'lookup' from data declared public: the 2020 census codes. Data declared public is not covered by this guarantee.
     """
     pieces = []
     for entry in entries:
@@ -205,7 +205,10 @@ def describe_preprocessing(entries):
             pieces.append(
                 f"{entry['what']} of {entry['layer']!r} adapted privately on the training data "
                 f"({entry['source']}; covered by this guarantee)")
-    return "Preprocessing: " + "; ".join(pieces) + "."
+    text = "Preprocessing: " + "; ".join(pieces) + "."
+    if any(entry["kind"] == "public" for entry in entries):
+        text += " Data declared public is not covered by this guarantee."
+    return text
 
 
 _TRIAL_COUNT_LAWS = {math.inf: "Poisson", 1.0: "geometric", 0.0: "logarithmic"}
