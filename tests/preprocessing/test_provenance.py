@@ -257,3 +257,15 @@ def test_an_adaptation_per_person_is_refused_for_a_fit_per_record():
     with pytest.raises(ValueError, match="adapted privately per person, but this fit protects "
                                          "each record"):
         fit(lookup_model(lookup), ids)
+
+
+def test_a_target_epsilon_counts_the_adaptation_and_its_thresholds_delta():
+    lookup = keras.layers.IntegerLookup(name="lookup", output_mode="one_hot")
+    preprocessing.adapt_privately(lookup, private_ids(), epsilon=1.0, delta=1e-6, seed=0)
+    model = lookup_model(lookup)
+    model.compile(optimizer=tfdp.optimizers.DPSGD(0.1, l2_norm_clip=1.0, target_epsilon=3.0,
+                                                  target_delta=DELTA, seed=0),
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    fit(model, private_ids())  # 10 planned steps: sigma calibrated with what the ledger holds
+    assert model.privacy.steps == 10
+    assert 2.99 < model.privacy.epsilon(DELTA) <= 3.0

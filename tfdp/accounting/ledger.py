@@ -332,7 +332,14 @@ class PrivacyLedger:
         return tuple(dict(item) for item in self._preprocessing)
 
     def _additive_delta(self):
+        """A: the summed failure probability of the preprocessing thresholds."""
         return math.fsum(item["additive_delta"] for item in self._preprocessing)
+
+    def _epsilon_of(self, parts, delta, accountant="rdp", conversion="tight"):
+        """Epsilon of `parts` (this ledger's releases and any planned ones)
+        with this ledger's thresholds' delta (for calibrations)."""
+        return additive_delta.epsilon_with(parts, delta, self._additive_delta(), accountant,
+                                           conversion)
 
     def charge_selection(self, event, earlier=()):
         """Replaces every release so far by `event`, one release that covers them.
