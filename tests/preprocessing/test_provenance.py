@@ -155,6 +155,19 @@ def test_a_private_adaptation_survives_save_and_load(private):
     assert len(loaded.privacy.preprocessing) == 1
 
 
+def test_a_model_saved_before_its_first_fit_carries_the_charge(tmp_path):
+    lookup = keras.layers.IntegerLookup(name="lookup", output_mode="one_hot")
+    entry = preprocessing.adapt_privately(lookup, private_ids(), epsilon=1.0, delta=1e-7,
+                                          seed=0)
+    path = str(tmp_path / "untrained.keras")
+    lookup_model(lookup).save(path)
+    loaded = tfdp.load_model(path)
+    assert [e["id"] for e in loaded.privacy.preprocessing] == [entry["id"]]
+    assert loaded.privacy.epsilon(DELTA) > 0  # the adaptation, before any step
+    fit(loaded, private_ids())
+    assert len(loaded.privacy.composed_event().events) == 2
+
+
 def test_an_adaptation_per_record_is_refused_for_a_fit_per_person():
     lookup = keras.layers.IntegerLookup(name="lookup", output_mode="one_hot")
     preprocessing.adapt_privately(lookup, private_ids(), epsilon=1.0, delta=1e-7, seed=0)

@@ -732,6 +732,7 @@ class DPTrainingMixin:
 
     def save_own_variables(self, store):
         super().save_own_variables(store)
+        preprocessing.charge_pending(self)  # the file holds adapted state: its charge too
         text = self._privacy_ledger.to_json().encode("utf-8")
         store[_LEDGER_KEY] = np.frombuffer(text, dtype=np.uint8)
 

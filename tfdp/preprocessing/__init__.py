@@ -19,6 +19,6 @@ Example:
 """
 
 from tfdp.preprocessing.private_adapt import adapt_privately
-from tfdp.preprocessing.provenance import check_model, declare_public
+from tfdp.preprocessing.provenance import charge_pending, check_model, declare_public
 
-__all__ = ["adapt_privately", "check_model", "declare_public"]
+__all__ = ["adapt_privately", "charge_pending", "check_model", "declare_public"]

@@ -235,8 +235,32 @@ def _data_layers(model):
     return found
 
 
+def _pending_for(layer, digest):
+    """The provenance waiting on `layer` if it still describes its state."""
+    pending = _PENDING.get(layer)
+    return pending if pending is not None and pending[0]["state"] == digest else None
+
+
+def _charge(ledger, pending):
+    entry, event, charged = pending
+    ledger.charge_preprocessing(entry, None if charged is ledger else event)
+
+
+def charge_pending(model):
+    """Charges every provenance waiting on `model`'s layers to its ledger, refusing nothing.
+
+    `DPModel` calls it before writing its ledger into a saved file, so that
+    a model saved before its first `fit` carries its adaptations' charge
+    (and its declarations); `check_model` refuses what has none at `fit`.
+    """
+    for layer, _, state in _data_layers(model):
+        pending = _pending_for(layer, fingerprint(state))
+        if pending is not None:
+            _charge(model.privacy, pending)
+
+
 def check_model(model, user_level=False):
-    """Accepts every data-derived layer state of `model`, charging it once, or refuses.
+    """Accepts every data-derived layer state of `model`, charging it once, or refuses it.
 
     Called by `DPModel.fit` before the first step. A layer whose state
     matches a provenance waiting on it (`adapt_privately`,
@@ -256,18 +280,17 @@ def check_model(model, user_level=False):
     ledger = model.privacy
     for layer, what, state in _data_layers(model):
         digest = fingerprint(state)
-        pending = _PENDING.get(layer)
-        if pending is not None and pending[0]["state"] == digest:
-            entry, event, charged = pending
-            _check_unit(layer, entry, user_level)
-            ledger.charge_preprocessing(entry, None if charged is ledger else event)
+        pending = _pending_for(layer, digest)
+        if pending is not None:
+            _check_unit(layer, pending[0], user_level)
+            _charge(ledger, pending)
             continue
         known = [e for e in ledger.preprocessing
                  if e["state"] == digest and e["layer"] == layer.name]
         if known:
             _check_unit(layer, known[0], user_level)
             continue
-        raise _refusal(layer, what, stale=pending is not None)
+        raise _refusal(layer, what, stale=layer in _PENDING)
 
 
 def _check_unit(layer, entry, user_level):
