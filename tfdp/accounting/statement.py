@@ -16,6 +16,7 @@ import math
 import dp_accounting
 
 from tfdp.accounting._validation import check_int, check_real
+from tfdp.accounting.joint_gaussian import joint_gaussians
 
 DEFAULT_MECHANISM = "DP-SGD (Poisson-sampled Gaussian mechanism on clipped per-example gradients)"
 
@@ -245,6 +246,17 @@ def _describe_event(event):
         )
     if isinstance(event, dp_accounting.GaussianDpEvent):
         return f"Gaussian (noise multiplier {event.noise_multiplier:.4g})"
+    joint = joint_gaussians(getattr(event, "event", event))
+    if joint is not None:
+        rate = getattr(event, "sampling_probability", 1.0)
+        selections = ", ".join(f"{s:.4g}" for s in joint[1:])
+        return (
+            f"Poisson-sampled Gaussian (sampling probability {rate:.4g}) releasing the "
+            f"gradient (noise multiplier {joint[0]:.4g}) and the sparse embeddings' row "
+            f"selection counts (noise multiplier {selections}) of the same batch, "
+            f"composed as one Gaussian of noise multiplier "
+            f"{sum(s ** -2.0 for s in joint) ** -0.5:.4g}"
+        )
     return type(event).__name__
 
 
