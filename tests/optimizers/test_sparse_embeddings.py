@@ -151,6 +151,17 @@ def test_unselected_rows_of_the_noisy_sum_are_exactly_zero():
     assert np.all(noisy[selected.numpy()] != row_sum.numpy()[selected.numpy()])
 
 
+def test_under_xla_the_noise_is_drawn_for_every_row_and_masked():
+    row_sum = tf.random.stateless_normal([V, DIM], [3, 4])
+    selected = tf.range(V) % 3 == 0
+    seed = tf.constant([1, 1], tf.int64)
+    compiled = tf.function(lambda: sparse.noisy_rows(row_sum, selected, 1.0, seed, True),
+                           jit_compile=True)().numpy()
+    dense = (row_sum + normals([tf.shape(row_sum)], [seed], [tf.float32])[0]).numpy()
+    np.testing.assert_allclose(compiled[selected.numpy()], dense[selected.numpy()], rtol=1e-5)
+    assert np.all(compiled[~selected.numpy()] == 0.0)
+
+
 def test_each_record_counts_at_most_sqrt_k():
     """A crafted record with repeats and many distinct rows: its count vector
     (the selection's sensitivity) has L2 norm <= sqrt(k); repeats count once."""

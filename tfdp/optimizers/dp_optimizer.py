@@ -787,7 +787,8 @@ class DPOptimizer(keras.optimizers.Optimizer):
         noisy, selections = sparse.sparse_noisy_sums(
             sums, variables, per_example, step_info["mask"], tables, self.noise_multiplier,
             lambda sigma: sigma * self.l2_norm_clip,
-            lambda dense, stddev: dpsgd.noisy_mean(dense, stddev, 1.0, seed), seed)
+            lambda dense, stddev: dpsgd.noisy_mean(dense, stddev, 1.0, seed), seed,
+            static_shapes=self.__dict__.get("_sparse_static_shapes", False))
         grads = [g / tf.cast(b, g.dtype) for g in noisy]
         if self.weight_decay and self.weight_decay_placement == "after_noise":
             offsets = self._decay_offsets(variables)
@@ -989,6 +990,7 @@ class DPOptimizer(keras.optimizers.Optimizer):
                 sparse.gradient_noise_multiplier(self.noise_multiplier,
                                                  self.sparse_embeddings.values())
             self.__dict__["_sparse_tables"] = sparse.resolve_tables(self.sparse_embeddings, model)
+            self.__dict__["_sparse_static_shapes"] = bool(model.jit_compile)
         strategy = model.distribute_strategy
         self.bind_model_steps(model)
         seed = self.sampling_seed(model.privacy.steps)

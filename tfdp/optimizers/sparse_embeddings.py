@@ -214,15 +214,22 @@ def selected_rows(counts, setting, seed):
     return counts + noise > setting.threshold
 
 
-def noisy_rows(row_sum, selected, stddev, seed):
+def noisy_rows(row_sum, selected, stddev, seed, static_shapes=False):
     """The table's noisy sum: the clipped sum plus N(0, stddev^2) on the
     selected rows, exactly 0 on the others (normals drawn for those rows only).
+
+    With `static_shapes` (XLA, which compiles no data-dependent shape) the
+    normals are drawn for every row and masked: the same law on the
+    selected rows, zeros elsewhere, without the saving.
     """
+    mask = tf.cast(selected, row_sum.dtype)[:, None]
+    if static_shapes:
+        noise = normals([tf.shape(row_sum)], [seed], [row_sum.dtype], stddev=stddev)[0]
+        return (row_sum + noise) * mask
     rows = tf.where(selected)  # [m, 1] int64
     shape = tf.stack([tf.shape(rows, out_type=tf.int32)[0], tf.shape(row_sum)[1]])
     noise = normals([shape], [seed], [row_sum.dtype], stddev=stddev)[0]
-    kept = row_sum * tf.cast(selected, row_sum.dtype)[:, None]
-    return tf.tensor_scatter_nd_add(kept, rows, noise)
+    return tf.tensor_scatter_nd_add(row_sum * mask, rows, noise)
 
 
 def table_part(per_example, table, layer_name):
@@ -242,7 +249,7 @@ def table_part(per_example, table, layer_name):
 
 
 def sparse_noisy_sums(sums, variables, per_example, mask, tables, noise_multiplier,
-                      clip_stddev_of, dense_noise, seed):
+                      clip_stddev_of, dense_noise, seed, static_shapes=False):
     """The step's noisy sums (not yet divided by b) with sparse tables.
 
     Args:
@@ -255,6 +262,7 @@ def sparse_noisy_sums(sums, variables, per_example, mask, tables, noise_multipli
         clip_stddev_of: sigma -> the noise std on the sum at multiplier sigma.
         dense_noise: (list of sums, std) -> list of noisy sums (DP-SGD's draw).
         seed: the step's noise seed.
+        static_shapes: True under XLA (`noisy_rows`).
 
     Returns:
         (noisy sums aligned with `variables`, {variable index: selected [V] bool}).
@@ -273,6 +281,7 @@ def sparse_noisy_sums(sums, variables, per_example, mask, tables, noise_multipli
         counts = contribution_counts(part, mask, setting.max_rows_per_example,
                                      variables[i].shape[0])
         selected = selected_rows(counts, setting, fold_seed(seed, SELECTION_STREAM + n))
-        out[i] = noisy_rows(sums[i], selected, stddev, fold_seed(seed, ROWS_STREAM + n))
+        out[i] = noisy_rows(sums[i], selected, stddev, fold_seed(seed, ROWS_STREAM + n),
+                            static_shapes)
         selections[i] = selected
     return out, selections
