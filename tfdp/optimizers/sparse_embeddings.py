@@ -7,8 +7,9 @@ few thousand rows. Following DP-AdaFEST (Zhang et al. 2023, arXiv
 to `SparseNoise` is updated on a private selection of rows instead:
 
 1. Contribution counts. Each unit (a record, or a person with `user_ids`)
-   puts weight w = min(1, sqrt(k / n)) on each of the n distinct rows its
-   lookups touch, so its count vector has L2 norm sqrt(n) w <= sqrt(k)
+   puts weight w = min(1, sqrt(k / n)) (rounded down) on each of the n
+   distinct rows its lookups touch, so its count vector has L2 norm
+   sqrt(n) w <= sqrt(k)
    (`max_rows_per_example` = k). Summed over the sampled units: c in R^V.
 2. Selection. c + N(0, (sigma_c sqrt(k))^2 I_V), noise on all V rows
    (V normals, not V * d); the rows whose noisy count exceeds `threshold`
@@ -50,6 +51,7 @@ from tfdp.mechanisms.gaussian import fold_seed, normals
 # `dpsgd.gaussian_noise_like` and from adaptive clipping's COUNT_STREAM).
 SELECTION_STREAM = 2**31 - 1024
 ROWS_STREAM = 2**31 - 512
+_GRID = 2.0**12  # count weights are multiples of 2^-12 (exact float64 sums)
 
 
 class SparseNoise:
@@ -164,11 +166,12 @@ def resolve_tables(sparse_embeddings, model):
                 f"`sparse_embeddings` names layer {name!r}, which the model does not have. "
                 f"Its embedding layers: {[l.name for l in layers if isinstance(l, keras.layers.Embedding)]}")
         layer = matches[0]
-        if not isinstance(layer, keras.layers.Embedding):
+        if type(layer) is not keras.layers.Embedding:
             raise ValueError(
                 f"`sparse_embeddings` applies to keras.layers.Embedding only (its gradient has "
-                f"rows at the looked-up ids); layer {name!r} is a {type(layer).__name__}. "
-                "Remove it from `sparse_embeddings`.")
+                f"rows at the looked-up ids alone); layer {name!r} is a {type(layer).__name__} "
+                "(a subclass such as ReversibleEmbedding may read its table elsewhere, as a "
+                "tied output projection). Remove it from `sparse_embeddings`.")
         if not plain_weights(layer):
             raise ValueError(
                 f"`sparse_embeddings` needs a float32 Embedding without LoRA or quantization: "
@@ -190,27 +193,33 @@ def resolve_tables(sparse_embeddings, model):
 
 
 def contribution_counts(part, mask, max_rows, vocabulary):
-    """c in R^V: each unit's weight min(1, sqrt(k / n)) on its n distinct rows.
+    """c in R^V: each unit's weight w <= min(1, sqrt(k / n)) on its n distinct rows.
+
+    Exact arithmetic, so the sensitivity is sqrt(k) as computed, not up to
+    rounding: w is sqrt(k / n) rounded down to a multiple of 2^-12 (so
+    n w^2 <= k holds for the value used), and the counts are float64 sums
+    of multiples of 2^-12, exact below 2^41.
 
     Args:
         part: the table's `EmbeddingGrads` (ids [B, T], grouped per unit).
-        mask: float [B], 0 on padding units.
+        mask: float [B], 0 on padding units (1 elsewhere).
         max_rows: k.
         vocabulary: V.
 
     Returns:
-        float32 [V].
+        float64 [V].
     """
-    first = tf.cast(part.first_occurrences(), tf.float32)  # [B, T]
+    first = tf.cast(part.first_occurrences(), tf.float64)  # [B, T]
     distinct = tf.reduce_sum(first, axis=1)
-    weight = tf.minimum(1.0, tf.sqrt(float(max_rows) / tf.maximum(distinct, 1.0))) * mask
+    ratio = tf.sqrt(float(max_rows) / tf.maximum(distinct, 1.0))
+    weight = tf.minimum(tf.floor(ratio * _GRID) / _GRID, 1.0) * tf.cast(mask > 0, tf.float64)
     return tf.scatter_nd(tf.reshape(part.ids, [-1, 1]),
                          tf.reshape(first * weight[:, None], [-1]), [vocabulary])
 
 
 def selected_rows(counts, setting, seed):
     """bool [V]: the rows whose count plus N(0, (sigma_c sqrt(k))^2) exceeds the threshold."""
-    noise = normals([tf.shape(counts)], [seed], [tf.float32], stddev=setting.count_stddev())[0]
+    noise = normals([tf.shape(counts)], [seed], [counts.dtype], stddev=setting.count_stddev())[0]
     return counts + noise > setting.threshold
 
 
