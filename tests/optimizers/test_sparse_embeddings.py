@@ -53,9 +53,11 @@ def _compile(model, optimizer):
 
 @pytest.fixture(scope="module")
 def fitted():
-    """A 3-step fit whose threshold no row can pass: the table must not move."""
+    """A 3-step fit whose threshold no row can pass: the table must not move
+    (weight decay after the noise included: it is masked like the noise)."""
     x, y = _data()
-    model = _compile(_model(), _optimizer(SparseNoise(4.0, threshold=1e6)))
+    model = _compile(_model(), _optimizer(SparseNoise(4.0, threshold=1e6), weight_decay=0.1,
+                                          weight_decay_placement="after_noise"))
     model.build((None, T))
     table = model.get_layer("tok").embeddings.numpy().copy()
     head = model.get_layer("head").kernel.numpy().copy()

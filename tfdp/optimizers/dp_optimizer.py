@@ -244,7 +244,7 @@ class DPOptimizer(keras.optimizers.Optimizer):
             {Embedding layer name: `tfdp.optimizers.SparseNoise(...)`}: those
             tables are updated on privately selected rows only, with noise
             on those rows only (`tfdp.optimizers.sparse_embeddings`;
-            docs/mechanisms/sparse_embeddings.md). `noise_multiplier` stays
+            docs/mechanisms/sparse-embeddings.md). `noise_multiplier` stays
             the step's z, the one the ledger charges; the gradient's noise
             is raised to (z^-2 - sum sigma_c^-2)^(-1/2) to pay for the
             selections.

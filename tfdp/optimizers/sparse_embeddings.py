@@ -20,7 +20,7 @@ to `SparseNoise` is updated on a private selection of rows instead:
    N(0, (sigma_g C)^2) on those rows only; the other rows' gradient is
    exactly 0. Every other variable gets its noise as in DP-SGD.
 
-Privacy (docs/mechanisms/sparse_embeddings.md has the derivation). Adding
+Privacy (docs/mechanisms/sparse-embeddings.md has the derivation). Adding
 one unit moves the clipped sum by at most C and each table's count vector
 by at most sqrt(k). Scaled by its noise, the step's pair (noisy sum, noisy
 counts) is one Gaussian mechanism of unit noise and L2 sensitivity
