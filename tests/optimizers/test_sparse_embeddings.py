@@ -273,8 +273,19 @@ def _tied_model():
     return tfdp.DPModel(inputs, keras.layers.Dense(1)(logits))
 
 
+class _OwnEmbedding(keras.layers.Embedding):
+    """A subclass may read its table elsewhere (as ReversibleEmbedding does)."""
+
+
+def _subclass_model():
+    inputs = keras.Input((T,), dtype="int32")
+    pooled = keras.layers.GlobalAveragePooling1D()(_OwnEmbedding(V, DIM, name="tok")(inputs))
+    return tfdp.DPModel(inputs, keras.layers.Dense(1)(pooled))
+
+
 @pytest.mark.parametrize("model, name, match", [
     (_model, "nope", "does not have"),
+    (_subclass_model, "tok", "_OwnEmbedding"),
     (_model, "head", "keras.layers.Embedding only"),
     (_tied_model, "tok", "tied embeddings"),
 ])

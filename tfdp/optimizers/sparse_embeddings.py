@@ -165,6 +165,10 @@ def resolve_tables(sparse_embeddings, model):
             raise ValueError(
                 f"`sparse_embeddings` names layer {name!r}, which the model does not have. "
                 f"Its embedding layers: {[l.name for l in layers if isinstance(l, keras.layers.Embedding)]}")
+        if len(matches) > 1:
+            raise ValueError(
+                f"`sparse_embeddings` names layer {name!r}, which {len(matches)} layers of the "
+                "model (in nested models) are called: give the Embedding a unique name.")
         layer = matches[0]
         if type(layer) is not keras.layers.Embedding:
             raise ValueError(
