@@ -62,7 +62,7 @@ class SparseNoise:
             contribution count has standard deviation sigma_c * sqrt(k). It
             must exceed the optimizer's `noise_multiplier` z (the gradient's
             multiplier becomes (z^-2 - sigma_c^-2)^(-1/2)); 3 to 5 times z
-            costs the gradient 3% to 6% more noise.
+            costs the gradient 6% to 2% more noise.
         threshold: a row is updated when its noisy count exceeds this (a
             finite number; in units of the count, about "how many sampled
             records looked it up").
