@@ -155,16 +155,24 @@ def test_fit_on_a_memmap_reads_only_its_sampled_rows(tmp_path):
     assert mapped_resident_bytes(path) - touched > 100 * 2**20
 
 
-def test_parallel_reads_hold_a_bounded_number_of_large_batches():
+def test_parallel_reads_hold_a_bounded_number_of_large_batches(tmp_path, monkeypatch):
     """One read per core (tf.data's default) held 16 batches of 18 MB on 16
-    cores; large batches are read at most READ_AHEAD_BYTES ahead."""
+    cores; large batches are read at most READ_AHEAD_BYTES ahead, counted
+    from the sampler's padded batch (a memmap's pipeline asks for it)."""
     from tfdp.data import reader
 
-    assert reader.parallel_reads(2048 * 2048 * 4 + 2048 * 8, cores=16) == 3
-    assert reader.parallel_reads(2**30, cores=16) == 1
-    assert reader.parallel_reads(2048 * 2048 * 4, cores=2) == tf.data.AUTOTUNE
-    assert reader.parallel_reads(256 * 784 * 4, cores=16) == tf.data.AUTOTUNE
-    assert reader.parallel_reads(None, cores=16) == tf.data.AUTOTUNE
+    asked = []
+    plan = reader.parallel_reads
+    monkeypatch.setattr(reader, "parallel_reads", lambda size: asked.append(size) or plan(size))
+    np.save(tmp_path / "x.npy", np.zeros((400, 6), np.float32))
+    sampler = PoissonSampler(400, 50, seed=0)
+    make_dataset(sampler, (np.load(tmp_path / "x.npy", mmap_mode="r"), np.arange(400)))
+    assert asked == [sampler.padded_size * (6 * 4 + 8)]  # float32 features, an int64 label
+    assert plan(2048 * 2048 * 4 + 2048 * 8, cores=16) == 3
+    assert plan(2**30, cores=16) == 1
+    assert plan(2048 * 2048 * 4, cores=2) == tf.data.AUTOTUNE
+    assert plan(256 * 784 * 4, cores=16) == tf.data.AUTOTUNE
+    assert plan(None, cores=16) == tf.data.AUTOTUNE
 
 
 def test_a_large_batch_is_its_own_mapping_and_reads_like_fancy_indexing(tmp_path):
