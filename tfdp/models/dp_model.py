@@ -33,7 +33,7 @@ from tfdp.models.augmentation import step_key as augmentation_key
 from tfdp.models.chosen_checkpoint import keep_chosen_checkpoints_charged, note_save
 from tfdp.models.jit import resolve_jit_compile
 from tfdp.models.losses import per_example_loss
-from tfdp.models.restore import LedgerGuard, restore_backups
+from tfdp.models.restore import LedgerGuard, naming_the_file, restore_backups
 from tfdp.models.sequence_loss import token_weighted_loss
 from tfdp.models.task_inputs import check_graph_arguments, check_no_text
 from tfdp.models.tied_layers import retie, tied_layers
@@ -717,6 +717,11 @@ class DPTrainingMixin:
             )
         note_save(self, filepath)
         return result
+
+    def load_weights(self, filepath, *args, **kwargs):
+        """Keras `load_weights`; a refused ledger's error names the file."""
+        with naming_the_file(filepath):
+            return super().load_weights(filepath, *args, **kwargs)
 
     # -- the ledger travels with the weights ------------------------------
 

@@ -21,6 +21,8 @@ model.fit(x, y, epochs=40, callbacks=[backup])  # restores, then releases
 ```
 """
 
+import contextlib
+
 import keras
 
 _HOOKS = tuple(
@@ -28,6 +30,18 @@ _HOOKS = tuple(
     for name in dir(keras.callbacks.Callback)
     if name.startswith("on_") and name != "on_train_begin"
 )
+
+
+@contextlib.contextmanager
+def naming_the_file(path):
+    """Adds the file's name to a ValueError raised while loading it (a
+    damaged or mismatched privacy ledger), unless the message has it."""
+    try:
+        yield
+    except ValueError as error:
+        if str(path) in str(error):
+            raise
+        raise ValueError(f"Cannot load {str(path)!r}: {error}") from error
 
 
 class _Restored(keras.callbacks.Callback):
