@@ -129,11 +129,22 @@ class PrivacyBudget(keras.callbacks.Callback):
                 f"epsilon={spent:.4g}. Training was not started."
             )
 
+    @classmethod
+    def for_noise_target(cls, target):
+        """The budget `fit` adds for an optimizer's `target_epsilon` (its
+        messages name that argument, not a PrivacyBudget the user never
+        added)."""
+        budget = cls(epsilon=target.epsilon, delta=target.delta)
+        budget._named = f"The optimizer's target_epsilon={target.epsilon:g}"
+        return budget
+
     def on_train_begin(self, logs=None):
         if self.epsilon is not None and getattr(self.model, "steps_per_execution", 1) > 1:
+            named = getattr(self, "_named", None)
             raise ValueError(
-                "PrivacyBudget stops training between steps, so it needs "
-                "steps_per_execution=1. Received: steps_per_execution="
+                f"{named or 'PrivacyBudget'} stops training between steps, at the "
+                f"{'target' if named else 'budget'}, so it needs steps_per_execution=1: "
+                "compile with steps_per_execution=1. Received: steps_per_execution="
                 f"{self.model.steps_per_execution}"
             )
         self.stopped_for_budget = False

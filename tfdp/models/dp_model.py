@@ -495,7 +495,8 @@ class DPTrainingMixin:
         # A layer that writes a variable in training would keep records' data (issue 43).
         state_writes.check_dp_model(self, sample)
         input_checks.check_input_names(self)  # before any array meets an input
-        augmentation = check_augmentation(augment, augmentations, sample[0], self.optimizer)
+        augmentation = check_augmentation(augment, augmentations, sample[0], self.optimizer,
+                                          rows=(physical_batch_size or batch_size) * (per_user or 1))
         if augmentation != self._augmentation:
             self._augmentation = augmentation
             self.train_function = None  # retrace the step with the new copies
@@ -558,7 +559,7 @@ class DPTrainingMixin:
             target = getattr(self.optimizer, "noise_target", None)
             callbacks.append(
                 PrivacyBudget(epsilon=None, delta=min(DEFAULT_DELTA, 1.0 / num_examples))
-                if target is None else PrivacyBudget(epsilon=target.epsilon, delta=target.delta))
+                if target is None else PrivacyBudget.for_noise_target(target))
         # Ledger-reading callbacks go first so that every other callback
         # (progress bar, History, TensorBoard, checkpoints) sees epsilon.
         callbacks.sort(key=lambda c: not isinstance(c, PrivacyBudget))
