@@ -647,7 +647,7 @@ class DPBandMF(DPOptimizer):
         `bandmf_state.lineage_matches`) is taken: never another run's, nor
         a branch of this run that the weights did not take. `check(meta,
         path)` refuses a state of other settings or data."""
-        path = self.noise_state
+        path = bandmf_state.resolved(self.noise_state)
         if lineage is None:
             raise _noise_state_error(
                 "This model's weights do not record which DP-BandMF noise stream its steps "
@@ -794,6 +794,7 @@ class DPBandMF(DPOptimizer):
 def _state_files(path):
     """The noise state and the previous one it replaced (a save killed
     between its two renames leaves only the previous one)."""
+    path = bandmf_state.resolved(path)
     return [path, bandmf_state.previous_path(path)]
 
 

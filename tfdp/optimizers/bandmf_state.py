@@ -26,6 +26,9 @@ history or record groups (two runs that share a path), nor a branch of its
 own run that its weights did not take (a model rolled back to an earlier
 file after the run went on, then trained on with fresh noise).
 
+A symbolic link at the path is followed (`resolved`): the files are
+written where it points, atomically there, and the link stays.
+
 Each save first moves the file it replaces to `<path>.prev`: a run killed
 between writing the noise state and writing its last backup
 (`keras.callbacks.BackupAndRestore`) resumes from that backup with the
@@ -90,6 +93,27 @@ def fixed_order_layout(steps_per_epoch, batch_size):
     """The layout of a fixed-order stream: P batches of B records."""
     return {"order": FIXED_ORDER, "steps_per_epoch": int(steps_per_epoch),
             "batch_size": int(batch_size)}
+
+
+def resolved(path):
+    """The file a `noise_state` path names: the target of a symbolic link
+    at the path (followed, so the state, its `.prev` and the temporary
+    files stay in the target's folder, and the link stays), else the path.
+    A dangling link is left as it is (refused by `check_own_files`).
+
+    Example:
+
+    >>> import os, tempfile
+    >>> folder = tempfile.mkdtemp()
+    >>> target = os.path.join(folder, "state.npz")
+    >>> open(target, "wb").close()
+    >>> os.symlink(target, os.path.join(folder, "link.npz"))
+    >>> resolved(os.path.join(folder, "link.npz")) == os.path.realpath(target)
+    True
+    """
+    if os.path.islink(path) and os.path.exists(path):
+        return os.path.realpath(path)
+    return path
 
 
 def previous_path(path):
@@ -245,6 +269,7 @@ def save(stream, path, settings):
         settings: dict of the optimizer's privacy settings, stored to be
             checked on load.
     """
+    path = resolved(path)
     fingerprints, recorded = stream.order_check.state()
     meta = {
         "format": FORMAT,
@@ -303,6 +328,7 @@ def check_path(path):
             "Expected `noise_state` to be the path of a file (tfdp writes the secret noise "
             f"state there). Received: noise_state={path!r}"
         )
+    path = resolved(path)
     check_own_files(path)
     finish_interrupted_save(path)
 
