@@ -194,3 +194,28 @@ def test_an_edited_ledger_inside_a_weights_file_is_refused(weights_file, tmp_pat
     model.build((None, 3))
     with pytest.raises(ValueError, match=f"(?s){os.path.basename(damaged)}.*checksum does not match"):
         model.load_weights(damaged)
+
+
+def test_an_edited_ledger_inside_a_keras_file_is_refused_naming_it(weights_file, tmp_path):
+    import zipfile
+
+    path, _ = weights_file
+    model = build()
+    model.load_weights(path)
+    model.save(tmp_path / "model.keras")
+    inner = tmp_path / "model.weights.h5"
+    with zipfile.ZipFile(tmp_path / "model.keras") as source, \
+            zipfile.ZipFile(tmp_path / "edited.keras", "w") as target:
+        for item in source.infolist():
+            content = source.read(item)
+            if item.filename == "model.weights.h5":
+                inner.write_bytes(content)
+                with h5py.File(inner, "r+") as file:
+                    text = bytes(np.asarray(file["vars/privacy_ledger"]))
+                    del file["vars/privacy_ledger"]
+                    file["vars/privacy_ledger"] = np.frombuffer(
+                        text.replace(b'"steps": 3', b'"steps": 2'), dtype=np.uint8)
+                content = inner.read_bytes()
+            target.writestr(item, content)
+    with pytest.raises(ValueError, match=r"(?s)edited\.keras.*checksum does not match"):
+        tfdp.load_model(tmp_path / "edited.keras")
