@@ -32,7 +32,8 @@ __all__ = ["DPModel", "DPSequential", "accounting", "callbacks", "load_model", "
 _MODELS = ("DPModel", "DPSequential", "load_model")
 _SUBMODULES = (
     "accounting", "auditing", "callbacks", "cli", "data", "distribute", "layers",
-    "mechanisms", "models", "optimizers", "per_example", "recipes", "training", "tuning",
+    "mechanisms", "models", "optimizers", "per_example", "preprocessing", "recipes", "training",
+    "tuning",
 )
 
 

@@ -30,6 +30,7 @@ PACKAGES = (
     "tfdp.data",
     "tfdp.per_example",
     "tfdp.layers",
+    "tfdp.preprocessing",
     "tfdp.recipes",
     "tfdp.tuning",
 )

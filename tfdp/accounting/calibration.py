@@ -273,11 +273,14 @@ def calibrate_noise_multiplier(
     tolerance = check_real("tolerance", tolerance, low=0.0, high=1.0)
     _check_accountant(accountant, conversion)
     spent = [] if ledger is None else ledger._spent_parts()  # pylint: disable=protected-access
+    # With a ledger, its preprocessing thresholds' delta too (tfdp.accounting.additive_delta).
+    epsilon_of = _engine.epsilon if ledger is None else (
+        ledger._epsilon_of)  # pylint: disable=protected-access
 
     def epsilon_at(sigma):
         parts = spent + [(dpsgd_event(sigma, q), steps)]
         try:
-            return _engine.epsilon(parts, delta, accountant, conversion)
+            return epsilon_of(parts, delta, accountant, conversion)
         except _engine.PLDUnavailable:
             return math.inf  # beyond what PLD can represent: certainly over target
 
@@ -290,7 +293,7 @@ def calibrate_noise_multiplier(
         if spent:
             already = (
                 f" The ledger has already spent epsilon="
-                f"{_engine.epsilon(spent, delta, accountant, conversion):.4g}."
+                f"{epsilon_of(spent, delta, accountant, conversion):.4g}."
             )
         return ValueError(
             f"The target epsilon cannot be reached: even noise_multiplier={SIGMA_MAX:g} gives "

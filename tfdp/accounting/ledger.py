@@ -41,7 +41,7 @@ import math
 
 import dp_accounting
 
-from tfdp.accounting import _engine, integrity
+from tfdp.accounting import _engine, additive_delta, integrity
 from tfdp.accounting._validation import check_choice, check_delta, check_int, check_real, show
 from tfdp.accounting.events import event_from_dict, event_to_dict
 from tfdp.accounting.statement import describe_releases, is_search, privacy_statement
@@ -49,8 +49,13 @@ from tfdp.accounting.statement import describe_releases, is_search, privacy_stat
 _FORMAT = "tfdp.PrivacyLedger"
 # Version 2 adds a segment's "steps_per_round" and "relation"; a ledger that
 # uses neither is written as version 1, as before, and both are read.
+# Version 3 adds "preprocessing" (the provenance of preprocessing state,
+# `tfdp.preprocessing`); a ledger without any is written as before.
 _VERSION = 1
 _ROUNDS_VERSION = 2
+_PREPROCESSING_VERSION = 3
+_PREPROCESSING_KEYS = ("id", "layer", "state", "kind", "what", "source", "unit", "additive_delta")
+_PREPROCESSING_KINDS = ("private", "public")
 _CACHE_SIZE = 256
 
 RELATIONS = ("add_or_remove", "zero_out", "add_or_remove_user")
@@ -135,6 +140,7 @@ class PrivacyLedger:
         self._segments = []  # closed segments: (event, start, end, Counting), contiguous from 0
         self._open = None  # (event, start, Counting), start == end of the last closed segment
         self._records = []  # one-off releases: (event, count)
+        self._preprocessing = []  # provenance of preprocessing state: dicts (_PREPROCESSING_KEYS)
         self._version = 0  # bumped on every change other than the step count
         self._high_water = 0  # the largest step count seen: counters never go back
         self._cache = {}
@@ -272,6 +278,68 @@ class PrivacyLedger:
         count = check_int("count", count, minimum=1)
         self._records.append((event, count))
         self._version += 1
+
+    def charge_preprocessing(self, entry, event=None):
+        """Records where a preprocessing layer's state came from (once per entry id).
+
+        `tfdp.preprocessing` calls it when `fit` first meets a layer whose
+        state was adapted privately (`event` is the adaptation's Gaussian
+        release, recorded like `record(event)`, and `entry["additive_delta"]`
+        its threshold's failure probability, accounted as
+        `tfdp.accounting.additive_delta` derives) or declared public (no
+        event, no delta). The statement names every entry.
+
+        Args:
+            entry: a dict with the keys "id", "layer", "state", "kind"
+                ("private" or "public"), "what", "source", "unit" ("record"
+                or "person" for a private adaptation, "" for public data)
+                (strings) and "additive_delta" (a number in [0, 1)).
+            event: the adaptation's `dp_accounting.DpEvent`, or None.
+
+        Returns:
+            True if charged now, False if an entry with this id was already
+            charged (a second fit, or a model saved and loaded).
+
+        Example:
+
+        >>> ledger = PrivacyLedger()
+        >>> entry = dict(id="a1", layer="lookup", state="0f", kind="public",
+        ...              what="vocabulary", source="a public word list", unit="",
+        ...              additive_delta=0.0)
+        >>> ledger.charge_preprocessing(entry), ledger.charge_preprocessing(entry)
+        (True, False)
+        """
+        entry = _check_preprocessing(entry, "entry")
+        if event is not None:
+            _check_event(event)
+        if entry["kind"] == "public" and (event is not None or entry["additive_delta"]):
+            raise ValueError(
+                "State declared public releases nothing private: it takes no event and no "
+                f"additive delta. Received: entry={show(entry)}, event={show(event)}"
+            )
+        if any(item["id"] == entry["id"] for item in self._preprocessing):
+            return False
+        self._preprocessing.append(entry)
+        if event is not None:
+            self._records.append((event, 1))
+        self._version += 1
+        return True
+
+    @property
+    def preprocessing(self):
+        """The provenance entries of preprocessing state, as a tuple of dicts
+        (see `charge_preprocessing`)."""
+        return tuple(dict(item) for item in self._preprocessing)
+
+    def _additive_delta(self):
+        """A: the summed failure probability of the preprocessing thresholds."""
+        return math.fsum(item["additive_delta"] for item in self._preprocessing)
+
+    def _epsilon_of(self, parts, delta, accountant="rdp", conversion="tight"):
+        """Epsilon of `parts` (this ledger's releases and any planned ones)
+        with this ledger's thresholds' delta (for calibrations)."""
+        return additive_delta.epsilon_with(parts, delta, self._additive_delta(), accountant,
+                                           conversion)
 
     def charge_selection(self, event, earlier=()):
         """Replaces every release so far by `event`, one release that covers them.
@@ -456,7 +524,9 @@ class PrivacyLedger:
         key = ("epsilon", self._version, now, delta, accountant, conversion, extra_steps)
         return self._cached(
             key,
-            lambda: _engine.epsilon(self._parts(now, extra_steps), delta, accountant, conversion),
+            lambda: additive_delta.epsilon_with(
+                self._parts(now, extra_steps), delta, self._additive_delta(), accountant,
+                conversion),
         )
 
     def delta(self, epsilon, accountant="rdp"):
@@ -474,7 +544,8 @@ class PrivacyLedger:
         now = self.steps
         self._check_counter(now)
         key = ("delta", self._version, now, epsilon, accountant)
-        return self._cached(key, lambda: _engine.delta(self._parts(now), epsilon, accountant))
+        return self._cached(key, lambda: additive_delta.delta_with(
+            self._parts(now), epsilon, self._additive_delta(), accountant))
 
     def steps_within_budget(self, epsilon, delta, accountant="rdp", max_steps=10**7):
         """How many more steps of the open event fit in (epsilon, delta).
@@ -557,6 +628,7 @@ class PrivacyLedger:
             accountant=accountant,
             relation=self.relation,
             search=any(is_search(event) for event, _ in self._parts(now)),
+            preprocessing=self.preprocessing,
         )
 
     def _description(self, now):
@@ -596,9 +668,10 @@ class PrivacyLedger:
         self._check_counter(now)
         countings = [segment[3] for segment in self._segments]
         countings += [] if self._open is None else [self._open[2]]
+        version = _VERSION if all(c.is_default for c in countings) else _ROUNDS_VERSION
         data = {
             "format": _FORMAT,
-            "version": _VERSION if all(c.is_default for c in countings) else _ROUNDS_VERSION,
+            "version": _PREPROCESSING_VERSION if self._preprocessing else version,
             "steps": now,
             "segments": [
                 _segment_dict(event, counting, start=start, end=end)
@@ -611,6 +684,8 @@ class PrivacyLedger:
                 {"event": event_to_dict(event), "count": count} for event, count in self._records
             ],
         }
+        if self._preprocessing:
+            data["preprocessing"] = self.preprocessing
         return json.dumps(integrity.seal(data), allow_nan=False)
 
     @classmethod
@@ -653,6 +728,7 @@ class PrivacyLedger:
         _check_seal(data)
 
         ledger = cls(step_counter=step_counter)
+        ledger._preprocessing = _parse_preprocessing(data)
         ledger._segments = segments
         ledger._open = open_segment
         ledger._records = records
@@ -770,6 +846,33 @@ def _get_event(mapping, where):
         raise _corrupt(f"bad event at {where}.event: {error}") from None
 
 
+def _check_preprocessing(entry, where):
+    """A validated copy of a preprocessing provenance entry."""
+    if not isinstance(entry, dict) or sorted(entry) != sorted(_PREPROCESSING_KEYS):
+        raise ValueError(
+            f"Expected {where} to be a dict with the keys {list(_PREPROCESSING_KEYS)}. "
+            f"Received: {show(entry)}"
+        )
+    for key in _PREPROCESSING_KEYS[:-1]:
+        if not isinstance(entry[key], str):
+            raise ValueError(
+                f"Expected {where}[{key!r}] to be a string. Received: {show(entry[key])}")
+    check_choice(f"{where}['kind']", entry["kind"], _PREPROCESSING_KINDS)
+    value = check_real(f"{where}['additive_delta']", entry["additive_delta"], low=0.0, high=1.0,
+                       low_inclusive=True)
+    return dict(entry, additive_delta=value)
+
+
+def _parse_preprocessing(data):
+    entries = data.get("preprocessing", []) if isinstance(data, dict) else []
+    if not isinstance(entries, list):
+        raise _corrupt(f"expected preprocessing to be a list, got {show(entries)}.")
+    try:
+        return [_check_preprocessing(item, f"preprocessing[{i}]") for i, item in enumerate(entries)]
+    except (TypeError, ValueError) as error:
+        raise _corrupt(str(error)) from None
+
+
 def _get_counting(mapping, where, version):
     """A segment's Counting: per step unless version 2 names rounds."""
     if version == _VERSION:
@@ -798,7 +901,7 @@ def _check_seal(data):
         integrity.UncheckedRecordWarning, stacklevel=4)
 
 
-_KEYS = {"format", "version", "steps", "segments", "open", "records"}
+_KEYS = {"format", "version", "steps", "segments", "open", "records", "preprocessing"}
 
 
 def _parse(data):
@@ -806,10 +909,10 @@ def _parse(data):
     if _get(data, "format", "the ledger") != _FORMAT:
         raise _corrupt(f"expected format {_FORMAT!r}, got {show(data['format'])}.")
     version = _get(data, "version", "the ledger")
-    if version not in (_VERSION, _ROUNDS_VERSION):
+    if version not in (_VERSION, _ROUNDS_VERSION, _PREPROCESSING_VERSION):
         raise _corrupt(
-            f"unsupported version {show(version)} (this tfdp reads {_VERSION} and "
-            f"{_ROUNDS_VERSION})."
+            f"unsupported version {show(version)} (this tfdp reads {_VERSION}, "
+            f"{_ROUNDS_VERSION} and {_PREPROCESSING_VERSION})."
         )
     saved_steps = _get_int(data, "steps", "the ledger")
 

@@ -83,7 +83,7 @@ _NOT_COVERED_UNITS = {
 
 def privacy_statement(
     epsilon, delta, steps, mechanism_description=DEFAULT_MECHANISM, accountant=None,
-    relation="add_or_remove", search=False,
+    relation="add_or_remove", search=False, preprocessing=(),
 ):
     """A few plain-language sentences describing an (epsilon, delta) guarantee.
 
@@ -103,6 +103,9 @@ def privacy_statement(
         search: True when the ledger charges a private hyperparameter
             search that chose this model (`tfdp.tuning`): the statement
             then says the search is covered.
+        preprocessing: the ledger's preprocessing provenance entries
+            (`PrivacyLedger.preprocessing`): one "Preprocessing:" line names
+            each layer's state and where it came from.
 
     Returns:
         The statement, one sentence group per line.
@@ -168,6 +171,8 @@ def privacy_statement(
     ]
     if search:
         lines.insert(4, _SEARCH_COVERED)
+    if preprocessing:
+        lines.insert(4, describe_preprocessing(preprocessing))
     if accountant is not None:
         name = _ACCOUNTANT_NAMES.get(accountant, str(accountant))
         lines.append(f"Epsilon was computed with {name}, an upper bound on the privacy loss.")
@@ -180,6 +185,31 @@ _SEARCH_COVERED = (
     "score, the choice of the best, its hyperparameters and score, and the random number "
     "of trials, which is kept secret (the other trials' models and scores were discarded)."
 )
+
+def describe_preprocessing(entries):
+    """The statement's line naming where each preprocessing layer's state came from.
+
+    Example:
+
+    >>> print(describe_preprocessing([dict(layer="lookup", what="vocabulary", kind="public",
+    ...                                    source="the 2020 census codes", additive_delta=0.0)]))
+    Preprocessing: vocabulary of 'lookup' from data declared public: the 2020 census codes. Data declared public is not covered by this guarantee.
+    """
+    pieces = []
+    for entry in entries:
+        if entry["kind"] == "public":
+            pieces.append(
+                f"{entry['what']} of {entry['layer']!r} from data declared public: "
+                f"{entry['source']}")
+        else:
+            pieces.append(
+                f"{entry['what']} of {entry['layer']!r} adapted privately on the training data "
+                f"({entry['source']}; covered by this guarantee)")
+    text = "Preprocessing: " + "; ".join(pieces) + "."
+    if any(entry["kind"] == "public" for entry in entries):
+        text += " Data declared public is not covered by this guarantee."
+    return text
+
 
 _TRIAL_COUNT_LAWS = {math.inf: "Poisson", 1.0: "geometric", 0.0: "logarithmic"}
 

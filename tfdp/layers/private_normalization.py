@@ -34,6 +34,7 @@ import keras
 import numpy as np
 
 from tfdp.mechanisms.gaussian import numpy_normal
+from tfdp.preprocessing import provenance
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,13 +50,23 @@ class ChannelStatistics:
     mean: np.ndarray
     variance: np.ndarray
     event: dp_accounting.DpEvent
+    ledger: object = dataclasses.field(default=None, repr=False, compare=False)
 
     def layer(self, epsilon=1e-5):
         """A fixed `keras.layers.Normalization` computing
-        (x - mean) / sqrt(variance + epsilon) on the last axis."""
-        return keras.layers.Normalization(
+        (x - mean) / sqrt(variance + epsilon) on the last axis.
+
+        Its state has a provenance (`tfdp.preprocessing`): a `DPModel`
+        holding it accepts it at `fit`, and charges `event` to its own
+        ledger unless it is the ledger this release was recorded in."""
+        layer = keras.layers.Normalization(
             axis=-1, mean=self.mean, variance=self.variance + epsilon
         )
+        provenance.register_private(
+            layer, "Tramer and Boneh's private channel statistics "
+            "(tfdp.layers.private_channel_statistics)", "record", self.event, 0.0,
+            charged=self.ledger)
+        return layer
 
 
 def _clip_rows(vectors, bound):
@@ -114,4 +125,4 @@ def private_channel_statistics(
         sums.append(_clip_rows(per_example, clip).sum(axis=0) + noise)
     mean, square = sums[0] / n, sums[1] / n
     variance = np.maximum(square - mean**2, 0.0)
-    return ChannelStatistics(mean.astype(np.float32), variance.astype(np.float32), event)
+    return ChannelStatistics(mean.astype(np.float32), variance.astype(np.float32), event, ledger)

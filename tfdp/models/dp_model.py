@@ -21,7 +21,7 @@ from keras.src.models import cloning
 from keras.src.utils import io_utils
 from keras.src.utils.tracking import no_automatic_dependency_tracking
 
-from tfdp import distribute
+from tfdp import distribute, preprocessing
 from tfdp.accounting import PrivacyLedger
 from tfdp.accounting.calibration import steps_per_epoch as default_steps_per_epoch
 from tfdp.data import interrupts, sources
@@ -35,7 +35,7 @@ from tfdp.models.jit import resolve_jit_compile
 from tfdp.models.losses import per_example_loss
 from tfdp.models.restore import LedgerGuard, naming_the_file, restore_backups
 from tfdp.models.sequence_loss import token_weighted_loss
-from tfdp.models.task_inputs import check_graph_arguments, check_no_text
+from tfdp.models.task_inputs import check_graph_arguments, check_no_text, text_as_tensors
 from tfdp.models.tied_layers import retie, tied_layers
 from tfdp.models.training_state import (
     LoraVariables, NoiseStreamRecord, restore_training_state, training_state,
@@ -494,6 +494,8 @@ class DPTrainingMixin:
         sample = self._build_for(arrays)
         # A layer that writes a variable in training would keep records' data (issue 43).
         state_writes.check_dp_model(self, sample)
+        # Preprocessing state (vocabularies, means, bins) needs a provenance (issue 52).
+        preprocessing.check_model(self, user_level=users is not None)
         input_checks.check_input_names(self)  # before any array meets an input
         augmentation = check_augmentation(augment, augmentations, sample[0], self.optimizer,
                                           rows=(physical_batch_size or batch_size) * (per_user or 1))
@@ -507,8 +509,8 @@ class DPTrainingMixin:
         elif not isinstance(x, FixedOrderData):  # a pipeline's labels arrive as it runs
             input_checks.check_label_values(y, units)
             input_checks.check_embedding_ids(self, x)
-        validation_data = input_checks.check_validation_data_fits(
-            self, validation_data, units, split_at)
+        validation_data = text_as_tensors(input_checks.check_validation_data_fits(
+            self, validation_data, units, split_at))  # Keras evaluates text as tensors
         if not self.trainable_variables:
             raise ValueError(
                 f"Model '{self.name}' has no trainable weights, so there is nothing to "
@@ -658,8 +660,8 @@ class DPTrainingMixin:
             sample = tf.nest.map_structure(lambda a: a[None], arrays[0])
         else:
             sample = _take(arrays, slice(0, 1))
-        check_no_text(sample[0])  # raw text for a KerasHub task: say task.preprocessor
-        data = tuple(sample) + ((None,) if len(sample) == 2 else ())
+        check_no_text(sample[0], self)  # raw text for a KerasHub task: say task.preprocessor
+        data = text_as_tensors(tuple(sample) + ((None,) if len(sample) == 2 else ()))
         strategy = self.distribute_strategy
         try:
             with strategy.scope():
@@ -736,6 +738,7 @@ class DPTrainingMixin:
 
     def save_own_variables(self, store):
         super().save_own_variables(store)
+        preprocessing.charge_pending(self)  # the file holds adapted state: its charge too
         text = self._privacy_ledger.to_json().encode("utf-8")
         store[_LEDGER_KEY] = np.frombuffer(text, dtype=np.uint8)
 

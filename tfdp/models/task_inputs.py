@@ -51,15 +51,33 @@ def check_graph_arguments(args, kwargs):
     raise ValueError(f"{message} Received: {type(given).__name__} {given.name!r}")
 
 
-def check_no_text(x):
-    """Refuses text inputs (a DPModel computes on numbers).
+_TEXT_LAYERS = (keras.layers.TextVectorization, keras.layers.StringLookup)
+
+
+def reads_text(model):
+    """True if `model` holds a Keras layer that maps strings to numbers
+    (`TextVectorization`, `StringLookup`): it then takes text inputs."""
+    if model is None:
+        return False
+    layers = model._flatten_layers(include_self=False)  # pylint: disable=protected-access
+    return any(isinstance(layer, _TEXT_LAYERS) for layer in layers)
+
+
+def check_no_text(x, model=None):
+    """Refuses text inputs unless `model` reads text (a DPModel computes on numbers).
 
     Args:
         x: the inputs `fit` received (an array or tensor, or a structure).
+        model: the model; text is accepted when it holds a
+            `TextVectorization` or `StringLookup` layer (`reads_text`),
+            whose state `tfdp.preprocessing` checks.
 
     Raises:
-        ValueError: naming `task.preprocessor`, if an input holds strings.
+        ValueError: naming `task.preprocessor` and `TextVectorization`, if
+            an input holds strings and the model reads none.
     """
+    if reads_text(model):
+        return
     for path, leaf in _leaves_with_paths(x):
         if isinstance(leaf, tf.Tensor):
             text = leaf.dtype == tf.string
@@ -71,9 +89,29 @@ def check_no_text(x):
         if text:
             raise ValueError(
                 f"The input x{path} holds text (dtype {dtype}); a DPModel computes on "
-                "numbers. For tfdp.DPModel(task.inputs, task.outputs) of a KerasHub task: "
+                "numbers, or reads text through a keras.layers.TextVectorization or "
+                "StringLookup layer in the model (its vocabulary adapted with "
+                "tfdp.preprocessing.adapt_privately or declared public). For "
+                "tfdp.DPModel(task.inputs, task.outputs) of a KerasHub task: "
                 f"{_preprocessor_advice('task')} Received: x{path} of dtype {dtype}"
             )
+
+
+def text_as_tensors(structure):
+    """`structure` with every NumPy array of text made a `tf.string` tensor
+    (Keras builds a model on tensors; it rejects NumPy's text dtypes).
+
+    Example:
+
+    >>> text_as_tensors((np.array(["a b"]), np.zeros(1)))[0].dtype
+    tf.string
+    """
+    def convert(leaf):
+        if isinstance(leaf, np.ndarray) and leaf.dtype.kind in "US":
+            return tf.constant(leaf.astype(str))
+        return leaf
+
+    return tf.nest.map_structure(convert, structure)
 
 
 def _leaves_with_paths(x):

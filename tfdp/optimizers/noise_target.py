@@ -29,7 +29,6 @@ tfdp: noise_multiplier=0.8646 calibrated for epsilon=3 at delta=1e-05 over 1000 
 
 import logging
 
-from tfdp.accounting import _engine
 from tfdp.accounting._validation import check_delta, check_real
 from tfdp.accounting.calibration import calibrate_noise_multiplier
 
@@ -57,10 +56,11 @@ class NoiseTarget:
             )
         self.delta = check_delta(delta, "target_delta")
 
-    def epsilon_after(self, ledger_parts, event, steps):
-        """Epsilon at the target delta of the ledger's releases and `steps`
-        more of `event`."""
-        return _engine.epsilon(list(ledger_parts) + [(event, steps)], self.delta)
+    def epsilon_after(self, ledger, event, steps):
+        """Epsilon at the target delta of `ledger`'s releases (its
+        preprocessing thresholds' delta included) and `steps` more of `event`."""
+        parts = ledger._spent_parts() + [(event, steps)]  # pylint: disable=protected-access
+        return ledger._epsilon_of(parts, self.delta)  # pylint: disable=protected-access
 
     def plan(self, optimizer, ledger, num_units, batch_size, steps, unit_name, say):
         """The noise multiplier for a `fit` that plans `steps` steps: sigma
@@ -88,7 +88,6 @@ class NoiseTarget:
         if steps < 1:
             return sigma
         q = batch_size / num_units
-        spent = ledger._spent_parts()  # pylint: disable=protected-access
         if sigma is None:
             try:
                 sigma = calibrate_noise_multiplier(self.epsilon, self.delta, q, steps,
@@ -100,7 +99,7 @@ class NoiseTarget:
                     f"(batch_size={batch_size} of {num_units} {unit_name}): {error} Plan "
                     "fewer epochs, a smaller batch_size, or a larger target_epsilon."
                 ) from None
-            after = self.epsilon_after(spent, optimizer.step_event(q, sigma), steps)
+            after = self.epsilon_after(ledger, optimizer.step_event(q, sigma), steps)
             message = (
                 f"tfdp: noise_multiplier={sigma:.4g} calibrated for epsilon={self.epsilon:g} "
                 f"at delta={self.delta:g} over {steps} steps (batch_size={batch_size} of "
@@ -110,9 +109,9 @@ class NoiseTarget:
             logger.info(message)
             say(message)
             return sigma
-        after = self.epsilon_after(spent, optimizer.step_event(q), steps)
+        after = self.epsilon_after(ledger, optimizer.step_event(q), steps)
         if after > self.epsilon * (1.0 + _OVERSPEND_TOLERANCE):
-            already = _engine.epsilon(spent, self.delta)
+            already = ledger.epsilon(self.delta)
             raise ValueError(
                 f"This fit would overspend the optimizer's target_epsilon={self.epsilon:g}: "
                 f"its {steps} planned steps at noise_multiplier={sigma:.4g} "

@@ -22,6 +22,8 @@ pass (`register_rule`).
 
 import keras
 
+from tfdp.per_example.preprocessing_layers import keeps_examples_independent
+
 _L = keras.layers
 
 # Layers whose output for one example depends only on that example's inputs
@@ -170,7 +172,8 @@ def rule_for(layer):
 
 def is_per_example(layer):
     """True if `layer` is known (or declared) to keep examples independent."""
-    return type(layer) in ALLOWED or type(layer) in _DECLARED or is_batch_normalization(layer)
+    return (type(layer) in ALLOWED or type(layer) in _DECLARED or is_batch_normalization(layer)
+            or keeps_examples_independent(layer))
 
 
 def is_batch_normalization(layer):

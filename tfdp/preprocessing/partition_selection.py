@@ -1,0 +1,108 @@
+"""DP partition selection: which tokens of the private data may be released.
+
+Gaussian thresholding (Wilson et al. 2020, "Differentially private SQL with
+bounded user contribution"; pipeline-dp's and OpenDP's Gaussian partition
+selection): each unit (a record, or a person with `user_ids`) contributes
+at most `k` distinct tokens (a uniform sample of its tokens when it has
+more), each token's count of contributing units gets Gaussian noise of
+standard deviation `sigma * sqrt(k)` (a unit changes at most k counts by 1,
+L2 sensitivity sqrt(k)), and a token is kept when its noisy count exceeds a
+threshold T.
+
+The threshold's delta: a token held by one unit alone has count 1, so it
+passes with probability p = P(1 + N(0, s^2) > T). The unit's at most k such
+tokens are noised independently, so one of them passes with probability
+1 - (1 - p)^k; T is the smallest threshold that keeps this at most
+`delta_threshold`: p = 1 - (1 - delta_threshold)^(1/k) and
+T = 1 + s * Phi^-1(1 - p). The Gaussian part (counts of tokens the other
+units also hold) is `GaussianDpEvent(sigma)` in the ledger; the threshold's
+delta is accounted on top (`tfdp.accounting.additive_delta` derives the
+bound: epsilon at delta - delta_threshold, plus -log(1 - delta_threshold)).
+
+Example:
+
+>>> t = threshold(noise_std=2.0, max_tokens=1, delta_threshold=1e-6)
+>>> round(t, 4)
+10.5068
+>>> import numpy as np
+>>> kept = select({"a": 500, "b": 1}, noise_std=2.0, threshold=t, rng=np.random.default_rng(0))
+>>> sorted(kept)
+['a']
+"""
+
+import math
+import statistics
+
+import numpy as np
+
+from tfdp.mechanisms.gaussian import numpy_normal
+
+_NORMAL = statistics.NormalDist()
+
+
+def pass_probability(max_tokens, delta_threshold):
+    """p: each of a lone unit's `max_tokens` tokens may pass with this probability.
+
+    1 - (1 - p)^k = delta_threshold, computed without cancellation.
+    """
+    return -math.expm1(math.log1p(-delta_threshold) / max_tokens)
+
+
+def threshold(noise_std, max_tokens, delta_threshold):
+    """The count a token's noisy count must exceed to be kept.
+
+    Args:
+        noise_std: s, the Gaussian noise's standard deviation on a count.
+        max_tokens: k, the most distinct tokens one unit contributes.
+        delta_threshold: the largest probability that any token held by one
+            unit alone passes.
+
+    Returns:
+        T = 1 + s * Phi^-1(1 - p) with p = `pass_probability(k, delta)`.
+    """
+    p = pass_probability(max_tokens, delta_threshold)
+    return 1.0 - noise_std * _NORMAL.inv_cdf(p)  # Phi^-1(1 - p) = -Phi^-1(p), exact in the tail
+
+
+def bounded_counts(units, max_tokens, rng):
+    """Counts of units holding each token, each unit contributing <= k tokens.
+
+    Args:
+        units: an iterable of iterables of hashable tokens (one per unit).
+        max_tokens: k; a unit with more distinct tokens contributes a
+            uniform random sample of k of them.
+        rng: a `numpy.random.Generator` for that sample.
+
+    Returns:
+        A dict token -> number of units that contributed it.
+    """
+    counts = {}
+    for tokens in units:
+        distinct = list(dict.fromkeys(tokens))
+        if len(distinct) > max_tokens:
+            chosen = rng.choice(len(distinct), size=max_tokens, replace=False)
+            distinct = [distinct[i] for i in sorted(chosen)]
+        for token in distinct:
+            counts[token] = counts.get(token, 0) + 1
+    return counts
+
+
+def select(counts, noise_std, threshold, rng):
+    """The tokens whose noisy count exceeds `threshold`, with those noisy counts.
+
+    Args:
+        counts: dict token -> count (from `bounded_counts`).
+        noise_std: the Gaussian noise's standard deviation.
+        threshold: from `threshold`.
+        rng: a `numpy.random.Generator`.
+
+    Returns:
+        A dict token -> noisy count, ordered by noisy count, largest first
+        (ties by token text: the order depends on released values only).
+    """
+    tokens = list(counts)
+    noisy = np.asarray([counts[t] for t in tokens], np.float64) + numpy_normal(
+        rng, noise_std, size=len(tokens))  # the whole Gaussian tail
+    kept = [(float(n), t) for n, t in zip(noisy, tokens) if n > threshold]
+    kept.sort(key=lambda item: (-item[0], str(item[1])))
+    return {token: value for value, token in kept}

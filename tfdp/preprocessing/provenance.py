@@ -1,0 +1,298 @@
+"""Where a preprocessing layer's state came from, checked before `fit`'s first step.
+
+A Keras preprocessing layer adapted on the training data keeps that data in
+the model: a lookup's vocabulary holds a record's unique id, a
+`Normalization` layer its mean and variance, a `Discretization` layer its
+quantiles. The model is saved and released with them, so `fit` accepts such
+state only with a provenance:
+
+- adapted privately by `tfdp.preprocessing.adapt_privately` (a charged
+  release in the model's privacy ledger, named in its statement), or
+- declared public by the user, `declare_public(layer, source="...")` (no
+  charge; the statement names the layer and the source).
+
+State given to a layer's constructor (`StringLookup(vocabulary=...)`,
+`Normalization(mean=..., variance=...)`, `Discretization(bin_boundaries=...)`)
+counts as data-derived too: tfdp cannot tell whether those numbers were
+computed from the private data, and one `declare_public` call says they
+were not.
+
+Each provenance is tied to the state it describes by a fingerprint (a hash
+of the vocabulary, weights or boundaries): a layer adapted again after
+`declare_public` or `adapt_privately` is refused until declared or adapted
+again. The ledger keeps the entry (with the fingerprint), so a model saved
+and loaded keeps its provenance, and a second `fit` does not charge twice.
+
+Example:
+
+>>> import keras, numpy as np
+>>> lookup = keras.layers.IntegerLookup(name="zip")
+>>> lookup.adapt(np.array([75001, 75002]))
+>>> data_state(lookup)[0]
+'vocabulary'
+>>> entry = declare_public(lookup, source="the public list of postal codes")
+>>> entry["kind"], entry["layer"]
+('public', 'zip')
+"""
+
+import hashlib
+import json
+import uuid
+import weakref
+
+import keras
+import numpy as np
+
+# Provenances not yet charged to a model's ledger: layer -> (entry, event,
+# the ledger the event was already recorded in, or None).
+_PENDING = weakref.WeakKeyDictionary()
+
+_VOCABULARY_LAYERS = (
+    keras.layers.StringLookup, keras.layers.IntegerLookup, keras.layers.TextVectorization)
+
+
+def _text(value):
+    if isinstance(value, bytes):
+        return value.decode("utf-8", "backslashreplace")
+    if isinstance(value, np.generic):
+        value = value.item()
+    return str(value)
+
+
+def _floats(value):
+    return np.asarray(keras.ops.convert_to_numpy(value), np.float64).ravel().tolist()
+
+
+def _idf_weights(layer):
+    lookup = getattr(layer, "_lookup_layer", layer)
+    if getattr(lookup, "output_mode", None) != "tf_idf":
+        return None
+    weights = getattr(lookup, "idf_weights", None)
+    return None if weights is None else _floats(weights)
+
+
+def data_state(layer):
+    """What of `layer`'s state was computed from data, or None if nothing.
+
+    Args:
+        layer: a Keras layer.
+
+    Returns:
+        (what, state): `what` names the state in words ("vocabulary",
+        "vocabulary and TF-IDF weights", "mean and variance", "bin
+        boundaries", "state"), `state` a JSON-able value it is fingerprinted
+        by; None for a layer without data-derived state (an empty lookup,
+        or a layer without `adapt`).
+    """
+    if isinstance(layer, _VOCABULARY_LAYERS):
+        vocabulary = [_text(v) for v in layer.get_vocabulary(include_special_tokens=False)]
+        if not vocabulary:
+            return None
+        idf = _idf_weights(layer)
+        if idf is None:
+            return "vocabulary", {"vocabulary": vocabulary}
+        return "vocabulary and TF-IDF weights", {"vocabulary": vocabulary, "idf": idf}
+    if isinstance(layer, keras.layers.Normalization):
+        if layer.input_mean is not None:
+            state = {"mean": _floats(layer.input_mean), "variance": _floats(layer.input_variance)}
+        elif layer.built and getattr(layer, "adapt_mean", None) is not None:
+            state = {"mean": _floats(layer.adapt_mean), "variance": _floats(layer.adapt_variance)}
+        else:
+            return None
+        return "mean and variance", state
+    if isinstance(layer, keras.layers.Discretization):
+        if layer.bin_boundaries is None:
+            return None
+        return "bin boundaries", {"bin_boundaries": _floats(layer.bin_boundaries)}
+    if callable(getattr(layer, "adapt", None)):  # any other adaptable layer: all its weights
+        return "state", {"weights": [_floats(w) for w in layer.get_weights()]}
+    return None
+
+
+def fingerprint(state):
+    """A SHA-256 hex digest of a `data_state` value (stable across save and load)."""
+    text = json.dumps(state, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()
+
+
+def _entry(layer, what, state, kind, source, unit, additive_delta=0.0):
+    return dict(id=uuid.uuid4().hex, layer=layer.name, state=fingerprint(state), kind=kind,
+                what=what, source=source, unit=unit, additive_delta=float(additive_delta))
+
+
+def register_private(layer, source, unit, event, additive_delta, charged=None):
+    """Records that `layer`'s current state was adapted privately (`adapt_privately`).
+
+    The entry waits on the layer until `fit` charges it to the model's
+    ledger (`check_model`). `charged` is a ledger that already recorded
+    `event` (`tfdp.layers.private_channel_statistics`): that ledger gets
+    the entry without the event again. Returns the entry.
+    """
+    what, state = data_state(layer)
+    entry = _entry(layer, what, state, "private", source, unit, additive_delta)
+    _PENDING[layer] = (entry, event, charged)
+    return dict(entry)
+
+
+def declare_public(layer, source):
+    """Declares that `layer`'s current state was computed from public data.
+
+    One call per layer, after its `adapt` (or construction with a
+    vocabulary, mean and variance, or bin boundaries): `fit` then accepts
+    the state without charging epsilon, and the privacy statement names
+    the layer and `source` ("Preprocessing: vocabulary of 'lookup' from
+    data declared public: ..."). Adapting the layer again afterwards
+    undoes the declaration (the state is fingerprinted).
+
+    Declare only data that is not the private training data nor derived
+    from it: the guarantee does not cover what is declared public.
+
+    Args:
+        layer: a Keras preprocessing layer with data-derived state
+            (`StringLookup`, `IntegerLookup`, `TextVectorization`,
+            `Normalization`, `Discretization`, or another layer with
+            `adapt`).
+        source: a non-empty string saying where the data came from; it is
+            written in the privacy statement.
+
+    Returns:
+        The provenance entry (a dict) that `fit` will write in the ledger.
+
+    Raises:
+        TypeError: if `layer` is not a Keras layer or `source` not a string.
+        ValueError: if `source` is empty or the layer holds no state yet.
+
+    Example:
+
+    >>> import keras
+    >>> colors = keras.layers.StringLookup(vocabulary=["red", "green"], name="color")
+    >>> declare_public(colors, source="the product catalogue's colour list")["what"]
+    'vocabulary'
+    """
+    if not isinstance(layer, keras.layers.Layer):
+        raise TypeError(
+            "Expected `layer` to be a Keras layer. Received: layer of type "
+            f"{type(layer).__name__}")
+    if not isinstance(source, str):
+        raise TypeError(
+            f"Expected `source` to be a string. Received: source of type {type(source).__name__}")
+    if not source.strip():
+        raise ValueError(
+            "declare_public needs `source`, a non-empty string saying where the public data "
+            f"came from (it is written in the privacy statement). Received: source={source!r}")
+    found = data_state(layer)
+    if found is None:
+        raise ValueError(
+            f"Layer {layer.name!r} ({type(layer).__name__}) holds no data-derived state yet: "
+            "adapt it on the public data (or build it with its public vocabulary, mean and "
+            "variance, or bin boundaries) first, then declare it public.")
+    what, state = found
+    entry = _entry(layer, what, state, "public", source.strip(), "")
+    _PENDING[layer] = (entry, None, None)
+    return dict(entry)
+
+
+def _refusal(layer, what, stale):
+    why = (
+        "its state changed after it was declared public or adapted privately (adapted or "
+        "set again since)" if stale else
+        "it was computed from data (adapt(), or given to the layer's constructor) and tfdp "
+        "cannot tell whether that data was the private training data")
+    return ValueError(
+        f"Layer {layer.name!r} ({type(layer).__name__}) holds a {what} that the trained model "
+        f"would carry and release with no privacy guarantee: {why}. Either adapt it "
+        "privately, tfdp.preprocessing.adapt_privately(layer, data, epsilon=..., "
+        "delta=..., ...), which charges the adaptation to this model's privacy "
+        "ledger, or, if the data it came from is public, declare it so in one call: "
+        f"tfdp.preprocessing.declare_public(layer, source=\"where the data came from\"), "
+        "which the privacy statement then names.")
+
+
+def _unit_refusal(layer, unit, user_level):
+    wanted = "person" if user_level else "record"
+    fix = ("pass user_ids=... (the training's user_ids) to adapt_privately" if user_level else
+           "adapt it again without user_ids")
+    return ValueError(
+        f"Layer {layer.name!r} was adapted privately per {unit}, but this fit protects "
+        f"each {wanted}: the two guarantees do not compose into one. {fix.capitalize()}. "
+        f"Received: fit(user_ids={'...' if user_level else 'None'})")
+
+
+def _data_layers(model):
+    """(layer, what, state) of every layer of `model` (nested models too) holding
+    data-derived state; a layer inside such a layer (TextVectorization's lookup)
+    is part of its state, not another one."""
+    found, inside = [], set()
+    for layer in model._flatten_layers(include_self=False):  # pylint: disable=protected-access
+        if id(layer) in inside:
+            continue
+        state = data_state(layer)
+        if state is None:
+            continue
+        found.append((layer, *state))
+        inner = layer._flatten_layers(include_self=False)  # pylint: disable=protected-access
+        inside.update(id(sublayer) for sublayer in inner)
+    return found
+
+
+def _pending_for(layer, digest):
+    """The provenance waiting on `layer` if it still describes its state."""
+    pending = _PENDING.get(layer)
+    return pending if pending is not None and pending[0]["state"] == digest else None
+
+
+def _charge(ledger, pending):
+    entry, event, charged = pending
+    ledger.charge_preprocessing(entry, None if charged is ledger else event)
+
+
+def charge_pending(model):
+    """Charges every provenance waiting on `model`'s layers to its ledger, refusing nothing.
+
+    `DPModel` calls it before writing its ledger into a saved file, so that
+    a model saved before its first `fit` carries its adaptations' charge
+    (and its declarations); `check_model` refuses what has none at `fit`.
+    """
+    for layer, _, state in _data_layers(model):
+        pending = _pending_for(layer, fingerprint(state))
+        if pending is not None:
+            _charge(model.privacy, pending)
+
+
+def check_model(model, user_level=False):
+    """Accepts every data-derived layer state of `model`, charging it once, or refuses it.
+
+    Called by `DPModel.fit` before the first step. A layer whose state
+    matches a provenance waiting on it (`adapt_privately`,
+    `declare_public`) is charged to `model.privacy` (once per provenance:
+    a second fit finds it already there); one whose state matches an entry
+    the ledger already holds (a saved and loaded model) is accepted.
+
+    Args:
+        model: a built `tfdp.DPModel`.
+        user_level: True when this fit protects people (`user_ids`).
+
+    Raises:
+        ValueError: naming the layer and both fixes, for state without a
+            provenance, or adapted privately per record for a per-person
+            fit (or the reverse).
+    """
+    ledger = model.privacy
+    for layer, what, state in _data_layers(model):
+        digest = fingerprint(state)
+        pending = _pending_for(layer, digest)
+        if pending is not None:
+            _check_unit(layer, pending[0], user_level)
+            _charge(ledger, pending)
+            continue
+        known = [e for e in ledger.preprocessing
+                 if e["state"] == digest and e["layer"] == layer.name]
+        if known:
+            _check_unit(layer, known[0], user_level)
+            continue
+        raise _refusal(layer, what, stale=layer in _PENDING)
+
+
+def _check_unit(layer, entry, user_level):
+    if entry["kind"] == "private" and (entry["unit"] == "person") != user_level:
+        raise _unit_refusal(layer, entry["unit"], user_level)
