@@ -725,10 +725,11 @@ class PrivacyLedger:
         except json.JSONDecodeError as error:
             raise ValueError(f"Corrupt privacy ledger: invalid JSON ({error}).") from None
         segments, open_segment, records, saved_steps = _parse(data)
-        _check_seal(data)
+        preprocessing = _parse_preprocessing(data)
+        _check_seal(data)  # after the structure's checks, whose messages are more telling
 
         ledger = cls(step_counter=step_counter)
-        ledger._preprocessing = _parse_preprocessing(data)
+        ledger._preprocessing = preprocessing
         ledger._segments = segments
         ledger._open = open_segment
         ledger._records = records
