@@ -129,11 +129,22 @@ class PrivacyBudget(keras.callbacks.Callback):
                 f"epsilon={spent:.4g}. Training was not started."
             )
 
+    @classmethod
+    def for_noise_target(cls, target):
+        """The budget `fit` adds for an optimizer's `target_epsilon` (its
+        messages name that argument, not a PrivacyBudget the user never
+        added)."""
+        budget = cls(epsilon=target.epsilon, delta=target.delta)
+        budget._named = f"The optimizer's target_epsilon={target.epsilon:g}"
+        return budget
+
     def on_train_begin(self, logs=None):
         if self.epsilon is not None and getattr(self.model, "steps_per_execution", 1) > 1:
+            named = getattr(self, "_named", None)
             raise ValueError(
-                "PrivacyBudget stops training between steps, so it needs "
-                "steps_per_execution=1. Received: steps_per_execution="
+                f"{named or 'PrivacyBudget'} stops training between steps, at the "
+                f"{'target' if named else 'budget'}, so it needs steps_per_execution=1: "
+                "compile with steps_per_execution=1. Received: steps_per_execution="
                 f"{self.model.steps_per_execution}"
             )
         self.stopped_for_budget = False
@@ -337,8 +348,10 @@ class PrivacyJournal(keras.callbacks.Callback):
 
     FORMAT = "tfdp.PrivacyJournal"
     # Version 2 entries may carry "steps_per_round", "relation" and
-    # "segment_start" (a segment counted in rounds); version 1 files are read.
-    VERSION = 2
+    # "segment_start" (a segment counted in rounds); version 3 entries all
+    # carry "sha256" (tfdp.accounting.integrity). Versions 1 and 2 are read.
+    VERSION = 3
+    READABLE = (1, 2, 3)
     FREQUENCIES = ("epoch", "batch")
 
     def __init__(self, path, frequency="epoch"):
@@ -359,11 +372,16 @@ class PrivacyJournal(keras.callbacks.Callback):
         for a segment counted in rounds, "steps_per_round", "relation" and
         "segment_start").
 
+        Every line carries the SHA-256 of its content
+        (`tfdp.accounting.integrity`), so a damaged line is refused instead
+        of read as a smaller charge; lines of a journal begun by an earlier
+        tfdp (version 1 or 2) have none and are read with a warning.
+
         A last line cut short (the process was killed, or the disk filled,
         while writing it) is ignored: its steps had not started, since they
         start only after the line is written. The next entry the callback
         writes first cuts that fragment off. Any other damage raises
-        ValueError.
+        ValueError naming the file.
         """
         import json
         import os
@@ -376,8 +394,10 @@ class PrivacyJournal(keras.callbacks.Callback):
         if lines and lines[-1] == b"":
             lines.pop()
         elif lines:
-            lines.pop()  # torn last line: written without its newline
+            self._check_torn(lines.pop())  # written without its newline
         entries = []
+        version = None
+        unchecked = 0
         for number, line in enumerate(lines, 1):
             try:
                 entry = json.loads(line.decode("utf-8"))
@@ -386,16 +406,17 @@ class PrivacyJournal(keras.callbacks.Callback):
                     f"Corrupt privacy journal {self.path!r}: line {number} is not JSON ({error})."
                 ) from None
             if number == 1:
-                if entry not in ({"format": self.FORMAT, "version": 1},
-                                 {"format": self.FORMAT, "version": self.VERSION}):
+                if entry not in [{"format": self.FORMAT, "version": v} for v in self.READABLE]:
                     raise ValueError(
                         f"Corrupt privacy journal {self.path!r}: expected a "
                         f"{self.FORMAT} header on line 1. Received: {line[:80]!r}"
                     )
+                version = entry["version"]
                 continue
+            entry, checked = self._unseal(entry, number, version, line)
+            unchecked += not checked
             if not (
-                isinstance(entry, dict)
-                and isinstance(entry.get("start"), int)
+                isinstance(entry.get("start"), int)
                 and isinstance(entry.get("end"), int)
                 and 0 <= entry["start"] < entry["end"]
                 and isinstance(entry.get("event"), dict)
@@ -406,7 +427,58 @@ class PrivacyJournal(keras.callbacks.Callback):
                     f"with 0 <= start < end and an event. Received: {line[:80]!r}"
                 )
             entries.append(entry)
+        if unchecked:
+            import warnings
+
+            from tfdp.accounting.integrity import UncheckedRecordWarning
+
+            warnings.warn(
+                f"The privacy journal {self.path!r} has {unchecked} line(s) without a checksum "
+                "(written by an earlier tfdp): they are read unchecked. A new journal file "
+                "seals every line.", UncheckedRecordWarning, stacklevel=2)
         return entries
+
+    _KEYS = {"start", "end", "event", "steps_per_round", "relation", "segment_start"}
+
+    def _unseal(self, entry, number, version, line):
+        """A line's entry without its checksum, checked, and whether it had one."""
+        from tfdp.accounting import integrity
+
+        if not isinstance(entry, dict):
+            raise ValueError(
+                f"Corrupt privacy journal {self.path!r}: line {number} is not an entry "
+                f"with 0 <= start < end and an event. Received: {line[:80]!r}"
+            )
+        where = f"Corrupt privacy journal {self.path!r}: line {number}"
+        content = integrity.unseal(entry, where)
+        if content is not None:
+            return content, True
+        unknown = sorted(set(entry) - self._KEYS)
+        if version == self.VERSION or unknown:
+            raise ValueError(
+                f"{where} has no checksum"
+                + (f" and unknown key(s) {unknown}" if unknown else "")
+                + f" (a damaged line). Received: {line[:80]!r}"
+            )
+        return entry, False
+
+    def _check_torn(self, fragment):
+        """Refuses a last line without its newline that is not a cut-short
+        write: a whole JSON object followed by more bytes (a damaged newline
+        that would hide a complete entry)."""
+        import json
+
+        text = fragment.decode("latin-1")  # any byte: a damaged newline may not be UTF-8
+        try:
+            _, end = json.JSONDecoder().raw_decode(text)
+        except json.JSONDecodeError:
+            return  # a prefix of a line: its steps had not started
+        if end < len(text):
+            raise ValueError(
+                f"Corrupt privacy journal {self.path!r}: its last line holds a complete entry "
+                f"followed by other bytes instead of a newline (a damaged line). Received: "
+                f"{fragment[-80:]!r}"
+            )
 
     def journaled_steps(self):
         """The highest step count the journal records (0 if empty)."""
@@ -433,13 +505,15 @@ class PrivacyJournal(keras.callbacks.Callback):
         import json
         import os
 
+        from tfdp.accounting.integrity import seal
+
         self._cut_torn_line()
         new = not os.path.exists(self.path) or os.path.getsize(self.path) == 0
         with open(self.path, "ab") as file:
             if new:
                 header = {"format": self.FORMAT, "version": self.VERSION}
                 file.write(json.dumps(header).encode() + b"\n")
-            file.write(json.dumps(entry, allow_nan=False).encode("utf-8") + b"\n")
+            file.write(json.dumps(seal(entry), allow_nan=False).encode("utf-8") + b"\n")
             file.flush()
             os.fsync(file.fileno())
 

@@ -33,7 +33,7 @@ from tfdp.models.augmentation import step_key as augmentation_key
 from tfdp.models.chosen_checkpoint import keep_chosen_checkpoints_charged, note_save
 from tfdp.models.jit import resolve_jit_compile
 from tfdp.models.losses import per_example_loss
-from tfdp.models.restore import LedgerGuard, restore_backups
+from tfdp.models.restore import LedgerGuard, naming_the_file, restore_backups
 from tfdp.models.sequence_loss import token_weighted_loss
 from tfdp.models.task_inputs import check_graph_arguments, check_no_text, text_as_tensors
 from tfdp.models.tied_layers import retie, tied_layers
@@ -497,7 +497,8 @@ class DPTrainingMixin:
         # Preprocessing state (vocabularies, means, bins) needs a provenance (issue 52).
         preprocessing.check_model(self, user_level=users is not None)
         input_checks.check_input_names(self)  # before any array meets an input
-        augmentation = check_augmentation(augment, augmentations, sample[0], self.optimizer)
+        augmentation = check_augmentation(augment, augmentations, sample[0], self.optimizer,
+                                          rows=(physical_batch_size or batch_size) * (per_user or 1))
         if augmentation != self._augmentation:
             self._augmentation = augmentation
             self.train_function = None  # retrace the step with the new copies
@@ -560,7 +561,7 @@ class DPTrainingMixin:
             target = getattr(self.optimizer, "noise_target", None)
             callbacks.append(
                 PrivacyBudget(epsilon=None, delta=min(DEFAULT_DELTA, 1.0 / num_examples))
-                if target is None else PrivacyBudget(epsilon=target.epsilon, delta=target.delta))
+                if target is None else PrivacyBudget.for_noise_target(target))
         # Ledger-reading callbacks go first so that every other callback
         # (progress bar, History, TensorBoard, checkpoints) sees epsilon.
         callbacks.sort(key=lambda c: not isinstance(c, PrivacyBudget))
@@ -719,6 +720,11 @@ class DPTrainingMixin:
             )
         note_save(self, filepath)
         return result
+
+    def load_weights(self, filepath, *args, **kwargs):
+        """Keras `load_weights`; a refused ledger's error names the file."""
+        with naming_the_file(filepath):
+            return super().load_weights(filepath, *args, **kwargs)
 
     # -- the ledger travels with the weights ------------------------------
 

@@ -447,6 +447,12 @@ class _Validation:
             x_val, y_val = data
             self._data = (np.asarray(x_val), np.asarray(y_val))
             self.count = len(self._data[0])
+            if self.count == 0 or len(self._data[1]) != self.count:
+                raise ValueError(
+                    "Expected validation_data (x_val, y_val) with the same, non-zero number of "
+                    "records: a trial's score is a mean over them. Received: "
+                    f"{self.count} and {len(self._data[1])} records"
+                )
         else:
             self._fraction = check_real("validation_split", split, low=0.0, high=1.0)
             self.count = self._fraction * total  # public: the split's realised size is not
