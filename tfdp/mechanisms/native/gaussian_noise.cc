@@ -1,0 +1,434 @@
+// tfdp's Gaussian noise as one compiled TensorFlow op: the same values, bit
+// for bit, as the graph generator of tfdp/mechanisms/gaussian.py (`_Draw`),
+// which stays the reference and the fallback.
+//
+// The graph draws, for count = prod(shape) and half = (count + 1) / 2:
+//   words = StatelessRandomUniformFullIntV2([2, half], uint32, Philox)
+//   w0 = words[0], w1 = words[1]                      (pair i: words i, half + i)
+//   E = 32 ln 2 - log(double(w0))                     (float64)
+//   angle = (work(w1) + 0.5) * work(2 pi 2^-32)       (work: float32, or float64)
+//   radius = sqrt(work(E)) * factor                   (factor = work(sqrt 2) * stddev)
+//   z = concat(radius cos(angle), radius sin(angle))[:count], cast to dtype
+// and, when some w0 is 0 (probability 2^-32 a pair), refines E in more rounds.
+// This op reports that event (`deep`) and tfdp then takes the graph's result,
+// so the rounds need no copy here.
+//
+// Exactness rests on three facts of TensorFlow's CPU kernels (the tests
+// compare every dtype and size class with the graph):
+//  * Philox4x32-10 words: word j of a draw is block (counter + j / 4)[j % 4],
+//    the key and counter scrambled from the seed by one Philox block.
+//  * The element-wise ops run Eigen's packet functions on whole packets (4
+//    doubles, 8 floats: TensorFlow's wheel is built for AVX without FMA) and
+//    the C library's scalar function on the last size % packet elements of
+//    the tensor. The float64 log and the float32 sin and cos are Eigen's
+//    polynomial algorithms, written out below operation by operation (a
+//    multiply-add is a multiply then an add); float64 sin and cos are scalar.
+//  * Casts round to nearest even; sqrt, +, -, *, / are IEEE operations.
+// Built with -ffp-contract=off and without -ffast-math, so the compiler keeps
+// every rounding; the hot loops are compiled for AVX-512, AVX2 and a portable
+// baseline and picked at load time.
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <algorithm>
+
+#include "tensorflow/core/framework/op.h"
+#include "tensorflow/core/framework/op_kernel.h"
+#include "tensorflow/core/framework/shape_inference.h"
+#include "tensorflow/core/framework/tensor_util.h"
+#include "tensorflow/core/util/work_sharder.h"
+
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#define TFDP_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
+#else
+#define TFDP_CLONES
+#endif
+#define TFDP_INLINE inline __attribute__((always_inline))
+
+namespace tfdp_noise {
+
+using std::int32_t;
+using std::int64_t;
+using std::uint32_t;
+using std::uint64_t;
+
+// -- Philox4x32-10 ------------------------------------------------------------
+
+struct PhiloxKey {
+  uint32_t k0, k1;
+  uint64_t counter_lo, counter_hi;  // the 128-bit counter of block 0
+};
+
+constexpr uint32_t kMulA = 0xD2511F53u, kMulB = 0xCD9E8D57u;
+constexpr uint32_t kWeylA = 0x9E3779B9u, kWeylB = 0xBB67AE85u;
+
+TFDP_INLINE void PhiloxBlock(uint32_t c[4], uint32_t k0, uint32_t k1) {
+  for (int round = 0; round < 10; ++round) {
+    const uint64_t pa = uint64_t(kMulA) * c[0];
+    const uint64_t pb = uint64_t(kMulB) * c[2];
+    const uint32_t n0 = uint32_t(pb >> 32) ^ c[1] ^ k0;
+    const uint32_t n2 = uint32_t(pa >> 32) ^ c[3] ^ k1;
+    c[0] = n0;
+    c[1] = uint32_t(pb);
+    c[2] = n2;
+    c[3] = uint32_t(pa);
+    k0 += kWeylA;
+    k1 += kWeylB;
+  }
+}
+
+// TensorFlow's seed scrambling (stateless ops, "auto_select" on CPU: Philox).
+PhiloxKey KeyFromSeed(int64_t seed0, int64_t seed1) {
+  const uint64_t s0 = uint64_t(seed0), s1 = uint64_t(seed1);
+  uint32_t c[4] = {uint32_t(s0), uint32_t(s0 >> 32), uint32_t(s1), uint32_t(s1 >> 32)};
+  PhiloxBlock(c, 0x3EC8F720u, 0x02461E29u);
+  PhiloxKey key;
+  key.k0 = c[0];
+  key.k1 = c[1];
+  key.counter_lo = 0;
+  key.counter_hi = uint64_t(c[2]) | (uint64_t(c[3]) << 32);
+  return key;
+}
+
+constexpr int kLanes = 16;  // Philox blocks computed side by side
+
+// Words [first, first + 4 * kLanes * groups) of the stream (first % 4 == 0).
+TFDP_INLINE void PhiloxWords(const PhiloxKey& key, uint64_t first_block, int groups,
+                             uint32_t* out) {
+  for (int g = 0; g < groups; ++g) {
+    uint32_t c0[kLanes], c1[kLanes], c2[kLanes], c3[kLanes];
+    for (int l = 0; l < kLanes; ++l) {
+      const uint64_t lo = key.counter_lo + first_block + uint64_t(g * kLanes + l);
+      const uint64_t hi = key.counter_hi + (lo < key.counter_lo ? 1 : 0);
+      c0[l] = uint32_t(lo);
+      c1[l] = uint32_t(lo >> 32);
+      c2[l] = uint32_t(hi);
+      c3[l] = uint32_t(hi >> 32);
+    }
+    uint32_t k0 = key.k0, k1 = key.k1;
+    for (int round = 0; round < 10; ++round) {
+      for (int l = 0; l < kLanes; ++l) {
+        const uint64_t pa = uint64_t(kMulA) * c0[l];
+        const uint64_t pb = uint64_t(kMulB) * c2[l];
+        const uint32_t n0 = uint32_t(pb >> 32) ^ c1[l] ^ k0;
+        const uint32_t n2 = uint32_t(pa >> 32) ^ c3[l] ^ k1;
+        c0[l] = n0;
+        c1[l] = uint32_t(pb);
+        c2[l] = n2;
+        c3[l] = uint32_t(pa);
+      }
+      k0 += kWeylA;
+      k1 += kWeylB;
+    }
+    uint32_t* o = out + 4 * kLanes * g;
+    for (int l = 0; l < kLanes; ++l) {
+      o[4 * l + 0] = c0[l];
+      o[4 * l + 1] = c1[l];
+      o[4 * l + 2] = c2[l];
+      o[4 * l + 3] = c3[l];
+    }
+  }
+}
+
+// -- Eigen's float64 log (Cephes), for x >= 1 -----------------------------------
+
+TFDP_INLINE double EigenLog(double value) {
+  uint64_t bits;
+  std::memcpy(&bits, &value, 8);
+  // frexp: value = m 2^e with m in [0.5, 1) (value is a normal number >= 1).
+  const uint64_t biased = bits >> 52;
+  const uint64_t m_bits = (bits & 0x000FFFFFFFFFFFFFull) | 0x3FE0000000000000ull;
+  double m;
+  std::memcpy(&m, &m_bits, 8);
+  const uint64_t e_bits = biased | 0x4330000000000000ull;  // 2^52 + biased, exactly
+  double e;
+  std::memcpy(&e, &e_bits, 8);
+  e = e - (4503599627370496.0 + 1022.0);
+  const bool below = m < 0.70710678118654752440E0;
+  double x = m - 1.0;
+  e = e - (below ? 1.0 : 0.0);
+  x = x + (below ? m : 0.0);
+  const double x2 = x * x;
+  const double x3 = x2 * x;
+  double y = 1.01875663804580931796E-4 * x + 4.97494994976747001425E-1;
+  double y1 = 1.44989225341610930846E1 * x + 1.79368678507819816313E1;
+  y = y * x + 4.70579119878881725854E0;
+  y1 = y1 * x + 7.70838733755885391666E0;
+  double num = y * x3 + y1;
+  y = 1.0 * x + 1.12873587189167450590E1;
+  y1 = 8.29875266912776603211E1 * x + 7.11544750618563894466E1;
+  y = y * x + 4.52279145837532221105E1;
+  y1 = y1 * x + 2.31251620126765340583E1;
+  double den = y * x3 + y1;
+  num = num * x3;
+  y = num / den;
+  y = -0.5 * x2 + y;
+  x = x + y;
+  return e * 0.693147180559945309417232121458176568 + x;
+}
+
+// -- Eigen's float32 sin and cos (no-FMA reduction), for |x| < 18838 ------------
+
+TFDP_INLINE void EigenSinCos(float angle, float* sin_out, float* cos_out) {
+  const float x0 = std::fabs(angle);
+  float y = x0 * 0.636619746685028076171875f;
+  const float y_round = y + 12582912.0f;
+  int32_t y_int;
+  std::memcpy(&y_int, &y_round, 4);
+  y = y_round - 12582912.0f;
+  float x = y * -1.5703125f + x0;
+  x = y * -0.000483989715576171875f + x;
+  x = y * 1.62865035235881805419921875e-07f + x;
+  x = y * 5.5644315544167710640977020375430583953857421875e-11f + x;
+  const float x2 = x * x;
+  float p1 = 2.4372266125283204019069671630859375e-05f;
+  p1 = p1 * x2 + -0.00138865201734006404876708984375f;
+  p1 = p1 * x2 + 0.041666619479656219482421875f;
+  p1 = p1 * x2 + -0.5f;
+  p1 = p1 * x2 + 1.0f;
+  float p2 = -0.0001959234114083702898469196984621021329076029360294342041015625f;
+  p2 = p2 * x2 + 0.0083326873655616851693794799871284340042620897293090820312500000f;
+  p2 = p2 * x2 + -0.1666666203982298255503735617821803316473960876464843750000000000f;
+  p2 = p2 * x2;
+  p2 = p2 * x + x;
+  const bool even = (y_int & 1) == 0;
+  uint32_t angle_bits, sin_bits, cos_bits;
+  std::memcpy(&angle_bits, &angle, 4);
+  const float s = even ? p2 : p1, c = even ? p1 : p2;
+  std::memcpy(&sin_bits, &s, 4);
+  std::memcpy(&cos_bits, &c, 4);
+  sin_bits ^= (angle_bits ^ (uint32_t(y_int) << 30)) & 0x80000000u;
+  cos_bits ^= (uint32_t(y_int + 1) << 30) & 0x80000000u;
+  std::memcpy(sin_out, &sin_bits, 4);
+  std::memcpy(cos_out, &cos_bits, 4);
+}
+
+// -- the draw ------------------------------------------------------------------
+
+constexpr double kLnCells = 22.18070977791825;           // 32 ln 2, as Python rounds it
+constexpr double kAnglePerWord = 1.4629180792671596e-09;  // 2 pi 2^-32
+constexpr int64_t kChunk = 256;                           // pairs a chunk (multiple of 64)
+
+struct Draw {
+  PhiloxKey key;
+  int64_t count, half;
+  int64_t log_scalar_from;  // pairs from here take the C library's log (Eigen's tail)
+  int64_t trig_scalar_from; // ... and its sin and cos (float32 work only)
+  double factor;
+};
+
+// The words of pairs [p, p + n) (n <= kChunk, p % 4 == 0): w0 and w1.
+TFDP_INLINE void ChunkWords(const Draw& d, int64_t p, int64_t n, uint32_t* w0, uint32_t* w1,
+                            uint32_t* scratch) {
+  const int groups0 = int((n + 4 * kLanes - 1) / (4 * kLanes));
+  PhiloxWords(d.key, uint64_t(p / 4), groups0, w0);
+  const int64_t start = d.half + p;  // w1 of pair p: word half + p
+  const int64_t offset = start % 4;
+  const int groups1 = int((n + offset + 4 * kLanes - 1) / (4 * kLanes));
+  PhiloxWords(d.key, uint64_t(start / 4), groups1, scratch);
+  for (int64_t i = 0; i < n; ++i) w1[i] = scratch[offset + i];
+}
+
+template <typename T>
+TFDP_INLINE T FromFloat(float v) {
+  return static_cast<T>(v);
+}
+
+// Float32 work: pairs [p, p + n) into radius * cos and radius * sin.
+TFDP_CLONES void RadiusAngle32(const uint32_t* w0, const uint32_t* w1, int64_t n, float factor,
+                               float* rc, float* rs, uint32_t* zero_seen) {
+  uint32_t zero = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    const double e = kLnCells - EigenLog(double(w0[i]));
+    zero |= (w0[i] == 0u);
+    const float radius = std::sqrt(float(e)) * factor;
+    const float angle = (float(w1[i]) + 0.5f) * float(kAnglePerWord);
+    float s, c;
+    EigenSinCos(angle, &s, &c);
+    rc[i] = radius * c;
+    rs[i] = radius * s;
+  }
+  *zero_seen |= zero;
+}
+
+template <typename T, bool kAdd>
+void RunPairs32(const Draw& d, int64_t begin, int64_t end, const T* sum, T* out, bool* deep) {
+  alignas(64) uint32_t w0[kChunk], w1[kChunk], scratch[kChunk + 4 * kLanes];
+  alignas(64) float rc[kChunk], rs[kChunk];
+  uint32_t zero_seen = 0;
+  const float factor = float(d.factor);
+  for (int64_t p = begin; p < end; p += kChunk) {
+    const int64_t n = std::min(kChunk, end - p);
+    ChunkWords(d, p, n, w0, w1, scratch);
+    RadiusAngle32(w0, w1, n, factor, rc, rs, &zero_seen);
+    // Eigen's tails: the last half % 4 logs and half % 8 sin/cos are scalar.
+    for (int64_t i = std::max(p, std::min(d.log_scalar_from, d.trig_scalar_from)); i < p + n; ++i) {
+      const int64_t k = i - p;
+      const double e = kLnCells - (i >= d.log_scalar_from ? std::log(double(w0[k]))
+                                                          : EigenLog(double(w0[k])));
+      const float radius = std::sqrt(float(e)) * factor;
+      const float angle = (float(w1[k]) + 0.5f) * float(kAnglePerWord);
+      float s, c;
+      if (i >= d.trig_scalar_from) {
+        s = std::sin(angle);
+        c = std::cos(angle);
+      } else {
+        EigenSinCos(angle, &s, &c);
+      }
+      rc[k] = radius * c;
+      rs[k] = radius * s;
+    }
+    const int64_t sin_end = std::min(n, d.count - d.half - p);  // the last sin may be cut
+    for (int64_t k = 0; k < n; ++k) {
+      const T v = FromFloat<T>(rc[k]);
+      out[p + k] = kAdd ? T(sum[p + k] + v) : v;
+    }
+    for (int64_t k = 0; k < sin_end; ++k) {
+      const T v = FromFloat<T>(rs[k]);
+      const int64_t j = d.half + p + k;
+      out[j] = kAdd ? T(sum[j] + v) : v;
+    }
+  }
+  if (zero_seen) *deep = true;
+}
+
+template <bool kAdd>
+void RunPairs64(const Draw& d, int64_t begin, int64_t end, const double* sum, double* out,
+                bool* deep) {
+  alignas(64) uint32_t w0[kChunk], w1[kChunk], scratch[kChunk + 4 * kLanes];
+  bool zero_seen = false;
+  for (int64_t p = begin; p < end; p += kChunk) {
+    const int64_t n = std::min(kChunk, end - p);
+    ChunkWords(d, p, n, w0, w1, scratch);
+    const int64_t sin_end = std::min(n, d.count - d.half - p);
+    for (int64_t k = 0; k < n; ++k) {
+      const int64_t i = p + k;
+      zero_seen |= (w0[k] == 0u);
+      const double word = double(w0[k]);
+      const double e = kLnCells - (i >= d.log_scalar_from ? std::log(word) : EigenLog(word));
+      const double radius = std::sqrt(e) * d.factor;
+      const double angle = (double(w1[k]) + 0.5) * kAnglePerWord;
+      const double c = radius * std::cos(angle);
+      out[i] = kAdd ? sum[i] + c : c;
+      if (k < sin_end) {
+        const double s = radius * std::sin(angle);
+        out[d.half + i] = kAdd ? sum[d.half + i] + s : s;
+      }
+    }
+  }
+  if (zero_seen) *deep = true;
+}
+
+}  // namespace tfdp_noise
+
+namespace tensorflow {
+
+using shape_inference::InferenceContext;
+
+REGISTER_OP("TfdpGaussianNoise")
+    .Input("shape: Tshape")
+    .Input("seed: int64")
+    .Input("factor: float64")
+    .Output("noise: dtype")
+    .Output("deep: bool")
+    .Attr("dtype: {half, bfloat16, float, double}")
+    .Attr("Tshape: {int32, int64}")
+    .SetShapeFn([](InferenceContext* c) {
+      shape_inference::ShapeHandle out;
+      TF_RETURN_IF_ERROR(c->MakeShapeFromShapeTensor(0, &out));
+      c->set_output(0, out);
+      c->set_output(1, c->Scalar());
+      return absl::OkStatus();
+    })
+    .Doc("tfdp's Gaussian noise of `shape` (the graph generator's values); "
+         "`deep`: some radius word was 0 (the graph refines those).");
+
+REGISTER_OP("TfdpGaussianNoiseAdd")
+    .Input("sum: dtype")
+    .Input("seed: int64")
+    .Input("factor: float64")
+    .Output("noised: dtype")
+    .Output("deep: bool")
+    .Attr("dtype: {half, bfloat16, float, double}")
+    .SetShapeFn([](InferenceContext* c) {
+      c->set_output(0, c->input(0));
+      c->set_output(1, c->Scalar());
+      return absl::OkStatus();
+    })
+    .Doc("`sum` plus TfdpGaussianNoise of its shape, in one pass.");
+
+template <typename T, bool kAdd>
+class GaussianNoiseOp : public OpKernel {
+ public:
+  explicit GaussianNoiseOp(OpKernelConstruction* ctx) : OpKernel(ctx) {}
+
+  void Compute(OpKernelContext* ctx) override {
+    const Tensor& first = ctx->input(0);
+    const Tensor& seed = ctx->input(1);
+    const Tensor& factor = ctx->input(2);
+    OP_REQUIRES(ctx, seed.dims() == 1 && seed.NumElements() == 2,
+                errors::InvalidArgument("seed must be an int64 vector of 2, got shape ",
+                                        seed.shape().DebugString()));
+    OP_REQUIRES(ctx, factor.dims() == 0,
+                errors::InvalidArgument("factor must be a scalar, got shape ",
+                                        factor.shape().DebugString()));
+    TensorShape shape;
+    if (kAdd) {
+      shape = first.shape();
+    } else {
+      OP_REQUIRES_OK(ctx, tensor::MakeShape(first, &shape));
+    }
+    Tensor* out = nullptr;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, shape, &out));
+    Tensor* deep_t = nullptr;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(1, TensorShape({}), &deep_t));
+
+    const auto seeds = seed.flat<int64_t>();
+    tfdp_noise::Draw d;
+    d.key = tfdp_noise::KeyFromSeed(seeds(0), seeds(1));
+    d.count = shape.num_elements();
+    d.half = (d.count + 1) / 2;
+    d.log_scalar_from = d.half - d.half % 4;
+    d.trig_scalar_from = d.half - d.half % 8;
+    d.factor = factor.scalar<double>()();
+
+    const T* sum = kAdd ? first.flat<T>().data() : nullptr;
+    T* data = out->flat<T>().data();
+    // Shards of whole chunks (each starts at a multiple of 4 pairs); each
+    // shard records its own deep flag.
+    const int64_t chunks = (d.half + tfdp_noise::kChunk - 1) / tfdp_noise::kChunk;
+    std::vector<char> deep(std::max<int64_t>(chunks, 1), 0);
+    auto work = [&](int64_t first_chunk, int64_t last_chunk) {
+      const int64_t begin = first_chunk * tfdp_noise::kChunk;
+      const int64_t end = std::min(d.half, last_chunk * tfdp_noise::kChunk);
+      bool seen = false;
+      if constexpr (std::is_same<T, double>::value) {
+        tfdp_noise::RunPairs64<kAdd>(d, begin, end, sum, data, &seen);
+      } else {
+        tfdp_noise::RunPairs32<T, kAdd>(d, begin, end, sum, data, &seen);
+      }
+      if (seen) deep[first_chunk] = 1;
+    };
+    const auto* threads = ctx->device()->tensorflow_cpu_worker_threads();
+    const int64_t cost = std::is_same<T, double>::value ? 100000 : 8000;  // a chunk, in cycles
+    Shard(threads->num_threads, threads->workers, chunks, cost, work);
+    deep_t->scalar<bool>()() =
+        std::any_of(deep.begin(), deep.end(), [](char flag) { return flag != 0; });
+  }
+};
+
+#define TFDP_REGISTER(T)                                                                  \
+  REGISTER_KERNEL_BUILDER(                                                                \
+      Name("TfdpGaussianNoise").Device(DEVICE_CPU).TypeConstraint<T>("dtype").HostMemory( \
+          "shape"),                                                                       \
+      GaussianNoiseOp<T, false>);                                                         \
+  REGISTER_KERNEL_BUILDER(Name("TfdpGaussianNoiseAdd").Device(DEVICE_CPU).TypeConstraint<T>("dtype"), \
+                          GaussianNoiseOp<T, true>);
+
+TFDP_REGISTER(Eigen::half)
+TFDP_REGISTER(Eigen::bfloat16)
+TFDP_REGISTER(float)
+TFDP_REGISTER(double)
+
+}  // namespace tensorflow
