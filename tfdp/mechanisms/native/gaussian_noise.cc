@@ -32,6 +32,10 @@
 #include <cstdint>
 #include <cstring>
 #include <algorithm>
+#include <vector>
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
 
 #include "tensorflow/core/framework/op.h"
 #include "tensorflow/core/framework/op_kernel.h"
@@ -93,9 +97,10 @@ PhiloxKey KeyFromSeed(int64_t seed0, int64_t seed1) {
 
 constexpr int kLanes = 16;  // Philox blocks computed side by side
 
-// Words [first, first + 4 * kLanes * groups) of the stream (first % 4 == 0).
-TFDP_INLINE void PhiloxWords(const PhiloxKey& key, uint64_t first_block, int groups,
-                             uint32_t* out) {
+// Words [4 first_block, 4 (first_block + kLanes groups)) of the stream: the
+// portable version (the compiler vectorizes what it can).
+TFDP_CLONES void PhiloxWordsPortable(const PhiloxKey& key, uint64_t first_block, int groups,
+                                     uint32_t* out) {
   for (int g = 0; g < groups; ++g) {
     uint32_t c0[kLanes], c1[kLanes], c2[kLanes], c3[kLanes];
     for (int l = 0; l < kLanes; ++l) {
@@ -129,6 +134,82 @@ TFDP_INLINE void PhiloxWords(const PhiloxKey& key, uint64_t first_block, int gro
       o[4 * l + 3] = c3[l];
     }
   }
+}
+
+#if defined(__x86_64__) && defined(__GNUC__)
+// The same words, 16 blocks a step in AVX-512 registers (one block a lane).
+__attribute__((target("avx512f"))) void PhiloxWords512(const PhiloxKey& key,
+                                                       uint64_t first_block, int groups,
+                                                       uint32_t* out) {
+  const __m512i mul_a = _mm512_set1_epi64(kMulA), mul_b = _mm512_set1_epi64(kMulB);
+  const __m512i base_lo = _mm512_set1_epi64(int64_t(key.counter_lo));
+  const __m512i base_hi = _mm512_set1_epi64(int64_t(key.counter_hi));
+  const __m512i steps_even = _mm512_set_epi64(14, 12, 10, 8, 6, 4, 2, 0);
+  const __m512i one = _mm512_set1_epi64(1);
+  for (int g = 0; g < groups; ++g) {
+    // Block b = first_block + 16 g + lane: 128-bit counter base + b.
+    const __m512i offset = _mm512_set1_epi64(int64_t(first_block + uint64_t(16 * g)));
+    const __m512i lo_even = _mm512_add_epi64(base_lo, _mm512_add_epi64(offset, steps_even));
+    const __m512i lo_odd = _mm512_add_epi64(lo_even, one);
+    const __mmask8 carry_even = _mm512_cmplt_epu64_mask(lo_even, base_lo);
+    const __mmask8 carry_odd = _mm512_cmplt_epu64_mask(lo_odd, base_lo);
+    const __m512i hi_even = _mm512_mask_add_epi64(base_hi, carry_even, base_hi, one);
+    const __m512i hi_odd = _mm512_mask_add_epi64(base_hi, carry_odd, base_hi, one);
+    // 32-bit lanes: even lanes from the even blocks, odd lanes from the odd ones.
+    __m512i c0 = _mm512_mask_blend_epi32(0xAAAA, lo_even, _mm512_slli_epi64(lo_odd, 32));
+    __m512i c1 = _mm512_mask_blend_epi32(0xAAAA, _mm512_srli_epi64(lo_even, 32), lo_odd);
+    __m512i c2 = _mm512_mask_blend_epi32(0xAAAA, hi_even, _mm512_slli_epi64(hi_odd, 32));
+    __m512i c3 = _mm512_mask_blend_epi32(0xAAAA, _mm512_srli_epi64(hi_even, 32), hi_odd);
+    // Blocks in lane order 0, 1, ..., 15 (even lanes: blocks 0, 2, ...; odd: 1, 3, ...).
+    __m512i k0 = _mm512_set1_epi32(int32_t(key.k0)), k1 = _mm512_set1_epi32(int32_t(key.k1));
+    const __m512i weyl_a = _mm512_set1_epi32(int32_t(kWeylA));
+    const __m512i weyl_b = _mm512_set1_epi32(int32_t(kWeylB));
+    for (int round = 0; round < 10; ++round) {
+      const __m512i pa_even = _mm512_mul_epu32(c0, mul_a);
+      const __m512i pa_odd = _mm512_mul_epu32(_mm512_srli_epi64(c0, 32), mul_a);
+      const __m512i pb_even = _mm512_mul_epu32(c2, mul_b);
+      const __m512i pb_odd = _mm512_mul_epu32(_mm512_srli_epi64(c2, 32), mul_b);
+      const __m512i lo_a = _mm512_mask_blend_epi32(0xAAAA, pa_even, _mm512_slli_epi64(pa_odd, 32));
+      const __m512i hi_a = _mm512_mask_blend_epi32(0xAAAA, _mm512_srli_epi64(pa_even, 32), pa_odd);
+      const __m512i lo_b = _mm512_mask_blend_epi32(0xAAAA, pb_even, _mm512_slli_epi64(pb_odd, 32));
+      const __m512i hi_b = _mm512_mask_blend_epi32(0xAAAA, _mm512_srli_epi64(pb_even, 32), pb_odd);
+      c0 = _mm512_xor_si512(_mm512_xor_si512(hi_b, c1), k0);
+      c1 = lo_b;
+      c2 = _mm512_xor_si512(_mm512_xor_si512(hi_a, c3), k1);
+      c3 = lo_a;
+      k0 = _mm512_add_epi32(k0, weyl_a);
+      k1 = _mm512_add_epi32(k1, weyl_b);
+    }
+    // Transpose to words in stream order: block b's 4 words at 4 b.
+    const __m512i t0 = _mm512_unpacklo_epi32(c0, c1), t1 = _mm512_unpackhi_epi32(c0, c1);
+    const __m512i t2 = _mm512_unpacklo_epi32(c2, c3), t3 = _mm512_unpackhi_epi32(c2, c3);
+    const __m512i u0 = _mm512_unpacklo_epi64(t0, t2);  // blocks 0, 4, 8, 12
+    const __m512i u1 = _mm512_unpackhi_epi64(t0, t2);  // blocks 1, 5, 9, 13
+    const __m512i u2 = _mm512_unpacklo_epi64(t1, t3);  // blocks 2, 6, 10, 14
+    const __m512i u3 = _mm512_unpackhi_epi64(t1, t3);  // blocks 3, 7, 11, 15
+    const __m512i v0 = _mm512_shuffle_i32x4(u0, u1, 0x44);  // 0, 4, 1, 5
+    const __m512i v1 = _mm512_shuffle_i32x4(u2, u3, 0x44);  // 2, 6, 3, 7
+    const __m512i v2 = _mm512_shuffle_i32x4(u0, u1, 0xEE);  // 8, 12, 9, 13
+    const __m512i v3 = _mm512_shuffle_i32x4(u2, u3, 0xEE);  // 10, 14, 11, 15
+    uint32_t* o = out + 64 * g;
+    _mm512_storeu_si512(o, _mm512_shuffle_i32x4(v0, v1, 0x88));
+    _mm512_storeu_si512(o + 16, _mm512_shuffle_i32x4(v0, v1, 0xDD));
+    _mm512_storeu_si512(o + 32, _mm512_shuffle_i32x4(v2, v3, 0x88));
+    _mm512_storeu_si512(o + 48, _mm512_shuffle_i32x4(v2, v3, 0xDD));
+  }
+}
+
+const bool kHasAvx512 = __builtin_cpu_supports("avx512f");
+#else
+const bool kHasAvx512 = false;
+#endif
+
+TFDP_INLINE void PhiloxWords(const PhiloxKey& key, uint64_t first_block, int groups,
+                             uint32_t* out) {
+#if defined(__x86_64__) && defined(__GNUC__)
+  if (kHasAvx512) return PhiloxWords512(key, first_block, groups, out);
+#endif
+  PhiloxWordsPortable(key, first_block, groups, out);
 }
 
 // -- Eigen's float64 log (Cephes), for x >= 1 -----------------------------------
@@ -293,26 +374,38 @@ void RunPairs32(const Draw& d, int64_t begin, int64_t end, const T* sum, T* out,
   if (zero_seen) *deep = true;
 }
 
+// Float64 work: the radii of pairs [p, p + n) (Eigen's log on every pair).
+TFDP_CLONES void Radius64(const uint32_t* w0, int64_t n, double factor, double* radius,
+                          uint32_t* zero_seen) {
+  uint32_t zero = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    zero |= (w0[i] == 0u);
+    radius[i] = std::sqrt(kLnCells - EigenLog(double(w0[i]))) * factor;
+  }
+  *zero_seen |= zero;
+}
+
 template <bool kAdd>
 void RunPairs64(const Draw& d, int64_t begin, int64_t end, const double* sum, double* out,
                 bool* deep) {
   alignas(64) uint32_t w0[kChunk], w1[kChunk], scratch[kChunk + 4 * kLanes];
-  bool zero_seen = false;
+  alignas(64) double radius[kChunk];
+  uint32_t zero_seen = 0;
   for (int64_t p = begin; p < end; p += kChunk) {
     const int64_t n = std::min(kChunk, end - p);
     ChunkWords(d, p, n, w0, w1, scratch);
+    Radius64(w0, n, d.factor, radius, &zero_seen);
+    for (int64_t i = std::max(p, d.log_scalar_from); i < p + n; ++i) {  // Eigen's scalar tail
+      radius[i - p] = std::sqrt(kLnCells - std::log(double(w0[i - p]))) * d.factor;
+    }
     const int64_t sin_end = std::min(n, d.count - d.half - p);
     for (int64_t k = 0; k < n; ++k) {
       const int64_t i = p + k;
-      zero_seen |= (w0[k] == 0u);
-      const double word = double(w0[k]);
-      const double e = kLnCells - (i >= d.log_scalar_from ? std::log(word) : EigenLog(word));
-      const double radius = std::sqrt(e) * d.factor;
       const double angle = (double(w1[k]) + 0.5) * kAnglePerWord;
-      const double c = radius * std::cos(angle);
+      const double c = radius[k] * std::cos(angle);
       out[i] = kAdd ? sum[i] + c : c;
       if (k < sin_end) {
-        const double s = radius * std::sin(angle);
+        const double s = radius[k] * std::sin(angle);
         out[d.half + i] = kAdd ? sum[d.half + i] + s : s;
       }
     }
