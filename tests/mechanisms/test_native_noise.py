@@ -79,6 +79,32 @@ def test_kernel_draws_the_graph_values_bit_for_bit(library, dtype):
         SHAPES[:-1], seeds[:len(SHAPES) - 1], [dtype] * (len(SHAPES) - 1), stddev))()))
 
 
+def runnable_isas():
+    """The instruction sets of the op's loops this CPU runs (x86: from /proc/cpuinfo)."""
+    flags = set()
+    if os.path.exists("/proc/cpuinfo"):
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("flags"):
+                flags = set(line.split(":", 1)[1].split())
+                break
+    return ["portable"] + [isa for isa in ("avx2", "avx512f") if isa in flags]
+
+
+@pytest.mark.parametrize("dtype", [tf.float32, tf.float64])
+def test_every_instruction_set_draws_the_same_bits(library, dtype):
+    """The portable loops and the AVX2 and AVX-512 ones (where this CPU runs
+    them) all give the graph's values: CI machines may pick any of them."""
+    sizes = [1, 9, 33, 1031, 70001]
+    seeds = [tf.constant([17, n], tf.int64) for n in sizes]
+    factor = gaussian._radius_factor(1.0, gaussian._work_dtype(dtype))
+    reference = gaussian._graph_draws([([n], i, dtype, [i]) for i, n in enumerate(sizes)], seeds, 1.0)
+    for isa in runnable_isas():
+        drawn = [library.tfdp_gaussian_noise(tf.constant([n]), seed, tf.cast(factor, tf.float64),
+                                             dtype=dtype, isa=isa)[0]
+                 for n, seed in zip(sizes, seeds)]
+        assert_same_bits(reference, drawn)
+
+
 def test_kernel_matches_eagerly_too(library):
     seed = tf.constant([5, 6], tf.int64)
     assert_same_bits(*both_paths(lambda: gaussian.normals(

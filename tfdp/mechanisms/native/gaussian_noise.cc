@@ -32,6 +32,7 @@
 #include <cstdint>
 #include <cstring>
 #include <algorithm>
+#include <string>
 #include <vector>
 #if defined(__x86_64__)
 #include <immintrin.h>
@@ -43,10 +44,9 @@
 #include "tensorflow/core/framework/tensor_util.h"
 #include "tensorflow/core/util/work_sharder.h"
 
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
-#define TFDP_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
-#else
-#define TFDP_CLONES
+#if defined(__x86_64__) && defined(__GNUC__)
+#define TFDP_X86 1
+#define TFDP_TARGET(isa) __attribute__((target(isa)))
 #endif
 #define TFDP_INLINE inline __attribute__((always_inline))
 
@@ -99,7 +99,7 @@ constexpr int kLanes = 16;  // Philox blocks computed side by side
 
 // Words [4 first_block, 4 (first_block + kLanes groups)) of the stream: the
 // portable version (the compiler vectorizes what it can).
-TFDP_CLONES void PhiloxWordsPortable(const PhiloxKey& key, uint64_t first_block, int groups,
+TFDP_INLINE void PhiloxWordsLoop(const PhiloxKey& key, uint64_t first_block, int groups,
                                      uint32_t* out) {
   for (int g = 0; g < groups; ++g) {
     uint32_t c0[kLanes], c1[kLanes], c2[kLanes], c3[kLanes];
@@ -136,50 +136,53 @@ TFDP_CLONES void PhiloxWordsPortable(const PhiloxKey& key, uint64_t first_block,
   }
 }
 
-#if defined(__x86_64__) && defined(__GNUC__)
-// The same words, 16 blocks a step in AVX-512 registers (one block a lane).
-__attribute__((target("avx512f"))) void PhiloxWords512(const PhiloxKey& key,
-                                                       uint64_t first_block, int groups,
-                                                       uint32_t* out) {
+#ifdef TFDP_X86
+// The same words, 16 blocks a step in AVX-512 registers: each 64-bit lane
+// holds one block's 32-bit word in its low half (the multiply reads only
+// that half, so the high halves may hold anything).
+TFDP_TARGET("avx512f")
+TFDP_INLINE void PhiloxRounds512(__m512i& c0, __m512i& c1, __m512i& c2, __m512i& c3,
+                                 uint32_t key0, uint32_t key1) {
   const __m512i mul_a = _mm512_set1_epi64(kMulA), mul_b = _mm512_set1_epi64(kMulB);
+  const __m512i weyl_a = _mm512_set1_epi64(kWeylA), weyl_b = _mm512_set1_epi64(kWeylB);
+  __m512i k0 = _mm512_set1_epi64(key0), k1 = _mm512_set1_epi64(key1);
+  for (int round = 0; round < 10; ++round) {
+    const __m512i pa = _mm512_mul_epu32(c0, mul_a);
+    const __m512i pb = _mm512_mul_epu32(c2, mul_b);
+    c0 = _mm512_xor_si512(_mm512_xor_si512(_mm512_srli_epi64(pb, 32), c1), k0);
+    c1 = pb;
+    c2 = _mm512_xor_si512(_mm512_xor_si512(_mm512_srli_epi64(pa, 32), c3), k1);
+    c3 = pa;
+    k0 = _mm512_add_epi32(k0, weyl_a);  // the low halves wrap as uint32 does
+    k1 = _mm512_add_epi32(k1, weyl_b);
+  }
+}
+
+TFDP_TARGET("avx512f")
+void PhiloxWordsAvx512(const PhiloxKey& key, uint64_t first_block, int groups, uint32_t* out) {
   const __m512i base_lo = _mm512_set1_epi64(int64_t(key.counter_lo));
   const __m512i base_hi = _mm512_set1_epi64(int64_t(key.counter_hi));
-  const __m512i steps_even = _mm512_set_epi64(14, 12, 10, 8, 6, 4, 2, 0);
+  const __m512i steps = _mm512_set_epi64(7, 6, 5, 4, 3, 2, 1, 0);
   const __m512i one = _mm512_set1_epi64(1);
+  // The low halves of two registers' 64-bit lanes, in order: 16 words.
+  const __m512i low_halves = _mm512_set_epi32(30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0);
   for (int g = 0; g < groups; ++g) {
-    // Block b = first_block + 16 g + lane: 128-bit counter base + b.
-    const __m512i offset = _mm512_set1_epi64(int64_t(first_block + uint64_t(16 * g)));
-    const __m512i lo_even = _mm512_add_epi64(base_lo, _mm512_add_epi64(offset, steps_even));
-    const __m512i lo_odd = _mm512_add_epi64(lo_even, one);
-    const __mmask8 carry_even = _mm512_cmplt_epu64_mask(lo_even, base_lo);
-    const __mmask8 carry_odd = _mm512_cmplt_epu64_mask(lo_odd, base_lo);
-    const __m512i hi_even = _mm512_mask_add_epi64(base_hi, carry_even, base_hi, one);
-    const __m512i hi_odd = _mm512_mask_add_epi64(base_hi, carry_odd, base_hi, one);
-    // 32-bit lanes: even lanes from the even blocks, odd lanes from the odd ones.
-    __m512i c0 = _mm512_mask_blend_epi32(0xAAAA, lo_even, _mm512_slli_epi64(lo_odd, 32));
-    __m512i c1 = _mm512_mask_blend_epi32(0xAAAA, _mm512_srli_epi64(lo_even, 32), lo_odd);
-    __m512i c2 = _mm512_mask_blend_epi32(0xAAAA, hi_even, _mm512_slli_epi64(hi_odd, 32));
-    __m512i c3 = _mm512_mask_blend_epi32(0xAAAA, _mm512_srli_epi64(hi_even, 32), hi_odd);
-    // Blocks in lane order 0, 1, ..., 15 (even lanes: blocks 0, 2, ...; odd: 1, 3, ...).
-    __m512i k0 = _mm512_set1_epi32(int32_t(key.k0)), k1 = _mm512_set1_epi32(int32_t(key.k1));
-    const __m512i weyl_a = _mm512_set1_epi32(int32_t(kWeylA));
-    const __m512i weyl_b = _mm512_set1_epi32(int32_t(kWeylB));
-    for (int round = 0; round < 10; ++round) {
-      const __m512i pa_even = _mm512_mul_epu32(c0, mul_a);
-      const __m512i pa_odd = _mm512_mul_epu32(_mm512_srli_epi64(c0, 32), mul_a);
-      const __m512i pb_even = _mm512_mul_epu32(c2, mul_b);
-      const __m512i pb_odd = _mm512_mul_epu32(_mm512_srli_epi64(c2, 32), mul_b);
-      const __m512i lo_a = _mm512_mask_blend_epi32(0xAAAA, pa_even, _mm512_slli_epi64(pa_odd, 32));
-      const __m512i hi_a = _mm512_mask_blend_epi32(0xAAAA, _mm512_srli_epi64(pa_even, 32), pa_odd);
-      const __m512i lo_b = _mm512_mask_blend_epi32(0xAAAA, pb_even, _mm512_slli_epi64(pb_odd, 32));
-      const __m512i hi_b = _mm512_mask_blend_epi32(0xAAAA, _mm512_srli_epi64(pb_even, 32), pb_odd);
-      c0 = _mm512_xor_si512(_mm512_xor_si512(hi_b, c1), k0);
-      c1 = lo_b;
-      c2 = _mm512_xor_si512(_mm512_xor_si512(hi_a, c3), k1);
-      c3 = lo_a;
-      k0 = _mm512_add_epi32(k0, weyl_a);
-      k1 = _mm512_add_epi32(k1, weyl_b);
-    }
+    // Blocks b = first_block + 16 g + (0..7 | 8..15): the 128-bit counter base + b.
+    const __m512i start = _mm512_set1_epi64(int64_t(first_block + uint64_t(16 * g)));
+    const __m512i lo_a = _mm512_add_epi64(base_lo, _mm512_add_epi64(start, steps));
+    const __m512i lo_b = _mm512_add_epi64(lo_a, _mm512_set1_epi64(8));
+    const __m512i hi_a = _mm512_mask_add_epi64(base_hi, _mm512_cmplt_epu64_mask(lo_a, base_lo),
+                                               base_hi, one);
+    const __m512i hi_b = _mm512_mask_add_epi64(base_hi, _mm512_cmplt_epu64_mask(lo_b, base_lo),
+                                               base_hi, one);
+    __m512i a0 = lo_a, a1 = _mm512_srli_epi64(lo_a, 32), a2 = hi_a, a3 = _mm512_srli_epi64(hi_a, 32);
+    __m512i b0 = lo_b, b1 = _mm512_srli_epi64(lo_b, 32), b2 = hi_b, b3 = _mm512_srli_epi64(hi_b, 32);
+    PhiloxRounds512(a0, a1, a2, a3, key.k0, key.k1);
+    PhiloxRounds512(b0, b1, b2, b3, key.k0, key.k1);
+    const __m512i c0 = _mm512_permutex2var_epi32(a0, low_halves, b0);  // word 0 of blocks 0..15
+    const __m512i c1 = _mm512_permutex2var_epi32(a1, low_halves, b1);
+    const __m512i c2 = _mm512_permutex2var_epi32(a2, low_halves, b2);
+    const __m512i c3 = _mm512_permutex2var_epi32(a3, low_halves, b3);
     // Transpose to words in stream order: block b's 4 words at 4 b.
     const __m512i t0 = _mm512_unpacklo_epi32(c0, c1), t1 = _mm512_unpackhi_epi32(c0, c1);
     const __m512i t2 = _mm512_unpacklo_epi32(c2, c3), t3 = _mm512_unpackhi_epi32(c2, c3);
@@ -198,19 +201,7 @@ __attribute__((target("avx512f"))) void PhiloxWords512(const PhiloxKey& key,
     _mm512_storeu_si512(o + 48, _mm512_shuffle_i32x4(v2, v3, 0xDD));
   }
 }
-
-const bool kHasAvx512 = __builtin_cpu_supports("avx512f");
-#else
-const bool kHasAvx512 = false;
-#endif
-
-TFDP_INLINE void PhiloxWords(const PhiloxKey& key, uint64_t first_block, int groups,
-                             uint32_t* out) {
-#if defined(__x86_64__) && defined(__GNUC__)
-  if (kHasAvx512) return PhiloxWords512(key, first_block, groups, out);
-#endif
-  PhiloxWordsPortable(key, first_block, groups, out);
-}
+#endif  // TFDP_X86
 
 // -- Eigen's float64 log (Cephes), for x >= 1 -----------------------------------
 
@@ -285,40 +276,14 @@ TFDP_INLINE void EigenSinCos(float angle, float* sin_out, float* cos_out) {
   std::memcpy(cos_out, &cos_bits, 4);
 }
 
-// -- the draw ------------------------------------------------------------------
+// -- the hot loops, one copy an instruction set ----------------------------------
 
 constexpr double kLnCells = 22.18070977791825;           // 32 ln 2, as Python rounds it
 constexpr double kAnglePerWord = 1.4629180792671596e-09;  // 2 pi 2^-32
-constexpr int64_t kChunk = 256;                           // pairs a chunk (multiple of 64)
 
-struct Draw {
-  PhiloxKey key;
-  int64_t count, half;
-  int64_t log_scalar_from;  // pairs from here take the C library's log (Eigen's tail)
-  int64_t trig_scalar_from; // ... and its sin and cos (float32 work only)
-  double factor;
-};
-
-// The words of pairs [p, p + n) (n <= kChunk, p % 4 == 0): w0 and w1.
-TFDP_INLINE void ChunkWords(const Draw& d, int64_t p, int64_t n, uint32_t* w0, uint32_t* w1,
-                            uint32_t* scratch) {
-  const int groups0 = int((n + 4 * kLanes - 1) / (4 * kLanes));
-  PhiloxWords(d.key, uint64_t(p / 4), groups0, w0);
-  const int64_t start = d.half + p;  // w1 of pair p: word half + p
-  const int64_t offset = start % 4;
-  const int groups1 = int((n + offset + 4 * kLanes - 1) / (4 * kLanes));
-  PhiloxWords(d.key, uint64_t(start / 4), groups1, scratch);
-  for (int64_t i = 0; i < n; ++i) w1[i] = scratch[offset + i];
-}
-
-template <typename T>
-TFDP_INLINE T FromFloat(float v) {
-  return static_cast<T>(v);
-}
-
-// Float32 work: pairs [p, p + n) into radius * cos and radius * sin.
-TFDP_CLONES void RadiusAngle32(const uint32_t* w0, const uint32_t* w1, int64_t n, float factor,
-                               float* rc, float* rs, uint32_t* zero_seen) {
+// Float32 work: pairs' radius * cos and radius * sin (Eigen's functions).
+TFDP_INLINE void RadiusAngle32Loop(const uint32_t* w0, const uint32_t* w1, int64_t n,
+                                   float factor, float* rc, float* rs, uint32_t* zero_seen) {
   uint32_t zero = 0;
   for (int64_t i = 0; i < n; ++i) {
     const double e = kLnCells - EigenLog(double(w0[i]));
@@ -333,6 +298,94 @@ TFDP_CLONES void RadiusAngle32(const uint32_t* w0, const uint32_t* w1, int64_t n
   *zero_seen |= zero;
 }
 
+// Float64 work: pairs' radii (Eigen's log).
+TFDP_INLINE void Radius64Loop(const uint32_t* w0, int64_t n, double factor, double* radius,
+                              uint32_t* zero_seen) {
+  uint32_t zero = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    zero |= (w0[i] == 0u);
+    radius[i] = std::sqrt(kLnCells - EigenLog(double(w0[i]))) * factor;
+  }
+  *zero_seen |= zero;
+}
+
+// The same source compiled for each instruction set: the vector width
+// changes nothing an IEEE operation returns.
+struct Isa {
+  const char* name;
+  void (*philox)(const PhiloxKey&, uint64_t, int, uint32_t*);
+  void (*radius_angle32)(const uint32_t*, const uint32_t*, int64_t, float, float*, float*,
+                         uint32_t*);
+  void (*radius64)(const uint32_t*, int64_t, double, double*, uint32_t*);
+};
+
+#define TFDP_LOOPS(SUFFIX, ATTRIBUTE)                                                         \
+  ATTRIBUTE void RadiusAngle32##SUFFIX(const uint32_t* w0, const uint32_t* w1, int64_t n,    \
+                                       float factor, float* rc, float* rs, uint32_t* zero) { \
+    RadiusAngle32Loop(w0, w1, n, factor, rc, rs, zero);                                      \
+  }                                                                                          \
+  ATTRIBUTE void Radius64##SUFFIX(const uint32_t* w0, int64_t n, double factor,              \
+                                  double* radius, uint32_t* zero) {                          \
+    Radius64Loop(w0, n, factor, radius, zero);                                               \
+  }
+
+void PhiloxWordsPortable(const PhiloxKey& key, uint64_t first, int groups, uint32_t* out) {
+  PhiloxWordsLoop(key, first, groups, out);
+}
+TFDP_LOOPS(Portable, )
+const Isa kPortable = {"portable", PhiloxWordsPortable, RadiusAngle32Portable, Radius64Portable};
+
+#ifdef TFDP_X86
+TFDP_TARGET("avx2")
+void PhiloxWordsAvx2(const PhiloxKey& key, uint64_t first, int groups, uint32_t* out) {
+  PhiloxWordsLoop(key, first, groups, out);
+}
+TFDP_LOOPS(Avx2, TFDP_TARGET("avx2"))
+TFDP_LOOPS(Avx512, TFDP_TARGET("avx512f"))
+const Isa kAvx2 = {"avx2", PhiloxWordsAvx2, RadiusAngle32Avx2, Radius64Avx2};
+const Isa kAvx512 = {"avx512f", PhiloxWordsAvx512, RadiusAngle32Avx512, Radius64Avx512};
+#endif
+
+// The instruction set `requested` ("auto": the widest this CPU runs), or
+// null where this CPU does not run it.
+const Isa* PickIsa(const std::string& requested) {
+#ifdef TFDP_X86
+  __builtin_cpu_init();
+  const bool avx512 = __builtin_cpu_supports("avx512f");
+  const bool avx2 = __builtin_cpu_supports("avx2");
+  if (requested == "avx512f" || (requested == "auto" && avx512)) return avx512 ? &kAvx512 : nullptr;
+  if (requested == "avx2" || (requested == "auto" && avx2)) return avx2 ? &kAvx2 : nullptr;
+#else
+  if (requested != "auto" && requested != "portable") return nullptr;
+#endif
+  return &kPortable;
+}
+
+// -- the draw ------------------------------------------------------------------
+
+constexpr int64_t kChunk = 256;  // pairs a chunk (a multiple of 64)
+
+struct Draw {
+  const Isa* isa;
+  PhiloxKey key;
+  int64_t count, half;
+  int64_t log_scalar_from;   // pairs from here take the C library's log (Eigen's tail)
+  int64_t trig_scalar_from;  // ... and its sin and cos (float32 work only)
+  double factor;
+};
+
+// The words of pairs [p, p + n) (n <= kChunk, p % 4 == 0): w0 and w1.
+TFDP_INLINE void ChunkWords(const Draw& d, int64_t p, int64_t n, uint32_t* w0, uint32_t* w1,
+                            uint32_t* scratch) {
+  const int groups0 = int((n + 4 * kLanes - 1) / (4 * kLanes));
+  d.isa->philox(d.key, uint64_t(p / 4), groups0, w0);
+  const int64_t start = d.half + p;  // w1 of pair p: word half + p
+  const int64_t offset = start % 4;
+  const int groups1 = int((n + offset + 4 * kLanes - 1) / (4 * kLanes));
+  d.isa->philox(d.key, uint64_t(start / 4), groups1, scratch);
+  std::memcpy(w1, scratch + offset, sizeof(uint32_t) * n);
+}
+
 template <typename T, bool kAdd>
 void RunPairs32(const Draw& d, int64_t begin, int64_t end, const T* sum, T* out, bool* deep) {
   alignas(64) uint32_t w0[kChunk], w1[kChunk], scratch[kChunk + 4 * kLanes];
@@ -342,7 +395,7 @@ void RunPairs32(const Draw& d, int64_t begin, int64_t end, const T* sum, T* out,
   for (int64_t p = begin; p < end; p += kChunk) {
     const int64_t n = std::min(kChunk, end - p);
     ChunkWords(d, p, n, w0, w1, scratch);
-    RadiusAngle32(w0, w1, n, factor, rc, rs, &zero_seen);
+    d.isa->radius_angle32(w0, w1, n, factor, rc, rs, &zero_seen);
     // Eigen's tails: the last half % 4 logs and half % 8 sin/cos are scalar.
     for (int64_t i = std::max(p, std::min(d.log_scalar_from, d.trig_scalar_from)); i < p + n; ++i) {
       const int64_t k = i - p;
@@ -362,27 +415,16 @@ void RunPairs32(const Draw& d, int64_t begin, int64_t end, const T* sum, T* out,
     }
     const int64_t sin_end = std::min(n, d.count - d.half - p);  // the last sin may be cut
     for (int64_t k = 0; k < n; ++k) {
-      const T v = FromFloat<T>(rc[k]);
+      const T v = static_cast<T>(rc[k]);
       out[p + k] = kAdd ? T(sum[p + k] + v) : v;
     }
     for (int64_t k = 0; k < sin_end; ++k) {
-      const T v = FromFloat<T>(rs[k]);
+      const T v = static_cast<T>(rs[k]);
       const int64_t j = d.half + p + k;
       out[j] = kAdd ? T(sum[j] + v) : v;
     }
   }
   if (zero_seen) *deep = true;
-}
-
-// Float64 work: the radii of pairs [p, p + n) (Eigen's log on every pair).
-TFDP_CLONES void Radius64(const uint32_t* w0, int64_t n, double factor, double* radius,
-                          uint32_t* zero_seen) {
-  uint32_t zero = 0;
-  for (int64_t i = 0; i < n; ++i) {
-    zero |= (w0[i] == 0u);
-    radius[i] = std::sqrt(kLnCells - EigenLog(double(w0[i]))) * factor;
-  }
-  *zero_seen |= zero;
 }
 
 template <bool kAdd>
@@ -394,7 +436,7 @@ void RunPairs64(const Draw& d, int64_t begin, int64_t end, const double* sum, do
   for (int64_t p = begin; p < end; p += kChunk) {
     const int64_t n = std::min(kChunk, end - p);
     ChunkWords(d, p, n, w0, w1, scratch);
-    Radius64(w0, n, d.factor, radius, &zero_seen);
+    d.isa->radius64(w0, n, d.factor, radius, &zero_seen);
     for (int64_t i = std::max(p, d.log_scalar_from); i < p + n; ++i) {  // Eigen's scalar tail
       radius[i - p] = std::sqrt(kLnCells - std::log(double(w0[i - p]))) * d.factor;
     }
@@ -427,6 +469,7 @@ REGISTER_OP("TfdpGaussianNoise")
     .Output("deep: bool")
     .Attr("dtype: {half, bfloat16, float, double}")
     .Attr("Tshape: {int32, int64}")
+    .Attr("isa: {'auto', 'avx512f', 'avx2', 'portable'} = 'auto'")
     .SetShapeFn([](InferenceContext* c) {
       shape_inference::ShapeHandle out;
       TF_RETURN_IF_ERROR(c->MakeShapeFromShapeTensor(0, &out));
@@ -435,7 +478,8 @@ REGISTER_OP("TfdpGaussianNoise")
       return absl::OkStatus();
     })
     .Doc("tfdp's Gaussian noise of `shape` (the graph generator's values); "
-         "`deep`: some radius word was 0 (the graph refines those).");
+         "`deep`: some radius word was 0 (the graph refines those). `isa`: the "
+         "instruction set of the loops (tests compare them; 'auto': the widest).");
 
 REGISTER_OP("TfdpGaussianNoiseAdd")
     .Input("sum: dtype")
@@ -444,6 +488,7 @@ REGISTER_OP("TfdpGaussianNoiseAdd")
     .Output("noised: dtype")
     .Output("deep: bool")
     .Attr("dtype: {half, bfloat16, float, double}")
+    .Attr("isa: {'auto', 'avx512f', 'avx2', 'portable'} = 'auto'")
     .SetShapeFn([](InferenceContext* c) {
       c->set_output(0, c->input(0));
       c->set_output(1, c->Scalar());
@@ -454,7 +499,14 @@ REGISTER_OP("TfdpGaussianNoiseAdd")
 template <typename T, bool kAdd>
 class GaussianNoiseOp : public OpKernel {
  public:
-  explicit GaussianNoiseOp(OpKernelConstruction* ctx) : OpKernel(ctx) {}
+  explicit GaussianNoiseOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
+    std::string requested;
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("isa", &requested));
+    isa_ = tfdp_noise::PickIsa(requested);
+    OP_REQUIRES(ctx, isa_ != nullptr,
+                errors::InvalidArgument("isa='", requested, "' does not run on this CPU; use "
+                                        "isa='auto'"));
+  }
 
   void Compute(OpKernelContext* ctx) override {
     const Tensor& first = ctx->input(0);
@@ -479,6 +531,7 @@ class GaussianNoiseOp : public OpKernel {
 
     const auto seeds = seed.flat<int64_t>();
     tfdp_noise::Draw d;
+    d.isa = isa_;
     d.key = tfdp_noise::KeyFromSeed(seeds(0), seeds(1));
     d.count = shape.num_elements();
     d.half = (d.count + 1) / 2;
@@ -509,6 +562,9 @@ class GaussianNoiseOp : public OpKernel {
     deep_t->scalar<bool>()() =
         std::any_of(deep.begin(), deep.end(), [](char flag) { return flag != 0; });
   }
+
+ private:
+  const tfdp_noise::Isa* isa_ = nullptr;
 };
 
 #define TFDP_REGISTER(T)                                                                  \
