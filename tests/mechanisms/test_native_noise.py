@@ -149,6 +149,9 @@ def test_crafted_words_give_the_graph_values(library, crafted, dtype):
     assert bool(deep) == (word == 0)  # the kernel hands the deep tail to the graph
     reference, kernel = both_paths(lambda: gaussian.normals([[128]], [seed], [dtype]))
     assert_same_bits(reference, kernel)
+    sums = [tf.cast(tf.range(128) % 7, dtype)]  # the fused op: the same fallback
+    assert_same_bits(*both_paths(lambda: tf.function(
+        lambda: gaussian.add_normals(sums, [seed], 1.0))()))
     z = kernel[0].numpy().astype(np.float64)
     radius = np.hypot(z[index], z[64 + index])
     if word == 0:

@@ -309,6 +309,15 @@ TFDP_INLINE void Radius64Loop(const uint32_t* w0, int64_t n, double factor, doub
   *zero_seen |= zero;
 }
 
+// Float32 results out: `values`, or `sum` + `values` (`sum` may be `out`).
+TFDP_INLINE void Store32Loop(const float* values, int64_t n, const float* sum, float* out) {
+  if (sum == nullptr) {
+    std::memcpy(out, values, sizeof(float) * n);
+    return;
+  }
+  for (int64_t i = 0; i < n; ++i) out[i] = sum[i] + values[i];
+}
+
 // The same source compiled for each instruction set: the vector width
 // changes nothing an IEEE operation returns.
 struct Isa {
@@ -317,6 +326,7 @@ struct Isa {
   void (*radius_angle32)(const uint32_t*, const uint32_t*, int64_t, float, float*, float*,
                          uint32_t*);
   void (*radius64)(const uint32_t*, int64_t, double, double*, uint32_t*);
+  void (*store32)(const float*, int64_t, const float*, float*);
 };
 
 #define TFDP_LOOPS(SUFFIX, ATTRIBUTE)                                                         \
@@ -327,13 +337,18 @@ struct Isa {
   ATTRIBUTE void Radius64##SUFFIX(const uint32_t* w0, int64_t n, double factor,              \
                                   double* radius, uint32_t* zero) {                          \
     Radius64Loop(w0, n, factor, radius, zero);                                               \
+  }                                                                                          \
+  ATTRIBUTE void Store32##SUFFIX(const float* values, int64_t n, const float* sum,           \
+                                 float* out) {                                               \
+    Store32Loop(values, n, sum, out);                                                        \
   }
 
 void PhiloxWordsPortable(const PhiloxKey& key, uint64_t first, int groups, uint32_t* out) {
   PhiloxWordsLoop(key, first, groups, out);
 }
 TFDP_LOOPS(Portable, )
-const Isa kPortable = {"portable", PhiloxWordsPortable, RadiusAngle32Portable, Radius64Portable};
+const Isa kPortable = {"portable", PhiloxWordsPortable, RadiusAngle32Portable, Radius64Portable,
+                       Store32Portable};
 
 #ifdef TFDP_X86
 TFDP_TARGET("avx2")
@@ -342,8 +357,9 @@ void PhiloxWordsAvx2(const PhiloxKey& key, uint64_t first, int groups, uint32_t*
 }
 TFDP_LOOPS(Avx2, TFDP_TARGET("avx2"))
 TFDP_LOOPS(Avx512, TFDP_TARGET("avx512f"))
-const Isa kAvx2 = {"avx2", PhiloxWordsAvx2, RadiusAngle32Avx2, Radius64Avx2};
-const Isa kAvx512 = {"avx512f", PhiloxWordsAvx512, RadiusAngle32Avx512, Radius64Avx512};
+const Isa kAvx2 = {"avx2", PhiloxWordsAvx2, RadiusAngle32Avx2, Radius64Avx2, Store32Avx2};
+const Isa kAvx512 = {"avx512f", PhiloxWordsAvx512, RadiusAngle32Avx512, Radius64Avx512,
+                     Store32Avx512};
 #endif
 
 // The instruction set `requested` ("auto": the widest this CPU runs), or
@@ -414,14 +430,19 @@ void RunPairs32(const Draw& d, int64_t begin, int64_t end, const T* sum, T* out,
       rs[k] = radius * s;
     }
     const int64_t sin_end = std::min(n, d.count - d.half - p);  // the last sin may be cut
-    for (int64_t k = 0; k < n; ++k) {
-      const T v = static_cast<T>(rc[k]);
-      out[p + k] = kAdd ? T(sum[p + k] + v) : v;
-    }
-    for (int64_t k = 0; k < sin_end; ++k) {
-      const T v = static_cast<T>(rs[k]);
-      const int64_t j = d.half + p + k;
-      out[j] = kAdd ? T(sum[j] + v) : v;
+    if constexpr (std::is_same<T, float>::value) {
+      d.isa->store32(rc, n, kAdd ? sum + p : nullptr, out + p);
+      d.isa->store32(rs, sin_end, kAdd ? sum + d.half + p : nullptr, out + d.half + p);
+    } else {
+      for (int64_t k = 0; k < n; ++k) {
+        const T v = static_cast<T>(rc[k]);
+        out[p + k] = kAdd ? T(sum[p + k] + v) : v;
+      }
+      for (int64_t k = 0; k < sin_end; ++k) {
+        const T v = static_cast<T>(rs[k]);
+        const int64_t j = d.half + p + k;
+        out[j] = kAdd ? T(sum[j] + v) : v;
+      }
     }
   }
   if (zero_seen) *deep = true;
@@ -525,7 +546,11 @@ class GaussianNoiseOp : public OpKernel {
       OP_REQUIRES_OK(ctx, tensor::MakeShape(first, &shape));
     }
     Tensor* out = nullptr;
-    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, shape, &out));
+    if (kAdd) {  // in place where TensorFlow lets the sum go: one buffer, one pass
+      OP_REQUIRES_OK(ctx, ctx->forward_input_or_allocate_output({0}, 0, shape, &out));
+    } else {
+      OP_REQUIRES_OK(ctx, ctx->allocate_output(0, shape, &out));
+    }
     Tensor* deep_t = nullptr;
     OP_REQUIRES_OK(ctx, ctx->allocate_output(1, TensorShape({}), &deep_t));
 
@@ -539,7 +564,7 @@ class GaussianNoiseOp : public OpKernel {
     d.trig_scalar_from = d.half - d.half % 8;
     d.factor = factor.scalar<double>()();
 
-    const T* sum = kAdd ? first.flat<T>().data() : nullptr;
+    const T* sum = kAdd ? first.flat<T>().data() : nullptr;  // may be `out` itself
     T* data = out->flat<T>().data();
     // Shards of whole chunks (each starts at a multiple of 4 pairs); each
     // shard records its own deep flag.
@@ -557,7 +582,9 @@ class GaussianNoiseOp : public OpKernel {
       if (seen) deep[first_chunk] = 1;
     };
     const auto* threads = ctx->device()->tensorflow_cpu_worker_threads();
-    const int64_t cost = std::is_same<T, double>::value ? 100000 : 8000;  // a chunk, in cycles
+    // A chunk's cycles: about 10 a pair in float32 (Philox and the transform
+    // vectorized), about 100 in float64 (the C library's sin and cos).
+    const int64_t cost = std::is_same<T, double>::value ? 25600 : 2560;
     Shard(threads->num_threads, threads->workers, chunks, cost, work);
     deep_t->scalar<bool>()() =
         std::any_of(deep.begin(), deep.end(), [](char flag) { return flag != 0; });
