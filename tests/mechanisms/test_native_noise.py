@@ -114,18 +114,20 @@ def test_kernel_matches_eagerly_too(library):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_fused_add_equals_graph_noise_plus_sum(library, dtype):
+    """(sum + noise) / b in one pass: the graph's noise, sum and division."""
     rng = np.random.default_rng(3)
     tensors = [tf.cast(rng.normal(size=shape) * 3, dtype)
                for shape in ([1031, 3], [17], [5], [], [70001])]
     seeds = [tf.constant([8, i], tf.int64) for i in range(len(tensors))]
+    divisor = tf.constant(96.0)
 
     def make():
-        return tf.function(lambda: gaussian.add_normals(tensors, seeds, tf.constant(1.3)))()
+        return tf.function(lambda: gaussian.add_normals(tensors, seeds, tf.constant(1.3), divisor))()
 
     with graph_generator():
         noise = tf.function(lambda: gaussian.normals(
             [t.shape for t in tensors], seeds, [dtype] * len(tensors), tf.constant(1.3)))()
-        by_hand = [t + n for t, n in zip(tensors, noise)]
+        by_hand = [(t + n) / tf.cast(divisor, dtype) for t, n in zip(tensors, noise)]
     reference, kernel = both_paths(make)
     assert_same_bits(by_hand, reference)
     assert_same_bits(reference, kernel)

@@ -158,16 +158,19 @@ def gaussian_noise_like(tensors, stddev, seed):
     return [u * tf.cast(stddev, t.dtype) for u, t in zip(units, tensors)]
 
 
-def add_gaussian_noise(tensors, stddev, seed):
-    """Each tensor plus its `gaussian_noise_like` noise, bit for bit.
+def add_gaussian_noise(tensors, stddev, seed, divisor=None):
+    """Each tensor plus its `gaussian_noise_like` noise, divided by `divisor`
+    if given, bit for bit as `(t + n) / divisor`.
 
     With a scalar `stddev` the compiled kernel (where it runs) adds the noise
-    in the same pass that draws it (`tfdp.mechanisms.gaussian.add_normals`).
+    and divides in the same pass that draws it
+    (`tfdp.mechanisms.gaussian.add_normals`).
 
     Args:
         tensors: list of float tensors.
         stddev: as in `gaussian_noise_like`.
         seed: int64 tensor [2].
+        divisor: None or a scalar.
 
     Returns:
         List of tensors like `tensors`.
@@ -180,8 +183,9 @@ def add_gaussian_noise(tensors, stddev, seed):
     """
     if tf.convert_to_tensor(stddev).shape.rank == 0:
         streams = [fold_seed(seed, i) for i in range(len(tensors))]
-        return add_normals(tensors, streams, stddev)
-    return [t + n for t, n in zip(tensors, gaussian_noise_like(tensors, stddev, seed))]
+        return add_normals(tensors, streams, stddev, divisor)
+    noised = [t + n for t, n in zip(tensors, gaussian_noise_like(tensors, stddev, seed))]
+    return noised if divisor is None else [t / tf.cast(divisor, t.dtype) for t in noised]
 
 
 def noisy_mean(clipped_sums, noise_stddev, expected_batch_size, seed):
@@ -204,5 +208,4 @@ def noisy_mean(clipped_sums, noise_stddev, expected_batch_size, seed):
     >>> g[0].numpy()
     array([0.25, 0.25], dtype=float32)
     """
-    noised = add_gaussian_noise(clipped_sums, noise_stddev, seed)
-    return [t / tf.cast(expected_batch_size, t.dtype) for t in noised]
+    return add_gaussian_noise(clipped_sums, noise_stddev, seed, divisor=expected_batch_size)

@@ -267,32 +267,39 @@ def normals(shapes, seeds, dtypes, stddev=1.0):
     return _split(plan, shapes, noises)
 
 
-def add_normals(tensors, seeds, stddev):
-    """Each tensor plus N(0, stddev^2) noise: `t + normals(...)` bit for bit.
+def add_normals(tensors, seeds, stddev, divisor=None):
+    """Each tensor plus N(0, stddev^2) noise, divided by `divisor` if given:
+    `(t + normals(...)) / divisor` bit for bit.
 
-    The compiled kernel adds a tensor's own draw in the same pass (one read
-    and one write of the tensor); small tensors sharing a draw are added
-    after the split.
+    The compiled kernel adds a tensor's own draw and divides in the same pass
+    (one read and one write of the tensor); small tensors sharing a draw are
+    added after the split.
 
     Args:
         tensors: list of float tensors (e.g. the clipped sums of a step).
         seeds: list of int64 tensors [2], one per tensor.
         stddev: scalar standard deviation (a float or a scalar tensor).
+        divisor: None, or a scalar (cast to each tensor's dtype) dividing
+            each noisy tensor.
 
     Returns:
         List of tensors like `tensors`.
 
     Example:
 
-    >>> t = add_normals([tf.ones([3])], [tf.constant([0, 1], tf.int64)], 0.0)
+    >>> t = add_normals([tf.ones([3])], [tf.constant([0, 1], tf.int64)], 0.0, divisor=4.0)
     >>> t[0].numpy()
-    array([1., 1., 1.], dtype=float32)
+    array([0.25, 0.25, 0.25], dtype=float32)
     """
     shapes = [t.shape if t.shape.is_fully_defined() else tf.shape(t) for t in tensors]
     dtypes = [t.dtype for t in tensors]
 
+    def finish(tensor, noise):
+        total = tensor + noise
+        return total if divisor is None else total / tf.cast(divisor, total.dtype)
+
     def graph():
-        return [t + n for t, n in zip(tensors, normals(shapes, seeds, dtypes, stddev))]
+        return [finish(t, n) for t, n in zip(tensors, normals(shapes, seeds, dtypes, stddev))]
 
     plan = _plan(shapes, dtypes)
     library = native_noise.library_here([dtype for _, _, dtype, _ in plan]) if plan else None
@@ -302,18 +309,18 @@ def add_normals(tensors, seeds, stddev):
     for shape, seed_index, dtype, members in plan:
         factor = _radius_factor(stddev, _work_dtype(dtype))
         if len(members) == 1:
-            drawn.append(native_noise.add(library, tensors[members[0]], seeds[seed_index], factor))
+            drawn.append(native_noise.add(library, tensors[members[0]], seeds[seed_index], factor,
+                                          divisor))
         else:
             drawn.append(native_noise.draw(library, shape, seeds[seed_index], dtype, factor))
-    values = [value for value, _ in drawn]
     out = [None] * len(tensors)
-    for (_, _, _, members), value in zip(plan, values):
+    for (_, _, _, members), (value, _) in zip(plan, drawn):
         if len(members) == 1:
             out[members[0]] = value
             continue
         pieces = tf.split(value, [_static_size(shapes[i]) for i in members])
         for index, piece in zip(members, pieces):
-            out[index] = tensors[index] + tf.reshape(piece, shapes[index])
+            out[index] = finish(tensors[index], tf.reshape(piece, shapes[index]))
     return native_noise.unless_deep(out, [deep for _, deep in drawn], graph)
 
 

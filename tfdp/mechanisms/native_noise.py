@@ -121,10 +121,13 @@ def draw(library, shape, seed, dtype, factor):
                                        tf.cast(factor, tf.float64), dtype=dtype)
 
 
-def add(library, tensor, seed, factor):
-    """(`tensor` + its noise, deep flag) from the fused op."""
+def add(library, tensor, seed, factor, divisor=None):
+    """(`tensor` + its noise, divided by `divisor` unless None; deep flag)
+    from the fused op."""
+    divide = divisor is not None
+    divisor = tf.cast(divisor if divide else 1, tensor.dtype)
     return library.tfdp_gaussian_noise_add(tensor, tf.cast(seed, tf.int64),
-                                           tf.cast(factor, tf.float64))
+                                           tf.cast(factor, tf.float64), divisor, divide=divide)
 
 
 def unless_deep(values, deeps, graph):

@@ -309,13 +309,17 @@ TFDP_INLINE void Radius64Loop(const uint32_t* w0, int64_t n, double factor, doub
   *zero_seen |= zero;
 }
 
-// Float32 results out: `values`, or `sum` + `values` (`sum` may be `out`).
-TFDP_INLINE void Store32Loop(const float* values, int64_t n, const float* sum, float* out) {
+// Float32 results out: `values`, or `sum` + `values`, divided by `divisor`
+// where `divide` (`sum` may be `out`).
+TFDP_INLINE void Store32Loop(const float* values, int64_t n, const float* sum, bool divide,
+                             float divisor, float* out) {
   if (sum == nullptr) {
     std::memcpy(out, values, sizeof(float) * n);
-    return;
+  } else if (divide) {
+    for (int64_t i = 0; i < n; ++i) out[i] = (sum[i] + values[i]) / divisor;
+  } else {
+    for (int64_t i = 0; i < n; ++i) out[i] = sum[i] + values[i];
   }
-  for (int64_t i = 0; i < n; ++i) out[i] = sum[i] + values[i];
 }
 
 // The same source compiled for each instruction set: the vector width
@@ -326,7 +330,7 @@ struct Isa {
   void (*radius_angle32)(const uint32_t*, const uint32_t*, int64_t, float, float*, float*,
                          uint32_t*);
   void (*radius64)(const uint32_t*, int64_t, double, double*, uint32_t*);
-  void (*store32)(const float*, int64_t, const float*, float*);
+  void (*store32)(const float*, int64_t, const float*, bool, float, float*);
 };
 
 #define TFDP_LOOPS(SUFFIX, ATTRIBUTE)                                                         \
@@ -339,8 +343,8 @@ struct Isa {
     Radius64Loop(w0, n, factor, radius, zero);                                               \
   }                                                                                          \
   ATTRIBUTE void Store32##SUFFIX(const float* values, int64_t n, const float* sum,           \
-                                 float* out) {                                               \
-    Store32Loop(values, n, sum, out);                                                        \
+                                 bool divide, float divisor, float* out) {                   \
+    Store32Loop(values, n, sum, divide, divisor, out);                                       \
   }
 
 void PhiloxWordsPortable(const PhiloxKey& key, uint64_t first, int groups, uint32_t* out) {
@@ -388,7 +392,17 @@ struct Draw {
   int64_t log_scalar_from;   // pairs from here take the C library's log (Eigen's tail)
   int64_t trig_scalar_from;  // ... and its sin and cos (float32 work only)
   double factor;
+  bool divide;     // the fused op: (sum + noise) / divisor
+  double divisor;  // a value of the output's dtype
 };
+
+// sum + value, or (sum + value) / divisor, each rounded to T as TensorFlow's
+// element-wise ops round it.
+template <typename T>
+TFDP_INLINE T Noised(const Draw& d, T sum, T value) {
+  const T total = T(sum + value);
+  return d.divide ? T(total / T(d.divisor)) : total;
+}
 
 // The words of pairs [p, p + n) (n <= kChunk, p % 4 == 0): w0 and w1.
 TFDP_INLINE void ChunkWords(const Draw& d, int64_t p, int64_t n, uint32_t* w0, uint32_t* w1,
@@ -431,17 +445,19 @@ void RunPairs32(const Draw& d, int64_t begin, int64_t end, const T* sum, T* out,
     }
     const int64_t sin_end = std::min(n, d.count - d.half - p);  // the last sin may be cut
     if constexpr (std::is_same<T, float>::value) {
-      d.isa->store32(rc, n, kAdd ? sum + p : nullptr, out + p);
-      d.isa->store32(rs, sin_end, kAdd ? sum + d.half + p : nullptr, out + d.half + p);
+      const float divisor = float(d.divisor);
+      d.isa->store32(rc, n, kAdd ? sum + p : nullptr, d.divide, divisor, out + p);
+      d.isa->store32(rs, sin_end, kAdd ? sum + d.half + p : nullptr, d.divide, divisor,
+                     out + d.half + p);
     } else {
       for (int64_t k = 0; k < n; ++k) {
         const T v = static_cast<T>(rc[k]);
-        out[p + k] = kAdd ? T(sum[p + k] + v) : v;
+        out[p + k] = kAdd ? Noised(d, sum[p + k], v) : v;
       }
       for (int64_t k = 0; k < sin_end; ++k) {
         const T v = static_cast<T>(rs[k]);
         const int64_t j = d.half + p + k;
-        out[j] = kAdd ? T(sum[j] + v) : v;
+        out[j] = kAdd ? Noised(d, sum[j], v) : v;
       }
     }
   }
@@ -466,10 +482,10 @@ void RunPairs64(const Draw& d, int64_t begin, int64_t end, const double* sum, do
       const int64_t i = p + k;
       const double angle = (double(w1[k]) + 0.5) * kAnglePerWord;
       const double c = radius[k] * std::cos(angle);
-      out[i] = kAdd ? sum[i] + c : c;
+      out[i] = kAdd ? Noised(d, sum[i], c) : c;
       if (k < sin_end) {
         const double s = radius[k] * std::sin(angle);
-        out[d.half + i] = kAdd ? sum[d.half + i] + s : s;
+        out[d.half + i] = kAdd ? Noised(d, sum[d.half + i], s) : s;
       }
     }
   }
@@ -506,16 +522,19 @@ REGISTER_OP("TfdpGaussianNoiseAdd")
     .Input("sum: dtype")
     .Input("seed: int64")
     .Input("factor: float64")
+    .Input("divisor: dtype")
     .Output("noised: dtype")
     .Output("deep: bool")
     .Attr("dtype: {half, bfloat16, float, double}")
+    .Attr("divide: bool = false")
     .Attr("isa: {'auto', 'avx512f', 'avx2', 'portable'} = 'auto'")
     .SetShapeFn([](InferenceContext* c) {
       c->set_output(0, c->input(0));
       c->set_output(1, c->Scalar());
       return absl::OkStatus();
     })
-    .Doc("`sum` plus TfdpGaussianNoise of its shape, in one pass.");
+    .Doc("`sum` plus TfdpGaussianNoise of its shape, divided by `divisor` if "
+         "`divide`, in one pass.");
 
 template <typename T, bool kAdd>
 class GaussianNoiseOp : public OpKernel {
@@ -524,6 +543,7 @@ class GaussianNoiseOp : public OpKernel {
     std::string requested;
     OP_REQUIRES_OK(ctx, ctx->GetAttr("isa", &requested));
     isa_ = tfdp_noise::PickIsa(requested);
+    if (kAdd) OP_REQUIRES_OK(ctx, ctx->GetAttr("divide", &divide_));
     OP_REQUIRES(ctx, isa_ != nullptr,
                 errors::InvalidArgument("isa='", requested, "' does not run on this CPU; use "
                                         "isa='auto'"));
@@ -563,6 +583,15 @@ class GaussianNoiseOp : public OpKernel {
     d.log_scalar_from = d.half - d.half % 4;
     d.trig_scalar_from = d.half - d.half % 8;
     d.factor = factor.scalar<double>()();
+    d.divide = divide_;
+    d.divisor = 1.0;
+    if (kAdd) {
+      const Tensor& divisor = ctx->input(3);
+      OP_REQUIRES(ctx, divisor.dims() == 0,
+                  errors::InvalidArgument("divisor must be a scalar, got shape ",
+                                          divisor.shape().DebugString()));
+      d.divisor = static_cast<double>(divisor.scalar<T>()());
+    }
 
     const T* sum = kAdd ? first.flat<T>().data() : nullptr;  // may be `out` itself
     T* data = out->flat<T>().data();
@@ -592,6 +621,7 @@ class GaussianNoiseOp : public OpKernel {
 
  private:
   const tfdp_noise::Isa* isa_ = nullptr;
+  bool divide_ = false;
 };
 
 #define TFDP_REGISTER(T)                                                                  \
