@@ -137,19 +137,21 @@ def main():
         entries = sum(t.shape.num_elements() for t in sums)
         cells = " | ".join(f"{times[v][0]:.2f} / {times[v][1]:.2f}" for v in variants)
         print(f"| {name} | {entries:,} | {cells} |")
-        rates.append((f"noisy_mean, {name}", entries,
-                      [times[f"noisy_mean, {path}"][0] for path in paths]))
+        rates.append((f"noisy_mean, {name}", entries, [times[f"noisy_mean, {path}"] for path in paths]))
     count = 20000 * 128
     draws = {path: on_path(key, lambda s: gaussian.normals([[count]], [s], [tf.float32])[0])
              for path, key in (("compiled kernel", "kernel"), ("graph generator", "graph"))}
     times = milliseconds(draws, (seed,), args.rounds)
-    rates.append((f"normals of {count:,}", count, [times[path][0] for path in paths]))
-    print(f"\nmillion normals a second (wall-clock, best of {args.rounds} interleaved rounds)\n")
+    rates.append((f"normals of {count:,}", count, [times[path] for path in paths]))
+    print(f"\nmillion normals a second, wall-clock / process CPU time (best of {args.rounds} "
+          "interleaved rounds)\n")
     print("| draw | entries | " + " | ".join(paths) + " | kernel / graph |")
     print("|---|---|---|---|---|")
-    for name, entries, (kernel_ms, graph_ms) in rates:
-        print(f"| {name} | {entries:,} | {entries / kernel_ms / 1e3:.0f} | "
-              f"{entries / graph_ms / 1e3:.0f} | {graph_ms / kernel_ms:.2f}x |")
+    for name, entries, (kernel, graph) in rates:
+        cells = " | ".join(f"{entries / ms[0] / 1e3:.0f} / {entries / ms[1] / 1e3:.0f}"
+                           for ms in (kernel, graph))
+        ratios = f"{graph[0] / kernel[0]:.2f}x / {graph[1] / kernel[1]:.2f}x"
+        print(f"| {name} | {entries:,} | {cells} | {ratios} |")
     uniform = tf.function(lambda seed: tf.random.stateless_uniform([count], seed))
     ms = milliseconds({"uniform": uniform}, (seed,), args.rounds)["uniform"][0]
     print(f"\ntf.random.stateless_uniform of {count:,} floats: {ms:.2f} ms "

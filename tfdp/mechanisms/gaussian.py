@@ -41,7 +41,14 @@ every depth, and the tail adds nothing to delta. The check costs one
 reduction a call; the rounds run on a call with probability (number of
 pairs) * 2^-32 (3e-4 for 2.56M draws).
 
-Cost: two random words a pair, as before with two float32 uniforms, and
+Two paths draw the same values, bit for bit: this module's TensorFlow graph
+(the reference, `_Draw`) and a compiled TensorFlow op that does the whole
+transform in one vectorized pass (`tfdp.mechanisms.native_noise`: built on
+first use with the system C++ compiler, checked against the graph when it
+loads; the graph runs where it cannot, and `TFDP_NOISE_KERNEL=graph` forces
+it). `add_normals` adds the noise to a tensor (and divides) in the same pass.
+
+Cost of the graph: two random words a pair, as before with two float32 uniforms, and
 one check and one `tf.cond` a call; small tensors share one draw (fewer ops
 a call). On the 2-core AVX-512 Xeon, best of three sessions, within 5% of the
 float32-uniform version on the MLP, text_pooling and tanh CNN shapes
@@ -272,8 +279,8 @@ def add_normals(tensors, seeds, stddev, divisor=None):
     `(t + normals(...)) / divisor` bit for bit.
 
     The compiled kernel adds a tensor's own draw and divides in the same pass
-    (one read and one write of the tensor); small tensors sharing a draw are
-    added after the split.
+    (one read and one write of the tensor); small tensors sharing a draw take
+    their pieces in one op.
 
     Args:
         tensors: list of float tensors (e.g. the clipped sums of a step).
@@ -305,23 +312,20 @@ def add_normals(tensors, seeds, stddev, divisor=None):
     library = native_noise.library_here([dtype for _, _, dtype, _ in plan]) if plan else None
     if library is None:
         return graph()
-    drawn = []
-    for shape, seed_index, dtype, members in plan:
+    out, deeps = [None] * len(tensors), []
+    for _, seed_index, dtype, members in plan:
         factor = _radius_factor(stddev, _work_dtype(dtype))
         if len(members) == 1:
-            drawn.append(native_noise.add(library, tensors[members[0]], seeds[seed_index], factor,
-                                          divisor))
-        else:
-            drawn.append(native_noise.draw(library, shape, seeds[seed_index], dtype, factor))
-    out = [None] * len(tensors)
-    for (_, _, _, members), (value, _) in zip(plan, drawn):
-        if len(members) == 1:
+            value, deep = native_noise.add(library, tensors[members[0]], seeds[seed_index], factor,
+                                           divisor)
             out[members[0]] = value
-            continue
-        pieces = tf.split(value, [_static_size(shapes[i]) for i in members])
-        for index, piece in zip(members, pieces):
-            out[index] = finish(tensors[index], tf.reshape(piece, shapes[index]))
-    return native_noise.unless_deep(out, [deep for _, deep in drawn], graph)
+        else:  # small tensors sharing one draw, cut in order
+            values, deep = native_noise.add_group(library, [tensors[i] for i in members],
+                                                  seeds[seed_index], factor, divisor)
+            for index, value in zip(members, values):
+                out[index] = value
+        deeps.append(deep)
+    return native_noise.unless_deep(out, deeps, graph)
 
 
 def standard_normal(shape, seed, dtype=tf.float32):

@@ -130,6 +130,16 @@ def add(library, tensor, seed, factor, divisor=None):
                                            tf.cast(factor, tf.float64), divisor, divide=divide)
 
 
+def add_group(library, tensors, seed, factor, divisor=None):
+    """([each tensor + its piece of one draw of their total size, divided by
+    `divisor` unless None], deep flag) from the grouped op."""
+    divide = divisor is not None
+    divisor = tf.cast(divisor if divide else 1, tensors[0].dtype)
+    noised, deep = library.tfdp_gaussian_noise_add_group(
+        tensors, tf.cast(seed, tf.int64), tf.cast(factor, tf.float64), divisor, divide=divide)
+    return list(noised), deep
+
+
 def unless_deep(values, deeps, graph):
     """`values`, or `graph()` where some radius word was 0 (the deep tail)."""
     deep = tf.reduce_any(tf.stack(deeps))

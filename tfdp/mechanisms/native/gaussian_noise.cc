@@ -536,87 +536,171 @@ REGISTER_OP("TfdpGaussianNoiseAdd")
     .Doc("`sum` plus TfdpGaussianNoise of its shape, divided by `divisor` if "
          "`divide`, in one pass.");
 
+// The draw `d` into `data` (plus `sum`, divided, for kAdd), sharded over the
+// CPU threads in whole chunks (each starts at a multiple of 4 pairs).
+// Returns whether some radius word was 0.
+template <typename T, bool kAdd>
+bool RunDraw(OpKernelContext* ctx, const tfdp_noise::Draw& d, const T* sum, T* data) {
+  const int64_t chunks = (d.half + tfdp_noise::kChunk - 1) / tfdp_noise::kChunk;
+  std::vector<char> deep(std::max<int64_t>(chunks, 1), 0);  // a flag a shard
+  auto work = [&](int64_t first_chunk, int64_t last_chunk) {
+    const int64_t begin = first_chunk * tfdp_noise::kChunk;
+    const int64_t end = std::min(d.half, last_chunk * tfdp_noise::kChunk);
+    bool seen = false;
+    if constexpr (std::is_same<T, double>::value) {
+      tfdp_noise::RunPairs64<kAdd>(d, begin, end, sum, data, &seen);
+    } else {
+      tfdp_noise::RunPairs32<T, kAdd>(d, begin, end, sum, data, &seen);
+    }
+    if (seen) deep[first_chunk] = 1;
+  };
+  const auto* threads = ctx->device()->tensorflow_cpu_worker_threads();
+  // A chunk's cycles: about 10 a pair in float32 (Philox and the transform
+  // vectorized), about 100 in float64 (the C library's sin and cos).
+  const int64_t cost = std::is_same<T, double>::value ? 25600 : 2560;
+  Shard(threads->num_threads, threads->workers, chunks, cost, work);
+  return std::any_of(deep.begin(), deep.end(), [](char flag) { return flag != 0; });
+}
+
+// The draw of `count` entries keyed by `seed`, scaled by `factor`.
+Status MakeDraw(const tfdp_noise::Isa* isa, const Tensor& seed, const Tensor& factor,
+                int64_t count, tfdp_noise::Draw* d) {
+  if (seed.dims() != 1 || seed.NumElements() != 2) {
+    return errors::InvalidArgument("seed must be an int64 vector of 2, got shape ",
+                                   seed.shape().DebugString());
+  }
+  if (factor.dims() != 0) {
+    return errors::InvalidArgument("factor must be a scalar, got shape ",
+                                   factor.shape().DebugString());
+  }
+  const auto seeds = seed.flat<int64_t>();
+  d->isa = isa;
+  d->key = tfdp_noise::KeyFromSeed(seeds(0), seeds(1));
+  d->count = count;
+  d->half = (count + 1) / 2;
+  d->log_scalar_from = d->half - d->half % 4;
+  d->trig_scalar_from = d->half - d->half % 8;
+  d->factor = factor.scalar<double>()();
+  d->divide = false;
+  d->divisor = 1.0;
+  return absl::OkStatus();
+}
+
+template <typename T>
+Status ReadDivisor(const Tensor& divisor, bool divide, tfdp_noise::Draw* d) {
+  if (divisor.dims() != 0) {
+    return errors::InvalidArgument("divisor must be a scalar, got shape ",
+                                   divisor.shape().DebugString());
+  }
+  d->divide = divide;
+  d->divisor = static_cast<double>(divisor.scalar<T>()());
+  return absl::OkStatus();
+}
+
+// The instruction set the op's `isa` attribute asks for.
+Status IsaAttr(OpKernelConstruction* ctx, const tfdp_noise::Isa** isa) {
+  std::string requested;
+  TF_RETURN_IF_ERROR(ctx->GetAttr("isa", &requested));
+  *isa = tfdp_noise::PickIsa(requested);
+  if (*isa == nullptr) {
+    return errors::InvalidArgument("isa='", requested, "' does not run on this CPU; use isa='auto'");
+  }
+  return absl::OkStatus();
+}
+
+REGISTER_OP("TfdpGaussianNoiseAddGroup")
+    .Input("sums: N * dtype")
+    .Input("seed: int64")
+    .Input("factor: float64")
+    .Input("divisor: dtype")
+    .Output("noised: N * dtype")
+    .Output("deep: bool")
+    .Attr("N: int >= 1")
+    .Attr("dtype: {half, bfloat16, float, double}")
+    .Attr("divide: bool = false")
+    .Attr("isa: {'auto', 'avx512f', 'avx2', 'portable'} = 'auto'")
+    .SetShapeFn([](InferenceContext* c) {
+      const int n = c->num_inputs() - 3;
+      for (int k = 0; k < n; ++k) c->set_output(k, c->input(k));
+      c->set_output(n, c->Scalar());
+      return absl::OkStatus();
+    })
+    .Doc("Each of `sums` plus its piece of one TfdpGaussianNoise draw of their total "
+         "size (cut in order), divided by `divisor` if `divide`.");
+
 template <typename T, bool kAdd>
 class GaussianNoiseOp : public OpKernel {
  public:
   explicit GaussianNoiseOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
-    std::string requested;
-    OP_REQUIRES_OK(ctx, ctx->GetAttr("isa", &requested));
-    isa_ = tfdp_noise::PickIsa(requested);
+    OP_REQUIRES_OK(ctx, IsaAttr(ctx, &isa_));
     if (kAdd) OP_REQUIRES_OK(ctx, ctx->GetAttr("divide", &divide_));
-    OP_REQUIRES(ctx, isa_ != nullptr,
-                errors::InvalidArgument("isa='", requested, "' does not run on this CPU; use "
-                                        "isa='auto'"));
   }
 
   void Compute(OpKernelContext* ctx) override {
     const Tensor& first = ctx->input(0);
-    const Tensor& seed = ctx->input(1);
-    const Tensor& factor = ctx->input(2);
-    OP_REQUIRES(ctx, seed.dims() == 1 && seed.NumElements() == 2,
-                errors::InvalidArgument("seed must be an int64 vector of 2, got shape ",
-                                        seed.shape().DebugString()));
-    OP_REQUIRES(ctx, factor.dims() == 0,
-                errors::InvalidArgument("factor must be a scalar, got shape ",
-                                        factor.shape().DebugString()));
     TensorShape shape;
     if (kAdd) {
       shape = first.shape();
     } else {
       OP_REQUIRES_OK(ctx, tensor::MakeShape(first, &shape));
     }
+    tfdp_noise::Draw d;
+    OP_REQUIRES_OK(ctx, MakeDraw(isa_, ctx->input(1), ctx->input(2), shape.num_elements(), &d));
+    if (kAdd) OP_REQUIRES_OK(ctx, ReadDivisor<T>(ctx->input(3), divide_, &d));
     Tensor* out = nullptr;
     if (kAdd) {  // in place where TensorFlow lets the sum go: one buffer, one pass
       OP_REQUIRES_OK(ctx, ctx->forward_input_or_allocate_output({0}, 0, shape, &out));
     } else {
       OP_REQUIRES_OK(ctx, ctx->allocate_output(0, shape, &out));
     }
-    Tensor* deep_t = nullptr;
-    OP_REQUIRES_OK(ctx, ctx->allocate_output(1, TensorShape({}), &deep_t));
-
-    const auto seeds = seed.flat<int64_t>();
-    tfdp_noise::Draw d;
-    d.isa = isa_;
-    d.key = tfdp_noise::KeyFromSeed(seeds(0), seeds(1));
-    d.count = shape.num_elements();
-    d.half = (d.count + 1) / 2;
-    d.log_scalar_from = d.half - d.half % 4;
-    d.trig_scalar_from = d.half - d.half % 8;
-    d.factor = factor.scalar<double>()();
-    d.divide = divide_;
-    d.divisor = 1.0;
-    if (kAdd) {
-      const Tensor& divisor = ctx->input(3);
-      OP_REQUIRES(ctx, divisor.dims() == 0,
-                  errors::InvalidArgument("divisor must be a scalar, got shape ",
-                                          divisor.shape().DebugString()));
-      d.divisor = static_cast<double>(divisor.scalar<T>()());
-    }
-
+    Tensor* deep = nullptr;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(1, TensorShape({}), &deep));
     const T* sum = kAdd ? first.flat<T>().data() : nullptr;  // may be `out` itself
-    T* data = out->flat<T>().data();
-    // Shards of whole chunks (each starts at a multiple of 4 pairs); each
-    // shard records its own deep flag.
-    const int64_t chunks = (d.half + tfdp_noise::kChunk - 1) / tfdp_noise::kChunk;
-    std::vector<char> deep(std::max<int64_t>(chunks, 1), 0);
-    auto work = [&](int64_t first_chunk, int64_t last_chunk) {
-      const int64_t begin = first_chunk * tfdp_noise::kChunk;
-      const int64_t end = std::min(d.half, last_chunk * tfdp_noise::kChunk);
-      bool seen = false;
-      if constexpr (std::is_same<T, double>::value) {
-        tfdp_noise::RunPairs64<kAdd>(d, begin, end, sum, data, &seen);
-      } else {
-        tfdp_noise::RunPairs32<T, kAdd>(d, begin, end, sum, data, &seen);
+    deep->scalar<bool>()() = RunDraw<T, kAdd>(ctx, d, sum, out->flat<T>().data());
+  }
+
+ private:
+  const tfdp_noise::Isa* isa_ = nullptr;
+  bool divide_ = false;
+};
+
+// Small tensors sharing one draw (the graph's grouping): the draw of their
+// total size, cut in their order, each piece added to its tensor.
+template <typename T>
+class GaussianNoiseAddGroupOp : public OpKernel {
+ public:
+  explicit GaussianNoiseAddGroupOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
+    OP_REQUIRES_OK(ctx, IsaAttr(ctx, &isa_));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("divide", &divide_));
+  }
+
+  void Compute(OpKernelContext* ctx) override {
+    OpInputList sums;
+    OP_REQUIRES_OK(ctx, ctx->input_list("sums", &sums));
+    int64_t total = 0;
+    for (const Tensor& sum : sums) total += sum.NumElements();
+    tfdp_noise::Draw d;
+    OP_REQUIRES_OK(ctx, MakeDraw(isa_, ctx->input(sums.size()), ctx->input(sums.size() + 1),
+                                 total, &d));
+    OP_REQUIRES_OK(ctx, ReadDivisor<T>(ctx->input(sums.size() + 2), divide_, &d));
+    Tensor noise;
+    OP_REQUIRES_OK(ctx, ctx->allocate_temp(DataTypeToEnum<T>::value, TensorShape({total}),
+                                           &noise));
+    const T* drawn = noise.flat<T>().data();
+    Tensor* deep = nullptr;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(sums.size(), TensorShape({}), &deep));
+    deep->scalar<bool>()() = RunDraw<T, false>(ctx, d, nullptr, noise.flat<T>().data());
+    int64_t offset = 0;
+    for (int k = 0; k < sums.size(); ++k) {
+      Tensor* out = nullptr;
+      OP_REQUIRES_OK(ctx, ctx->forward_input_or_allocate_output({k}, k, sums[k].shape(), &out));
+      const T* sum = sums[k].flat<T>().data();
+      T* data = out->flat<T>().data();
+      for (int64_t i = 0; i < sums[k].NumElements(); ++i) {
+        data[i] = tfdp_noise::Noised(d, sum[i], drawn[offset + i]);
       }
-      if (seen) deep[first_chunk] = 1;
-    };
-    const auto* threads = ctx->device()->tensorflow_cpu_worker_threads();
-    // A chunk's cycles: about 10 a pair in float32 (Philox and the transform
-    // vectorized), about 100 in float64 (the C library's sin and cos).
-    const int64_t cost = std::is_same<T, double>::value ? 25600 : 2560;
-    Shard(threads->num_threads, threads->workers, chunks, cost, work);
-    deep_t->scalar<bool>()() =
-        std::any_of(deep.begin(), deep.end(), [](char flag) { return flag != 0; });
+      offset += sums[k].NumElements();
+    }
   }
 
  private:
@@ -625,6 +709,9 @@ class GaussianNoiseOp : public OpKernel {
 };
 
 #define TFDP_REGISTER(T)                                                                  \
+  REGISTER_KERNEL_BUILDER(                                                                \
+      Name("TfdpGaussianNoiseAddGroup").Device(DEVICE_CPU).TypeConstraint<T>("dtype"),    \
+      GaussianNoiseAddGroupOp<T>);                                                        \
   REGISTER_KERNEL_BUILDER(                                                                \
       Name("TfdpGaussianNoise").Device(DEVICE_CPU).TypeConstraint<T>("dtype").HostMemory( \
           "shape"),                                                                       \
