@@ -63,6 +63,7 @@ def _bits(tensor):
     return tensor.numpy().view(f"u{tensor.dtype.size}")
 
 
+@tf.autograph.experimental.do_not_convert  # plain Python: compiles, loads, checks
 def _load():
     global _loaded
     if _loaded is None:
@@ -79,8 +80,9 @@ def _load():
 def noise_path():
     """Which generator draws tfdp's Gaussian noise in this process, in one line.
 
-    "compiled kernel (...)" or "graph generator (why)". Also logged once
-    (logger "tfdp", INFO) when the first noise is drawn.
+    "compiled kernel (built in N s, or cached: the library's path)" or
+    "graph generator (why)". Also logged once (logger "tfdp", INFO) when the
+    first noise is drawn.
 
     Example: `print(tfdp.mechanisms.native_noise.noise_path())`.
     """
@@ -89,7 +91,7 @@ def noise_path():
     ops = _load()
     if ops.library is None:
         return f"graph generator ({ops.reason})"
-    origin = "built now" if ops.built else "cached"
+    origin = "cached" if ops.build_seconds is None else f"built in {ops.build_seconds:.1f} s"
     where = "; the graph generator under XLA" + (" and on GPUs" if _gpus() else "")
     return f"compiled kernel ({origin}: {ops.path}){where}"
 

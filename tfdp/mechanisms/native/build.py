@@ -23,7 +23,6 @@ True
 
 import dataclasses
 import hashlib
-import logging
 import os
 import pathlib
 import shutil
@@ -40,8 +39,6 @@ SOURCE = pathlib.Path(__file__).with_name("gaussian_noise.cc")
 FLAGS = ["-O3", "-fPIC", "-shared", "-w", "-ffp-contract=off", "-fno-math-errno"]
 _LIBRARY_NAME = "tfdp_gaussian_noise.so"
 
-logger = logging.getLogger("tfdp")
-
 
 @dataclasses.dataclass(frozen=True)
 class NativeOps:
@@ -51,13 +48,14 @@ class NativeOps:
         library: the module `tf.load_op_library` returned, or None.
         path: the shared library's path (None when none was loaded).
         reason: why there is no library ("" when there is one).
-        built: whether this process compiled it (else it came from the cache).
+        build_seconds: how long this process took to compile it (None: it
+            came from the cache).
     """
 
     library: object = None
     path: str = None
     reason: str = ""
-    built: bool = False
+    build_seconds: float = None
 
 
 def _cache_root():
@@ -126,16 +124,15 @@ def load():
     if compiler is None:
         return NativeOps(reason=version)
     target = _cache_root() / "native" / _cache_key(version) / _LIBRARY_NAME
-    built = False
+    build_seconds = None
     if not target.exists():
         start = time.monotonic()
         failure = _build(compiler, target)
         if failure is not None:
             return NativeOps(reason=failure)
-        built = True
-        logger.info("tfdp: compiled the noise kernel in %.1f s: %s", time.monotonic() - start, target)
+        build_seconds = time.monotonic() - start
     try:
         library = tf.load_op_library(str(target))
     except (tf.errors.OpError, OSError) as error:
         return NativeOps(reason=f"loading {target} failed ({error})")
-    return NativeOps(library=library, path=str(target), built=built)
+    return NativeOps(library=library, path=str(target), build_seconds=build_seconds)
