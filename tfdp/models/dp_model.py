@@ -18,6 +18,8 @@ import keras
 import numpy as np
 import tensorflow as tf
 from keras.src.models import cloning
+from keras.src.models.functional import Functional
+from keras.src.saving import object_registration
 from keras.src.utils import io_utils
 from keras.src.utils.tracking import no_automatic_dependency_tracking
 
@@ -31,6 +33,7 @@ from tfdp.models.atomic_save import atomic_write, is_local_path
 from tfdp.models.augmentation import check_augmentation
 from tfdp.models.augmentation import step_key as augmentation_key
 from tfdp.models.chosen_checkpoint import keep_chosen_checkpoints_charged, note_save
+from tfdp.models.functional_class import make_functional, wants_functional
 from tfdp.models.jit import resolve_jit_compile
 from tfdp.models.losses import per_example_loss
 from tfdp.models.restore import LedgerGuard, restore_backups
@@ -883,7 +886,12 @@ def _split_validation(x, y, sample_weight, validation_split):
 
 @keras.saving.register_keras_serializable(package="tfdp")
 class DPModel(DPTrainingMixin, keras.Model):
-    """A Functional Keras model trained with differential privacy.
+    """A Keras model trained with differential privacy.
+
+    Built as `keras.Model` is: from a graph, `DPModel(inputs, outputs)`, or
+    subclassed, `class MyModel(tfdp.DPModel)` with `super().__init__()` and
+    a `call()` (a subclassed model trains on the whole-model vectorized
+    path, `per_example_path`).
 
     Args:
         inputs, outputs: as `keras.Model(inputs, outputs)`.
@@ -904,6 +912,13 @@ class DPModel(DPTrainingMixin, keras.Model):
     ...     optimizer=tfdp.optimizers.DPSGD(0.5, l2_norm_clip=1.0, noise_multiplier=1.1),
     ...     loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
     """
+
+    def __new__(cls, *args, **kwargs):
+        # DPModel(inputs, outputs) is a FunctionalDPModel: Keras would
+        # otherwise rewrite DPModel's own bases (tfdp.models.functional_class).
+        if wants_functional(cls, DPModel, args, kwargs):
+            cls = make_functional(cls, DPModel, FunctionalDPModel)
+        return super().__new__(cls, *args, **kwargs)
 
     def __init__(self, *args, per_example_gradients="auto", **kwargs):
         check_graph_arguments(args, kwargs)  # DPModel(task): say DPModel(task.inputs, ...)
@@ -926,6 +941,17 @@ class DPModel(DPTrainingMixin, keras.Model):
         if saved.get("tied_layers"):
             model = cls(model.input, retie(model, saved["tied_layers"]), name=model.name)
         return cls._restore_training_state(model, saved)
+
+
+class FunctionalDPModel(DPModel, Functional):
+    """What `tfdp.DPModel(inputs, outputs)` builds: a `DPModel` that is a
+    Keras `Functional` (tfdp.models.functional_class). Saved as
+    "tfdp>DPModel". Example: `isinstance(tfdp.DPModel(i, o), tfdp.DPModel)`
+    is True."""
+
+
+# Saved under DPModel's name, so a file names the class users wrote.
+object_registration.GLOBAL_CUSTOM_NAMES[FunctionalDPModel] = "tfdp>DPModel"
 
 
 @keras.saving.register_keras_serializable(package="tfdp")
