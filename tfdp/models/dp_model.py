@@ -33,7 +33,7 @@ from tfdp.models.atomic_save import atomic_write, is_local_path
 from tfdp.models.augmentation import check_augmentation
 from tfdp.models.augmentation import step_key as augmentation_key
 from tfdp.models.chosen_checkpoint import keep_chosen_checkpoints_charged, note_save
-from tfdp.models.functional_class import make_functional, wants_functional
+from tfdp.models.functional_class import default_name, make_functional, wants_functional
 from tfdp.models.jit import resolve_jit_compile
 from tfdp.models.losses import per_example_loss
 from tfdp.models.restore import LedgerGuard, restore_backups
@@ -922,6 +922,7 @@ class DPModel(DPTrainingMixin, keras.Model):
 
     def __init__(self, *args, per_example_gradients="auto", **kwargs):
         check_graph_arguments(args, kwargs)  # DPModel(task): say DPModel(task.inputs, ...)
+        default_name(self, DPModel, FunctionalDPModel, args, kwargs)  # "dp_model", as before
         super().__init__(*args, **kwargs)
         self._init_dp(per_example_gradients)
 

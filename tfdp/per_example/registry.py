@@ -22,6 +22,8 @@ pass (`register_rule`).
 
 import keras
 
+from tfdp.per_example.random_augmentation import is_keyed_augmentation
+
 _L = keras.layers
 
 # Layers whose output for one example depends only on that example's inputs
@@ -169,8 +171,11 @@ def rule_for(layer):
 
 
 def is_per_example(layer):
-    """True if `layer` is known (or declared) to keep examples independent."""
-    return type(layer) in ALLOWED or type(layer) in _DECLARED or is_batch_normalization(layer)
+    """True if `layer` is known (or declared) to keep examples independent
+    (Keras's random augmentation layers: keyed per example on the batched
+    pass, `tfdp.per_example.random_augmentation`)."""
+    return (type(layer) in ALLOWED or type(layer) in _DECLARED or is_batch_normalization(layer)
+            or is_keyed_augmentation(layer))
 
 
 def is_batch_normalization(layer):
