@@ -79,3 +79,9 @@ def test_functional_dp_model_saves_under_its_registered_name(tmp_path):
     model.save(path)
     loaded = keras.models.load_model(path)
     assert isinstance(loaded, tfdp.DPModel) and loaded.privacy.steps == 1
+
+
+def test_a_functional_dp_model_reads_as_dp_model():
+    model = _functional()
+    assert type(model).__name__ == "DPModel" and model.name.startswith("dp_model")
+    assert repr(model).startswith("<DPModel name=dp_model")

@@ -33,7 +33,7 @@ from tfdp.models.atomic_save import atomic_write, is_local_path
 from tfdp.models.augmentation import check_augmentation
 from tfdp.models.augmentation import step_key as augmentation_key
 from tfdp.models.chosen_checkpoint import keep_chosen_checkpoints_charged, note_save
-from tfdp.models.functional_class import default_name, make_functional, wants_functional
+from tfdp.models.functional_class import make_functional, wants_functional
 from tfdp.models.jit import resolve_jit_compile
 from tfdp.models.losses import per_example_loss
 from tfdp.models.restore import LedgerGuard, restore_backups
@@ -47,8 +47,8 @@ from tfdp.per_example import (
     METHODS,
     check_per_example_support,
     compute_per_example_gradients,
-    plan_for,
 )
+from tfdp.per_example.validate import path_line
 
 logger = logging.getLogger("tfdp")
 
@@ -121,14 +121,13 @@ class DPTrainingMixin:
         """Which per-example gradient path `fit` takes, in one line.
 
         "batched pass with per-layer rules" (naming any layer that takes the
-        per-layer vjp fallback) or "whole-model vectorized_map (why)". Also
+        per-layer vjp fallback) or "whole-model vectorized_map (why)", and
+        what fit would refuse ("but fit refuses ..."). Also
         logged once (logger "tfdp", INFO) when the training step is traced.
 
         Example: `print(model.per_example_path)`.
         """
-        if self.per_example_gradients == "vectorized":
-            return "per-example gradients: whole-model vectorized_map (requested)"
-        return plan_for(self).describe()
+        return path_line(self)  # with what fit would refuse (tfdp.per_example.validate)
 
     def _read_dp_steps(self):
         return int(self._dp_steps.numpy())
@@ -922,7 +921,6 @@ class DPModel(DPTrainingMixin, keras.Model):
 
     def __init__(self, *args, per_example_gradients="auto", **kwargs):
         check_graph_arguments(args, kwargs)  # DPModel(task): say DPModel(task.inputs, ...)
-        default_name(self, DPModel, FunctionalDPModel, args, kwargs)  # "dp_model", as before
         super().__init__(*args, **kwargs)
         self._init_dp(per_example_gradients)
 
@@ -946,12 +944,13 @@ class DPModel(DPTrainingMixin, keras.Model):
 
 class FunctionalDPModel(DPModel, Functional):
     """What `tfdp.DPModel(inputs, outputs)` builds: a `DPModel` that is a
-    Keras `Functional` (tfdp.models.functional_class). Saved as
-    "tfdp>DPModel". Example: `isinstance(tfdp.DPModel(i, o), tfdp.DPModel)`
-    is True."""
+    Keras `Functional` (tfdp.models.functional_class). Named "DPModel", so
+    messages, default model names ("dp_model") and saved files
+    ("tfdp>DPModel") read as they did. Example:
+    `isinstance(tfdp.DPModel(i, o), tfdp.DPModel)` is True."""
 
 
-# Saved under DPModel's name, so a file names the class users wrote.
+FunctionalDPModel.__name__ = "DPModel"  # __qualname__ stays, for pickle's lookup
 object_registration.GLOBAL_CUSTOM_NAMES[FunctionalDPModel] = "tfdp>DPModel"
 
 

@@ -16,7 +16,6 @@ among them replaced by the functional class rather than rewritten itself
 
 from keras.src.models.functional import Functional
 from keras.src.models.model import functional_init_arguments
-from keras.src.utils.naming import auto_name
 
 
 def wants_functional(cls, dp_model_class, args, kwargs):
@@ -40,10 +39,3 @@ def make_functional(cls, dp_model_class, functional_class):
     )
     return cls
 
-
-def default_name(model, dp_model_class, functional_class, args, kwargs):
-    """Names an unnamed `DPModel(inputs, outputs)` "dp_model" (then
-    "dp_model_1", ...) as Keras named it before, not after its class
-    `FunctionalDPModel`; sets `kwargs["name"]`."""
-    if type(model) is functional_class and kwargs.get("name") is None and len(args) < 3:
-        kwargs["name"] = auto_name(dp_model_class.__name__)
