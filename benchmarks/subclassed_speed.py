@@ -10,6 +10,10 @@ steps (skipping the first three, as throughput.py does) of: the functional
 table of examples/s.
 
     python benchmarks/subclassed_speed.py --only mlp --rounds 3
+    python benchmarks/subclassed_speed.py --only mlp --batch 64 --steps 8   # quicker
+
+`--batch` and `--steps` replace the zoo model's batch size and steps an
+epoch (the vectorized path holds batch x parameters floats).
 """
 
 import argparse
@@ -53,7 +57,12 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--only", nargs="+", default=["mlp"], choices=sorted(ZOO))
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--batch", type=int, default=None, help="batch size (default: the zoo's)")
+    parser.add_argument("--steps", type=int, default=None, help="steps an epoch (default: the zoo's)")
     args = parser.parse_args()
+    for name in args.only:
+        batch, steps = ZOO[name]
+        ZOO[name] = (args.batch or batch, args.steps or steps)
     print("| model | path | examples/s (in fit) | path line |")
     print("|---|---|---|---|")
     for name in args.only:

@@ -33,6 +33,7 @@ from tfdp.models.atomic_save import atomic_write, is_local_path
 from tfdp.models.augmentation import check_augmentation
 from tfdp.models.augmentation import step_key as augmentation_key
 from tfdp.models.chosen_checkpoint import keep_chosen_checkpoints_charged, note_save
+from tfdp.models.executions import whole_executions
 from tfdp.models.functional_class import make_functional, wants_functional
 from tfdp.models.jit import resolve_jit_compile
 from tfdp.models.losses import per_example_loss
@@ -521,6 +522,7 @@ class DPTrainingMixin:
         # A file kept by save_best_only is rewritten with the ledger of each check.
         callbacks = keep_chosen_checkpoints_charged(callbacks)
         if not isinstance(x, FixedOrderData):  # a target epsilon sets sigma now
+            steps_per_epoch = whole_executions(self, num_examples, batch_size, steps_per_epoch)
             # After the restore: its ledger and epoch are what this fit continues.
             first_epoch = getattr(self, "_initial_epoch", None) or initial_epoch
             planned = (steps_per_epoch or default_steps_per_epoch(num_examples, batch_size)) * max(
@@ -573,7 +575,7 @@ class DPTrainingMixin:
         mark_step_log_readers(callbacks, verbose)  # no epsilon per step that nobody reads
         for callback in callbacks:
             if isinstance(callback, PrivacyBudget):
-                callback.check_can_start(self.privacy, num_examples)
+                callback.check_can_start(self.privacy, num_examples, optimizer=self.optimizer)
         callbacks.append(LedgerGuard(self.privacy, callbacks))
         callbacks.append(reads.callback())
         float32_precision.keep_float32_exact()  # per-example norms in float32, not TF32
