@@ -49,3 +49,12 @@ def test_a_budget_below_the_target_is_advised_with_the_target():
     with pytest.raises(ValueError, match=r"target_epsilon=3 calibrated the noise .* give the "
                                          r"optimizer target_epsilon=1"):
         model.fit(X, Y, batch_size=32, epochs=3, verbose=0, callbacks=[budget])
+
+
+def test_the_tf_data_refusal_gives_the_batched_conversion():
+    import tensorflow as tf
+
+    dataset = tf.data.Dataset.from_tensor_slices((X[:64], Y[:64])).batch(16)
+    with pytest.raises(ValueError, match=r"write_records\(dataset, path, batched=True\) for a "
+                                         r"batched pipeline"):
+        _model(noise_multiplier=1.0).fit(dataset, epochs=1, verbose=0)

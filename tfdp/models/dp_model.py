@@ -71,7 +71,10 @@ _NOT_SAMPLEABLE = (
     "pipeline, PyDataset or generator cannot be sampled. Pass NumPy arrays "
     "(memmaps too: np.load(path, mmap_mode='r') is read row by row) or a "
     "tfdp.data.RecordSource (any object with len() and [i]), or convert the "
-    "pipeline once: tfdp.data.write_records(dataset, path), then "
+    "pipeline once: tfdp.data.write_records(dataset, path, batched=True) for a "
+    "batched pipeline (dataset.batch(...): each example becomes one record; "
+    "without batched=True each batch would be stored as one record), "
+    "tfdp.data.write_records(dataset, path) for one of single examples, then "
     "model.fit(tfdp.data.read_records(path), ...). A pipeline read in a fixed "
     "order trains with tfdp.optimizers.DPBandMF instead. Received: x of type {}"
 )
