@@ -108,3 +108,13 @@ def test_a_batch_normalization_called_in_inference_mode_or_frozen_is_accepted():
     model = tfdp.DPModel(inputs, L.Dense(2)(frozen(h)))
     assert tfdp.per_example.validate(model, loss="mse").ok
     assert "fit refuses" not in model.per_example_path
+
+
+def test_several_outputs_are_refused_at_compile_with_the_way_round():
+    inputs = keras.Input((4,))
+    h = L.Dense(8)(inputs)
+    model = tfdp.DPModel(inputs, [L.Dense(2, name="kind")(h), L.Dense(1, name="size")(h)])
+    with pytest.raises(ValueError, match=r"2 outputs .*Concatenate\(\)\(\[head_a, head_b\]\)"):
+        model.compile(optimizer=_sgd(), loss="mse")
+    [finding] = tfdp.per_example.validate(model, loss="mse").refused
+    assert finding.subject == "model" and "Several outputs" in finding.reason

@@ -36,7 +36,7 @@ from tfdp.models.chosen_checkpoint import keep_chosen_checkpoints_charged, note_
 from tfdp.models.executions import whole_executions
 from tfdp.models.functional_class import make_functional, wants_functional
 from tfdp.models.jit import resolve_jit_compile
-from tfdp.models.losses import per_example_loss
+from tfdp.models.losses import check_one_output, per_example_loss
 from tfdp.models.restore import LedgerGuard, restore_backups
 from tfdp.models.sequence_loss import token_weighted_loss
 from tfdp.models.task_inputs import check_graph_arguments, check_no_text
@@ -199,6 +199,7 @@ class DPTrainingMixin:
                 f"{type(optimizer).__name__ if optimizer is not None else None}"
             )
         check_per_example_support(self)
+        check_one_output(self)  # several heads: one concatenated output (losses.py)
         if kwargs.get("run_eagerly"):
             raise ValueError(_EAGER_REFUSAL.format(name=type(self).__name__)
                              + " Received: run_eagerly=True")

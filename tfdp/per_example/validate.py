@@ -135,6 +135,7 @@ def _path_findings(model, plan):
 
 def _model_findings(model):
     from tfdp.models.dp_model import DPTrainingMixin, _check_train_step
+    from tfdp.models.losses import check_one_output
     from tfdp.models.task_inputs import check_no_text
 
     if not isinstance(model, DPTrainingMixin):
@@ -142,6 +143,12 @@ def _model_findings(model):
                       "plain Keras fit trains without privacy",
                       "build it as tfdp.DPModel(inputs, outputs) or tfdp.DPSequential(layers)")
         return
+    try:
+        check_one_output(model)
+    except ValueError as error:
+        yield Finding("refused", "model", str(error),
+                      "concatenate the heads into one output and compile with one loss that "
+                      "weighs each head's loss per example")
     try:
         _check_train_step(model)
     except ValueError as error:
@@ -166,7 +173,8 @@ def _loss_findings(loss):
         unreduced_loss(loss)
     except ValueError as error:
         fix = ("compile with one loss for one output (for several heads, concatenate them "
-               "into one output with one loss)" if isinstance(loss, (list, tuple, dict))
+               "into one output with one loss that weighs each head's loss per example)"
+               if isinstance(loss, (list, tuple, dict))
                else "pass a Keras loss, its name, or a function returning one loss per example")
         yield Finding("refused", "loss", str(error), fix)
         return
