@@ -49,7 +49,7 @@ from tfdp.per_example import (
     check_per_example_support,
     compute_per_example_gradients,
 )
-from tfdp.per_example.validate import path_line
+from tfdp.per_example.validation import path_line
 
 logger = logging.getLogger("tfdp")
 

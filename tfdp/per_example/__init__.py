@@ -47,7 +47,7 @@ from tfdp.per_example.configuration import declare_per_example_activation
 from tfdp.per_example.grads import LinearGrads, MaterializedGrads, PerExampleGradients
 from tfdp.per_example.plan import plan_for
 from tfdp.per_example.registry import declare_per_example, register_rule
-from tfdp.per_example.validate import validate
+from tfdp.per_example.validation import validate
 from tfdp.per_example.vectorized import vectorized_gradients
 
 __all__ = [
