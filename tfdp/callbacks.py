@@ -109,13 +109,15 @@ class PrivacyBudget(keras.callbacks.Callback):
         self.model.stop_training = True
         self._stop_epoch = self._epoch
 
-    def check_can_start(self, ledger, num_examples=None):
+    def check_can_start(self, ledger, num_examples=None, optimizer=None):
         """Raises ValueError if the budget leaves no room for one more step.
 
         Args:
             ledger: the model's privacy ledger.
             num_examples: N, the training set's size, if known: a `delta`
                 above 1/N gets a `tfdp.accounting.LargeDeltaWarning`.
+            optimizer: the model's optimizer, if known: a `target_epsilon`
+                above this budget is named in the advice.
         """
         if num_examples is not None:
             warn_if_delta_exceeds_one_over_n(self.delta, num_examples)
@@ -127,6 +129,7 @@ class PrivacyBudget(keras.callbacks.Callback):
                 f"The privacy budget epsilon={self.epsilon} (delta={self.delta}) "
                 f"leaves no room for another step: one more step would reach "
                 f"epsilon={spent:.4g}. Training was not started."
+                + self._target_advice(optimizer)
             )
 
     @classmethod
@@ -137,6 +140,19 @@ class PrivacyBudget(keras.callbacks.Callback):
         budget = cls(epsilon=target.epsilon, delta=target.delta)
         budget._named = f"The optimizer's target_epsilon={target.epsilon:g}"
         return budget
+
+    def _target_advice(self, optimizer):
+        """Advice for a budget below the optimizer's `target_epsilon` ("" if
+        none): that target calibrated the noise to spend more than the budget."""
+        target = getattr(optimizer, "target_epsilon", None)
+        if target is None or self.epsilon is None or target <= self.epsilon:
+            return ""
+        return (
+            f" The optimizer's target_epsilon={target:g} calibrated the noise to spend "
+            f"{target:g} over this fit, more than this budget's epsilon={self.epsilon:g}: "
+            f"give the optimizer target_epsilon={self.epsilon:g} (fit then stops at it, "
+            "with no PrivacyBudget needed) or raise the budget to the target."
+        )
 
     def on_train_begin(self, logs=None):
         if self.epsilon is not None and getattr(self.model, "steps_per_execution", 1) > 1:
@@ -195,9 +211,13 @@ class PrivacyBudget(keras.callbacks.Callback):
         if epochs is None or steps is None or self._first_epoch is None:
             return ""
         planned = (epochs - self._first_epoch) * steps
-        sigma = getattr(getattr(self.model, "optimizer", None), "noise_multiplier", None)
+        optimizer = getattr(self.model, "optimizer", None)
+        sigma = getattr(optimizer, "noise_multiplier", None)
         if ran >= planned or sigma is None:
             return ""
+        advice = self._target_advice(optimizer)
+        if advice:
+            return advice
         return (
             f" The noise multiplier is too small for this fit's plan: the budget affords "
             f"{ran} of its {planned} steps at noise_multiplier={sigma:.4g}. Calibrate the "

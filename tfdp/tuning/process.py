@@ -159,8 +159,11 @@ def _outcome(folder, trials):
 
 
 _HINT = ("To debug, build and fit one model of your hypermodel outside the search (for "
-         "example with keras_tuner.HyperParameters() and your fit arguments), or run the "
-         "search on data you may publish.")
+         "example with keras_tuner.HyperParameters() and your fit arguments), and, if you "
+         "passed a custom `score`, call it on that model's predictions one validation "
+         "example at a time, as the search does (score(y_true[i:i + 1], "
+         "model.predict(x_val[i:i + 1])), one value returned); or run the search on data "
+         "you may publish.")
 
 
 def _error_of(result):
