@@ -13,11 +13,15 @@ throughput: Fashion-MNIST is written once to disk as a .npy memmap
     in one process. Examples/s are timed inside fit from the end of the 3rd
     step to the end of the last; the table gives the median over rounds and
     the ratio to in-memory arrays.
-memory: a synthetic float32 .npy larger than 4 GB (`--gigabytes`, written
-    in chunks, every row distinct) is opened with mmap_mode="r" and a Dense
-    model fits `--steps` DP steps of batch 256 from it; a thread samples
-    RssAnon (/proc/self/status) every 5 ms. Prints the file size and the
-    anonymous memory before fit and at its peak during fit.
+memory: a synthetic float32 .npy larger than 4 GB (`--gigabytes`, or
+    `--rows` of `--width` features; written in chunks, every row distinct)
+    is opened with mmap_mode="r" and a Dense model fits `--steps` DP steps
+    of `--batch-size` (and `--physical-batch-size`) from it; a thread
+    samples RssAnon + RssShmem (/proc/self/status) every 5 ms. Prints the file size
+    and the anonymous memory before fit, at its peak during fit and the
+    growth (the goal for data at scale: under 300 MB; `--read-cores`
+    makes tfdp and tf.data plan reads for that many cores, to measure a
+    larger machine's read-ahead on a small one).
 accuracy: DP-SGD, tanh CNN, `tfdp train`'s Fashion-MNIST recipe (batch
     2048, lr 4, momentum 0.9, clip 0.1, 40 epochs, epsilon 3) with
     physical_batch_size 256, from in-memory arrays, a memmap (`fit(x, y)`
@@ -27,6 +31,8 @@ accuracy: DP-SGD, tanh CNN, `tfdp train`'s Fashion-MNIST recipe (batch
 
     python benchmarks/data_sources.py throughput --rounds 5 --steps 40
     python benchmarks/data_sources.py memory --gigabytes 4.5
+    python benchmarks/data_sources.py memory --rows 120000 --width 2048 \
+        --batch-size 2048 --physical-batch-size 256 --steps 20
     python benchmarks/data_sources.py accuracy --source memmap --seed 0
     python benchmarks/data_sources.py accuracy --source records --seed 1
 """
@@ -42,6 +48,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
+import tensorflow as tf  # noqa: E402
 
 import tfdp  # noqa: E402
 from tfdp import recipes  # noqa: E402
@@ -170,11 +177,16 @@ def read_milliseconds(source, batch_size, draws=50):
 
 
 def rss_anon_mb():
+    """RssAnon + RssShmem (MiB): resident memory no file backs (a shared
+    anonymous mapping counts as RssShmem)."""
+    found = {}
     with open("/proc/self/status", encoding="ascii") as status:
         for line in status:
-            if line.startswith("RssAnon:"):
-                return int(line.split()[1]) / 1024
-    raise RuntimeError("RssAnon not in /proc/self/status")
+            if line.startswith(("RssAnon:", "RssShmem:")):
+                found[line.split(":")[0]] = int(line.split()[1]) / 1024
+    if "RssAnon" not in found:
+        raise RuntimeError("RssAnon not in /proc/self/status")
+    return sum(found.values())
 
 
 class PeakSampler(threading.Thread):
@@ -188,9 +200,26 @@ class PeakSampler(threading.Thread):
             time.sleep(0.005)
 
 
+def plan_reads_for(cores):
+    """tfdp and tf.data plan the input pipeline's reads for `cores` cores."""
+    from tfdp.data import poisson, reader
+
+    reader._cores = lambda: cores  # pylint: disable=protected-access
+    finish = poisson._finish  # pylint: disable=protected-access
+
+    def with_threads(steps, dataset):
+        options = tf.data.Options()
+        options.threading.private_threadpool_size = cores
+        return finish(steps, dataset).with_options(options)
+
+    poisson._finish = with_threads  # pylint: disable=protected-access
+
+
 def memory(args):
-    width = 1024
-    rows = int(args.gigabytes * 2**30 / (4 * width)) + 1
+    width = args.width
+    rows = args.rows or int(args.gigabytes * 2**30 / (4 * width)) + 1
+    if args.read_cores:
+        plan_reads_for(args.read_cores)
     with tempfile.TemporaryDirectory(dir=args.dir) as folder:
         path = os.path.join(folder, "x.npy")
         mapped = np.lib.format.open_memmap(path, "w+", np.float32, (rows, width))
@@ -208,12 +237,17 @@ def memory(args):
         before = rss_anon_mb()
         sampler = PeakSampler()
         sampler.start()
-        model.fit(x, y, batch_size=256, epochs=1, steps_per_epoch=args.steps, verbose=0)
+        model.fit(x, y, batch_size=args.batch_size, epochs=1, steps_per_epoch=args.steps,
+                  physical_batch_size=args.physical_batch_size, verbose=0)
         sampler.running = False
         sampler.join()
-    print(f"memmap of {size_gb:.2f} GiB ({rows:,} x {width} float32), {args.steps} DP steps "
-          f"of batch 256: RssAnon {before:,.0f} MiB before fit, peak {sampler.peak:,.0f} MiB "
-          f"during fit (+{sampler.peak - before:,.0f} MiB)")
+    physical = f", physical {args.physical_batch_size}" if args.physical_batch_size else ""
+    cores = f", reads planned for {args.read_cores} cores" if args.read_cores else ""
+    print(f"memmap of {size_gb:.2f} GiB ({size_gb * 2**30 / 1e6:,.0f} MB; "
+          f"{rows:,} x {width} float32), {args.steps} DP steps of batch {args.batch_size}"
+          f"{physical}{cores}: anonymous memory {before:,.0f} MiB before fit, peak "
+          f"{sampler.peak:,.0f} MiB during fit: +{sampler.peak - before:,.0f} MiB "
+          f"(+{(sampler.peak - before) * 2**20 / 1e6:,.0f} MB; goal < 300)")
 
 
 # -- accuracy ---------------------------------------------------------------------
@@ -263,6 +297,11 @@ def main():
     run.add_argument("--batch-size", type=int, default=256)
     run = commands.add_parser("memory")
     run.add_argument("--gigabytes", type=float, default=4.5)
+    run.add_argument("--rows", type=int, default=None, help="instead of --gigabytes")
+    run.add_argument("--width", type=int, default=1024)
+    run.add_argument("--batch-size", type=int, default=256)
+    run.add_argument("--physical-batch-size", type=int, default=None)
+    run.add_argument("--read-cores", type=int, default=None)
     run.add_argument("--steps", type=int, default=50)
     run = commands.add_parser("accuracy")
     run.add_argument("--source", choices=("memory", "memmap", "records"), default="memmap")

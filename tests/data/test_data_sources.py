@@ -115,6 +115,94 @@ def test_fit_on_memmaps_reads_rows_not_the_file(tmp_path):
     assert rss_anon_mb() - before < 100, rss_anon_mb() - before
 
 
+def mapped_resident_bytes(path):
+    """Resident bytes of this process's mappings of the file at `path`
+    (/proc/self/smaps): the pages of it something read."""
+    total, current = 0, False
+    with open("/proc/self/smaps", encoding="utf-8") as smaps:
+        for line in smaps:
+            fields = line.split()
+            if "-" in fields[0] and len(fields) >= 5:  # a mapping's header line
+                current = len(fields) >= 6 and fields[5] == str(path)
+            elif current and fields[0] == "Rss:":
+                total += int(fields[1]) * 1024
+    return total
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/smaps"), reason="needs Linux's smaps")
+def test_fit_on_a_memmap_reads_only_its_sampled_rows(tmp_path):
+    """A 1 GiB memmap (a sparse file), 3 steps of about 16 rows: the pages
+    fit maps are those around the rows it read (the kernel maps up to a few
+    hundred KB around each), tens of MB, not the file: no check,
+    fingerprint or copy reads the whole array (issue 55, item 9). Control:
+    summing its first 128 MiB maps them."""
+    rows, width = 65536, 4096  # 16 KiB a row
+    path = tmp_path / "x.npy"
+    np.lib.format.open_memmap(path, "w+", np.float32, (rows, width))._mmap.close()  # holes
+    x = np.load(path, mmap_mode="r")
+    y = np.arange(rows) % 3
+    keras.utils.set_random_seed(1)
+    model = tfdp.DPSequential([keras.Input((width,)), keras.layers.Dense(3)])
+    model.compile(
+        optimizer=tfdp.optimizers.DPSGD(0.1, l2_norm_clip=1.0, noise_multiplier=1.0, seed=0),
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+    )
+    model.fit(x, y, batch_size=16, epochs=1, steps_per_epoch=3, verbose=0)
+    size = os.path.getsize(path)
+    touched = mapped_resident_bytes(path)
+    assert touched < size / 8, f"{touched / 2**20:.0f} MiB of {size / 2**20:.0f} MiB mapped"
+    float(x[:8192].sum())  # control: a read of 128 MiB maps them
+    assert mapped_resident_bytes(path) - touched > 100 * 2**20
+
+
+def test_parallel_reads_hold_a_bounded_number_of_large_batches(tmp_path, monkeypatch):
+    """One read per core (tf.data's default) held 16 batches of 18 MB on 16
+    cores; large batches are read at most READ_AHEAD_BYTES ahead, counted
+    from the sampler's padded batch (a memmap's pipeline asks for it)."""
+    from tfdp.data import reader
+
+    asked = []
+    plan = reader.parallel_reads
+    monkeypatch.setattr(reader, "parallel_reads", lambda size: asked.append(size) or plan(size))
+    np.save(tmp_path / "x.npy", np.zeros((400, 6), np.float32))
+    sampler = PoissonSampler(400, 50, seed=0)
+    make_dataset(sampler, (np.load(tmp_path / "x.npy", mmap_mode="r"), np.arange(400)))
+    assert asked == [sampler.padded_size * (6 * 4 + 8)]  # float32 features, an int64 label
+    assert plan(2048 * 2048 * 4 + 2048 * 8, cores=16) == 3
+    assert plan(2**30, cores=16) == 1
+    assert plan(2048 * 2048 * 4, cores=2) == tf.data.AUTOTUNE
+    assert plan(256 * 784 * 4, cores=16) == tf.data.AUTOTUNE
+    assert plan(None, cores=16) == tf.data.AUTOTUNE
+
+
+def test_a_large_batch_is_its_own_mapping_and_reads_like_fancy_indexing(tmp_path):
+    """A batch of 1 MiB or more is an anonymous mapping of its own (freed to
+    the system with the batch, not kept in a read thread's malloc arena),
+    filled by np.take straight from the memmap; out-of-range rows still
+    raise."""
+    import mmap
+
+    from tfdp.data.sources import _batch_array
+
+    large, small = _batch_array([300, 1024], np.float32), _batch_array([3, 4], np.float32)
+    base = large
+    while isinstance(base, np.ndarray):
+        base = base.base
+    assert isinstance(base.obj, mmap.mmap) and large.flags.writeable
+    assert small.base is None
+    rng = np.random.default_rng(0)
+    np.save(tmp_path / "x.npy", rng.normal(size=(500, 1024)).astype(np.float32))
+    x = np.load(tmp_path / "x.npy", mmap_mode="r")
+    source = ArraySource(x, np.arange(500))
+    indices = rng.integers(0, 500, 300)
+    out = source.empty_batch(300)
+    source.read_batch(indices, out)
+    np.testing.assert_array_equal(out[0], x[indices])
+    np.testing.assert_array_equal(out[1], indices)
+    with pytest.raises(IndexError):
+        source.read_batch(np.array([3, 500]), source.empty_batch(2))
+
+
 def test_fit_on_memmaps_equals_fit_on_arrays(data, tmp_path):
     x, y = data
     np.save(tmp_path / "x.npy", x)

@@ -7,14 +7,24 @@ comes before the end of training (a file of an 8-step run saying 6 passed)
 and the batch counting of batch-level comparisons (off by one passed). Here
 the monitored loss is scripted, and a callback after the checkpoint reads
 the file's step count after every batch.
+
+Issue 55, item 8: `LedgerGuard`, which refuses a rollback during `fit`, is
+driven here as Keras drives it (the counter set back between its calls).
+Each of these mutants passed every relevant test: one step counted per batch
+callback with `steps_per_execution` > 1, a one-step rollback tolerated, and
+no check in `on_train_batch_begin` (a rollback there ran one step under
+replayed noise).
 """
 
 import os
 
 import keras
 import numpy as np
+import pytest
+import tensorflow as tf
 
 import tfdp
+from tfdp.models.restore import LedgerGuard
 
 N, BATCH = 64, 16  # 4 steps an epoch
 LOSS = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
@@ -86,3 +96,90 @@ def test_one_step_epochs_count_a_batch_each(tmp_path):
     _, during, loaded = run(tmp_path, 2, [9.0, 1.0, 9.0, 5.0, 9.0], epochs=5, n=BATCH)
     assert during == [None, 2, 2, 4, 4]
     assert loaded.privacy.steps == 5
+
+
+# -- issue 55, item 8: LedgerGuard's count of the steps Keras ran -----------------
+
+
+class _Ledger:
+    """A ledger that reads the model's step counter, as tfdp's does."""
+
+    def __init__(self, counter):
+        self.counter = counter
+
+    @property
+    def steps(self):
+        return int(self.counter.numpy())
+
+
+class _Model:
+    """What LedgerGuard reads of a model: its ledger and step counter."""
+
+    def __init__(self, steps=0):
+        self._dp_steps = tf.Variable(steps, dtype=tf.int64)
+        self.privacy = _Ledger(self._dp_steps)
+
+
+def guarded(start=0):
+    model = _Model(start)
+    guard = LedgerGuard(model.privacy, [])
+    guard.set_model(model)
+    guard.on_train_begin()
+    guard.on_epoch_begin(0)
+    return model, guard
+
+
+def run_executions(model, guard, executions, steps_per_execution, first_batch=0):
+    """Keras's calls for `executions` calls of `steps_per_execution` steps:
+    batch begin with the call's first index, batch end with its last."""
+    batch = first_batch
+    for _ in range(executions):
+        guard.on_train_batch_begin(batch)
+        model._dp_steps.assign_add(steps_per_execution)
+        batch += steps_per_execution
+        guard.on_train_batch_end(batch - 1)
+    return batch
+
+
+@pytest.mark.parametrize("rollback", [1, 2, 3])
+def test_a_rollback_within_a_call_of_several_steps_is_refused(rollback):
+    """With steps_per_execution=4 each batch callback follows 4 steps: the
+    guard must count 4 (counting 1 a callback let a rollback of up to 3 of
+    every 4 steps through)."""
+    model, guard = guarded(start=10)
+    run_executions(model, guard, 2, 4)
+    assert model.privacy.steps == 18
+    model._dp_steps.assign_sub(rollback)
+    with pytest.raises(ValueError, match=f"went from 18 to {18 - rollback}"):
+        guard.on_train_batch_begin(8)
+    assert model.privacy.steps == 18  # set back: the ledger counts every step that ran
+
+
+def test_a_one_step_rollback_between_steps_is_refused():
+    model, guard = guarded()
+    run_executions(model, guard, 3, 1)
+    model._dp_steps.assign_sub(1)  # a callback loaded the weights of one step before
+    with pytest.raises(ValueError, match="went from 3 to 2"):
+        guard.on_train_batch_end(2)
+
+
+def test_a_rollback_in_on_train_batch_begin_stops_the_step_it_precedes():
+    """A callback's on_train_batch_begin runs before the guard's: the guard's
+    own batch-begin check must stop the step, which would otherwise run once
+    under replayed noise before the batch-end check."""
+    model, guard = guarded()
+    run_executions(model, guard, 2, 1)
+    model._dp_steps.assign_sub(2)
+    with pytest.raises(ValueError, match="went from 2 to 0"):
+        guard.on_train_batch_begin(2)
+
+
+def test_steps_that_ran_pass_the_guard():
+    """Negative control: calls of 1, 4 and a short last call of 3 steps, and
+    epochs restarting the batch index, raise nothing."""
+    model, guard = guarded(start=5)
+    run_executions(model, guard, 2, 4)
+    run_executions(model, guard, 1, 3, first_batch=8)
+    guard.on_epoch_begin(1)
+    run_executions(model, guard, 3, 1)
+    assert model.privacy.steps == 5 + 8 + 3 + 3

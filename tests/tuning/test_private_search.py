@@ -307,3 +307,11 @@ def test_a_hypermodel_that_cannot_reach_the_child_process_is_named(in_child):
     with pytest.raises(TypeError, match=r"its `hypermodel` must be picklable.*Received: "
                                         r"hypermodel=<function .*build"):
         tuner.search(*_data(), batch_size=BATCH, validation_split=SPLIT)
+
+
+@pytest.mark.parametrize("cut", [(0, 0), (5, 4)])
+def test_validation_data_without_records_is_refused_before_the_draw(trials, cut):
+    """Issue 55, item 4: it was a withheld ZeroDivisionError after the draw."""
+    x, y = _data()
+    _refused_before_the_draw(_build(), r"validation_data \(x_val, y_val\) with the same, non-zero",
+                             x, y, validation_data=(x[:cut[0]], y[:cut[1]]))

@@ -41,7 +41,7 @@ import math
 
 import dp_accounting
 
-from tfdp.accounting import _engine, additive_delta
+from tfdp.accounting import _engine, additive_delta, integrity
 from tfdp.accounting._validation import check_choice, check_delta, check_int, check_real, show
 from tfdp.accounting.events import event_from_dict, event_to_dict
 from tfdp.accounting.statement import describe_releases, is_search, privacy_statement
@@ -657,7 +657,8 @@ class PrivacyLedger:
         """The ledger as a JSON string.
 
         Holds the closed segments, the open segment, the one-off records and
-        the step count at save time; `from_json` restores it.
+        the step count at save time, sealed with their SHA-256
+        (`tfdp.accounting.integrity`); `from_json` checks and restores it.
 
         Raises:
             ValueError: if the step counter went back below a count the
@@ -685,7 +686,7 @@ class PrivacyLedger:
         }
         if self._preprocessing:
             data["preprocessing"] = self.preprocessing
-        return json.dumps(data, allow_nan=False)
+        return json.dumps(integrity.seal(data), allow_nan=False)
 
     @classmethod
     def from_json(cls, text, step_counter=None):
@@ -704,8 +705,10 @@ class PrivacyLedger:
             The `PrivacyLedger`.
 
         Raises:
-            ValueError: corrupt JSON (the message names the problem) or a
-                mismatched step counter.
+            ValueError: corrupt JSON (the message names the problem), a
+                checksum that does not match (a damaged record), or a
+                mismatched step counter. A ledger saved before checksums is
+                read with an `integrity.UncheckedRecordWarning`.
         """
         if isinstance(text, (bytes, bytearray)):
             try:
@@ -722,9 +725,11 @@ class PrivacyLedger:
         except json.JSONDecodeError as error:
             raise ValueError(f"Corrupt privacy ledger: invalid JSON ({error}).") from None
         segments, open_segment, records, saved_steps = _parse(data)
+        preprocessing = _parse_preprocessing(data)
+        _check_seal(data)  # after the structure's checks, whose messages are more telling
 
         ledger = cls(step_counter=step_counter)
-        ledger._preprocessing = _parse_preprocessing(data)
+        ledger._preprocessing = preprocessing
         ledger._segments = segments
         ledger._open = open_segment
         ledger._records = records
@@ -879,6 +884,25 @@ def _get_counting(mapping, where, version):
         return _check_counting(steps_per_round, relation)
     except (TypeError, ValueError) as error:
         raise _corrupt(f"bad counting at {where}: {error}") from None
+
+
+def _check_seal(data):
+    """Checks a parsed ledger's checksum; an old ledger without one (and with
+    no key a ledger never had: a flipped key name) is read with a warning."""
+    if integrity.unseal(data, "Corrupt privacy ledger") is not None:
+        return
+    unknown = sorted(set(data) - _KEYS)
+    if unknown:
+        raise _corrupt(f"unknown key(s) {unknown} and no checksum (a damaged record).")
+    import warnings
+
+    warnings.warn(
+        "This privacy ledger was saved without a checksum (by an earlier tfdp): it is read "
+        "unchecked. Save the model again to seal it.",
+        integrity.UncheckedRecordWarning, stacklevel=4)
+
+
+_KEYS = {"format", "version", "steps", "segments", "open", "records", "preprocessing"}
 
 
 def _parse(data):

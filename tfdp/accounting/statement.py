@@ -228,9 +228,17 @@ def _describe_search(event):
          else (item, 1) for item in inner.events]
         if isinstance(inner, dp_accounting.ComposedDpEvent) else [(inner, 1)]
     )
+    score = ""
+    last = parts[-1][0] if parts else None
+    if len(parts) > 1 and parts[-1][1] == 1 and isinstance(last, dp_accounting.GaussianDpEvent):
+        # The trial's noisy validation score (tfdp.tuning.scores): what picks the best.
+        parts = parts[:-1]
+        score = (f", and scored by a noisy validation score (Gaussian, noise multiplier "
+                 f"{last.noise_multiplier:.4g}) that picks the best; that score is part of "
+                 "this search, not a release of its own")
     return (
         f"a private hyperparameter search: the best of a random number of trials ({law} law, "
-        f"mean {event.mean:.4g}), each trial releasing {describe_releases(parts)}"
+        f"mean {event.mean:.4g}), each trial trained with {describe_releases(parts)}{score}"
     )
 
 

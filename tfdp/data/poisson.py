@@ -537,7 +537,7 @@ def make_dataset(sampler, arrays, *, first_step=0, repeat=False):
                 f"Expected the source to hold the sampler's {_records_name(sampler)} "
                 f"({sampler.num_records}) records. Received: {len(source)} records"
             )
-        return _finish(steps, read_batches(pairs, source))
+        return _finish(steps, read_batches(pairs, source, rows=sampler.padded_size))
     leaves = tf.nest.flatten(arrays)
     paths = _leaf_paths(arrays)
     if len(paths) != len(leaves):

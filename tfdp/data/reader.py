@@ -4,8 +4,8 @@ The sampler's `(indices, mask)` pairs are drawn in TensorFlow
 (`tfdp.data.sampling`); for each step a `tf.numpy_function` reads the
 sampled records (and nothing else) from a source (`tfdp.data.sources`)
 into one padded batch. tf.data runs several steps' reads at once
-(`num_parallel_calls`) and keeps their order, and `make_dataset`
-prefetches, so reading overlaps training. Padding rows are
+(`num_parallel_calls`, `parallel_reads`) and keeps their order, and
+`make_dataset` prefetches, so reading overlaps training. Padding rows are
 record 0, as for in-memory arrays, read once (a `RecordSource` keeps it from
 reading its spec). Each pipeline's reads can be stopped (at Ctrl-C, and when
 `fit` ends: `tfdp.data.interrupts`).
@@ -19,12 +19,62 @@ dataset = make_dataset(sampler, source)   # ((x, y), mask) elements, via read_ba
 ```
 """
 
+import os
+
 import numpy as np
 import tensorflow as tf
 
 from tfdp.data import interrupts
 
 __all__ = ["read_batches", "read_padded"]
+
+# Padded batches that parallel reads may hold ahead of training, in bytes.
+# Each read keeps its batch until the step takes it, and tf.data's default
+# parallelism is one read per core: batches of 2048 rows of 2,048 float32
+# features (18 MB) from a memmap grew anonymous memory by 667 MiB with reads
+# planned for 16 cores (`benchmarks/data_sources.py memory --read-cores 16`).
+READ_AHEAD_BYTES = 64 * 2**20
+
+
+def _cores():
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
+def parallel_reads(batch_bytes, cores=None):
+    """How many steps' reads run at once: tf.data's default (one a core)
+    unless that would hold more than `READ_AHEAD_BYTES` of batches, then as
+    many as fit (at least 1). Reading a batch from a memmap takes far less
+    than a step, so a few reads ahead keep training fed.
+
+    Args:
+        batch_bytes: the bytes of one padded batch, or None when unknown.
+        cores: the cores reads may use (default: this process's).
+
+    Example:
+
+    >>> parallel_reads(2048 * 2048 * 4, cores=16)   # 16 MiB batches: 4 fit in 64 MiB
+    4
+    >>> parallel_reads(256 * 784 * 4, cores=16) == tf.data.AUTOTUNE
+    True
+    """
+    cores = _cores() if cores is None else cores
+    if batch_bytes is None or batch_bytes * cores <= READ_AHEAD_BYTES:
+        return tf.data.AUTOTUNE
+    return max(1, READ_AHEAD_BYTES // batch_bytes)
+
+
+def _batch_bytes(length, specs):
+    """The bytes of a batch of `length` rows of `specs`, or None if unknown."""
+    row = 0
+    for spec in specs:
+        entries = spec.shape[1:].num_elements()
+        if entries is None or length is None:
+            return None
+        row += entries * spec.dtype.size
+    return length * row
 
 
 def read_padded(source, indices, mask, stop=None):
@@ -61,7 +111,7 @@ def read_padded(source, indices, mask, stop=None):
     return out
 
 
-def read_batches(pairs, source):
+def read_batches(pairs, source, rows=None):
     """`(batch, mask)` elements read from `source` at the pairs' indices.
 
     Args:
@@ -69,6 +119,9 @@ def read_batches(pairs, source):
             1-D tensors of one length, real rows first), e.g. a sampler's
             draws (`tfdp.data.sampling.draws`).
         source: a `RecordSource` or `ArraySource`.
+        rows: the usual length of a padded batch (a sampler's
+            `padded_size`), which bounds the reads run at once
+            (`parallel_reads`); default: the pairs' static length, if any.
 
     Returns:
         A `tf.data.Dataset` of `(batch, mask)` in the order of `pairs`,
@@ -98,4 +151,5 @@ def read_batches(pairs, source):
             tensor.set_shape(spec.shape)
         return tf.nest.pack_sequence_as(source.element_spec, flat), mask
 
-    return pairs.map(read, num_parallel_calls=tf.data.AUTOTUNE)
+    rows = pairs.element_spec[0].shape[0] if rows is None else rows
+    return pairs.map(read, num_parallel_calls=parallel_reads(_batch_bytes(rows, specs)))

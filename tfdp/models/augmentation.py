@@ -48,7 +48,10 @@ Example:
 'add_or_remove'
 """
 
+import dis
 import inspect
+import random
+import types
 
 import keras
 import numpy as np
@@ -218,7 +221,12 @@ def _as_int64(tensor):
     return tf.cast(tensor, tf.int64)
 
 
-def check_augmentation(augment, augmentations, sample_x, optimizer):
+# The most copies of an example a step averages: the published gains level
+# off by 16 to 32 copies, and every copy costs a forward and backward pass.
+MAX_AUGMENTATIONS = 1024
+
+
+def check_augmentation(augment, augmentations, sample_x, optimizer, rows=None):
     """Validates fit's `augment` and `augmentations`; an `Augmentation` or None.
 
     Args:
@@ -231,6 +239,9 @@ def check_augmentation(augment, augmentations, sample_x, optimizer):
             (default 1 with `augment`).
         sample_x: the inputs of a one-example batch (their shapes and dtypes).
         optimizer: the model's tfdp optimizer.
+        rows: the examples a step computes at once (its batch size, or
+            physical_batch_size; times a user's records), for the message
+            refusing more than `MAX_AUGMENTATIONS` copies.
 
     Raises:
         ValueError: naming the argument and the value received.
@@ -251,6 +262,16 @@ def check_augmentation(augment, augmentations, sample_x, optimizer):
             "Expected `augmentations` to be an int >= 1 (the augmented copies of each "
             f"example a step averages) or None. Received: augmentations={augmentations!r}"
         )
+    if augmentations is not None and augmentations > MAX_AUGMENTATIONS:
+        at_once = "" if rows is None else (
+            f" (here {rows:,} examples x {int(augmentations):,} copies = "
+            f"{rows * int(augmentations):,} forward and backward passes in one step)")
+        raise ValueError(
+            f"Expected `augmentations` <= {MAX_AUGMENTATIONS}: a step augments every example "
+            "of its batch k times and computes a gradient for each copy, so its work and "
+            f"memory grow k-fold{at_once}; the accuracy gained levels off by 16 to 32 "
+            f"copies. Received: augmentations={augmentations!r}"
+        )
     if augment is None:
         if augmentations is not None and augmentations > 1:
             raise ValueError(
@@ -269,6 +290,7 @@ def check_augmentation(augment, augmentations, sample_x, optimizer):
             f"(fn(x, seed)). Received: augment={_name(augment)} with augmentations={copies}"
         )
     _check_privatize(optimizer)
+    _check_no_python_randomness(augment)
     augmentation = Augmentation(augment, copies, takes_seed)
     augmentation.traced(tf.nest.map_structure(
         lambda t: tf.TensorSpec(t.shape[1:], t.dtype), sample_x))
@@ -321,16 +343,109 @@ def _check_privatize(optimizer):
         )
 
 
+_PYTHON_RANDOM = ("random", "numpy.random", "numpy.random.mtrand", "numpy.random._generator")
+
+
+def _python_random_source(value):
+    """The name of Python's or NumPy's randomness that `value` is, or None."""
+    if isinstance(value, types.ModuleType):
+        return value.__name__ if value.__name__ in ("random", "numpy.random") else None
+    if isinstance(value, (np.random.Generator, np.random.RandomState, random.Random)):
+        return f"a {type(value).__module__}.{type(value).__name__}"
+    module = getattr(value, "__module__", None)
+    if callable(value) and module in _PYTHON_RANDOM:
+        return f"{module}.{getattr(value, '__name__', '?')}"
+    return None
+
+
+_LOADS = {"LOAD_GLOBAL", "LOAD_NAME", "LOAD_DEREF", "LOAD_CLASSDEREF"}
+
+
+def _python_randomness(augment):
+    """Where `augment`'s own code (and the functions defined in it) loads
+    Python's or NumPy's random numbers: a global or closure variable that is
+    `random`, `numpy.random`, one of their functions or generators, or
+    `numpy` followed by `.random`. None if nowhere."""
+    function = getattr(augment, "__func__", augment)
+    code = getattr(function, "__code__", None)
+    if code is None:
+        return None
+    scope = dict(getattr(function, "__globals__", {}))
+    for name, cell in zip(code.co_freevars, getattr(function, "__closure__", None) or ()):
+        try:
+            scope[name] = cell.cell_contents
+        except ValueError:  # an empty cell
+            pass
+    pending = [code]
+    while pending:
+        current = pending.pop()
+        pending.extend(c for c in current.co_consts if inspect.iscode(c))
+        instructions = list(dis.get_instructions(current))
+        for index, instruction in enumerate(instructions):
+            if instruction.opname not in _LOADS or instruction.argval not in scope:
+                continue
+            value = scope[instruction.argval]
+            found = _python_random_source(value)
+            following = instructions[index + 1] if index + 1 < len(instructions) else None
+            if found is None and isinstance(value, types.ModuleType) and \
+                    value.__name__ == "numpy" and following is not None and \
+                    following.opname in ("LOAD_ATTR", "LOAD_METHOD") and \
+                    following.argval == "random":
+                found = f"{instruction.argval}.random"
+            if found is not None:
+                return found
+    return None
+
+
+def _constants(traced):
+    """The values of a trace's constants, in order."""
+    return [op.get_attr("value").SerializeToString() for op in _ops(traced.graph)
+            if op.type == "Const"]
+
+
+def _check_no_python_randomness(augment):
+    """Refuses an `augment` that draws Python or NumPy random numbers: it runs
+    once, when traced, so its draw is a constant of the graph and every copy
+    of every step gets the same "random" augmentation."""
+    source = _python_randomness(augment)
+    if source is not None:
+        raise ValueError(
+            "augment must draw its randomness from its seed argument with stateless TF ops "
+            "(tf.random.stateless_uniform, tf.image.stateless_random_crop, ...): Python's or "
+            "NumPy's random numbers run once, when augment is traced, so every copy of "
+            "every example in every step would get the same augmentation. Received: "
+            f"augment={_name(augment)} using {source}"
+        )
+
+
+def _check_traced_again(augment, takes_seed, specs, traced):
+    """Refuses an `augment` whose second trace holds other constants than its
+    first: it draws random numbers (or reads other state) in Python, which the
+    trace freezes (every copy identical)."""
+    again = _trace(augment, takes_seed, specs)
+    if _constants(again) != _constants(traced):
+        raise ValueError(
+            "augment gave other constants when traced twice: it draws random numbers in "
+            "Python (random, numpy.random) or reads changing Python state, which runs once, "
+            "when traced, so every copy of every example in every step would get the same "
+            "augmentation. Draw randomness from its seed argument with stateless TF ops "
+            f"(tf.random.stateless_uniform, ...). Received: augment={_name(augment)}"
+        )
+
+
+def _trace(augment, takes_seed, specs):
+    seed = tf.TensorSpec([2], tf.int64)
+    if takes_seed:
+        return tf.function(lambda x, s: augment(x, s)).get_concrete_function(specs, seed)
+    return tf.function(lambda x: augment(x)).get_concrete_function(specs)
+
+
 def _check_traced(augment, takes_seed, specs):
     """Traces `augment` on one example of `specs`: same structure, shapes and
     dtypes out, and no op that draws from a stateful generator, writes state,
     runs Python or asserts, or whose output shape is not fully static.
     Returns the checked ConcreteFunction."""
-    seed = tf.TensorSpec([2], tf.int64)
-    if takes_seed:
-        traced = tf.function(lambda x, s: augment(x, s)).get_concrete_function(specs, seed)
-    else:
-        traced = tf.function(lambda x: augment(x)).get_concrete_function(specs)
+    traced = _trace(augment, takes_seed, specs)
     out = traced.structured_outputs
     try:
         tf.nest.assert_same_structure(out, specs)
@@ -385,6 +500,7 @@ def _check_traced(augment, takes_seed, specs):
                 f"augment={_name(augment)} running op '{op.name}' ({op.type}) with output "
                 f"shape {dynamic[0].shape}"
             )
+    _check_traced_again(augment, takes_seed, specs, traced)
     return traced
 
 

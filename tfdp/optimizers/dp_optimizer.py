@@ -530,6 +530,16 @@ class DPOptimizer(keras.optimizers.Optimizer):
         a fit refused before then leaves it open. No-op without a target."""
         if self.noise_target is None:
             return
+        executions = getattr(model, "steps_per_execution", 1)
+        if executions > 1:
+            raise ValueError(
+                f"The optimizer's target_epsilon={self.noise_target.epsilon:g} is enforced "
+                "between steps (fit stops at the target, never past it), so it needs one step "
+                "per execution: compile with steps_per_execution=1, or give the optimizer a "
+                "fixed noise_multiplier (tfdp.accounting.calibrate_dpsgd computes one for a "
+                "target) to run several steps per execution. Nothing was trained. "
+                f"Received: steps_per_execution={executions}"
+            )
         if "noise_multiplier" not in self.__dict__["_assigned_settings"]:
             self.__dict__["noise_multiplier"] = None  # still open: plan this fit
         sigma = self.noise_target.plan(self, model.privacy, num_units, batch_size, steps,
@@ -564,6 +574,17 @@ class DPOptimizer(keras.optimizers.Optimizer):
             self._clip_norm = self.add_variable(
                 shape=(), initializer=keras.initializers.Constant(self.l2_norm_clip),
                 dtype="float32", name="clip_norm")
+
+    @property
+    def target_epsilon(self):
+        """The `target_epsilon` this optimizer was given, or None (a fixed
+        `noise_multiplier`). Example: `optimizer.target_epsilon` -> 3.0."""
+        return None if self.noise_target is None else self.noise_target.epsilon
+
+    @property
+    def target_delta(self):
+        """The `target_delta` of `target_epsilon`, or None without one."""
+        return None if self.noise_target is None else self.noise_target.delta
 
     @property
     def variables(self):

@@ -170,6 +170,11 @@ class DPIS(DPOptimizer):
     (5.0, 0.8)
     """
 
+    # DPIS's own settings (assigned in __init__), not DPOptimizer's read-only
+    # target_epsilon and target_delta properties of its NoiseTarget.
+    target_epsilon = None
+    target_delta = None
+
     # noise_multiplier is left out: it is sigma_G, chosen every epoch (its
     # property refuses assignment with its own message).
     _fixed_settings = tuple(n for n in DPOptimizer._fixed_settings if n != "noise_multiplier") + (
