@@ -134,7 +134,7 @@ def test_the_gradient_noise_pays_for_the_selection():
     part, table = _grads(ids)
     per_example = tfdp.per_example.PerExampleGradients([table], [part])
     setting = SparseNoise(2.0, threshold=-1e9)
-    out, selections = sparse.sparse_noisy_sums(
+    out, selections = sparse.sparse_noisy_means(
         [tf.zeros([V, DIM])], [table], per_example, tf.ones([8]),
         {id(table): ("tok", setting)}, 1.0, lambda sigma: sigma * 1.0,
         lambda dense, s: dense, tf.constant([9, 9], tf.int64))

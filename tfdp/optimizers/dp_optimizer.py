@@ -805,12 +805,11 @@ class DPOptimizer(keras.optimizers.Optimizer):
         variables = per_example.variables
         b = step_info["expected_batch_size"]
         seed = self.noise_seed()
-        noisy, selections = sparse.sparse_noisy_sums(
+        grads, selections = sparse.sparse_noisy_means(
             sums, variables, per_example, step_info["mask"], tables, self.noise_multiplier,
             lambda sigma: sigma * self.l2_norm_clip,
-            lambda dense, stddev: dpsgd.noisy_mean(dense, stddev, 1.0, seed), seed,
-            static_shapes=self.__dict__.get("_sparse_static_shapes", False))
-        grads = [g / tf.cast(b, g.dtype) for g in noisy]
+            lambda dense, stddev: dpsgd.noisy_mean(dense, stddev, b, seed), seed,
+            static_shapes=self.__dict__.get("_sparse_static_shapes", False), divisor=b)
         if self.weight_decay and self.weight_decay_placement == "after_noise":
             offsets = self._decay_offsets(variables)
             for i, selected in selections.items():  # unselected rows: no update at all

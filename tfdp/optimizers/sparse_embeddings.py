@@ -227,22 +227,25 @@ def selected_rows(counts, setting, seed):
     return counts + noise > setting.threshold
 
 
-def noisy_rows(row_sum, selected, stddev, seed, static_shapes=False):
-    """The table's noisy sum: the clipped sum plus N(0, stddev^2) on the
-    selected rows, exactly 0 on the others (normals drawn for those rows only).
+def noisy_rows(row_sum, selected, stddev, seed, static_shapes=False, divisor=1.0):
+    """The table's noisy mean: (the clipped sum plus N(0, stddev^2)) / divisor
+    on the selected rows, exactly 0 on the others.
 
-    With `static_shapes` (XLA, which compiles no data-dependent shape) the
-    normals are drawn for every row and masked: the same law on the
-    selected rows, zeros elsewhere, without the saving.
+    Normals are drawn for the selected rows only, and the [V, d] table is
+    written once (a scatter into zeros). With `static_shapes` (XLA, which
+    compiles no data-dependent shape) they are drawn for every row and
+    masked: the same law on the selected rows, zeros elsewhere, without the
+    saving.
     """
-    mask = tf.cast(selected, row_sum.dtype)[:, None]
     if static_shapes:
         noise = normals([tf.shape(row_sum)], [seed], [row_sum.dtype], stddev=stddev)[0]
-        return (row_sum + noise) * mask
+        mask = tf.cast(selected, row_sum.dtype)[:, None]
+        return (row_sum + noise) * mask / tf.cast(divisor, row_sum.dtype)
     rows = tf.where(selected)  # [m, 1] int64
-    shape = tf.stack([tf.shape(rows, out_type=tf.int32)[0], tf.shape(row_sum)[1]])
-    noise = normals([shape], [seed], [row_sum.dtype], stddev=stddev)[0]
-    return tf.tensor_scatter_nd_add(row_sum * mask, rows, noise)
+    picked = tf.gather_nd(row_sum, rows)  # [m, d]
+    noise = normals([tf.shape(picked)], [seed], [row_sum.dtype], stddev=stddev)[0]
+    return tf.scatter_nd(rows, (picked + noise) / tf.cast(divisor, row_sum.dtype),
+                         tf.shape(row_sum, out_type=tf.int64))
 
 
 def table_part(per_example, table, layer_name):
@@ -261,9 +264,9 @@ def table_part(per_example, table, layer_name):
     return holders[0]
 
 
-def sparse_noisy_sums(sums, variables, per_example, mask, tables, noise_multiplier,
-                      clip_stddev_of, dense_noise, seed, static_shapes=False):
-    """The step's noisy sums (not yet divided by b) with sparse tables.
+def sparse_noisy_means(sums, variables, per_example, mask, tables, noise_multiplier,
+                       clip_stddev_of, dense_noise, seed, static_shapes=False, divisor=1.0):
+    """The step's noisy means with sparse tables.
 
     Args:
         sums: clipped sums aligned with `variables`.
@@ -273,12 +276,14 @@ def sparse_noisy_sums(sums, variables, per_example, mask, tables, noise_multipli
         tables: from `resolve_tables`.
         noise_multiplier: z, the step's (the ledger's) noise multiplier.
         clip_stddev_of: sigma -> the noise std on the sum at multiplier sigma.
-        dense_noise: (list of sums, std) -> list of noisy sums (DP-SGD's draw).
+        dense_noise: (list of sums, std) -> list of noisy means (DP-SGD's
+            draw, divided by b).
         seed: the step's noise seed.
         static_shapes: True under XLA (`noisy_rows`).
+        divisor: b, the expected batch size (the sparse tables' mean).
 
     Returns:
-        (noisy sums aligned with `variables`, {variable index: selected [V] bool}).
+        (noisy means aligned with `variables`, {variable index: selected [V] bool}).
     """
     settings = [setting for _, setting in tables.values()]
     stddev = clip_stddev_of(gradient_noise_multiplier(noise_multiplier, settings))
@@ -295,6 +300,6 @@ def sparse_noisy_sums(sums, variables, per_example, mask, tables, noise_multipli
                                      variables[i].shape[0])
         selected = selected_rows(counts, setting, fold_seed(seed, SELECTION_STREAM + n))
         out[i] = noisy_rows(sums[i], selected, stddev, fold_seed(seed, ROWS_STREAM + n),
-                            static_shapes)
+                            static_shapes, divisor)
         selections[i] = selected
     return out, selections
