@@ -15,6 +15,7 @@ the cores), held-out accuracy, epsilon, and the mean share of the table's
 rows an epoch moved (Adam keeps moving a row selected earlier).
 
     python benchmarks/sparse_embedding_noise.py [--vocab 50000 100000] [--epochs 4]
+    TFDP_NOISE_KERNEL=graph python benchmarks/sparse_embedding_noise.py   # the graph generator
 """
 
 import argparse
@@ -27,6 +28,7 @@ import keras  # noqa: E402
 import numpy as np  # noqa: E402
 
 import tfdp  # noqa: E402
+from tfdp.mechanisms.native_noise import noise_path  # noqa: E402
 from results import cpu_name  # noqa: E402  (benchmarks/ is on the path when run as a script)
 
 LENGTH, DIM, TRAIN, TEST, BATCH = 32, 64, 20000, 5000, 1000
@@ -94,6 +96,7 @@ def main():
     print(f"CPU: {cpu_name()}; {TRAIN} train / {TEST} test documents of {LENGTH} tokens, "
           f"Embedding dim {DIM}, batch {BATCH}, {args.epochs} epochs, z={NOISE}, "
           f"sparse: sigma_c={SELECTION_NOISE}, k={MAX_ROWS}, threshold={THRESHOLD}")
+    print(f"Noise: {noise_path()}")
     print(f"{'vocab':>7} {'noise':>6} {'wall s/epoch':>12} {'cpu s/epoch':>11} "
           f"{'speedup (cpu)':>13} {'accuracy':>9} {'epsilon':>8} {'rows moved/epoch':>17}")
     for vocab in args.vocab:
