@@ -223,6 +223,16 @@ def test_user_level_counts_people():
     assert model.privacy.relation == "add_or_remove_user"
 
 
+def test_a_target_epsilon_calibrates_z_and_the_ledger_ends_within_it():
+    x, y = _data(n=64, seed=3)
+    model = _compile(_model(), tfdp.optimizers.DPOptimizer(
+        keras.optimizers.SGD(0.1), l2_norm_clip=1.0, target_epsilon=2.0, target_delta=1e-5,
+        seed=1, sparse_embeddings={"tok": SparseNoise(8.0, threshold=1.0)}))
+    model.fit(x, y, batch_size=16, epochs=2, verbose=0)
+    assert model.privacy.steps == 8
+    assert 1.9 < model.privacy.epsilon(1e-5) <= 2.0 * (1 + 1e-6)
+
+
 def test_config_round_trip():
     optimizer = _optimizer(SparseNoise(3.0, threshold=2.0, max_rows_per_example=8))
     again = tfdp.optimizers.DPOptimizer.from_config(optimizer.get_config())
