@@ -51,6 +51,10 @@ _FORMAT = "tfdp.PrivacyLedger"
 # uses neither is written as version 1, as before, and both are read.
 _VERSION = 1
 _ROUNDS_VERSION = 2
+# Version 3 adds "carried": releases of other models' training that this
+# model's weights carry (`carry`); written only when there are some, so a
+# tfdp that cannot read them refuses the file instead of dropping them.
+_CARRIED_VERSION = 3
 _CACHE_SIZE = 256
 
 RELATIONS = ("add_or_remove", "zero_out", "add_or_remove_user")
@@ -135,6 +139,7 @@ class PrivacyLedger:
         self._segments = []  # closed segments: (event, start, end, Counting), contiguous from 0
         self._open = None  # (event, start, Counting), start == end of the last closed segment
         self._records = []  # one-off releases: (event, count)
+        self._carried = {}  # source id -> Carried: another training these weights carry
         self._version = 0  # bumped on every change other than the step count
         self._high_water = 0  # the largest step count seen: counters never go back
         self._cache = {}
@@ -242,8 +247,18 @@ class PrivacyLedger:
         counting = _check_counting(steps_per_round, relation)
         now = self.steps
         self._check_counter(now)
-        if any((c.relation == _USER_RELATION) != (relation == _USER_RELATION)
-               for _, start, end, c in self._spans(now) if end > start):
+        carried = [c.label for c in self._carried.values()
+                   if (c.relation == _USER_RELATION) != (relation == _USER_RELATION)]
+        if carried:
+            raise ValueError(
+                f"This model's weights carry the training of {', '.join(carried)}, at the "
+                f"{'record' if relation == _USER_RELATION else 'user'} level, and these steps "
+                "are at the other level: one guarantee does not bound the other, so the two "
+                "cannot be composed. Train fresh layers instead of the ones it trained, or "
+                f"train at the same level. Received: relation={relation!r}"
+            )
+        if any((other == _USER_RELATION) != (relation == _USER_RELATION)
+               for other in self._relations(now)):
             raise ValueError(
                 "A ledger's steps must all be user-level or all record-level: a record-level "
                 "guarantee does not protect a person with several records, and a user-level "
@@ -272,6 +287,78 @@ class PrivacyLedger:
         count = check_int("count", count, minimum=1)
         self._records.append((event, count))
         self._version += 1
+
+    def carry(self, source_id, label, parts, relation="add_or_remove"):
+        """Charges releases that this model's weights carry from another
+        training (`tfdp.models.weight_ledgers`): weights that another
+        model's DP steps trained, held or trained on here.
+
+        Carried releases compose with this ledger's own (a valid bound
+        whatever data each training read) and are named in the statement.
+        Carrying the same `source_id` again replaces its releases (the
+        other training's ledger as it is now), so nothing is counted twice.
+
+        Args:
+            source_id: a string naming the other training.
+            label: how the statement names it, e.g. "model 'encoder'".
+            parts: its releases, a sequence of (DpEvent, count >= 1).
+            relation: the neighbouring relation its guarantee holds under
+                (see `relation`).
+
+        Raises:
+            ValueError: if the other training is user-level and this
+                ledger's record-level, or the reverse (one guarantee does
+                not bound the other), or a part is malformed.
+
+        Example:
+
+        >>> from tfdp.accounting import dpsgd_event
+        >>> ledger = PrivacyLedger()
+        >>> ledger.carry("a", "model 'a'", [(dpsgd_event(1.0, 0.01), 100)])
+        >>> round(ledger.epsilon(1e-5), 4) > 0, len(ledger.own_parts())
+        (True, 0)
+        """
+        if not isinstance(source_id, str) or not isinstance(label, str):
+            raise TypeError(
+                "Expected `source_id` and `label` to be strings. Received: "
+                f"source_id={show(source_id)}, label={show(label)}"
+            )
+        check_choice("relation", relation, RELATIONS)
+        parts = tuple((_check_event(event, "parts"), check_int("count", count, minimum=1))
+                      for event, count in parts)
+        if any((other == _USER_RELATION) != (relation == _USER_RELATION)
+               for other in self._relations(self.steps, without=source_id)):
+            raise ValueError(
+                f"These weights carry the training of {label}, "
+                f"{'user-level' if relation == _USER_RELATION else 'record-level'}, and this "
+                "model's training is the other level: one guarantee does not bound the other, "
+                "so the two cannot be composed. Train fresh layers instead of the ones "
+                f"{label} trained, or train at the same level. Received: relation={relation!r}"
+            )
+        carried = Carried(label, parts, relation)
+        if self._carried.get(source_id) != carried:
+            self._carried[source_id] = carried
+            self._version += 1
+
+    @property
+    def carried(self):
+        """{source id: Carried(label, parts, relation)}: the other trainings
+        these weights carry (`carry`), charged with this ledger's own."""
+        return dict(self._carried)
+
+    def own_parts(self):
+        """This ledger's own releases as (event, count) pairs, without the
+        carried ones: what another model that holds these weights carries."""
+        parts = self._parts(self.steps)
+        return parts[:len(parts) - self._carried_count()]
+
+    def _carried_count(self):
+        return sum(len(c.parts) for c in self._carried.values())
+
+    def _relations(self, now, without=None):
+        """The relations of the segments that ran and of the carried trainings."""
+        spans = [c.relation for _, start, end, c in self._spans(now) if end > start]
+        return spans + [c.relation for key, c in self._carried.items() if key != without]
 
     def charge_selection(self, event, earlier=()):
         """Replaces every release so far by `event`, one release that covers them.
@@ -341,6 +428,8 @@ class PrivacyLedger:
                 "No step event is open, so there is no step to project: call "
                 f"begin_steps(event) first. Received: extra_steps={extra_steps}"
             )
+        for carried in self._carried.values():  # last: own_parts cuts them off
+            parts += list(carried.parts)
         return parts
 
     def composed_event(self):
@@ -366,6 +455,8 @@ class PrivacyLedger:
         if self._open is not None and now > self._open[1]:
             event, start, counting = self._open
             events.append(dp_accounting.SelfComposedDpEvent(event, counting.releases(now - start)))
+        events += [dp_accounting.SelfComposedDpEvent(event, count)
+                   for carried in self._carried.values() for event, count in carried.parts]
         return dp_accounting.ComposedDpEvent(events)
 
     @property
@@ -391,9 +482,9 @@ class PrivacyLedger:
         contributes nothing is as good as absent), so the ledger's epsilon
         then holds under "zero_out" for the whole run.
         """
-        spans = [(start, end, c) for _, start, end, c in self._spans(self.steps) if end > start]
+        relations = self._relations(self.steps)
         for relation in ("zero_out", _USER_RELATION):
-            if any(counting.relation == relation for _, _, counting in spans):
+            if relation in relations:
                 return relation
         return "add_or_remove"
 
@@ -561,7 +652,8 @@ class PrivacyLedger:
 
     def _description(self, now):
         """`describe_releases` of the releases, with what a rounds segment means."""
-        text = describe_releases(self._parts(now))
+        own = self._parts(now)
+        text = describe_releases(own[:len(own) - self._carried_count()])
         rounds = [(end - start, c) for event, start, end, c in self._spans(now)
                   if end > start and (c.steps_per_round > 1 or c.relation == "zero_out")
                   and not is_search(event)]
@@ -576,6 +668,11 @@ class PrivacyLedger:
             text += (
                 f" ({steps} steps of banded correlated noise (DP-BandMF) in which {pattern}: "
                 f"{counting.releases(steps)} round(s), each counted as one release)"
+            )
+        for carried in self._carried.values():
+            text += (
+                f". These weights also carry the releases of the training of {carried.label}, "
+                f"charged here too ({describe_releases(list(carried.parts))})"
             )
         return text
 
@@ -595,9 +692,10 @@ class PrivacyLedger:
         self._check_counter(now)
         countings = [segment[3] for segment in self._segments]
         countings += [] if self._open is None else [self._open[2]]
+        version = _VERSION if all(c.is_default for c in countings) else _ROUNDS_VERSION
         data = {
             "format": _FORMAT,
-            "version": _VERSION if all(c.is_default for c in countings) else _ROUNDS_VERSION,
+            "version": _CARRIED_VERSION if self._carried else version,
             "steps": now,
             "segments": [
                 _segment_dict(event, counting, start=start, end=end)
@@ -610,6 +708,12 @@ class PrivacyLedger:
                 {"event": event_to_dict(event), "count": count} for event, count in self._records
             ],
         }
+        if self._carried:
+            data["carried"] = [
+                {"id": key, "label": c.label, "relation": c.relation,
+                 "releases": [{"event": event_to_dict(e), "count": n} for e, n in c.parts]}
+                for key, c in self._carried.items()
+            ]
         return json.dumps(data, allow_nan=False)
 
     @classmethod
@@ -652,6 +756,7 @@ class PrivacyLedger:
         ledger._segments = segments
         ledger._open = open_segment
         ledger._records = records
+        ledger._carried = _parse_carried(data)
         ledger._high_water = open_segment[1] if open_segment is not None else 0
         if step_counter is None:
             ledger._own_steps = saved_steps
@@ -689,6 +794,31 @@ def _segment_dict(event, counting, **span):
     if not counting.is_default:
         data.update(steps_per_round=counting.steps_per_round, relation=counting.relation)
     return data
+
+
+class Carried(collections.namedtuple("Carried", ["label", "parts", "relation"])):
+    """Another training's releases that a ledger's weights carry: how the
+    statement names it, its (event, count) parts, its relation."""
+
+    __slots__ = ()
+
+
+def _parse_carried(data):
+    """The validated "carried" trainings of a saved ledger (version 3)."""
+    carried = {}
+    if data["version"] != _CARRIED_VERSION:
+        return carried
+    for i, item in enumerate(_get_list(data, "carried", "the ledger")):
+        where = f"carried[{i}]"
+        key, label = _get(item, "id", where), _get(item, "label", where)
+        relation = _get(item, "relation", where)
+        if not isinstance(key, str) or not isinstance(label, str) or relation not in RELATIONS:
+            raise _corrupt(f"bad id, label or relation at {where}.")
+        parts = tuple((_get_event(release, f"{where}.releases[{j}]"),
+                       _get_int(release, "count", f"{where}.releases[{j}]", minimum=1))
+                      for j, release in enumerate(_get_list(item, "releases", where)))
+        carried[key] = Carried(label, parts, relation)
+    return carried
 
 
 def _largest_fitting(fits, max_steps, guess=None):
@@ -783,10 +913,10 @@ def _parse(data):
     if _get(data, "format", "the ledger") != _FORMAT:
         raise _corrupt(f"expected format {_FORMAT!r}, got {show(data['format'])}.")
     version = _get(data, "version", "the ledger")
-    if version not in (_VERSION, _ROUNDS_VERSION):
+    if version not in (_VERSION, _ROUNDS_VERSION, _CARRIED_VERSION):
         raise _corrupt(
-            f"unsupported version {show(version)} (this tfdp reads {_VERSION} and "
-            f"{_ROUNDS_VERSION})."
+            f"unsupported version {show(version)} (this tfdp reads {_VERSION} to "
+            f"{_CARRIED_VERSION})."
         )
     saved_steps = _get_int(data, "steps", "the ledger")
 
