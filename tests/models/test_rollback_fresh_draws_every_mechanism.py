@@ -90,11 +90,10 @@ class Trace(keras.callbacks.Callback):
 # -- each mechanism: the optimizer, the fit, its released values ---------------------------
 
 
-def kernel_updates(model, trace):
-    """The kernel's per-step updates: the noise alone (zero inputs), scaled
-    by their own root mean square."""
-    updates = np.diff(np.stack(trace.kernels), axis=0)
-    return updates
+def kernel_updates(trace):
+    """The kernel's per-step updates: the noise alone (zero inputs; with
+    `augment`, plus the gradient of the augmented copies)."""
+    return np.diff(np.stack(trace.kernels), axis=0)
 
 
 def plain_fit(model, data, callbacks):
@@ -166,9 +165,10 @@ MECHANISMS = {
     "adaptive_clipping": (lambda seed, data, folder: dpsgd(
         seed, target_unclipped_quantile=0.5), plain_fit,
         unclipped_fractions),
+    # Q ~ 0: every candidate is accepted, so the update is the noise.
     "SADPSGD": (lambda seed, data, folder: tfdp.optimizers.SADPSGD(
-        1.0, l2_norm_clip=CLIP, noise_multiplier=1.0, public_energy_data=data[2], energy_batch_size=4,
-        initial_temperature=1e6, seed=seed), plain_fit, annealing_draws),
+        1.0, l2_norm_clip=CLIP, noise_multiplier=1.0, public_energy_data=data[2],
+        energy_batch_size=4, initial_temperature=1e-9, seed=seed), plain_fit, annealing_draws),
     "DPIS": (make_dpis, plain_fit, dpis_releases),
     "AdaDP": (lambda seed, data, folder: tfdp.optimizers.AdaDP(
         0.01, l2_norm_clip=CLIP, noise_multiplier=1.0, seed=seed), plain_fit, no_extras),
@@ -199,7 +199,7 @@ def branches(name, seed, data, folder, samplers):
         samplers.clear()
         fit(model, data, [trace])
         keys = {"poisson_sampling_key": samplers[-1].key} if samplers else {}
-        released.append({"update": kernel_updates(model, trace), **extras(model, trace), **keys})
+        released.append({"update": kernel_updates(trace), **extras(model, trace), **keys})
     assert model.privacy.steps == 2 * STEPS
     return {key: (released[0][key], released[1][key]) for key in released[0]}
 
