@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from tfdp.accounting import PrivacyLedger, dpsgd_event
+from tfdp.accounting import PrivacyLedger, dpsgd_event, integrity
 
 DELTA = 1e-5
 OTHER = [(dpsgd_event(1.0, 0.01), 200)]
@@ -54,8 +54,22 @@ def test_the_carried_releases_survive_json_and_old_ledgers_stay_version_1():
     assert restored.epsilon(DELTA) == plain.epsilon(DELTA)
     assert restored.relation == "zero_out"  # the carried guarantee's relation holds for all
     data["carried"][0]["releases"][0]["count"] = 0
-    with pytest.raises(ValueError, match="Corrupt privacy ledger.*carried"):
+    with pytest.raises(ValueError, match="Corrupt privacy ledger.*checksum"):
         PrivacyLedger.from_json(json.dumps(data))
+    del data[integrity.KEY]  # re-sealed: the structure check itself refuses it
+    with pytest.raises(ValueError, match="Corrupt privacy ledger.*carried"):
+        PrivacyLedger.from_json(json.dumps(integrity.seal(data)))
+
+
+def test_a_carried_training_brings_its_preprocessing_thresholds_delta():
+    plain = ledger_with_steps()
+    plain.carry("a", "model 'encoder'", OTHER)
+    without = plain.epsilon(DELTA)
+    plain.carry("a", "model 'encoder'", OTHER, additive_delta=1e-6)
+    assert plain.epsilon(DELTA) > without  # dropping the carried delta is caught
+    restored = PrivacyLedger.from_json(plain.to_json())
+    assert restored.epsilon(DELTA) == plain.epsilon(DELTA)
+    assert restored.own_additive_delta() == 0.0
 
 
 def test_user_level_and_record_level_trainings_are_not_composed():
