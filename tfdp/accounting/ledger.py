@@ -49,11 +49,14 @@ from tfdp.accounting.statement import describe_releases, is_search, privacy_stat
 _FORMAT = "tfdp.PrivacyLedger"
 # Version 2 adds a segment's "steps_per_round" and "relation"; a ledger that
 # uses neither is written as version 1, as before, and both are read.
-# Version 3 adds "preprocessing" (the provenance of preprocessing state,
-# `tfdp.preprocessing`); a ledger without any is written as before.
 _VERSION = 1
 _ROUNDS_VERSION = 2
-_PREPROCESSING_VERSION = 3
+# Version 3 adds "preprocessing" (the provenance of preprocessing state,
+# `tfdp.preprocessing`) and "carried" (releases of other models' training
+# that this model's weights carry, `carry`); written only when there are
+# some, so a tfdp that cannot read them refuses the file instead of
+# dropping them.
+_EXTENDED_VERSION = 3
 _PREPROCESSING_KEYS = ("id", "layer", "state", "kind", "what", "source", "unit", "additive_delta")
 _PREPROCESSING_KINDS = ("private", "public")
 _CACHE_SIZE = 256
@@ -141,6 +144,7 @@ class PrivacyLedger:
         self._open = None  # (event, start, Counting), start == end of the last closed segment
         self._records = []  # one-off releases: (event, count)
         self._preprocessing = []  # provenance of preprocessing state: dicts (_PREPROCESSING_KEYS)
+        self._carried = {}  # source id -> Carried: another training these weights carry
         self._version = 0  # bumped on every change other than the step count
         self._high_water = 0  # the largest step count seen: counters never go back
         self._cache = {}
@@ -248,8 +252,18 @@ class PrivacyLedger:
         counting = _check_counting(steps_per_round, relation)
         now = self.steps
         self._check_counter(now)
-        if any((c.relation == _USER_RELATION) != (relation == _USER_RELATION)
-               for _, start, end, c in self._spans(now) if end > start):
+        carried = [c.label for c in self._carried.values()
+                   if (c.relation == _USER_RELATION) != (relation == _USER_RELATION)]
+        if carried:
+            raise ValueError(
+                f"This model's weights carry the training of {', '.join(carried)}, at the "
+                f"{'record' if relation == _USER_RELATION else 'user'} level, and these steps "
+                "are at the other level: one guarantee does not bound the other, so the two "
+                "cannot be composed. Train fresh layers instead of the ones it trained, or "
+                f"train at the same level. Received: relation={relation!r}"
+            )
+        if any((other == _USER_RELATION) != (relation == _USER_RELATION)
+               for other in self._relations(now)):
             raise ValueError(
                 "A ledger's steps must all be user-level or all record-level: a record-level "
                 "guarantee does not protect a person with several records, and a user-level "
@@ -332,7 +346,14 @@ class PrivacyLedger:
         return tuple(dict(item) for item in self._preprocessing)
 
     def _additive_delta(self):
-        """A: the summed failure probability of the preprocessing thresholds."""
+        """A: the summed failure probability of the preprocessing thresholds,
+        this ledger's and those of the trainings its weights carry."""
+        return math.fsum([self.own_additive_delta()]
+                         + [c.additive_delta for c in self._carried.values()])
+
+    def own_additive_delta(self):
+        """This ledger's own thresholds' failure probability, without the
+        carried ones: what another model that holds these weights carries."""
         return math.fsum(item["additive_delta"] for item in self._preprocessing)
 
     def _epsilon_of(self, parts, delta, accountant="rdp", conversion="tight"):
@@ -340,6 +361,82 @@ class PrivacyLedger:
         with this ledger's thresholds' delta (for calibrations)."""
         return additive_delta.epsilon_with(parts, delta, self._additive_delta(), accountant,
                                            conversion)
+
+    def carry(self, source_id, label, parts, relation="add_or_remove", additive_delta=0.0):
+        """Charges releases that this model's weights carry from another
+        training (`tfdp.models.weight_ledgers`): weights that another
+        model's DP steps trained, held or trained on here.
+
+        Carried releases compose with this ledger's own (a valid bound
+        whatever data each training read) and are named in the statement.
+        Carrying the same `source_id` again replaces its releases (the
+        other training's ledger as it is now), so nothing is counted twice.
+
+        Args:
+            source_id: a string naming the other training.
+            label: how the statement names it, e.g. "model 'encoder'".
+            parts: its releases, a sequence of (DpEvent, count >= 1).
+            relation: the neighbouring relation its guarantee holds under
+                (see `relation`).
+            additive_delta: its preprocessing thresholds' failure
+                probability (`own_additive_delta`), added to this ledger's.
+
+        Raises:
+            ValueError: if the other training is user-level and this
+                ledger's record-level, or the reverse (one guarantee does
+                not bound the other), or a part is malformed.
+
+        Example:
+
+        >>> from tfdp.accounting import dpsgd_event
+        >>> ledger = PrivacyLedger()
+        >>> ledger.carry("a", "model 'a'", [(dpsgd_event(1.0, 0.01), 100)])
+        >>> round(ledger.epsilon(1e-5), 4) > 0, len(ledger.own_parts())
+        (True, 0)
+        """
+        if not isinstance(source_id, str) or not isinstance(label, str):
+            raise TypeError(
+                "Expected `source_id` and `label` to be strings. Received: "
+                f"source_id={show(source_id)}, label={show(label)}"
+            )
+        check_choice("relation", relation, RELATIONS)
+        additive_delta = check_real("additive_delta", additive_delta, low=0.0, high=1.0,
+                                    low_inclusive=True)
+        parts = tuple((_check_event(event, "parts"), check_int("count", count, minimum=1))
+                      for event, count in parts)
+        if any((other == _USER_RELATION) != (relation == _USER_RELATION)
+               for other in self._relations(self.steps, without=source_id)):
+            raise ValueError(
+                f"These weights carry the training of {label}, "
+                f"{'user-level' if relation == _USER_RELATION else 'record-level'}, and this "
+                "model's training is the other level: one guarantee does not bound the other, "
+                "so the two cannot be composed. Train fresh layers instead of the ones "
+                f"{label} trained, or train at the same level. Received: relation={relation!r}"
+            )
+        carried = Carried(label, parts, relation, additive_delta)
+        if self._carried.get(source_id) != carried:
+            self._carried[source_id] = carried
+            self._version += 1
+
+    @property
+    def carried(self):
+        """{source id: Carried(label, parts, relation)}: the other trainings
+        these weights carry (`carry`), charged with this ledger's own."""
+        return dict(self._carried)
+
+    def own_parts(self):
+        """This ledger's own releases as (event, count) pairs, without the
+        carried ones: what another model that holds these weights carries."""
+        parts = self._parts(self.steps)
+        return parts[:len(parts) - self._carried_count()]
+
+    def _carried_count(self):
+        return sum(len(c.parts) for c in self._carried.values())
+
+    def _relations(self, now, without=None):
+        """The relations of the segments that ran and of the carried trainings."""
+        spans = [c.relation for _, start, end, c in self._spans(now) if end > start]
+        return spans + [c.relation for key, c in self._carried.items() if key != without]
 
     def charge_selection(self, event, earlier=()):
         """Replaces every release so far by `event`, one release that covers them.
@@ -409,6 +506,8 @@ class PrivacyLedger:
                 "No step event is open, so there is no step to project: call "
                 f"begin_steps(event) first. Received: extra_steps={extra_steps}"
             )
+        for carried in self._carried.values():  # last: own_parts cuts them off
+            parts += list(carried.parts)
         return parts
 
     def composed_event(self):
@@ -434,6 +533,8 @@ class PrivacyLedger:
         if self._open is not None and now > self._open[1]:
             event, start, counting = self._open
             events.append(dp_accounting.SelfComposedDpEvent(event, counting.releases(now - start)))
+        events += [dp_accounting.SelfComposedDpEvent(event, count)
+                   for carried in self._carried.values() for event, count in carried.parts]
         return dp_accounting.ComposedDpEvent(events)
 
     @property
@@ -459,9 +560,9 @@ class PrivacyLedger:
         contributes nothing is as good as absent), so the ledger's epsilon
         then holds under "zero_out" for the whole run.
         """
-        spans = [(start, end, c) for _, start, end, c in self._spans(self.steps) if end > start]
+        relations = self._relations(self.steps)
         for relation in ("zero_out", _USER_RELATION):
-            if any(counting.relation == relation for _, _, counting in spans):
+            if relation in relations:
                 return relation
         return "add_or_remove"
 
@@ -633,7 +734,8 @@ class PrivacyLedger:
 
     def _description(self, now):
         """`describe_releases` of the releases, with what a rounds segment means."""
-        text = describe_releases(self._parts(now))
+        own = self._parts(now)
+        text = describe_releases(own[:len(own) - self._carried_count()])
         rounds = [(end - start, c) for event, start, end, c in self._spans(now)
                   if end > start and (c.steps_per_round > 1 or c.relation == "zero_out")
                   and not is_search(event)]
@@ -648,6 +750,11 @@ class PrivacyLedger:
             text += (
                 f" ({steps} steps of banded correlated noise (DP-BandMF) in which {pattern}: "
                 f"{counting.releases(steps)} round(s), each counted as one release)"
+            )
+        for carried in self._carried.values():
+            text += (
+                f". These weights also carry the releases of the training of {carried.label}, "
+                f"charged here too ({describe_releases(list(carried.parts))})"
             )
         return text
 
@@ -671,7 +778,7 @@ class PrivacyLedger:
         version = _VERSION if all(c.is_default for c in countings) else _ROUNDS_VERSION
         data = {
             "format": _FORMAT,
-            "version": _PREPROCESSING_VERSION if self._preprocessing else version,
+            "version": _EXTENDED_VERSION if self._preprocessing or self._carried else version,
             "steps": now,
             "segments": [
                 _segment_dict(event, counting, start=start, end=end)
@@ -686,6 +793,13 @@ class PrivacyLedger:
         }
         if self._preprocessing:
             data["preprocessing"] = self.preprocessing
+        if self._carried:
+            data["carried"] = [
+                {"id": key, "label": c.label, "relation": c.relation,
+                 "releases": [{"event": event_to_dict(e), "count": n} for e, n in c.parts],
+                 **({"additive_delta": c.additive_delta} if c.additive_delta else {})}
+                for key, c in self._carried.items()
+            ]
         return json.dumps(integrity.seal(data), allow_nan=False)
 
     @classmethod
@@ -733,6 +847,7 @@ class PrivacyLedger:
         ledger._segments = segments
         ledger._open = open_segment
         ledger._records = records
+        ledger._carried = _parse_carried(data)
         ledger._high_water = open_segment[1] if open_segment is not None else 0
         if step_counter is None:
             ledger._own_steps = saved_steps
@@ -770,6 +885,36 @@ def _segment_dict(event, counting, **span):
     if not counting.is_default:
         data.update(steps_per_round=counting.steps_per_round, relation=counting.relation)
     return data
+
+
+class Carried(collections.namedtuple("Carried", ["label", "parts", "relation", "additive_delta"],
+                                     defaults=(0.0,))):
+    """Another training's releases that a ledger's weights carry: how the
+    statement names it, its (event, count) parts, its relation, and its
+    preprocessing thresholds' failure probability."""
+
+    __slots__ = ()
+
+
+def _parse_carried(data):
+    """The validated "carried" trainings of a saved ledger (version 3)."""
+    carried = {}
+    if data["version"] != _EXTENDED_VERSION or "carried" not in data:
+        return carried
+    for i, item in enumerate(_get_list(data, "carried", "the ledger")):
+        where = f"carried[{i}]"
+        key, label = _get(item, "id", where), _get(item, "label", where)
+        relation = _get(item, "relation", where)
+        if not isinstance(key, str) or not isinstance(label, str) or relation not in RELATIONS:
+            raise _corrupt(f"bad id, label or relation at {where}.")
+        parts = tuple((_get_event(release, f"{where}.releases[{j}]"),
+                       _get_int(release, "count", f"{where}.releases[{j}]", minimum=1))
+                      for j, release in enumerate(_get_list(item, "releases", where)))
+        extra = item.get("additive_delta", 0.0)
+        if not isinstance(extra, (int, float)) or isinstance(extra, bool) or not 0 <= extra < 1:
+            raise _corrupt(f"bad additive_delta at {where}.")
+        carried[key] = Carried(label, parts, relation, float(extra))
+    return carried
 
 
 def _largest_fitting(fits, max_steps, guess=None):
@@ -902,7 +1047,8 @@ def _check_seal(data):
         integrity.UncheckedRecordWarning, stacklevel=4)
 
 
-_KEYS = {"format", "version", "steps", "segments", "open", "records", "preprocessing"}
+_KEYS = {"format", "version", "steps", "segments", "open", "records", "preprocessing",
+         "carried"}
 
 
 def _parse(data):
@@ -910,10 +1056,10 @@ def _parse(data):
     if _get(data, "format", "the ledger") != _FORMAT:
         raise _corrupt(f"expected format {_FORMAT!r}, got {show(data['format'])}.")
     version = _get(data, "version", "the ledger")
-    if version not in (_VERSION, _ROUNDS_VERSION, _PREPROCESSING_VERSION):
+    if version not in (_VERSION, _ROUNDS_VERSION, _EXTENDED_VERSION):
         raise _corrupt(
-            f"unsupported version {show(version)} (this tfdp reads {_VERSION}, "
-            f"{_ROUNDS_VERSION} and {_PREPROCESSING_VERSION})."
+            f"unsupported version {show(version)} (this tfdp reads {_VERSION} to "
+            f"{_EXTENDED_VERSION})."
         )
     saved_steps = _get_int(data, "steps", "the ledger")
 

@@ -28,7 +28,9 @@ from tfdp.accounting import PrivacyLedger
 from tfdp.accounting.calibration import steps_per_epoch as default_steps_per_epoch
 from tfdp.data import interrupts, sources
 from tfdp.data.fixed_order import FixedOrderData
-from tfdp.models import chunked_step, float32_precision, input_checks, state_writes, user_level
+from tfdp.models import (
+    chunked_step, float32_precision, input_checks, state_writes, user_level, weight_ledgers,
+)
 from tfdp.models.atomic_save import atomic_write, is_local_path
 from tfdp.models.augmentation import check_augmentation
 from tfdp.models.augmentation import step_key as augmentation_key
@@ -149,6 +151,7 @@ class DPTrainingMixin:
 
         Example: `model.privacy.epsilon(delta=1e-5)`.
         """
+        weight_ledgers.charge_held(self)  # what weights trained by another model carry
         return self._privacy_ledger
 
     # -- compile -------------------------------------------------------------
@@ -503,6 +506,7 @@ class DPTrainingMixin:
         state_writes.check_dp_model(self, sample)
         # Preprocessing state (vocabularies, means, bins) needs a provenance (issue 52).
         preprocessing.check_model(self, user_level=users is not None)
+        weight_ledgers.mark_trained(self)  # charges what held weights carry; they carry this
         input_checks.check_input_names(self)  # before any array meets an input
         augmentation = check_augmentation(augment, augmentations, sample[0], self.optimizer,
                                           rows=(physical_batch_size or batch_size) * (per_user or 1))
@@ -551,6 +555,8 @@ class DPTrainingMixin:
                 if reads.interrupted:
                     raise KeyboardInterrupt("training interrupted (SIGINT)") from error
                 raise
+            finally:
+                weight_ledgers.note_trained(self)
 
     def _fit_in_scope(self, reads, arrays, num_examples, batch_size, callbacks, epochs,
                       verbose, validation_data, initial_epoch, steps_per_epoch,
@@ -747,7 +753,7 @@ class DPTrainingMixin:
     def save_own_variables(self, store):
         super().save_own_variables(store)
         preprocessing.charge_pending(self)  # the file holds adapted state: its charge too
-        text = self._privacy_ledger.to_json().encode("utf-8")
+        text = self.privacy.to_json().encode("utf-8")
         store[_LEDGER_KEY] = np.frombuffer(text, dtype=np.uint8)
 
     def load_own_variables(self, store):

@@ -672,6 +672,25 @@ class DPOptimizer(keras.optimizers.Optimizer):
         with strategy.scope() if several else contextlib.nullcontext():
             holder.variable = tf.Variable(value, dtype=tf.int64, trainable=False, **per_replica)
 
+    def fit_nonce_words(self):
+        """This fit's nonce for a host-side draw's key (DPIS's K~ and
+        importance sampling): int64 [1], or [0] for a seeded run
+        (reproducible by design, rollbacks included) or before the first
+        `bind_model_steps`. A draw that folds it in, as `step_key` does, is
+        fresh in every fit of an unseeded run whatever the restored counters
+        (a rolled-back branch never draws the discarded one's values).
+
+        Example:
+
+        >>> from tfdp.optimizers import DPSGD
+        >>> DPSGD(0.1, l2_norm_clip=1.0, noise_multiplier=1.0).fit_nonce_words()  # no fit yet
+        array([], dtype=int64)
+        """
+        variable = self._fit_nonce.variable
+        if variable is None or self.seed is not None:
+            return np.zeros([0], np.int64)
+        return np.reshape(variable.numpy(), [1]).astype(np.int64)
+
     def step_key(self):
         """This step's key: the run's secret key folded with this fit's nonce
         (unseeded runs, `bind_model_steps`), the model's step count and the
