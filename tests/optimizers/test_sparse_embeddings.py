@@ -106,6 +106,12 @@ def test_the_joint_event_is_one_gaussian_and_survives_the_ledger_file():
     ledger.record(event, 10)
     again = tfdp.accounting.PrivacyLedger.from_json(ledger.to_json())
     assert again.epsilon(1e-5) == ledger.epsilon(1e-5)
+    whole = tfdp.accounting.PrivacyLedger()  # q = 1: the same one Gaussian, named
+    whole.record(optimizer.step_event(1.0), 3)
+    plain = tfdp.accounting.PrivacyLedger()
+    plain.record(dp_accounting.GaussianDpEvent(1.3), 3)
+    assert whole.epsilon(1e-5) == pytest.approx(plain.epsilon(1e-5), rel=1e-9)
+    assert "row selection counts" in whole.statement(1e-5)
 
 
 def _grads(ids, seed=0):

@@ -37,13 +37,11 @@ def joint_step_event(sampling_probability, noise_multipliers):
             normalised sensitivity), the gradient's first.
 
     Returns:
-        `PoissonSampledDpEvent(q, ComposedDpEvent([GaussianDpEvent(s), ...]))`,
-        or the `ComposedDpEvent` alone when q == 1.
+        `PoissonSampledDpEvent(q, ComposedDpEvent([GaussianDpEvent(s), ...]))`
+        (q == 1 included: the statement then still names the split).
     """
     inner = dp_accounting.ComposedDpEvent(
         [dp_accounting.GaussianDpEvent(float(s)) for s in noise_multipliers])
-    if sampling_probability == 1.0:
-        return inner
     return dp_accounting.PoissonSampledDpEvent(float(sampling_probability), inner)
 
 

@@ -254,9 +254,10 @@ def _describe_event(event):
         )
     if isinstance(event, dp_accounting.GaussianDpEvent):
         return f"Gaussian (noise multiplier {event.noise_multiplier:.4g})"
-    joint = joint_gaussians(getattr(event, "event", event))
-    if joint is not None:
-        rate = getattr(event, "sampling_probability", 1.0)
+    joint = (joint_gaussians(event.event)
+             if isinstance(event, dp_accounting.PoissonSampledDpEvent) else None)
+    if joint is not None:  # tfdp.accounting.joint_gaussian: a sparse-embedding step
+        rate = event.sampling_probability
         selections = ", ".join(f"{s:.4g}" for s in joint[1:])
         return (
             f"Poisson-sampled Gaussian (sampling probability {rate:.4g}) releasing the "
