@@ -43,6 +43,7 @@ import dp_accounting
 
 from tfdp.accounting import _engine, additive_delta, integrity
 from tfdp.accounting._validation import check_choice, check_delta, check_int, check_real, show
+from tfdp.accounting.carried_floor import at_least
 from tfdp.accounting.events import event_from_dict, event_to_dict
 from tfdp.accounting.statement import describe_releases, is_search, privacy_statement
 
@@ -145,6 +146,7 @@ class PrivacyLedger:
         self._records = []  # one-off releases: (event, count)
         self._preprocessing = []  # provenance of preprocessing state: dicts (_PREPROCESSING_KEYS)
         self._carried = {}  # source id -> Carried: another training these weights carry
+        self._floors = {}  # source id -> parts: what it carried when this model trained
         self._version = 0  # bumped on every change other than the step count
         self._high_water = 0  # the largest step count seen: counters never go back
         self._cache = {}
@@ -413,10 +415,35 @@ class PrivacyLedger:
                 "so the two cannot be composed. Train fresh layers instead of the ones "
                 f"{label} trained, or train at the same level. Received: relation={relation!r}"
             )
+        parts = at_least(parts, self._floors.get(source_id, ()))
         carried = Carried(label, parts, relation, additive_delta)
         if self._carried.get(source_id) != carried:
             self._carried[source_id] = carried
             self._version += 1
+
+    def hold_carried(self):
+        """Freezes what this ledger carries as a floor (`carried_floor`):
+        called when its model trains on the carried weights, so a later
+        rollback of the model that trained them does not lower this charge.
+        A saved ledger keeps it (a loaded ledger's carried releases are floors).
+
+        Example:
+
+        >>> from tfdp.accounting import dpsgd_event
+        >>> ledger = PrivacyLedger()
+        >>> ledger.carry("a", "model 'a'", [(dpsgd_event(1.0, 0.01), 100)])
+        >>> ledger.hold_carried()
+        >>> ledger.carry("a", "model 'a'", [(dpsgd_event(1.0, 0.01), 10)])  # 'a' rolled back
+        >>> ledger.carried["a"].parts[0][1]
+        100
+        """
+        self._floors = {key: c.parts for key, c in self._carried.items()}
+
+    @property
+    def floors(self):
+        """{source id: parts}: what each carried training released when this
+        ledger's model trained on it (`hold_carried`); never charged less."""
+        return dict(self._floors)
 
     @property
     def carried(self):
@@ -848,6 +875,7 @@ class PrivacyLedger:
         ledger._open = open_segment
         ledger._records = records
         ledger._carried = _parse_carried(data)
+        ledger._floors = {key: c.parts for key, c in ledger._carried.items()}
         ledger._high_water = open_segment[1] if open_segment is not None else 0
         if step_counter is None:
             ledger._own_steps = saved_steps

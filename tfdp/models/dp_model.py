@@ -777,6 +777,7 @@ class DPTrainingMixin:
                 "from different checkpoints. tfdp refuses to resume from them."
             )
         self._privacy_ledger = ledger
+        weight_ledgers.note_loaded(self)  # a layer reused from it carries this ledger
 
     def get_config(self):
         config = super().get_config()

@@ -42,6 +42,9 @@ True
 import uuid
 import weakref
 
+from tfdp.accounting.carried_floor import at_least
+from tfdp.preprocessing import provenance
+
 # id(variable) -> (weak reference to it, [the _Training of every model that trained it])
 _trainers = {}
 # Bumped when a variable gains a trainer or a training ends: a model's
@@ -60,11 +63,12 @@ class _Training:
     those too.
     """
 
-    def __init__(self, model):
-        self.id = uuid.uuid4().hex  # saved in ledgers: unique across processes
-        self.label = f"model '{model.name}'"
-        self._model = weakref.ref(model)
+    def __init__(self, label, model=None, training_id=None):
+        self.id = training_id or uuid.uuid4().hex  # saved in ledgers: unique across processes
+        self.label = label
+        self._model = weakref.ref(model) if model is not None else lambda: None
         self.parts, self.relation, self.additive_delta = (), "add_or_remove", 0.0
+        self.floors = {}  # the model's ledger's floors (PrivacyLedger.hold_carried)
         self.carried = set()
         self.seen = None  # (registry version, weak ledger) its model last composed
 
@@ -75,12 +79,13 @@ class _Training:
             ledger = model._privacy_ledger  # pylint: disable=protected-access
             self.parts, self.relation = tuple(ledger.own_parts()), ledger.relation
             self.additive_delta = ledger.own_additive_delta()
+            self.floors = ledger.floors
         return self
 
 
 def _training(model):
     if model not in _trainings:
-        _trainings[model] = _Training(model)
+        _trainings[model] = _Training(f"model '{model.name}'", model)
     return _trainings[model]
 
 
@@ -97,7 +102,8 @@ def held_trainings(model):
     """Every other training `model`'s variables carry (trainable or not),
     and the trainings those carried in turn."""
     own = _training(model)
-    found, stack = set(), [t for v in model.weights for t in _trainers_of(v)]
+    held = list(model.weights) + model._flatten_layers(include_self=False)  # pylint: disable=protected-access
+    found, stack = set(), [t for v in held for t in _trainers_of(v)]
     stack += list(own.carried)
     while stack:
         training = stack.pop()
@@ -123,9 +129,14 @@ def charge_held(model):
     if own.seen is not None and own.seen[0] == _registry_version[0] and own.seen[1]() is ledger:
         return  # nothing trained since, and no ledger loaded
     held = held_trainings(model)
+    floors = {}  # what the trainings in between trained on: a rollback does not lower it
+    for training in held:
+        for key, parts in training.refresh().floors.items():
+            floors[key] = at_least(parts, floors.get(key, ()))
+    for training in held:  # a live training and a loaded copy of it share an id
+        floors[training.id] = at_least(training.parts, floors.get(training.id, ()))
     for training in sorted(held, key=lambda t: t.id):
-        training.refresh()
-        ledger.carry(training.id, training.label, training.parts, training.relation,
+        ledger.carry(training.id, training.label, floors[training.id], training.relation,
                      training.additive_delta)
     own.carried |= held
     own.seen = (_registry_version[0], weakref.ref(ledger))
@@ -138,13 +149,45 @@ def mark_trained(model):
     own = _training(model)
     own.seen = None
     charge_held(model)
-    for variable in model.trainable_variables:
+    model._privacy_ledger.hold_carried()  # pylint: disable=protected-access
+    _register(model.trainable_variables, own)
+
+
+def note_loaded(model):
+    """After a saved ledger is loaded into `model` (`load_model`,
+    `load_weights`): its variables carry the loaded training (the loaded
+    ledger's own releases and preprocessing delta) and the trainings that
+    ledger carried, so a model that holds them, or one built on a loaded
+    layer, charges them. The loaded model itself does not carry its own."""
+    own = _training(model)
+    own.seen = None
+    ledger = model._privacy_ledger  # pylint: disable=protected-access
+    for source_id, carried in ledger.carried.items():
+        own.carried.add(_saved_training(source_id, carried))
+    # Its layers too: a lookup's vocabulary is no variable, yet it holds the loaded release.
+    _register(list(model.weights) + model._flatten_layers(include_self=False),  # pylint: disable=protected-access
+              own.refresh())
+    provenance.travel_with_layers(model, ledger.preprocessing)
+
+
+def _saved_training(source_id, carried):
+    """A training a loaded ledger carries, with its releases as saved (the
+    loaded weights are copies: what the live one does later is not in them)."""
+    training = _Training(carried.label, training_id=source_id)
+    training.parts, training.relation = tuple(carried.parts), carried.relation
+    training.additive_delta = carried.additive_delta
+    return training
+
+
+def _register(variables, training):
+    """Makes `variables` (or layers) carry `training`."""
+    for variable in variables:
         key = id(variable)
         if not _trainers_of(variable):
             _trainers[key] = (weakref.ref(variable, lambda _, key=key: _forget(key)), [])
         trainers = _trainers[key][1]
-        if own not in trainers:
-            trainers.append(own)
+        if training not in trainers:
+            trainers.append(training)
     _registry_version[0] += 1
 
 

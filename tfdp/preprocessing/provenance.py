@@ -296,3 +296,20 @@ def check_model(model, user_level=False):
 def _check_unit(layer, entry, user_level):
     if entry["kind"] == "private" and (entry["unit"] == "person") != user_level:
         raise _unit_refusal(layer, entry["unit"], user_level)
+
+
+def travel_with_layers(model, entries):
+    """Lets the layers of a loaded `model` take their provenance along.
+
+    Each layer named in one of `entries` (the loaded ledger's) waits with
+    that entry as after `adapt_privately` (Keras loads the layers' state
+    after the model's ledger; `check_model` compares the fingerprint when a
+    model trains), so a new model built on the loaded layer accepts it. The
+    entry's release and threshold delta are not charged again there: that
+    model carries the loaded ledger's (`tfdp.models.weight_ledgers`), so the
+    waiting copy has none.
+    """
+    by_name = {entry["layer"]: entry for entry in entries}
+    for layer in model._flatten_layers(include_self=False):  # pylint: disable=protected-access
+        if layer.name in by_name and layer not in _PENDING:
+            _PENDING[layer] = (dict(by_name[layer.name], additive_delta=0.0), None, None)
