@@ -13,10 +13,20 @@ statement: "These weights also carry the releases of the training of
 model 'encoder'". Composition is a valid bound whatever data each training read;
 on the same records it is the right one.
 
+A model loaded from a tfdp file (`load_model`, `load_weights`) makes its
+variables and layers carry the loaded training (`note_loaded`): its own
+releases and preprocessing delta, and the trainings its ledger carried
+(as saved: the loaded weights are copies), so a layer reused from it
+charges them. When a model trains, what it carries becomes a floor
+(`PrivacyLedger.hold_carried`): the other model rolling back later does
+not lower it.
+
 The registry holds the variables weakly. Weights copied as arrays
-(`set_weights(other.get_weights())`, assigning `.numpy()` values) are not
-the same variables, so they cannot be traced: the docs say so next to
-`load_weights`'s refusal of a weights file without a ledger.
+(`set_weights(other.get_weights())`, assigning `.numpy()` values or
+another variable with `tf.Variable.assign`) are not the same variables,
+so they cannot be traced, and only DP fits are traced (a plain Keras
+model training a DP model's layer is not noticed): the docs say so next
+to `load_weights`'s refusal of a weights file without a ledger.
 
 Example:
 
