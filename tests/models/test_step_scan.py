@@ -137,6 +137,22 @@ def test_a_metric_that_writes_a_model_weight_is_refused_and_the_label_reaches_no
         assert not np.any(weight.numpy() == SECRET)
 
 
+class PrintsLabels(OwnTotal):
+    """Prints the batch's labels from update_state (outside the scanned pass on main)."""
+
+    def update_state(self, y_true, y_pred, sample_weight=None):
+        tf.print(y_true)
+
+
+def test_a_metric_that_prints_the_labels_is_refused():
+    model, _ = regression_model(PrintsLabels)
+    x, y = crafted_records()
+    with pytest.raises(ValueError, match=r"A compiled metric of model '\w+' writes a tensor out "
+                                         r"of its DP step.*\(PrintV2\)"):
+        model.fit(x, y.astype("float32")[:, None], batch_size=8, epochs=1, verbose=0)
+    assert model.privacy.steps == 0
+
+
 def test_a_metric_that_writes_its_own_variables_trains():
     model, _ = regression_model(OwnTotal)
     x, y = np.zeros((16, 4), "float32"), np.ones((16, 1), "float32")
@@ -179,7 +195,8 @@ class AssertsOnValues(keras.layers.Layer):
 
 
 @pytest.mark.parametrize("make, match", [
-    (DebugDump, r"Layer 'keeper' \(DebugDump\) writes a tensor out of its DP step.*DebugIdentityV2"),
+    (DebugDump, r"Layer 'keeper' \(DebugDump\) writes a tensor out of its DP step"
+                r".*DebugIdentityV2"),
     (RecordFile, r"Layer 'keeper' \(RecordFile\) writes a tensor out of its DP step"
                  r".*DatasetToTFRecord"),
     (AssertsOnValues, r"Layer 'keeper' \(AssertsOnValues\) asserts on values.*\(Assert\)"),

@@ -28,8 +28,10 @@ replacing another example changes neither its augmentation nor its clipped
 gradient. `fn` sees one example at a time (no batch axis, so it cannot mix
 examples) and is refused if it draws from a stateful generator (whose draws
 depend on the batch position and the run's other draws), writes a variable,
-runs Python, writes files or asserts on its input (a failed check on one
-record stops training), or if any tensor of its trace has a shape that is not
+runs Python, writes files, asserts on its input (a failed check on one
+record stops training) or indexes by its values (a `tf.gather`, slice or
+scatter whose index the example decides: out of range on one record, the
+step fails), or if any tensor of its trace has a shape that is not
 static (a shape that depends on the values lets a run-time shape check fail
 on one record). It is traced once, checked, and that trace is the one the
 step calls.
@@ -55,7 +57,8 @@ import numpy as np
 import tensorflow as tf
 
 from tfdp.mechanisms import dpsgd
-from tfdp.models.state_writes import _OUTPUT_OPS, _OUTPUT_PREFIXES, _PYTHON_OPS, _READS, _called_functions, reads_values
+from tfdp.models.state_writes import (_OUTPUT_OPS, _OUTPUT_PREFIXES, _PYTHON_OPS, _READS,
+                                      _called_functions, reads_values)
 
 __all__ = ["Augmentation", "check_augmentation", "example_hashes"]
 
@@ -351,15 +354,6 @@ def _check_traced(augment, takes_seed, specs):
     seed_inputs = {t.name for t in traced.graph.inputs[len(tf.nest.flatten(specs)):]
                    if takes_seed} if takes_seed else set()
     for op in _ops(traced.graph):
-        if op.type in _INDEXING and _indexed_by_values(op, seed_inputs):
-            raise ValueError(
-                "augment must not index by the example's values (a tf.gather, slice or "
-                "scatter whose index is computed from the input): an index out of range "
-                "fails on that record only, stops training, and the error may print it "
-                "(a release no noise covers). Index by the seed or by constants, or clip "
-                "the index into range (tf.clip_by_value) first. Received: "
-                f"augment={_name(augment)} running op '{op.name}' ({op.type})"
-            )
         if op.type == "Assert":
             if not reads_values(op):  # a check of constants and static shapes only
                 continue
@@ -395,6 +389,15 @@ def _check_traced(augment, takes_seed, specs):
                 "(tf.where(cond, x, y), masks multiplied in) instead. Received: "
                 f"augment={_name(augment)} running op '{op.name}' ({op.type}) with output "
                 f"shape {dynamic[0].shape}"
+            )
+        if op.type in _INDEXING and _indexed_by_values(op, seed_inputs):
+            raise ValueError(
+                "augment must not index by the example's values (a tf.gather, slice or "
+                "scatter whose index is computed from the input): an index out of range "
+                "fails on that record only, stops training, and the error may print it "
+                "(a release no noise covers). Index by the seed or by constants, or clip "
+                "the index into range (tf.clip_by_value) first. Received: "
+                f"augment={_name(augment)} running op '{op.name}' ({op.type})"
             )
     return traced
 

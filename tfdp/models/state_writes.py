@@ -1,40 +1,73 @@
-"""Nothing but tfdp's and the optimizer's state changes in a DP step.
+"""Nothing but tfdp's and the optimizer's state changes in a DP step, and
+nothing leaves it.
 
 A layer that writes a variable while it trains (a running mean, a queue, a
 memory bank: what BatchNormalization does with its moving statistics) puts
 training records' data into that variable, and the variable is released with
-the model, outside the noise and the accounting. Two checks refuse it:
+the model, outside the noise and the accounting; an op that writes a file, a
+summary, a debug dump or a print releases its input as it is. The whole
+compiled train step is scanned as it is traced, before it has ever run, and
+what it may run is allowed, not denied:
 
-- `checked_per_example_pass`, the line that holds: the DP step (whole, or
-  chunk by chunk in physical batches) runs its per-example forward and
-  backward pass inside it, and as the step is traced it scans the ops that
-  pass added to the step's own graph. What runs is what is checked, whatever
-  changed since fit began (a callback's `on_train_begin`, a Python attribute
-  a layer's `call()` reads, a recompile). A DP step never runs eagerly
-  (`run_eagerly=True` is refused): eager Python in a layer's `call()`
-  (`.numpy()`, a list, a file) has no graph to check.
+- `checked_train_step`: every op of `DPModel.train_step` (the per-example
+  forward and backward pass, the loss, compiled metrics' `update_state`,
+  tfdp's noise and counters, the optimizer's update, and whatever a callback
+  changed in the model), in every function it calls (`tf.cond` branches,
+  loop bodies), must be allowed by `tfdp.models.step_ops` (a stateless op of
+  TensorFlow's computing libraries, or a stateful op known to keep its
+  effects in the step) and may write only a variable of the model, its
+  optimizer or its metrics (or tfdp's own counters); anything else is
+  refused, naming the layer or metric (by the op's name scope) and the op.
+  tfdp's own writes and the optimizer's update are told from a layer's by
+  where they are made: outside the two blocks below, by tfdp's code, on
+  variables it knows.
+- `checked_per_example_pass`, the line that holds for layers: the DP step
+  (whole, or chunk by chunk in physical batches) runs its per-example
+  forward and backward pass inside it. What runs is what is checked,
+  whatever changed since fit began (a callback's `on_train_begin`, a Python
+  attribute a layer's `call()` reads, a recompile). A DP step never runs
+  eagerly (`run_eagerly=True` is refused): eager Python in a layer's
+  `call()` (`.numpy()`, a list, a file) has no graph to check.
+- `checked_metric_updates`: the step updates its compiled metrics in it; a
+  metric may write only its own variables (`add_variable`), not a model
+  weight (a bias set to a label), an optimizer's state or a seed.
 - `check_dp_model`, fit's early check: it traces the same pass
   (`tfdp.per_example.compute_per_example_gradients`, on the model's path)
   before any step, for a clear error before training starts.
 
-In either, every op that writes a resource (`AssignVariableOp`,
+In the per-example pass, every op that writes a resource (`AssignVariableOp`,
 `AssignAddVariableOp`, `ResourceScatter*`, `ResourceApply*`, a lookup
-table's insert ...), in the pass and in every function it calls (`tf.cond`
-branches, loop bodies), is a write by a layer: the optimizer's update and
-tfdp's own counters are not part of the pass. The check sees what `call()`
+table's insert ...) is a write by a layer. The check sees what `call()`
 does in training, not what the layer class is: a frozen layer whose
-`call()` writes nothing passes.
+`call()` writes nothing passes. Which ops write is decided by an allowlist:
+any op given a resource that was not created inside the traced function by
+a known creator of fresh local resources (`_LOCAL_RESOURCES`: a handle
+passed through a `tf.cond` or a loop counts as from outside) is a write
+unless it only reads (`_READS`), so queues, random generators' states and
+ops tfdp does not know are refused too, and so is Python run inside the
+step (`tf.py_function`), whose writes the graph cannot show.
 
-Which ops write is decided by an allowlist: any op given a resource that
-was not created inside the traced function by a known creator of fresh
-local resources (`_LOCAL_RESOURCES`: a handle passed through a `tf.cond` or
-a loop counts as from outside) is a write unless it only reads (`_READS`), so
-queues, random generators' states and ops tfdp does not know are refused
-too, and so is Python run inside the step (`tf.py_function`), whose writes
-the graph cannot show. One write is allowed: a `keras.random.SeedGenerator`'s
-state (`Dropout`'s random seed) assigned a value computed only from reads of
-that same state, constants and pure arithmetic; anything else reaching it
-(an input, another resource, a stateful op such as a queue) is refused.
+One write is allowed in the pass: a `keras.random.SeedGenerator`'s state
+(`Dropout`'s random seed) assigned a value computed only from reads of that
+same state, constants and pure arithmetic, where every input that decides
+whether the write runs counts as an input to it: the predicate of each
+`tf.cond` around it, the branch index of each `tf.switch_case`, the
+condition of each loop (and, through it, the loop's variables). A seed
+advanced in a branch the batch decides would count the steps that drew a
+record, and the next dropout masks would move with it: refused. Anything
+else reaching the state (an input, another resource, a stateful op such as
+a queue) is refused.
+
+Ops that stop the step on a value are refused too: an assertion on values
+(`tf.debugging.assert_*`, `tf.Assert`, `tf.debugging.check_numerics`) fails
+on one record only, and whether training stopped, and the error, which may
+print the value, tell that record; an assertion on shapes alone (TensorFlow's
+own check of sparse labels against logits) passes. What the scan cannot see
+is an op that fails on some values by itself (a `tf.gather` whose index is
+computed from the input, out of range on CPU): such an abort on one record is
+a side channel the epsilon does not cover (docs/guides/your-model.md).
+TensorFlow's debug dumping, which instruments every op, is refused when fit
+starts (`tfdp.models.debug_dumping`).
 
 Example:
 
@@ -211,7 +244,7 @@ def checked_metric_updates(model):
     >>> update(tf.ones([2]))
     Traceback (most recent call last):
     ...
-    ValueError: Model '...' writes variable 'dense/bias', which is not a metric's variable, ...
+    ValueError: A compiled metric of model '...' writes variable '...bias', which is not ...
     """
     with _scanned(model, _METRICS):
         yield
@@ -287,7 +320,9 @@ def _refuse_writes(model, graph, operations, scope=_PASS):
     known = {**variables, **optimizer_variables, **metric_variables,
              **_handles(_own_variables(model))}
     callers = {}
-    walked = list(_walk(graph, operations, callers=callers))
+    # Metrics name no scope of their own: their ops are marked as theirs.
+    walked = list(_walk(graph, operations, path=_METRICS_PATH if scope == _METRICS else "",
+                        callers=callers))
     for op, _, path, _ in walked:  # the ops that release or stop first, by name
         if op.type in _PYTHON_OPS:
             raise ValueError(_python_message(model, op, path))
@@ -338,8 +373,30 @@ def _model_variables(model):
 
 
 def _optimizer_variables(model):
+    """The optimizer's variables, and the tf.Variables it holds besides (a
+    tfdp optimizer's step state, such as DPIS's table of gradient bounds)."""
     optimizer = getattr(model, "optimizer", None)
-    return list(getattr(optimizer, "variables", None) or ())
+    return list(getattr(optimizer, "variables", None) or ()) + _held_variables(optimizer)
+
+
+def _held_variables(holder, depth=3):
+    """tf.Variables in `holder`'s attributes, their lists, dicts and
+    attributes, `depth` levels down."""
+    found, pending, seen = [], [(holder, 0)], set()
+    while pending:
+        value, level = pending.pop()
+        if id(value) in seen or value is None or level > depth:
+            continue
+        seen.add(id(value))
+        if isinstance(value, tf.Variable):
+            found.append(value)
+        elif isinstance(value, (list, tuple)):
+            pending.extend((v, level + 1) for v in value)
+        elif isinstance(value, dict):
+            pending.extend((v, level + 1) for v in value.values())
+        elif hasattr(value, "__dict__") and not isinstance(value, (keras.Model, type)):
+            pending.extend((v, level + 1) for v in vars(value).values())
+    return found
 
 
 def _own_variables(model):
@@ -356,7 +413,8 @@ def _handles(variables):
     """{id of a variable's resource handle: the Keras variable}."""
     found = {}
     for variable in variables:
-        value = getattr(variable, "value", variable)
+        value = variable if isinstance(variable, tf.Variable) else getattr(
+            variable, "value", variable)
         # A distributed variable has one component per replica.
         for component in (value, *getattr(value, "values", ())):
             handle = getattr(component, "handle", None)
@@ -540,10 +598,12 @@ def reads_values(op, static_shapes_only=True):
 
     Example:
 
-    >>> graph = tf.function(lambda x: tf.debugging.assert_less(x, 1.0)).get_concrete_function(
-    ...     tf.TensorSpec([2])).graph
-    >>> [reads_values(op) for op in graph.get_operations() if op.type == "Assert"]
-    [True]
+    >>> with tf.Graph().as_default():
+    ...     x = tf.compat.v1.placeholder(tf.float32, [None, 2])
+    ...     on_values = tf.raw_ops.Assert(condition=tf.reduce_all(x < 1.0), data=[x])
+    ...     on_shape = tf.raw_ops.Assert(condition=tf.equal(tf.shape(x)[1], 2), data=[tf.shape(x)])
+    >>> reads_values(on_values), reads_values(on_shape), reads_values(on_shape, False)
+    (True, True, False)
     """
     pending, seen = list(op.inputs), set()
     while pending:
@@ -571,6 +631,9 @@ def _owner(model, variable):
     return owner
 
 
+_METRICS_PATH = "compiled_metrics.update_state/"
+
+
 def _holder(model, path):
     """'Layer ...' or 'Metric ...' whose name scope holds the op at `path`
     (the innermost), else 'Model ...'."""
@@ -584,6 +647,8 @@ def _holder(model, path):
         for name in (part, re.sub(r"_\d+$", "", part)):
             if name in named:
                 return named[name]
+    if path.startswith(_METRICS_PATH):
+        return f"A compiled metric of model '{model.name}'"
     return f"Model '{model.name}'"
 
 
@@ -616,7 +681,8 @@ def _inner_metrics(metric):
     for attribute in ("metrics", "_metrics", "_flat_metrics", "_flat_weighted_metrics"):
         value = getattr(metric, attribute, None)
         if isinstance(value, (list, tuple)):
-            inner.extend(m for m in value if isinstance(m, keras.metrics.Metric) and m is not metric)
+            inner.extend(m for m in value
+                         if isinstance(m, keras.metrics.Metric) and m is not metric)
     return inner
 
 
@@ -672,7 +738,7 @@ def _message(model, op, variable, path="", scope=_PASS):
     if scope == _METRICS:
         target = f"variable '{variable.path}'" if variable is not None else "a resource"
         holder = _holder(model, path)
-        if holder.startswith("Model"):  # metrics name no scope: the one holding the variable
+        if holder.startswith("A compiled metric"):  # the metric holding the variable
             metric = _metric_holding(model, variable)
             holder = (f"Metric '{metric.name}' ({type(metric).__name__})" if metric is not None
                       else f"A compiled metric of model '{model.name}'")
@@ -697,8 +763,10 @@ def _message(model, op, variable, path="", scope=_PASS):
         )
     layer = _owner(model, variable)
     holder = f"Layer '{layer.name}' ({type(layer).__name__})" if layer else f"Model '{model.name}'"
-    seed = (" (a seed state may be advanced only from itself, in branches and loops "
-            "that the data does not decide)") if scope == _PASS and _is_seed(model, variable) else ""
+    seed = ""
+    if scope == _PASS and _is_seed(model, variable):
+        seed = (" (a seed state may be advanced only from itself, in branches and loops "
+                "that the data does not decide)")
     return (
         f"{holder} writes its variable '{variable.name}'{seed} {why} Received: a write "
         f"({op.type}) to variable '{variable.path}'"
