@@ -63,6 +63,8 @@ STATEFUL = frozenset({
     # Resource variables: handles and reads.
     "VarHandleOp", "ReadVariableOp", "VariableShape", "VarIsInitializedOp",
     "ResourceGather", "ResourceGatherNd", "DestroyResourceOp",
+    # Lookup tables (StringLookup, IntegerLookup): reads; an insert is refused.
+    "LookupTableFindV2", "LookupTableSizeV2",
     # Resource variables: writes, allowed or refused by the variable written.
     "AssignVariableOp", "AssignAddVariableOp", "AssignSubVariableOp",
     "ResourceScatterUpdate", "ResourceScatterAdd", "ResourceScatterSub",
