@@ -331,6 +331,10 @@ def _refuse_writes(model, graph, operations, scope=_PASS):
         if op.type in _ABORT_OPS and (op.type != "Assert" or reads_values(op, False)):
             raise ValueError(_abort_message(model, op, path))
     for op, owner, path, controls in walked:
+        if op.type in step_ops.COLLECTIVES:
+            if scope != _PASS:
+                continue  # the replicas' all-reduce of the step's own sums
+            raise ValueError(_unknown_message(model, op, path))
         if op.type == "Assert":
             continue  # a check of shapes only: one on values was refused above
         if _writes_outside(op):

@@ -12,7 +12,8 @@ this module does not allow. What is allowed:
   stateless: a function of its inputs, with nothing kept or written;
 - a stateful op of `STATEFUL`, whose effect stays inside the step or is a
   write to a resource that `state_writes` checks by its target (a model
-  weight, an optimizer's or a metric's variable, a seed state).
+  weight, an optimizer's or a metric's variable, a seed state);
+- outside the per-example pass, the replicas' all-reduce (`COLLECTIVES`).
 
 Everything else is refused: an op that writes out of the step (a file, a
 summary, a checkpoint, a print, `DebugIdentityV2` and the other debug-dump
@@ -79,6 +80,18 @@ STATEFUL = frozenset({
     "TensorArrayScatterV3", "TensorArrayConcatV3", "TensorArraySplitV3",
     "TensorArraySizeV3", "TensorArrayCloseV3", "TensorArrayGradV3",
     "StackV2", "StackPushV2", "StackPopV2", "StackCloseV2",
+})
+
+
+# Replicas' all-reduce (tf.distribute): allowed in the step's own code (the
+# sum of noisy gradients, logs), refused in the per-example pass, where it
+# would mix examples across replicas.
+COLLECTIVES = frozenset({
+    "CollectiveReduce", "CollectiveReduceV2", "CollectiveReduceV3", "CollectiveGather",
+    "CollectiveGatherV2", "CollectiveAllToAllV2", "CollectiveAllToAllV3",
+    "CollectiveBcastSend", "CollectiveBcastRecv", "CollectiveBcastSendV2",
+    "CollectiveBcastRecvV2", "CollectiveAssignGroupV2", "CollectiveInitializeCommunicator",
+    "NcclAllReduce", "NcclReduce", "NcclBroadcast",
 })
 
 
