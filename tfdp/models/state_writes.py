@@ -451,11 +451,13 @@ def _walk(graph, operations=None, path="", controls=(), callers=None, seen=None)
         yield op, graph, path + op.name, controls
         for key, name in _called_functions(op, with_keys=True):
             nested = getattr(functions.get(name), "graph", None)
-            if nested is None or name in seen:
-                continue
-            seen.add(name)
-            callers[id(nested)] = (op, graph)
             deciding = _deciding(op, key, functions)
+            # A function called under other control flow is walked again.
+            visit = (name, tuple((id(where), t.name) for t, where in controls + deciding))
+            if nested is None or visit in seen:
+                continue
+            seen.add(visit)
+            callers[id(nested)] = (op, graph)
             yield from _walk(nested, path=f"{path}{op.name}/", controls=controls + deciding,
                              callers=callers, seen=seen)
 
