@@ -274,3 +274,24 @@ def test_augment_that_indexes_by_the_example_values_is_refused_and_a_clipped_ind
     assert model.privacy.steps == 0
     model.fit(x, y, batch_size=8, epochs=1, verbose=0, augment=clipped_lookup, augmentations=2)
     assert model.privacy.steps == 2
+
+
+def seed_advance_in_physical_batches(sampling_seed):
+    keras.utils.set_random_seed(0)
+    dropout = keras.layers.Dropout(0.2)
+    model = tfdp.DPSequential([keras.Input((4,)), keras.layers.Dense(4), dropout,
+                               keras.layers.Dense(3)])
+    model.compile(optimizer=tfdp.optimizers.DPSGD(0.1, noise_multiplier=1.0, l2_norm_clip=1.0,
+                                                  seed=sampling_seed), loss=LOSS)
+    before = dropout.seed_generator.state.numpy().copy()
+    model.fit(np.ones((16, 4), "float32"), np.zeros(16, "int64"), batch_size=4, epochs=1,
+              steps_per_epoch=2, verbose=0, physical_batch_size=2)
+    return tuple(dropout.seed_generator.state.numpy() - before)
+
+
+def test_dropout_seed_state_after_physical_batches_does_not_count_the_drawn_records():
+    """Dropout's seed advanced once a chunk, and a step's chunks are as many
+    as its drawn rows: the state saved with the model held the number of
+    records drawn over the fit, unnoised (on main: 12 and 24 for two
+    sampling seeds). It now moves one step a step, whatever was drawn."""
+    assert seed_advance_in_physical_batches(3) == (2, 0)

@@ -427,14 +427,21 @@ def _handles(variables):
     return found
 
 
-def _seed_states(model):
-    """ids of the Keras variables that hold SeedGenerator states."""
-    states = set()
+def seed_generator_states(model):
+    """The state variables of the `keras.random.SeedGenerator`s the model's
+    layers hold (`Dropout`'s), each once."""
+    states = []
     for layer in model._flatten_layers(include_self=True):  # pylint: disable=protected-access
         for generator in getattr(layer, "_seed_generators", ()):
-            if isinstance(generator, keras.random.SeedGenerator):
-                states.add(id(generator.state))
+            if isinstance(generator, keras.random.SeedGenerator) and not any(
+                    generator.state is s for s in states):
+                states.append(generator.state)
     return states
+
+
+def _seed_states(model):
+    """ids of the Keras variables that hold SeedGenerator states."""
+    return {id(state) for state in seed_generator_states(model)}
 
 
 def _walk(graph, operations=None, path="", controls=(), callers=None, seen=None):
