@@ -56,7 +56,11 @@ condition of each loop (and, through it, the loop's variables). A seed
 advanced in a branch the batch decides would count the steps that drew a
 record, and the next dropout masks would move with it: refused. Anything
 else reaching the state (an input, another resource, a stateful op such as
-a queue) is refused.
+a queue) is refused. tfdp's own loop obeys the same rule: in physical
+batches the pass runs once a chunk, as many chunks as rows were drawn, so
+after its chunks the step sets each seed state one step past where the step
+began (`tfdp.models.chunked_step`): the saved state counts steps, not drawn
+records.
 
 Ops that stop the step on a value are refused too: an assertion on values
 (`tf.debugging.assert_*`, `tf.Assert`, `tf.debugging.check_numerics`) fails
