@@ -35,6 +35,7 @@ from tfdp.models.atomic_save import atomic_write, is_local_path
 from tfdp.models.augmentation import check_augmentation
 from tfdp.models.augmentation import step_key as augmentation_key
 from tfdp.models.chosen_checkpoint import keep_chosen_checkpoints_charged, note_save
+from tfdp.models.debug_dumping import refuse_op_callbacks
 from tfdp.models.executions import whole_executions
 from tfdp.models.functional_class import make_functional, wants_functional
 from tfdp.models.jit import resolve_jit_compile
@@ -253,11 +254,12 @@ class DPTrainingMixin:
         read was still failing.
         """
         self._check_step()
-        with tf.control_dependencies(tf.nest.flatten(data)):
-            charged = self._dp_steps.value.assign_add(1, read_value=False)
-        with tf.control_dependencies([charged]):
-            data = tf.nest.map_structure(tf.identity, data)
-            return self._private_step(data)
+        with state_writes.checked_train_step(self):  # every op the step runs is allowed
+            with tf.control_dependencies(tf.nest.flatten(data)):
+                charged = self._dp_steps.value.assign_add(1, read_value=False)
+            with tf.control_dependencies([charged]):
+                data = tf.nest.map_structure(tf.identity, data)
+                return self._private_step(data)
 
     def _check_step(self):
         """The step's refusals that Python makes (when the step is traced),
@@ -293,11 +295,12 @@ class DPTrainingMixin:
             # Unweighted metrics (compile(metrics=...)) ignore sample weights:
             # give them the drawn rows only, never the padding.
             drawn = lambda t: tf.boolean_mask(t, mask > 0)  # noqa: E731
-            return self.compute_metrics(
-                x, tf.nest.map_structure(drawn, labels(targets)),
-                tf.nest.map_structure(drawn, y_pred),
-                sample_weight=drawn(_finite_weights(losses, weights)),
-            )
+            with state_writes.checked_metric_updates(self):  # they write only their own
+                return self.compute_metrics(
+                    x, tf.nest.map_structure(drawn, labels(targets)),
+                    tf.nest.map_structure(drawn, y_pred),
+                    sample_weight=drawn(_finite_weights(losses, weights)),
+                )
 
         per_user = self._examples_per_user
         if per_user is not None:  # a user's gradient: of the mean loss of their k records
@@ -448,6 +451,7 @@ class DPTrainingMixin:
         """
         if self.optimizer is None or self._per_example_loss is None:
             raise ValueError("Compile the model with a tfdp optimizer before calling fit().")
+        refuse_op_callbacks(self)  # TensorFlow's debug dumping: before any op sees a record
         _check_train_step(self)
         check_per_example_support(self)  # a layer changed since compile
         if isinstance(x, tf.data.Dataset) and getattr(self.optimizer, "trains_on_datasets", False):
