@@ -5,6 +5,8 @@ first step, naming the layer or metric and the op; a crafted record's raw
 value reaches no weight and no file."""
 
 import os
+import pathlib
+import re
 
 import keras
 import numpy as np
@@ -12,6 +14,7 @@ import pytest
 import tensorflow as tf
 
 import tfdp
+from tfdp.models import step_ops
 
 LOSS = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
 SECRET = 98765.4375  # a crafted record's raw value, exact in float32
@@ -295,3 +298,11 @@ def test_dropout_seed_state_after_physical_batches_does_not_count_the_drawn_reco
     records drawn over the fit, unnoised (on main: 12 and 24 for two
     sampling seeds). It now moves one step a step, whatever was drawn."""
     assert seed_advance_in_physical_batches(3) == (2, 0)
+
+
+def test_the_compiled_noise_ops_are_allowed_and_only_they():
+    source = pathlib.Path(tfdp.__file__).parent / "mechanisms" / "native" / "gaussian_noise.cc"
+    registered = set(re.findall(r'REGISTER_OP\("(\w+)"\)', source.read_text()))
+    assert registered and registered == set(step_ops.NATIVE)
+    assert all(step_ops.allowed(op) for op in registered)
+    assert not step_ops.allowed("TfdpSomethingElse")  # the list, not a prefix

@@ -13,6 +13,7 @@ this module does not allow. What is allowed:
 - a stateful op of `STATEFUL`, whose effect stays inside the step or is a
   write to a resource that `state_writes` checks by its target (a model
   weight, an optimizer's or a metric's variable, a seed state);
+- tfdp's own compiled noise ops (`NATIVE`), keyed by their seed input;
 - outside the per-example pass, the replicas' all-reduce (`COLLECTIVES`).
 
 Everything else is refused: an op that writes out of the step (a file, a
@@ -83,6 +84,11 @@ STATEFUL = frozenset({
 })
 
 
+# tfdp's own compiled noise ops (tfdp/mechanisms/native/gaussian_noise.cc):
+# Gaussian draws keyed by their seed input, functions of their inputs.
+NATIVE = frozenset({"TfdpGaussianNoise", "TfdpGaussianNoiseAdd", "TfdpGaussianNoiseAddGroup"})
+
+
 # Replicas' all-reduce (tf.distribute): allowed in the step's own code (the
 # sum of noisy gradients, logs), refused in the per-example pass, where it
 # would mix examples across replicas.
@@ -102,10 +108,11 @@ def allowed(op_type):
         op_type: the op's type, e.g. "MatMul" (`tf.Operation.type`).
 
     Returns:
-        True for a stateless op of TensorFlow's computing libraries or an
-        op of `STATEFUL`; False for anything else.
+        True for a stateless op of TensorFlow's computing libraries, an op
+        of `STATEFUL` or one of tfdp's compiled noise ops (`NATIVE`); False
+        for anything else.
     """
-    if op_type in STATEFUL:
+    if op_type in STATEFUL or op_type in NATIVE:
         return True
     if op_type in _NEVER:
         return False
