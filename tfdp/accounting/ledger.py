@@ -142,6 +142,8 @@ class PrivacyLedger:
         self._records = []  # one-off releases: (event, count)
         self._preprocessing = []  # provenance of preprocessing state: dicts (_PREPROCESSING_KEYS)
         self._version = 0  # bumped on every change other than the step count
+        # Called before a statement: its model refuses state changed since its provenance.
+        self.before_statement = None
         self._high_water = 0  # the largest step count seen: counters never go back
         self._cache = {}
 
@@ -618,6 +620,8 @@ class PrivacyLedger:
             A few sentences: the guarantee, what it means, what it covers
             and what it does not (see `privacy_statement`).
         """
+        if self.before_statement is not None and self._preprocessing:
+            self.before_statement()
         epsilon = self.epsilon(delta, accountant)
         now = self.steps
         return privacy_statement(

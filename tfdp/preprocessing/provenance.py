@@ -293,6 +293,47 @@ def check_model(model, user_level=False):
         raise _refusal(layer, what, stale=layer in _PENDING)
 
 
+def check_released(model):
+    """Refuses a layer whose state no longer matches the provenance it had.
+
+    `fit` checks provenance before its first step; a layer adapted or set
+    again afterwards (after `fit`, or by a callback during it) would carry
+    state the statement says is covered. `DPModel` calls this before it
+    writes a file (`save`, `save_weights`, checkpoints), before `export`, at
+    each epoch's start during `fit`, and when the statement is produced
+    (`tfdp.load_model` of a file whose state does not match its ledger too).
+    A layer that never had a provenance is `fit`'s to refuse.
+
+    Raises:
+        ValueError: naming the layer and both fixes.
+    """
+    entries = model.privacy.preprocessing
+    for layer, what, state in _data_layers(model):
+        digest = fingerprint(state)
+        if _pending_for(layer, digest) is not None:
+            continue
+        named = [e for e in entries if e["layer"] == layer.name]
+        if any(e["state"] == digest for e in named):
+            continue
+        if named or layer in _PENDING:
+            raise _refusal(layer, what, stale=True)
+
+
+def check_released_if_alive(model_ref):
+    """`check_released` of the model `model_ref` (a weak reference) still refers to."""
+    model = model_ref()
+    if model is not None:
+        check_released(model)
+
+
+class ProvenanceWatch(keras.callbacks.Callback):
+    """`fit`'s callback: each epoch starts only if every layer's state still
+    matches its provenance (`check_released`)."""
+
+    def on_epoch_begin(self, epoch, logs=None):
+        check_released(self.model)
+
+
 def _check_unit(layer, entry, user_level):
     if entry["kind"] == "private" and (entry["unit"] == "person") != user_level:
         raise _unit_refusal(layer, entry["unit"], user_level)
