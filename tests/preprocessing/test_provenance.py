@@ -261,17 +261,6 @@ def test_a_vectorizers_own_lookup_is_part_of_its_state_not_another_layer():
     assert [layer.name for layer, _, _ in provenance._data_layers(model)] == ["words"]
 
 
-def test_an_adaptation_per_person_is_refused_for_a_fit_per_record():
-    lookup = keras.layers.IntegerLookup(name="lookup", output_mode="one_hot")
-    ids = private_ids()
-    preprocessing.adapt_privately(lookup, ids, epsilon=4.0, delta=1e-7,
-                                  max_tokens_per_record=2, user_ids=np.arange(len(ids)) // 2,
-                                  seed=0)
-    with pytest.raises(ValueError, match="adapted privately per person, but this fit protects "
-                                         "each record"):
-        fit(lookup_model(lookup), ids)
-
-
 def test_a_target_epsilon_counts_the_adaptation_and_its_thresholds_delta():
     lookup = keras.layers.IntegerLookup(name="lookup", output_mode="one_hot")
     preprocessing.adapt_privately(lookup, private_ids(), epsilon=1.0, delta=1e-6, seed=0)

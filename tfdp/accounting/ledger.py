@@ -55,6 +55,8 @@ _VERSION = 1
 _ROUNDS_VERSION = 2
 _PREPROCESSING_VERSION = 3
 _PREPROCESSING_KEYS = ("id", "layer", "state", "kind", "what", "source", "unit", "additive_delta")
+# A per-person adaptation's grouping of records into people (a digest), optional.
+_PREPROCESSING_OPTIONAL = ("partition",)
 _PREPROCESSING_KINDS = ("private", "public")
 _CACHE_SIZE = 256
 
@@ -848,12 +850,14 @@ def _get_event(mapping, where):
 
 def _check_preprocessing(entry, where):
     """A validated copy of a preprocessing provenance entry."""
-    if not isinstance(entry, dict) or sorted(entry) != sorted(_PREPROCESSING_KEYS):
+    if not isinstance(entry, dict) or not (
+            set(_PREPROCESSING_KEYS) <= set(entry)
+            <= set(_PREPROCESSING_KEYS) | set(_PREPROCESSING_OPTIONAL)):
         raise ValueError(
-            f"Expected {where} to be a dict with the keys {list(_PREPROCESSING_KEYS)}. "
-            f"Received: {show(entry)}"
+            f"Expected {where} to be a dict with the keys {list(_PREPROCESSING_KEYS)} "
+            f"(and optionally {list(_PREPROCESSING_OPTIONAL)}). Received: {show(entry)}"
         )
-    for key in _PREPROCESSING_KEYS[:-1]:
+    for key in [*_PREPROCESSING_KEYS[:-1], *(k for k in _PREPROCESSING_OPTIONAL if k in entry)]:
         if not isinstance(entry[key], str):
             raise ValueError(
                 f"Expected {where}[{key!r}] to be a string. Received: {show(entry[key])}")

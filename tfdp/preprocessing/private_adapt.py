@@ -70,15 +70,23 @@ def _check_budget(epsilon, delta):
         raise ValueError(f"Expected `delta` in (0, 1). Received: delta={delta}")
 
 
-def _units(num_records, user_ids):
-    """Lists of record indices, one per unit (record or person)."""
+def _people(num_records, user_ids):
+    """`UserRecords` of `user_ids` (None without), one id per record."""
     if user_ids is None:
-        return [[i] for i in range(num_records)]
+        return None
     users = UserRecords(user_ids)  # fit's rules for ids: no float (NaN) ids, no mixed types
     if users.num_records != num_records:
         raise ValueError(
             f"Expected one user id per record ({num_records}). Received: user_ids with "
             f"{users.num_records} entries")
+    return users
+
+
+def _units(num_records, user_ids):
+    """Lists of record indices, one per unit (record or person)."""
+    users = _people(num_records, user_ids)
+    if users is None:
+        return [[i] for i in range(num_records)]
     return [users.order[start:start + count].tolist()
             for start, count in zip(users.starts, users.counts)]
 
@@ -305,7 +313,10 @@ def adapt_privately(layer, data, epsilon, delta, max_tokens_per_record=None, val
             feature) and `Discretization`: values are clipped to it.
             Declare it from what the feature means, not from the data.
         user_ids: optional, one id per record: protect people instead of
-            records (for a `fit` with the same user_ids).
+            records, for a `fit` with the same user_ids (the same grouping
+            of records into people: `fit` refuses another; a `fit`
+            without user_ids accepts it, since a person-level guarantee
+            protects each record too).
         bins: `Discretization`'s histogram resolution (default 256).
         seed: optional int for the noise (default: fresh randomness; a
             seed makes the noise reproducible, so keep it secret).
@@ -345,5 +356,7 @@ def adapt_privately(layer, data, epsilon, delta, max_tokens_per_record=None, val
             f"{type(layer).__name__} (declare its state public with "
             "tfdp.preprocessing.declare_public if it came from public data)")
     source += f"; epsilon {epsilon:g}, delta {delta:g} for this adaptation alone"
+    partition = None if user_ids is None else provenance.partition_digest(UserRecords(user_ids))
     return provenance.register_private(
-        layer, source, unit, dp_accounting.GaussianDpEvent(sigma), additive)
+        layer, source, unit, dp_accounting.GaussianDpEvent(sigma), additive,
+        partition=partition)

@@ -120,16 +120,45 @@ def _entry(layer, what, state, kind, source, unit, additive_delta=0.0):
                 what=what, source=source, unit=unit, additive_delta=float(additive_delta))
 
 
-def register_private(layer, source, unit, event, additive_delta, charged=None):
+def partition_digest(users):
+    """A SHA-256 hex digest of which records belong together, whatever the ids.
+
+    Each record is labelled by the smallest record index of its person, so
+    two `UserRecords` that group the same records into people have the same
+    digest, whatever the ids' values, types or order.
+
+    Args:
+        users: a `tfdp.data.users.UserRecords`.
+
+    Example:
+
+    >>> from tfdp.data.users import UserRecords
+    >>> partition_digest(UserRecords(["b", "a", "b"])) == partition_digest(UserRecords([7, 1, 7]))
+    True
+    >>> partition_digest(UserRecords([0, 1, 2])) == partition_digest(UserRecords([0, 0, 2]))
+    False
+    """
+    first = np.minimum.reduceat(users.order, users.starts) if users.num_records else users.order
+    label = np.empty(users.num_records, np.int64)
+    label[users.order] = np.repeat(first, users.counts)
+    return hashlib.sha256(label.astype("<i8").tobytes()).hexdigest()
+
+
+def register_private(layer, source, unit, event, additive_delta, charged=None, partition=None):
     """Records that `layer`'s current state was adapted privately (`adapt_privately`).
 
     The entry waits on the layer until `fit` charges it to the model's
     ledger (`check_model`). `charged` is a ledger that already recorded
     `event` (`tfdp.layers.private_channel_statistics`): that ledger gets
-    the entry without the event again. Returns the entry.
+    the entry without the event again. `partition` is the
+    `partition_digest` of a per-person adaptation's people: `fit` accepts
+    the entry only with the same grouping of records into people. Returns
+    the entry.
     """
     what, state = data_state(layer)
     entry = _entry(layer, what, state, "private", source, unit, additive_delta)
+    if partition is not None:
+        entry["partition"] = partition
     _PENDING[layer] = (entry, event, charged)
     return dict(entry)
 
@@ -208,14 +237,21 @@ def _refusal(layer, what, stale):
         "which the privacy statement then names.")
 
 
-def _unit_refusal(layer, unit, user_level):
-    wanted = "person" if user_level else "record"
-    fix = ("pass user_ids=... (the training's user_ids) to adapt_privately" if user_level else
-           "adapt it again without user_ids")
+def _unit_refusal(layer):
     return ValueError(
-        f"Layer {layer.name!r} was adapted privately per {unit}, but this fit protects "
-        f"each {wanted}: the two guarantees do not compose into one. {fix.capitalize()}. "
-        f"Received: fit(user_ids={'...' if user_level else 'None'})")
+        f"Layer {layer.name!r} was adapted privately per record, but this fit protects "
+        "each person: a person with several records moves the adaptation's counts by "
+        "more than one, so the two guarantees do not compose into one. Pass user_ids=... "
+        "(the training's user_ids) to adapt_privately. Received: fit(user_ids=...)")
+
+
+def _partition_refusal(layer):
+    return ValueError(
+        f"Layer {layer.name!r} was adapted privately per person, but with user_ids that "
+        "group the records into people differently from this fit's user_ids: a person of "
+        "this fit may be several people of the adaptation, and count more than once in its "
+        "vocabulary. Adapt it again with adapt_privately(layer, data, ..., user_ids=...) "
+        "passing the same user_ids (one per record, records in the same order) as fit.")
 
 
 def _data_layers(model):
@@ -259,7 +295,7 @@ def charge_pending(model):
             _charge(model.privacy, pending)
 
 
-def check_model(model, user_level=False):
+def check_model(model, users=None):
     """Accepts every data-derived layer state of `model`, charging it once, or refuses it.
 
     Called by `DPModel.fit` before the first step. A layer whose state
@@ -270,25 +306,29 @@ def check_model(model, user_level=False):
 
     Args:
         model: a built `tfdp.DPModel`.
-        user_level: True when this fit protects people (`user_ids`).
+        users: this fit's `tfdp.data.users.UserRecords` when it protects
+            people (`user_ids`), else None.
 
     Raises:
         ValueError: naming the layer and both fixes, for state without a
             provenance, or adapted privately per record for a per-person
-            fit (or the reverse).
+            fit, or per person with people grouped unlike this fit's. (A
+            per-person adaptation is accepted for a per-record fit: a
+            record is in one person, so it protects each record too.)
     """
+    partition = None if users is None else partition_digest(users)
     ledger = model.privacy
     for layer, what, state in _data_layers(model):
         digest = fingerprint(state)
         pending = _pending_for(layer, digest)
         if pending is not None:
-            _check_unit(layer, pending[0], user_level)
+            _check_unit(layer, pending[0], partition)
             _charge(ledger, pending)
             continue
         known = [e for e in ledger.preprocessing
                  if e["state"] == digest and e["layer"] == layer.name]
         if known:
-            _check_unit(layer, known[0], user_level)
+            _check_unit(layer, known[0], partition)
             continue
         raise _refusal(layer, what, stale=layer in _PENDING)
 
@@ -334,6 +374,10 @@ class ProvenanceWatch(keras.callbacks.Callback):
         check_released(self.model)
 
 
-def _check_unit(layer, entry, user_level):
-    if entry["kind"] == "private" and (entry["unit"] == "person") != user_level:
-        raise _unit_refusal(layer, entry["unit"], user_level)
+def _check_unit(layer, entry, partition):
+    if entry["kind"] != "private" or partition is None:
+        return  # a per-person adaptation protects each record too
+    if entry["unit"] != "person":
+        raise _unit_refusal(layer)
+    if entry.get("partition") != partition:
+        raise _partition_refusal(layer)
