@@ -271,3 +271,30 @@ def test_a_target_epsilon_counts_the_adaptation_and_its_thresholds_delta():
     fit(model, private_ids())  # 10 planned steps: sigma calibrated with what the ledger holds
     assert model.privacy.steps == 10
     assert 2.99 < model.privacy.epsilon(DELTA) <= 3.0
+
+
+class _Featurizer(keras.layers.Layer):
+    """A custom adaptable layer without weights of its own: its state is its lookup's."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.lookup = keras.layers.IntegerLookup(
+            output_mode="one_hot", max_tokens=12, pad_to_max_tokens=True)
+
+    def adapt(self, data):
+        self.lookup.adapt(data)
+
+    def call(self, x):
+        return self.lookup(x)
+
+
+def test_a_custom_layer_is_fingerprinted_with_its_sublayers_vocabularies():
+    featurizer = _Featurizer(name="featurizer")
+    preprocessing.declare_public(featurizer, source="nothing yet")  # declared while empty
+    featurizer.adapt(private_ids())  # then its lookup adapted on the private records
+    assert UNIQUE in featurizer.lookup.get_vocabulary()
+    model = lookup_model(featurizer)
+    with pytest.raises(ValueError, match="'featurizer' .* changed after") as caught:
+        fit(model, private_ids())
+    assert str(UNIQUE) not in str(caught.value)
+    assert model.privacy.steps == 0

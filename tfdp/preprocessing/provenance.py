@@ -104,9 +104,20 @@ def data_state(layer):
         if layer.bin_boundaries is None:
             return None
         return "bin boundaries", {"bin_boundaries": _floats(layer.bin_boundaries)}
-    if callable(getattr(layer, "adapt", None)):  # any other adaptable layer: all its weights
-        return "state", {"weights": [_floats(w) for w in layer.get_weights()]}
+    if callable(getattr(layer, "adapt", None)):  # any other adaptable layer: all its state
+        return "state", _composite_state(layer)
     return None
+
+
+def _composite_state(layer):
+    """All of an adaptable layer's state: its weights and each sublayer's own
+    `data_state` (a lookup's vocabulary is a table, not a weight)."""
+    inner = layer._flatten_layers(include_self=False, recursive=False)  # pylint: disable=protected-access
+    sublayers = []
+    for sublayer in inner:
+        found = data_state(sublayer)
+        sublayers.append(None if found is None else found[1])
+    return {"weights": [_floats(w) for w in layer.get_weights()], "sublayers": sublayers}
 
 
 def fingerprint(state):
