@@ -163,13 +163,17 @@ def _vocabulary(layer, data, epsilon, delta, max_tokens_per_record, user_ids, rn
         special = lookup._token_start_index()  # pylint: disable=protected-access
         vocabulary = vocabulary[:max(0, limit - special)]
     if not vocabulary:  # Keras cannot hold an empty vocabulary
+        provenance.note_release(layer, dp_accounting.GaussianDpEvent(sigma), delta_threshold,
+                                "record" if user_ids is None else "person")
         raise ValueError(
             f"No token of {layer.name!r} passed the partition selection threshold "
             f"({cut:.4g} records or people; the largest count is below it with this noise): "
             f"the data is too small for epsilon={epsilon:g}, delta={delta:g}, k={k}. This "
-            "attempt's release was not charged to a ledger; a second attempt on the same data "
-            "spends its budget again. Raise epsilon, lower max_tokens_per_record, or adapt the "
-            "layer on public data and declare it with tfdp.preprocessing.declare_public.")
+            "attempt's release waits on the layer and is charged, with the layer's next "
+            "adaptation or declaration, to the model that trains it: a second attempt on the "
+            "same data spends its budget again. Raise epsilon, lower max_tokens_per_record, "
+            "or adapt the layer on public data and declare it with "
+            "tfdp.preprocessing.declare_public.")
     idf = None
     if lookup.output_mode == "tf_idf":
         noisy = np.asarray([kept[t] for t in vocabulary], np.float64)

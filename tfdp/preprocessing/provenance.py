@@ -37,15 +37,23 @@ Example:
 
 import hashlib
 import json
+import math
 import uuid
 import weakref
 
+import dp_accounting
 import keras
 import numpy as np
 
 # Provenances not yet charged to a model's ledger: layer -> (entry, event,
 # the ledger the event was already recorded in, or None).
 _PENDING = weakref.WeakKeyDictionary()
+# Releases the user saw that no provenance of the layer's state stands for
+# (a failed attempt, an adaptation replaced by another before any fit):
+# layer -> [(event, additive delta, unit)], charged with the layer's next charge.
+_EARLIER = weakref.WeakKeyDictionary()
+# Ids of the private entries charged to some ledger (not carried again).
+_CHARGED_IDS = set()
 
 _VOCABULARY_LAYERS = (
     keras.layers.StringLookup, keras.layers.IntegerLookup, keras.layers.TextVectorization)
@@ -170,8 +178,45 @@ def register_private(layer, source, unit, event, additive_delta, charged=None, p
     entry = _entry(layer, what, state, "private", source, unit, additive_delta)
     if partition is not None:
         entry["partition"] = partition
-    _PENDING[layer] = (entry, event, charged)
+    _replace_pending(layer, (entry, event, charged))
     return dict(entry)
+
+
+def note_release(layer, event, additive_delta, unit):
+    """Keeps a release of `layer` that set no state (a failed `adapt_privately`).
+
+    It waits on the layer and is charged with the layer's next provenance,
+    to the ledger of the model that `fit`s (or saves) it.
+    """
+    _EARLIER.setdefault(layer, []).append((event, float(additive_delta), unit))
+
+
+def _replace_pending(layer, pending):
+    """Sets `layer`'s provenance; an earlier private adaptation that no
+    ledger holds yet waits on the layer as an earlier release."""
+    previous = _PENDING.get(layer)
+    if previous is not None:
+        entry, event, charged = previous
+        if entry["kind"] == "private" and charged is None and entry["id"] not in _CHARGED_IDS:
+            note_release(layer, event, entry["additive_delta"], entry["unit"])
+    _PENDING[layer] = pending
+
+
+def _charge_earlier(ledger, layer, what):
+    """Charges the releases waiting on `layer` (`note_release`) as one entry."""
+    earlier = _EARLIER.pop(layer, [])
+    if not earlier:
+        return
+    units = {unit for _, _, unit in earlier}
+    entry = dict(
+        id=uuid.uuid4().hex, layer=layer.name, state="", kind="private", what=what,
+        source=(f"{len(earlier)} earlier release(s) of this layer that the model does not "
+                "hold (a failed or replaced adaptation), charged too"),
+        unit="person" if units == {"person"} else "record",
+        additive_delta=math.fsum(delta for _, delta, _ in earlier))
+    events = [event for event, _, _ in earlier]
+    ledger.charge_preprocessing(
+        entry, events[0] if len(events) == 1 else dp_accounting.ComposedDpEvent(events))
 
 
 def declare_public(layer, source):
@@ -228,7 +273,7 @@ def declare_public(layer, source):
             "variance, or bin boundaries) first, then declare it public.")
     what, state = found
     entry = _entry(layer, what, state, "public", source.strip(), "")
-    _PENDING[layer] = (entry, None, None)
+    _replace_pending(layer, (entry, None, None))
     return dict(entry)
 
 
@@ -288,9 +333,12 @@ def _pending_for(layer, digest):
     return pending if pending is not None and pending[0]["state"] == digest else None
 
 
-def _charge(ledger, pending):
+def _charge(ledger, layer, what, pending):
     entry, event, charged = pending
-    ledger.charge_preprocessing(entry, None if charged is ledger else event)
+    if ledger.charge_preprocessing(entry, None if charged is ledger else event):
+        _charge_earlier(ledger, layer, what)
+        if entry["kind"] == "private":
+            _CHARGED_IDS.add(entry["id"])
 
 
 def charge_pending(model):
@@ -300,10 +348,10 @@ def charge_pending(model):
     a model saved before its first `fit` carries its adaptations' charge
     (and its declarations); `check_model` refuses what has none at `fit`.
     """
-    for layer, _, state in _data_layers(model):
+    for layer, what, state in _data_layers(model):
         pending = _pending_for(layer, fingerprint(state))
         if pending is not None:
-            _charge(model.privacy, pending)
+            _charge(model.privacy, layer, what, pending)
 
 
 def check_model(model, users=None):
@@ -334,7 +382,7 @@ def check_model(model, users=None):
         pending = _pending_for(layer, digest)
         if pending is not None:
             _check_unit(layer, pending[0], partition)
-            _charge(ledger, pending)
+            _charge(ledger, layer, what, pending)
             continue
         known = [e for e in ledger.preprocessing
                  if e["state"] == digest and e["layer"] == layer.name]
