@@ -45,7 +45,7 @@ import numpy as np
 
 from tfdp.accounting import additive_delta
 from tfdp.accounting.calibration import calibrate_noise_multiplier
-from tfdp.data.users import UserRecords
+from tfdp.data.users import UserRecords, user_codes
 from tfdp.mechanisms.gaussian import numpy_normal
 from tfdp.preprocessing import partition_selection, provenance
 from tfdp.preprocessing.provenance import _text
@@ -80,6 +80,12 @@ def _people(num_records, user_ids):
             f"Expected one user id per record ({num_records}). Received: user_ids with "
             f"{users.num_records} entries")
     return users
+
+
+def _unit_codes(num_records, user_ids):
+    """uint32 [units, 4]: each unit's code (`user_codes`), in `_units`' order."""
+    users = _people(num_records, user_ids)
+    return user_codes(np.arange(num_records)) if users is None else users.codes
 
 
 def _units(num_records, user_ids):
@@ -154,8 +160,13 @@ def _vocabulary(layer, data, epsilon, delta, max_tokens_per_record, user_ids, rn
     sigma = _noise_multiplier(epsilon - additive_delta.shift(delta_threshold), delta / 2)
     noise_std = sigma * math.sqrt(k)
     cut = partition_selection.threshold(noise_std, k, delta_threshold)
-    counts = partition_selection.bounded_counts(unit_tokens, k, rng)
-    kept = partition_selection.select(counts, noise_std, cut, rng)
+    # Each unit's k-sample from its own stream (keyed by the unit's code), the noise from
+    # another: removing one unit leaves the others' samples and the noise draws alone.
+    sample_key = int(rng.integers(2**63))
+    noise_rng = np.random.default_rng(rng.integers(2**63))
+    codes = _unit_codes(len(records), user_ids)
+    counts = partition_selection.bounded_counts(zip(codes.tolist(), unit_tokens), k, sample_key)
+    kept = partition_selection.select(counts, noise_std, cut, noise_rng)
     lookup = getattr(layer, "_lookup_layer", layer)
     limit = lookup.max_tokens
     vocabulary = list(kept)
@@ -341,6 +352,7 @@ def adapt_privately(layer, data, epsilon, delta, max_tokens_per_record=None, val
     >>> bool(abs(age.adapt_mean.numpy()[0] - 40) < 2)
     True
     """
+    provenance.refuse_inside_search(layer)  # before any noise is drawn
     _check_budget(epsilon, delta)
     rng = np.random.default_rng(seed)
     unit = "record" if user_ids is None else "person"

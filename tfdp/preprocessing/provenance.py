@@ -35,6 +35,7 @@ Example:
 ('public', 'zip')
 """
 
+import contextlib
 import hashlib
 import json
 import math
@@ -180,6 +181,39 @@ def register_private(layer, source, unit, event, additive_delta, charged=None, p
         entry["partition"] = partition
     _replace_pending(layer, (entry, event, charged))
     return dict(entry)
+
+
+# How many private search builds (`tfdp.tuning`) are running now.
+_SEARCH_BUILDS = [0]
+
+
+class AdaptationInSearch(ValueError):
+    """`adapt_privately` called inside a private search's `build(hp)`."""
+
+
+@contextlib.contextmanager
+def inside_search_build():
+    """Marks a private search's `build(hp)`: `adapt_privately` refuses to run in it."""
+    _SEARCH_BUILDS[0] += 1
+    try:
+        yield
+    finally:
+        _SEARCH_BUILDS[0] -= 1
+
+
+def refuse_inside_search(layer):
+    """Raises `AdaptationInSearch` inside a private search's `build(hp)`.
+
+    Each trial would run its own adaptation (its own noise and threshold)
+    while the chosen model's ledger counts one.
+    """
+    if _SEARCH_BUILDS[0]:
+        raise AdaptationInSearch(
+            f"adapt_privately({layer.name!r}) was called inside a private search's "
+            "build(hp): every trial would adapt the layer again on the private data (its own "
+            "noise and threshold), and the chosen model's ledger would count only one of "
+            "these releases. Adapt the layer once, outside build(hp), before the search, "
+            "and use it in the model that build(hp) returns.")
 
 
 def note_release(layer, event, additive_delta, unit):
