@@ -132,3 +132,16 @@ def test_a_file_whose_vocabulary_was_edited_is_refused_at_its_statement(tmp_path
     with pytest.raises(ValueError) as caught:
         loaded.privacy.statement(DELTA)
     refused_as_stale(caught)
+
+
+def test_a_clone_whose_lookup_lost_its_vocabulary_is_refused_before_any_step():
+    original = lookup_model(private_lookup())
+    clone = keras.models.clone_model(original)
+    clone.compile(
+        optimizer=tfdp.optimizers.DPSGD(0.1, l2_norm_clip=1.0, noise_multiplier=1.0, seed=0),
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    with pytest.raises(ValueError, match=r"'lookup' \(IntegerLookup\) has no vocabulary.*"
+                                         r"clone_model") as caught:
+        fit(clone)
+    assert "adapt_privately" in str(caught.value) and "declare_public" in str(caught.value)
+    assert clone.privacy.steps == 0

@@ -409,6 +409,7 @@ def check_model(model, users=None):
             per-person adaptation is accepted for a per-record fit: a
             record is in one person, so it protects each record too.)
     """
+    _check_vocabularies(model)
     partition = None if users is None else partition_digest(users)
     ledger = model.privacy
     for layer, what, state in _data_layers(model):
@@ -465,6 +466,20 @@ class ProvenanceWatch(keras.callbacks.Callback):
 
     def on_epoch_begin(self, epoch, logs=None):
         check_released(self.model)
+
+
+def _check_vocabularies(model):
+    """Refuses a lookup without a vocabulary, which no step could run."""
+    for layer in model._flatten_layers(include_self=False):  # pylint: disable=protected-access
+        if isinstance(layer, _VOCABULARY_LAYERS) and not layer.get_vocabulary(
+                include_special_tokens=False):
+            raise ValueError(
+                f"Layer {layer.name!r} ({type(layer).__name__}) has no vocabulary, so no step "
+                "could look a value up. keras.models.clone_model copies a layer's "
+                "configuration, not an adapted vocabulary: build the model again with the "
+                "adapted layer, or adapt this one, tfdp.preprocessing.adapt_privately(layer, "
+                "data, epsilon=..., delta=..., ...), or declare a public vocabulary with "
+                "tfdp.preprocessing.declare_public(layer, source=...).")
 
 
 def _check_unit(layer, entry, partition):
