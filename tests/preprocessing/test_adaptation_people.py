@@ -79,3 +79,19 @@ def test_a_per_person_adaptation_is_accepted_for_a_per_record_fit():
     fit(model, None)
     statement = model.privacy.statement(DELTA)
     assert "adapted privately per person (which protects each record too)" in statement
+
+
+def test_a_per_person_fit_through_a_one_hot_lookup_trains():
+    """The lookup's one-hot output is int64; the old per-example rule fed it
+    uncast to its einsum with float32 gradients (a TypeError at the first step)."""
+    lookup = keras.layers.IntegerLookup(name="lookup", output_mode="one_hot", max_tokens=12,
+                                        pad_to_max_tokens=True)
+    preprocessing.adapt_privately(lookup, IDS, epsilon=1.0, delta=1e-7, seed=0, user_ids=PEOPLE)
+    inputs = keras.Input((1,), dtype="int64")
+    model = tfdp.DPModel(inputs, keras.layers.Dense(2)(lookup(inputs)))
+    model.compile(
+        optimizer=tfdp.optimizers.DPSGD(0.1, l2_norm_clip=1.0, noise_multiplier=1.0, seed=0),
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    fit(model, PEOPLE)
+    assert model.privacy.steps == 2
+    assert all(np.isfinite(w).all() for w in model.get_weights())
