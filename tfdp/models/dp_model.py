@@ -504,7 +504,7 @@ class DPTrainingMixin:
         # A layer that writes a variable in training would keep records' data (issue 43).
         state_writes.check_dp_model(self, sample)
         # Preprocessing state (vocabularies, means, bins) needs a provenance (issue 52).
-        preprocessing.check_model(self, users=users)
+        preprocessing.check_model(self, users=users, augment=augment)
         input_checks.check_input_names(self)  # before any array meets an input
         augmentation = check_augmentation(augment, augmentations, sample[0], self.optimizer)
         if augmentation != self._augmentation:

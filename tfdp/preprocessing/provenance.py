@@ -37,6 +37,7 @@ Example:
 
 import contextlib
 import hashlib
+import inspect
 import json
 import math
 import uuid
@@ -344,14 +345,18 @@ def _partition_refusal(layer):
         "passing the same user_ids (one per record, records in the same order) as fit.")
 
 
-def _data_layers(model):
-    """(layer, what, state) of every layer of `model` (nested models too) holding
-    data-derived state; a layer inside such a layer (TextVectorization's lookup)
-    is part of its state, not another one."""
-    found, inside = [], set()
-    for layer in model._flatten_layers(include_self=False):  # pylint: disable=protected-access
-        if id(layer) in inside:
+def _data_layers(model, extra=()):
+    """(layer, what, state) of every layer of `model` (nested models too), and of
+    the layers `extra` (with theirs), holding data-derived state; a layer inside
+    such a layer (TextVectorization's lookup) is part of its state, not another one."""
+    found, inside, seen = [], set(), set()
+    flat = list(model._flatten_layers(include_self=False))  # pylint: disable=protected-access
+    for root in extra:
+        flat += root._flatten_layers(include_self=True)  # pylint: disable=protected-access
+    for layer in flat:
+        if id(layer) in inside or id(layer) in seen:
             continue
+        seen.add(id(layer))
         state = data_state(layer)
         if state is None:
             continue
@@ -388,7 +393,29 @@ def charge_pending(model):
             _charge(model.privacy, layer, what, pending)
 
 
-def check_model(model, users=None):
+def augment_layers(augment):
+    """The Keras layers `fit(augment=fn)`'s function names: in its closure, the
+    globals it reads, its defaults and a bound method's object (in lists,
+    tuples and dicts too). A layer reached only through another function or
+    object is not seen."""
+    if augment is None:
+        return []
+    function = getattr(augment, "__func__", augment)
+    values = [getattr(augment, "__self__", None), *(getattr(function, "__defaults__", None) or ())]
+    try:
+        names = inspect.getclosurevars(function)
+        values += [*names.nonlocals.values(), *names.globals.values()]
+    except TypeError:  # not a Python function (a callable object, a builtin)
+        values.append(augment)
+    layers = []
+    for value in values:
+        items = list(value.values()) if isinstance(value, dict) else (
+            list(value) if isinstance(value, (list, tuple)) else [value])
+        layers += [item for item in items if isinstance(item, keras.layers.Layer)]
+    return layers
+
+
+def check_model(model, users=None, augment=None):
     """Accepts every data-derived layer state of `model`, charging it once, or refuses it.
 
     Called by `DPModel.fit` before the first step. A layer whose state
@@ -401,6 +428,9 @@ def check_model(model, users=None):
         model: a built `tfdp.DPModel`.
         users: this fit's `tfdp.data.users.UserRecords` when it protects
             people (`user_ids`), else None.
+        augment: `fit`'s augment function, or None: the preprocessing
+            layers it names (`augment_layers`) shape every step's inputs,
+            so they are checked (and charged) as the model's own.
 
     Raises:
         ValueError: naming the layer and both fixes, for state without a
@@ -412,7 +442,7 @@ def check_model(model, users=None):
     _check_vocabularies(model)
     partition = None if users is None else partition_digest(users)
     ledger = model.privacy
-    for layer, what, state in _data_layers(model):
+    for layer, what, state in _data_layers(model, augment_layers(augment)):
         digest = fingerprint(state)
         pending = _pending_for(layer, digest)
         if pending is not None:
