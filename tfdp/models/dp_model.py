@@ -146,12 +146,12 @@ class DPTrainingMixin:
         """
         # A statement never says "covered" for state changed since its provenance.
         self._privacy_ledger.before_statement = functools.partial(
-            preprocessing.check_released_if_alive, weakref.ref(self))
+            preprocessing.provenance.check_released_if_alive, weakref.ref(self))
         return self._privacy_ledger
 
     def export(self, filepath, *args, **kwargs):
         """Keras `export`, refused for preprocessing state changed since its provenance."""
-        preprocessing.check_released(self)
+        preprocessing.provenance.check_released(self)
         return super().export(filepath, *args, **kwargs)
 
     # -- compile -------------------------------------------------------------
@@ -527,7 +527,7 @@ class DPTrainingMixin:
             )
         # Keras would restore a backup (weights, ledger) after the releases below.
         callbacks = restore_backups(self, list(callbacks or []))
-        callbacks.append(preprocessing.ProvenanceWatch())  # state re-adapted mid-fit: refused
+        callbacks.append(preprocessing.provenance.ProvenanceWatch())  # re-adapted mid-fit: refused
         # A file kept by save_best_only is rewritten with the ledger of each check.
         callbacks = keep_chosen_checkpoints_charged(callbacks)
         if not isinstance(x, FixedOrderData):  # a target epsilon sets sigma now
@@ -741,7 +741,7 @@ class DPTrainingMixin:
         self._dp_steps.assign(steps)
 
     def save_own_variables(self, store):
-        preprocessing.check_released(self)  # state changed since its provenance: refused
+        preprocessing.provenance.check_released(self)  # changed since its provenance: refused
         super().save_own_variables(store)
         preprocessing.charge_pending(self)  # the file holds adapted state: its charge too
         text = self._privacy_ledger.to_json().encode("utf-8")

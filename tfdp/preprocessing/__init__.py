@@ -19,9 +19,6 @@ Example:
 """
 
 from tfdp.preprocessing.private_adapt import adapt_privately
-from tfdp.preprocessing.provenance import (
-    ProvenanceWatch, charge_pending, check_model, check_released, check_released_if_alive,
-    declare_public)
+from tfdp.preprocessing.provenance import charge_pending, check_model, declare_public
 
-__all__ = ["ProvenanceWatch", "adapt_privately", "charge_pending", "check_model",
-           "check_released", "check_released_if_alive", "declare_public"]
+__all__ = ["adapt_privately", "charge_pending", "check_model", "declare_public"]

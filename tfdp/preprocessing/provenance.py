@@ -122,9 +122,9 @@ def data_state(layer):
 def _composite_state(layer):
     """All of an adaptable layer's state: its weights and each sublayer's own
     `data_state` (a lookup's vocabulary is a table, not a weight)."""
-    inner = layer._flatten_layers(include_self=False, recursive=False)  # pylint: disable=protected-access
+    flatten = layer._flatten_layers  # pylint: disable=protected-access
     sublayers = []
-    for sublayer in inner:
+    for sublayer in flatten(include_self=False, recursive=False):
         found = data_state(sublayer)
         sublayers.append(None if found is None else found[1])
     return {"weights": [_floats(w) for w in layer.get_weights()], "sublayers": sublayers}
