@@ -13,6 +13,7 @@ import functools
 import json
 import logging
 import os
+import weakref
 
 import keras
 import numpy as np
@@ -153,7 +154,15 @@ class DPTrainingMixin:
         Example: `model.privacy.epsilon(delta=1e-5)`.
         """
         weight_ledgers.charge_held(self)  # what weights trained by another model carry
+        # A statement never says "covered" for state changed since its provenance.
+        self._privacy_ledger.before_statement = functools.partial(
+            preprocessing.provenance.check_released_if_alive, weakref.ref(self))
         return self._privacy_ledger
+
+    def export(self, filepath, *args, **kwargs):
+        """Keras `export`, refused for preprocessing state changed since its provenance."""
+        preprocessing.provenance.check_released(self)
+        return super().export(filepath, *args, **kwargs)
 
     # -- compile -------------------------------------------------------------
 
@@ -509,7 +518,7 @@ class DPTrainingMixin:
         # A layer that writes a variable in training would keep records' data (issue 43).
         state_writes.check_dp_model(self, sample)
         # Preprocessing state (vocabularies, means, bins) needs a provenance (issue 52).
-        preprocessing.check_model(self, user_level=users is not None)
+        preprocessing.check_model(self, users=users, augment=augment)
         weight_ledgers.mark_trained(self)  # charges what held weights carry; they carry this
         input_checks.check_input_names(self)  # before any array meets an input
         augmentation = check_augmentation(augment, augmentations, sample[0], self.optimizer,
@@ -534,6 +543,7 @@ class DPTrainingMixin:
             )
         # Keras would restore a backup (weights, ledger) after the releases below.
         callbacks = restore_backups(self, list(callbacks or []))
+        callbacks.append(preprocessing.provenance.ProvenanceWatch())  # re-adapted mid-fit: refused
         # A file kept by save_best_only is rewritten with the ledger of each check.
         callbacks = keep_chosen_checkpoints_charged(callbacks)
         if not isinstance(x, FixedOrderData):  # a target epsilon sets sigma now
@@ -755,6 +765,7 @@ class DPTrainingMixin:
         self._dp_steps.assign(steps)
 
     def save_own_variables(self, store):
+        preprocessing.provenance.check_released(self)  # changed since its provenance: refused
         super().save_own_variables(store)
         preprocessing.charge_pending(self)  # the file holds adapted state: its charge too
         text = self.privacy.to_json().encode("utf-8")
