@@ -27,6 +27,7 @@ import tensorflow as tf
 import tfdp
 from tests.per_example import hub_models
 from tfdp.auditing import SensitivityExceeded, sensitivity_search
+from tfdp.models import step_ops
 from tfdp.per_example import declare_per_example, register_rule
 from tfdp.per_example.grads import Part
 from tfdp.per_example.rules.dense import DenseRule
@@ -392,7 +393,10 @@ class _Jitter(L.Layer):
         return x + tf.random.uniform(tf.shape(x), maxval=1e-3)
 
 
-def test_a_step_it_cannot_measure_is_refused_and_the_model_put_back():
+def test_a_step_it_cannot_measure_is_refused_and_the_model_put_back(monkeypatch):
+    # fit's scan refuses the stateful draw (tfdp.models.step_ops): allowed
+    # here, to reach the search's own check.
+    monkeypatch.setattr(step_ops, "STATEFUL", step_ops.STATEFUL | {"RandomUniform"})
     inputs = keras.Input((6,))
     model = tfdp.DPModel(inputs, L.Dense(3)(_Jitter()(inputs)))
     optimizer = tfdp.optimizers.DPSGD(0.1, l2_norm_clip=CLIP, noise_multiplier=1.0)

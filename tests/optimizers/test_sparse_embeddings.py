@@ -321,3 +321,16 @@ def test_physical_batches_refused():
     x, y = _data(n=16)
     with pytest.raises(ValueError, match="logical batch"):
         model.fit(x, y, batch_size=8, epochs=1, verbose=0, physical_batch_size=4)
+
+
+def test_no_table_shares_a_noise_key_with_another():
+    """Table n's streams fold n into their own key (a review found table 512's
+    selection on table 0's row noise when n was added to the stream)."""
+    from tfdp.mechanisms.gaussian import fold_seed
+    from tfdp.optimizers import sparse_embeddings as sparse
+    seed = tf.constant([7, 11], tf.int64)
+    keys = [tuple(fold_seed(fold_seed(seed, stream), n).numpy())
+            for stream in (sparse.SELECTION_STREAM, sparse.ROWS_STREAM) for n in range(1100)]
+    assert len(set(keys)) == len(keys)
+    shifted = {tuple(fold_seed(seed, sparse.SELECTION_STREAM + n).numpy()) for n in range(1100)}
+    assert shifted & {tuple(fold_seed(seed, sparse.ROWS_STREAM + n).numpy()) for n in range(1100)}

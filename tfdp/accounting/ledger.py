@@ -59,6 +59,8 @@ _ROUNDS_VERSION = 2
 # dropping them.
 _EXTENDED_VERSION = 3
 _PREPROCESSING_KEYS = ("id", "layer", "state", "kind", "what", "source", "unit", "additive_delta")
+# A per-person adaptation's grouping of records into people (a digest), optional.
+_PREPROCESSING_OPTIONAL = ("partition",)
 _PREPROCESSING_KINDS = ("private", "public")
 _CACHE_SIZE = 256
 
@@ -148,6 +150,8 @@ class PrivacyLedger:
         self._carried = {}  # source id -> Carried: another training these weights carry
         self._floors = {}  # source id -> parts: what it carried when this model trained
         self._version = 0  # bumped on every change other than the step count
+        # Called before a statement: its model refuses state changed since its provenance.
+        self.before_statement = None
         self._high_water = 0  # the largest step count seen: counters never go back
         self._cache = {}
 
@@ -746,6 +750,8 @@ class PrivacyLedger:
             A few sentences: the guarantee, what it means, what it covers
             and what it does not (see `privacy_statement`).
         """
+        if self.before_statement is not None and self._preprocessing:
+            self.before_statement()
         epsilon = self.epsilon(delta, accountant)
         now = self.steps
         return privacy_statement(
@@ -1022,12 +1028,14 @@ def _get_event(mapping, where):
 
 def _check_preprocessing(entry, where):
     """A validated copy of a preprocessing provenance entry."""
-    if not isinstance(entry, dict) or sorted(entry) != sorted(_PREPROCESSING_KEYS):
+    if not isinstance(entry, dict) or not (
+            set(_PREPROCESSING_KEYS) <= set(entry)
+            <= set(_PREPROCESSING_KEYS) | set(_PREPROCESSING_OPTIONAL)):
         raise ValueError(
-            f"Expected {where} to be a dict with the keys {list(_PREPROCESSING_KEYS)}. "
-            f"Received: {show(entry)}"
+            f"Expected {where} to be a dict with the keys {list(_PREPROCESSING_KEYS)} "
+            f"(and optionally {list(_PREPROCESSING_OPTIONAL)}). Received: {show(entry)}"
         )
-    for key in _PREPROCESSING_KEYS[:-1]:
+    for key in [*_PREPROCESSING_KEYS[:-1], *(k for k in _PREPROCESSING_OPTIONAL if k in entry)]:
         if not isinstance(entry[key], str):
             raise ValueError(
                 f"Expected {where}[{key!r}] to be a string. Received: {show(entry[key])}")

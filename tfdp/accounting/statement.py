@@ -203,9 +203,11 @@ def describe_preprocessing(entries):
                 f"{entry['what']} of {entry['layer']!r} from data declared public: "
                 f"{entry['source']}")
         else:
+            unit = (" per person (which protects each record too)"
+                    if entry.get("unit") == "person" else "")
             pieces.append(
-                f"{entry['what']} of {entry['layer']!r} adapted privately on the training data "
-                f"({entry['source']}; covered by this guarantee)")
+                f"{entry['what']} of {entry['layer']!r} adapted privately{unit} on the training "
+                f"data ({entry['source']}; covered by this guarantee)")
     text = "Preprocessing: " + "; ".join(pieces) + "."
     if any(entry["kind"] == "public" for entry in entries):
         text += " Data declared public is not covered by this guarantee."

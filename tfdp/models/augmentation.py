@@ -28,8 +28,10 @@ replacing another example changes neither its augmentation nor its clipped
 gradient. `fn` sees one example at a time (no batch axis, so it cannot mix
 examples) and is refused if it draws from a stateful generator (whose draws
 depend on the batch position and the run's other draws), writes a variable,
-runs Python, writes files or asserts on its input (a failed check on one
-record stops training), or if any tensor of its trace has a shape that is not
+runs Python, writes files, asserts on its input (a failed check on one
+record stops training) or indexes by its values (a `tf.gather`, slice or
+scatter whose index the example decides: out of range on one record, the
+step fails), or if any tensor of its trace has a shape that is not
 static (a shape that depends on the values lets a run-time shape check fail
 on one record). It is traced once, checked, and that trace is the one the
 step calls.
@@ -58,7 +60,8 @@ import numpy as np
 import tensorflow as tf
 
 from tfdp.mechanisms import dpsgd
-from tfdp.models.state_writes import _OUTPUT_OPS, _OUTPUT_PREFIXES, _PYTHON_OPS, _READS, _called_functions
+from tfdp.models.state_writes import (_OUTPUT_OPS, _OUTPUT_PREFIXES, _PYTHON_OPS, _READS,
+                                      _called_functions, reads_values)
 
 __all__ = ["Augmentation", "check_augmentation", "example_hashes"]
 
@@ -463,9 +466,11 @@ def _check_traced(augment, takes_seed, specs):
             f"it in place of the example): {wanted}. Received: augment={_name(augment)} "
             f"returning {shown}"
         )
+    seed_inputs = {t.name for t in traced.graph.inputs[len(tf.nest.flatten(specs)):]
+                   if takes_seed} if takes_seed else set()
     for op in _ops(traced.graph):
         if op.type == "Assert":
-            if not _reads_values(op):  # a check of constants and static shapes only
+            if not reads_values(op):  # a check of constants and static shapes only
                 continue
             raise ValueError(
                 "augment must not assert on its input: a check that fails on one record "
@@ -500,34 +505,57 @@ def _check_traced(augment, takes_seed, specs):
                 f"augment={_name(augment)} running op '{op.name}' ({op.type}) with output "
                 f"shape {dynamic[0].shape}"
             )
+        if op.type in _INDEXING and _indexed_by_values(op, seed_inputs):
+            raise ValueError(
+                "augment must not index by the example's values (a tf.gather, slice or "
+                "scatter whose index is computed from the input): an index out of range "
+                "fails on that record only, stops training, and the error may print it "
+                "(a release no noise covers). Index by the seed or by constants, or clip "
+                "the index into range (tf.clip_by_value) first. Received: "
+                f"augment={_name(augment)} running op '{op.name}' ({op.type})"
+            )
     _check_traced_again(augment, takes_seed, specs, traced)
     return traced
 
 
-# Ops whose value is fixed by their input's static shape, when it is fully known.
+# Ops that fail on an index out of range: their index inputs (all but the first).
+_INDEXING = {"GatherV2", "Gather", "GatherNd", "ResourceGather", "ResourceGatherNd",
+             "Slice", "StridedSlice", "ScatterNd", "TensorScatterUpdate", "TensorScatterAdd",
+             "TensorScatterSub", "TensorScatterMax", "TensorScatterMin"}
 _SHAPE_OPS = {"Shape", "ShapeN", "Rank", "Size"}
 
 
-def _reads_values(op):
-    """Whether `op` may depend on an input's values (not only on constants
-    and static shapes): a shape check such as `stateless_random_crop`'s holds
-    or fails alike for every example; anything else is a data-dependent
-    abort. Conservative: a function input (the example, the seed, a branch's
-    argument) reached other than through a fully known shape counts."""
-    pending, seen = list(op.inputs), set()
+def _indexed_by_values(op, seed_inputs):
+    """Whether an index of `op` may be computed from the example's values:
+    reached from a function input other than the seed (a branch's argument
+    counts) other than through a fully known shape. A `tf.clip_by_value`d
+    index cannot fail, and is accepted."""
+    pending, seen = list(op.inputs[1:]), set()
     while pending:
         tensor = pending.pop()
         producer = tensor.op
-        if producer.name in seen or producer.type == "Const":
+        if producer.name in seen or producer.type == "Const" or tensor.name in seed_inputs:
             continue
         seen.add(producer.name)
-        if producer.type in _SHAPE_OPS and all(
-                t.shape.is_fully_defined() for t in producer.inputs):
+        if _clipped(producer) or (producer.type in _SHAPE_OPS and all(
+                t.shape.is_fully_defined() for t in producer.inputs)):
             continue
-        if producer.type == "Placeholder" or not producer.inputs and producer.type != "Const":
+        if producer.type == "Placeholder":
             return True
         pending.extend(producer.inputs)
     return False
+
+
+def _clipped(op):
+    """Whether `op` bounds its value between constants (`tf.clip_by_value`:
+    a maximum of a minimum, or the other way round, each with a constant)."""
+    bounds = {"Maximum": "Minimum", "Minimum": "Maximum"}
+    if op.type == "ClipByValue":
+        return True
+    if op.type not in bounds or not any(t.op.type == "Const" for t in op.inputs):
+        return False
+    return any(t.op.type == bounds[op.type] and any(u.op.type == "Const" for u in t.op.inputs)
+               for t in op.inputs)
 
 
 def _ops(graph, seen=None):

@@ -13,6 +13,7 @@ import functools
 import json
 import logging
 import os
+import weakref
 
 import keras
 import numpy as np
@@ -35,6 +36,7 @@ from tfdp.models.atomic_save import atomic_write, is_local_path
 from tfdp.models.augmentation import check_augmentation
 from tfdp.models.augmentation import step_key as augmentation_key
 from tfdp.models.chosen_checkpoint import keep_chosen_checkpoints_charged, note_save
+from tfdp.models.debug_dumping import refuse_op_callbacks
 from tfdp.models.executions import whole_executions
 from tfdp.models.functional_class import make_functional, wants_functional
 from tfdp.models.jit import resolve_jit_compile
@@ -152,7 +154,15 @@ class DPTrainingMixin:
         Example: `model.privacy.epsilon(delta=1e-5)`.
         """
         weight_ledgers.charge_held(self)  # what weights trained by another model carry
+        # A statement never says "covered" for state changed since its provenance.
+        self._privacy_ledger.before_statement = functools.partial(
+            preprocessing.provenance.check_released_if_alive, weakref.ref(self))
         return self._privacy_ledger
+
+    def export(self, filepath, *args, **kwargs):
+        """Keras `export`, refused for preprocessing state changed since its provenance."""
+        preprocessing.provenance.check_released(self)
+        return super().export(filepath, *args, **kwargs)
 
     # -- compile -------------------------------------------------------------
 
@@ -253,11 +263,12 @@ class DPTrainingMixin:
         read was still failing.
         """
         self._check_step()
-        with tf.control_dependencies(tf.nest.flatten(data)):
-            charged = self._dp_steps.value.assign_add(1, read_value=False)
-        with tf.control_dependencies([charged]):
-            data = tf.nest.map_structure(tf.identity, data)
-            return self._private_step(data)
+        with state_writes.checked_train_step(self):  # every op the step runs is allowed
+            with tf.control_dependencies(tf.nest.flatten(data)):
+                charged = self._dp_steps.value.assign_add(1, read_value=False)
+            with tf.control_dependencies([charged]):
+                data = tf.nest.map_structure(tf.identity, data)
+                return self._private_step(data)
 
     def _check_step(self):
         """The step's refusals that Python makes (when the step is traced),
@@ -293,11 +304,12 @@ class DPTrainingMixin:
             # Unweighted metrics (compile(metrics=...)) ignore sample weights:
             # give them the drawn rows only, never the padding.
             drawn = lambda t: tf.boolean_mask(t, mask > 0)  # noqa: E731
-            return self.compute_metrics(
-                x, tf.nest.map_structure(drawn, labels(targets)),
-                tf.nest.map_structure(drawn, y_pred),
-                sample_weight=drawn(_finite_weights(losses, weights)),
-            )
+            with state_writes.checked_metric_updates(self):  # they write only their own
+                return self.compute_metrics(
+                    x, tf.nest.map_structure(drawn, labels(targets)),
+                    tf.nest.map_structure(drawn, y_pred),
+                    sample_weight=drawn(_finite_weights(losses, weights)),
+                )
 
         per_user = self._examples_per_user
         if per_user is not None:  # a user's gradient: of the mean loss of their k records
@@ -448,6 +460,7 @@ class DPTrainingMixin:
         """
         if self.optimizer is None or self._per_example_loss is None:
             raise ValueError("Compile the model with a tfdp optimizer before calling fit().")
+        refuse_op_callbacks(self)  # TensorFlow's debug dumping: before any op sees a record
         _check_train_step(self)
         check_per_example_support(self)  # a layer changed since compile
         if isinstance(x, tf.data.Dataset) and getattr(self.optimizer, "trains_on_datasets", False):
@@ -505,7 +518,7 @@ class DPTrainingMixin:
         # A layer that writes a variable in training would keep records' data (issue 43).
         state_writes.check_dp_model(self, sample)
         # Preprocessing state (vocabularies, means, bins) needs a provenance (issue 52).
-        preprocessing.check_model(self, user_level=users is not None)
+        preprocessing.check_model(self, users=users, augment=augment)
         weight_ledgers.mark_trained(self)  # charges what held weights carry; they carry this
         input_checks.check_input_names(self)  # before any array meets an input
         augmentation = check_augmentation(augment, augmentations, sample[0], self.optimizer,
@@ -530,6 +543,7 @@ class DPTrainingMixin:
             )
         # Keras would restore a backup (weights, ledger) after the releases below.
         callbacks = restore_backups(self, list(callbacks or []))
+        callbacks.append(preprocessing.provenance.ProvenanceWatch())  # re-adapted mid-fit: refused
         # A file kept by save_best_only is rewritten with the ledger of each check.
         callbacks = keep_chosen_checkpoints_charged(callbacks)
         if not isinstance(x, FixedOrderData):  # a target epsilon sets sigma now
@@ -751,6 +765,7 @@ class DPTrainingMixin:
         self._dp_steps.assign(steps)
 
     def save_own_variables(self, store):
+        preprocessing.provenance.check_released(self)  # changed since its provenance: refused
         super().save_own_variables(store)
         preprocessing.charge_pending(self)  # the file holds adapted state: its charge too
         text = self.privacy.to_json().encode("utf-8")

@@ -48,7 +48,9 @@ import tensorflow as tf
 from tfdp.mechanisms.gaussian import fold_seed, normals
 
 # Streams of a step's noise key (distinct from the per-tensor indices of
-# `dpsgd.gaussian_noise_like` and from adaptive clipping's COUNT_STREAM).
+# `dpsgd.gaussian_noise_like` and from adaptive clipping's COUNT_STREAM);
+# table n's streams are these keys folded again with n, so no number of
+# tables makes one table's selection share a key with another's rows.
 SELECTION_STREAM = 2**31 - 1024
 ROWS_STREAM = 2**31 - 512
 _GRID = 2.0**12  # count weights are multiples of 2^-12 (exact float64 sums)
@@ -298,8 +300,8 @@ def sparse_noisy_means(sums, variables, per_example, mask, tables, noise_multipl
         part = table_part(per_example, variables[i], name)
         counts = contribution_counts(part, mask, setting.max_rows_per_example,
                                      variables[i].shape[0])
-        selected = selected_rows(counts, setting, fold_seed(seed, SELECTION_STREAM + n))
-        out[i] = noisy_rows(sums[i], selected, stddev, fold_seed(seed, ROWS_STREAM + n),
+        selected = selected_rows(counts, setting, fold_seed(fold_seed(seed, SELECTION_STREAM), n))
+        out[i] = noisy_rows(sums[i], selected, stddev, fold_seed(fold_seed(seed, ROWS_STREAM), n),
                             static_shapes, divisor)
         selections[i] = selected
     return out, selections
