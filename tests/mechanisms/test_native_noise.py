@@ -173,6 +173,19 @@ def test_the_train_step_noise_is_the_same_on_both_paths(library):
     assert native_noise.noise_path().startswith("compiled kernel")
 
 
+@pytest.mark.parametrize("divisor", [3.0, 250.0])
+def test_a_python_constant_divisor_gives_the_same_bits_in_tf_function(library, divisor):
+    """Grappler turns / b for a constant b into * (1 / b) inside tf.function:
+    both paths must divide with the same TensorFlow op to be rewritten alike."""
+    rng = np.random.default_rng(0)
+    sums = [tf.constant(rng.normal(size=[300, 7]), tf.float32),
+            tf.constant(rng.normal(size=[7]), tf.float32)]
+    seed = tf.constant([9, 9], tf.int64)
+    reference, kernel = both_paths(lambda: tf.function(
+        lambda: dpsgd.noisy_mean([s * 1.0 for s in sums], 1.7, divisor, seed))())
+    assert_same_bits(reference, kernel)
+
+
 def test_forced_fallback_is_taken_and_named(library, monkeypatch):
     monkeypatch.setenv(build.ENV_SWITCH, "graph")
     assert native_noise.library_here([tf.float32]) is None

@@ -123,22 +123,19 @@ def draw(library, shape, seed, dtype, factor):
                                        tf.cast(factor, tf.float64), dtype=dtype)
 
 
-def add(library, tensor, seed, factor, divisor=None):
-    """(`tensor` + its noise, divided by `divisor` unless None; deep flag)
-    from the fused op."""
-    divide = divisor is not None
-    divisor = tf.cast(divisor if divide else 1, tensor.dtype)
+def add(library, tensor, seed, factor):
+    """(`tensor` + its noise, deep flag) from the fused op."""
+    divisor = tf.ones([], tensor.dtype)  # unused: the division stays a TensorFlow op
     return library.tfdp_gaussian_noise_add(tensor, tf.cast(seed, tf.int64),
-                                           tf.cast(factor, tf.float64), divisor, divide=divide)
+                                           tf.cast(factor, tf.float64), divisor)
 
 
-def add_group(library, tensors, seed, factor, divisor=None):
-    """([each tensor + its piece of one draw of their total size, divided by
-    `divisor` unless None], deep flag) from the grouped op."""
-    divide = divisor is not None
-    divisor = tf.cast(divisor if divide else 1, tensors[0].dtype)
+def add_group(library, tensors, seed, factor):
+    """([each tensor + its piece of one draw of their total size], deep flag)
+    from the grouped op."""
+    divisor = tf.ones([], tensors[0].dtype)  # unused, as in `add`
     noised, deep = library.tfdp_gaussian_noise_add_group(
-        tensors, tf.cast(seed, tf.int64), tf.cast(factor, tf.float64), divisor, divide=divide)
+        tensors, tf.cast(seed, tf.int64), tf.cast(factor, tf.float64), divisor)
     return list(noised), deep
 
 
