@@ -266,6 +266,10 @@ def test_a_library_that_drops_the_noise_off_the_check_seeds_is_refused(library):
     assert native_noise._self_check(library) is None  # negative control: the real op passes
 
 
+def test_the_self_check_runs_eagerly_when_the_first_noise_is_traced(library):
+    assert tf.function(lambda: native_noise._self_check(library) or "passed")() == "passed"
+
+
 def test_a_fused_add_that_differs_is_refused(library):
     class WrongAdd(_ZeroNoiseOffCheck):
         def tfdp_gaussian_noise(self, shape, seed, factor, dtype):

@@ -61,8 +61,8 @@ def _self_check(library, entropy=None):
     (random seeds, sizes and stddev), else what differed."""
     from tfdp.mechanisms import gaussian  # the reference (imports this module)
 
-    sizes, seeds, stddev = _random_check(entropy)
-    with tf.init_scope():
+    with tf.init_scope():  # eagerly, also when the first noise is traced
+        sizes, seeds, stddev = _random_check(entropy)
         for dtype in _CHECK_DTYPES:
             factor = gaussian._radius_factor(stddev, gaussian._work_dtype(dtype))
             references = gaussian._graph_draws(
