@@ -39,18 +39,20 @@ def alive(pid):
         return False
 
 
-def kill_parent(tmp_path, sig, watch=True, patience=200):
+def kill_parent(tmp_path, sig, watch=True, patience=200, group=False):
+    """Kills the parent (with `group`, its whole process group: the parent
+    leads its own) once the child wrote its file."""
     folder = tmp_path / "tfdp-search-x"
     folder.mkdir()
     parent = subprocess.Popen(
         [sys.executable, "-c", PARENT.format(root=ROOT, folder=str(folder), watch=watch)],
-        stdout=subprocess.PIPE, text=True)
+        stdout=subprocess.PIPE, text=True, start_new_session=group)
     child = int(parent.stdout.readline())
     for _ in range(600):  # the child is running and wrote its file
         if (folder / "chosen.keras").exists():
             break
         time.sleep(0.05)
-    os.kill(parent.pid, sig)
+    (os.killpg if group else os.kill)(parent.pid, sig)
     parent.wait(timeout=60)
     for _ in range(patience):
         if not alive(child):
@@ -65,6 +67,34 @@ def test_the_child_ends_with_its_parent_and_removes_the_folder(tmp_path, sig):
     child, folder = kill_parent(tmp_path, sig)
     assert not alive(child)
     assert not folder.exists()
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc"), reason="reads /proc")
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGHUP])
+def test_killing_the_parents_process_group_also_removes_the_folder(tmp_path, sig):
+    """A terminal's hang-up or `kill -9 -PGID` reaches every process of the
+    group at once: the child, in its own session, still removes the folder."""
+    child, folder = kill_parent(tmp_path, sig, group=True)
+    assert not alive(child)
+    assert not folder.exists()
+
+
+def test_the_child_deletes_the_pickled_trials_before_it_imports_tensorflow(tmp_path):
+    """A child killed while importing (here: by a `tfdp` whose import kills
+    its process) leaves no copy of the private data on disk."""
+    pytest.importorskip("cloudpickle")
+    from tfdp.tuning import process
+
+    dying = tmp_path / "dying" / "tfdp"
+    dying.mkdir(parents=True)
+    (dying / "__init__.py").write_text("import os, signal\nos.kill(os.getpid(), signal.SIGKILL)\n")
+    folder = tmp_path / "tfdp-search-x"
+    folder.mkdir()
+    (folder / "trials.pkl").write_bytes(b"record 7781-unique private bytes")
+    child = subprocess.run([sys.executable, "-c", process._CHILD, str(folder),
+                            str(dying.parent)], timeout=60)
+    assert child.returncode == -signal.SIGKILL  # it died importing tfdp
+    assert not (folder / "trials.pkl").exists()
 
 
 @pytest.mark.skipif(not os.path.isdir("/proc"), reason="reads /proc")

@@ -41,6 +41,11 @@ _PR_SET_PDEATHSIG = 1
 def popen(args, **kwargs):
     """`subprocess.Popen(args, **kwargs)` with the pipe the child watches.
 
+    The child runs in a new session (`start_new_session=True`): a signal to
+    the parent's whole process group (a terminal's SIGHUP, `kill -9 -PGID`,
+    a job scheduler's kill) does not kill it before it removes its folder;
+    it sees the pipe's EOF or the parent-death signal and leaves.
+
     Returns:
         (the Popen, the pipe's write end): close the write end once the
         child is done (its closing, or this process's death, ends a child
@@ -50,7 +55,8 @@ def popen(args, **kwargs):
     env = dict(kwargs.pop("env", None) or os.environ, **{_PIPE: str(read),
                                                         _PARENT: str(os.getpid())})
     try:
-        child = subprocess.Popen(args, pass_fds=(read,), env=env, **kwargs)
+        child = subprocess.Popen(args, pass_fds=(read,), env=env, start_new_session=True,
+                                 **kwargs)
     except BaseException:
         os.close(write)
         raise

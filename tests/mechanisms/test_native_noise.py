@@ -3,6 +3,7 @@ and the graph generator runs, named, wherever the kernel cannot."""
 
 import contextlib
 import os
+import shutil
 
 import numpy as np
 import pytest
@@ -173,6 +174,19 @@ def test_the_train_step_noise_is_the_same_on_both_paths(library):
     assert native_noise.noise_path().startswith("compiled kernel")
 
 
+@pytest.mark.parametrize("divisor", [3.0, 250.0])
+def test_a_python_constant_divisor_gives_the_same_bits_in_tf_function(library, divisor):
+    """Grappler turns / b for a constant b into * (1 / b) inside tf.function:
+    both paths must divide with the same TensorFlow op to be rewritten alike."""
+    rng = np.random.default_rng(0)
+    sums = [tf.constant(rng.normal(size=[300, 7]), tf.float32),
+            tf.constant(rng.normal(size=[7]), tf.float32)]
+    seed = tf.constant([9, 9], tf.int64)
+    reference, kernel = both_paths(lambda: tf.function(
+        lambda: dpsgd.noisy_mean([s * 1.0 for s in sums], 1.7, divisor, seed))())
+    assert_same_bits(reference, kernel)
+
+
 def test_forced_fallback_is_taken_and_named(library, monkeypatch):
     monkeypatch.setenv(build.ENV_SWITCH, "graph")
     assert native_noise.library_here([tf.float32]) is None
@@ -213,6 +227,84 @@ def test_a_kernel_that_disagrees_with_the_graph_is_refused():
 
     reason = native_noise._self_check(Wrong())
     assert reason.startswith("the compiled op's float32 draw of 1 differs from the graph")
+
+
+class _ZeroNoiseOffCheck:
+    """A planted op: the real values for the old fixed self-check's seeds
+    (second word 0x5EED), no noise for every other seed."""
+
+    def __init__(self, library):
+        self.library = library
+
+    def _factor(self, seed, factor):
+        return tf.where(seed[1] == 0x5EED, factor, tf.zeros_like(factor))
+
+    def tfdp_gaussian_noise(self, shape, seed, factor, dtype):
+        return self.library.tfdp_gaussian_noise(shape, seed, self._factor(seed, factor),
+                                                dtype=dtype)
+
+    def tfdp_gaussian_noise_add(self, total, seed, factor, divisor):
+        return self.library.tfdp_gaussian_noise_add(total, seed, self._factor(seed, factor),
+                                                    divisor)
+
+    def tfdp_gaussian_noise_add_group(self, totals, seed, factor, divisor):
+        return self.library.tfdp_gaussian_noise_add_group(totals, seed,
+                                                          self._factor(seed, factor), divisor)
+
+
+def test_the_self_check_draws_unpredictable_seeds_sizes_and_stddev():
+    first, second = native_noise._random_check(), native_noise._random_check()
+    assert first[0] != second[0] or first[2] != second[2]
+    assert max(first[0]) > 2 * 256 * 8  # past one chunk, over several shards
+    assert [int(v) for v in first[1][0]] != [int(v) for v in second[1][0]]
+
+
+def test_a_library_that_drops_the_noise_off_the_check_seeds_is_refused(library):
+    planted = _ZeroNoiseOffCheck(library)
+    assert native_noise._self_check(planted) is not None
+    assert native_noise._self_check(library) is None  # negative control: the real op passes
+
+
+def test_the_self_check_runs_eagerly_when_the_first_noise_is_traced(library):
+    assert tf.function(lambda: native_noise._self_check(library) or "passed")() == "passed"
+
+
+def test_a_fused_add_that_differs_is_refused(library):
+    class WrongAdd(_ZeroNoiseOffCheck):
+        def tfdp_gaussian_noise(self, shape, seed, factor, dtype):
+            return self.library.tfdp_gaussian_noise(shape, seed, factor, dtype=dtype)
+
+    assert "fused add" in native_noise._self_check(WrongAdd(library))
+
+
+@pytest.mark.parametrize("where", ["library", "folder"])
+def test_a_cache_writable_by_others_is_refused_with_the_path(library, monkeypatch, tmp_path,
+                                                              where):
+    monkeypatch.delenv(build.ENV_SWITCH, raising=False)
+    monkeypatch.setenv("TFDP_CACHE_DIR", str(tmp_path / "cache"))
+    _, version = build._compiler()
+    target = tmp_path / "cache" / "native" / build._cache_key(version) / build._LIBRARY_NAME
+    for folder in (tmp_path / "cache", target.parent.parent, target.parent):
+        folder.mkdir(mode=0o700)
+    shutil.copyfile(native_noise._load().path, target)  # as a build leaves it, without compiling
+    target.chmod(0o755)
+    # Negative control: a private cache passes (not loaded: a second copy of
+    # the op's kernels registered in this process would clash).
+    assert build._unsafe([target, target.parent, target.parent.parent, tmp_path / "cache"]) is None
+    planted = target if where == "library" else target.parent
+    planted.chmod(planted.stat().st_mode | 0o022)
+    refused = build.load()
+    assert refused.library is None
+    assert str(planted) in refused.reason and "TFDP_CACHE_DIR" in refused.reason
+    monkeypatch.setattr(native_noise, "_loaded", None)
+    assert native_noise.noise_path() == f"graph generator ({refused.reason})"
+
+
+def test_a_cache_owned_by_another_user_is_refused(library, monkeypatch, tmp_path):
+    monkeypatch.setenv("TFDP_CACHE_DIR", str(tmp_path / "cache"))
+    (tmp_path / "cache").mkdir(mode=0o700)
+    monkeypatch.setattr(build.os, "getuid", lambda: os.stat(tmp_path).st_uid + 1)
+    assert "is not owned by this user" in build._unsafe([tmp_path / "cache"])
 
 
 def test_xla_takes_the_graph_generator(library):

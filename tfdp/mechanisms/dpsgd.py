@@ -162,9 +162,9 @@ def add_gaussian_noise(tensors, stddev, seed, divisor=None):
     """Each tensor plus its `gaussian_noise_like` noise, divided by `divisor`
     if given, bit for bit as `(t + n) / divisor`.
 
-    With a scalar `stddev` the compiled kernel (where it runs) adds the noise
-    and divides in the same pass that draws it
-    (`tfdp.mechanisms.gaussian.add_normals`).
+    With a scalar `stddev` the compiled kernel (where it runs)
+    adds the noise in the same pass that draws it; the division is a
+    TensorFlow op on both paths (`tfdp.mechanisms.gaussian.add_normals`).
 
     Args:
         tensors: list of float tensors.

@@ -46,7 +46,7 @@ Two paths draw the same values, bit for bit: this module's TensorFlow graph
 transform in one vectorized pass (`tfdp.mechanisms.native_noise`: built on
 first use with the system C++ compiler, checked against the graph when it
 loads; the graph runs where it cannot, and `TFDP_NOISE_KERNEL=graph` forces
-it). `add_normals` adds the noise to a tensor (and divides) in the same pass.
+it). `add_normals` adds the noise to a tensor in the same pass.
 
 Cost of the graph: two random words a pair, as before with two float32 uniforms, and
 one check and one `tf.cond` a call; small tensors share one draw (fewer ops
@@ -278,9 +278,9 @@ def add_normals(tensors, seeds, stddev, divisor=None):
     """Each tensor plus N(0, stddev^2) noise, divided by `divisor` if given:
     `(t + normals(...)) / divisor` bit for bit.
 
-    The compiled kernel adds a tensor's own draw and divides in the same pass
-    (one read and one write of the tensor); small tensors sharing a draw take
-    their pieces in one op.
+    The compiled kernel adds a tensor's own draw in the same pass (one read
+    and one write of the tensor); small tensors sharing a draw take their
+    pieces in one op. The division is a TensorFlow op on both paths.
 
     Args:
         tensors: list of float tensors (e.g. the clipped sums of a step).
@@ -300,13 +300,19 @@ def add_normals(tensors, seeds, stddev, divisor=None):
     """
     shapes = [t.shape if t.shape.is_fully_defined() else tf.shape(t) for t in tensors]
     dtypes = [t.dtype for t in tensors]
+    noised = _add_normals(tensors, shapes, dtypes, seeds, stddev)
+    if divisor is None:
+        return noised
+    # The same TensorFlow op on both paths, so Grappler rewrites both alike
+    # (a constant divisor becomes a multiply by its reciprocal in tf.function).
+    return [total / tf.cast(divisor, total.dtype) for total in noised]
 
-    def finish(tensor, noise):
-        total = tensor + noise
-        return total if divisor is None else total / tf.cast(divisor, total.dtype)
+
+def _add_normals(tensors, shapes, dtypes, seeds, stddev):
+    """Each tensor plus its noise, by the fused op where it runs."""
 
     def graph():
-        return [finish(t, n) for t, n in zip(tensors, normals(shapes, seeds, dtypes, stddev))]
+        return [t + n for t, n in zip(tensors, normals(shapes, seeds, dtypes, stddev))]
 
     plan = _plan(shapes, dtypes)
     library = native_noise.library_here([dtype for _, _, dtype, _ in plan]) if plan else None
@@ -316,12 +322,11 @@ def add_normals(tensors, seeds, stddev, divisor=None):
     for _, seed_index, dtype, members in plan:
         factor = _radius_factor(stddev, _work_dtype(dtype))
         if len(members) == 1:
-            value, deep = native_noise.add(library, tensors[members[0]], seeds[seed_index], factor,
-                                           divisor)
+            value, deep = native_noise.add(library, tensors[members[0]], seeds[seed_index], factor)
             out[members[0]] = value
         else:  # small tensors sharing one draw, cut in order
             values, deep = native_noise.add_group(library, [tensors[i] for i in members],
-                                                  seeds[seed_index], factor, divisor)
+                                                  seeds[seed_index], factor)
             for index, value in zip(members, values):
                 out[index] = value
         deeps.append(deep)

@@ -37,25 +37,51 @@ _DTYPES = (tf.float16, tf.bfloat16, tf.float32, tf.float64)
 _loaded = None  # build.NativeOps once decided in this process (self-check included)
 
 # The self-check's draws: sizes whose last packets are partial in every way
-# the op handles (4 doubles, 8 floats a packet), both working precisions.
-_CHECK_SIZES = (1, 2, 9, 31, 1031, 4101)
+# the op handles (4 doubles, 8 floats a packet), both working precisions, and
+# sizes past one chunk (256 pairs) and one shard; each process adds random
+# sizes, seeds (os.urandom) and a random stddev, so that no library can know
+# the check's draws in advance.
+_CHECK_SIZES = (1, 2, 9, 31, 1031)
 _CHECK_DTYPES = (tf.float32, tf.float64, tf.bfloat16, tf.float16)
 
 
-def _self_check(library):
-    """None if the op draws the graph's values here, else what differed."""
+def _random_check(entropy=None):
+    """(sizes, seeds, stddev) of one self-check, from `entropy` (bytes, else
+    os.urandom): the fixed sizes plus a random small, chunk-sized and
+    multi-shard size; a 64-bit random seed per size; stddev in [0.5, 4)."""
+    rng = np.random.default_rng(int.from_bytes(entropy or os.urandom(32), "little"))
+    sizes = _CHECK_SIZES + (int(rng.integers(3, 64)), int(rng.integers(513, 4096)),
+                            int(rng.integers(20_000, 40_000)))
+    seeds = [tf.constant(rng.integers(-2**63, 2**63 - 1, size=2), tf.int64) for _ in sizes]
+    return sizes, seeds, float(rng.uniform(0.5, 4.0))
+
+
+def _self_check(library, entropy=None):
+    """None if the op draws, adds and adds by groups the graph's values here
+    (random seeds, sizes and stddev), else what differed."""
     from tfdp.mechanisms import gaussian  # the reference (imports this module)
 
-    with tf.init_scope():
+    with tf.init_scope():  # eagerly, also when the first noise is traced
+        sizes, seeds, stddev = _random_check(entropy)
         for dtype in _CHECK_DTYPES:
-            for size in _CHECK_SIZES:
-                seed = tf.constant([size, 0x5EED], tf.int64)
-                reference = gaussian._graph_draws([([size], 0, dtype, [0])], [seed], 1.0)[0]
-                factor = gaussian._radius_factor(1.0, gaussian._work_dtype(dtype))
-                value, _ = draw(library, [size], seed, dtype, factor)
-                if not np.array_equal(_bits(reference), _bits(value)):
-                    return (f"the compiled op's {dtype.name} draw of {size} differs from the "
-                            f"graph generator's on TensorFlow {tf.__version__}")
+            factor = gaussian._radius_factor(stddev, gaussian._work_dtype(dtype))
+            references = gaussian._graph_draws(
+                [([size], i, dtype, [i]) for i, size in enumerate(sizes)], seeds, stddev)
+            sums = [tf.cast(tf.range(size) % 13 - 6, dtype) for size in sizes]
+            for size, seed, reference, total in zip(sizes, seeds, references, sums):
+                for name, run, want in [
+                        ("draw", lambda: draw(library, [size], seed, dtype, factor), reference),
+                        ("fused add", lambda: add(library, total, seed, factor), total + reference)]:
+                    if not np.array_equal(_bits(want), _bits(run()[0])):
+                        return (f"the compiled op's {dtype.name} {name} of {size} differs from "
+                                f"the graph generator's on TensorFlow {tf.__version__}")
+            pieces = sums[:4]  # one draw of their total size, cut in order
+            whole = gaussian._graph_draws([([sum(sizes[:4])], 0, dtype, [0])], seeds, stddev)[0]
+            grouped, _ = add_group(library, pieces, seeds[0], factor)
+            wanted = [t + n for t, n in zip(pieces, tf.split(whole, list(sizes[:4])))]
+            if not all(np.array_equal(_bits(w), _bits(g)) for w, g in zip(wanted, grouped)):
+                return (f"the compiled op's {dtype.name} grouped add differs from the graph "
+                        f"generator's on TensorFlow {tf.__version__}")
     return None
 
 
@@ -123,22 +149,19 @@ def draw(library, shape, seed, dtype, factor):
                                        tf.cast(factor, tf.float64), dtype=dtype)
 
 
-def add(library, tensor, seed, factor, divisor=None):
-    """(`tensor` + its noise, divided by `divisor` unless None; deep flag)
-    from the fused op."""
-    divide = divisor is not None
-    divisor = tf.cast(divisor if divide else 1, tensor.dtype)
+def add(library, tensor, seed, factor):
+    """(`tensor` + its noise, deep flag) from the fused op."""
+    divisor = tf.ones([], tensor.dtype)  # unused: the division stays a TensorFlow op
     return library.tfdp_gaussian_noise_add(tensor, tf.cast(seed, tf.int64),
-                                           tf.cast(factor, tf.float64), divisor, divide=divide)
+                                           tf.cast(factor, tf.float64), divisor)
 
 
-def add_group(library, tensors, seed, factor, divisor=None):
-    """([each tensor + its piece of one draw of their total size, divided by
-    `divisor` unless None], deep flag) from the grouped op."""
-    divide = divisor is not None
-    divisor = tf.cast(divisor if divide else 1, tensors[0].dtype)
+def add_group(library, tensors, seed, factor):
+    """([each tensor + its piece of one draw of their total size], deep flag)
+    from the grouped op."""
+    divisor = tf.ones([], tensors[0].dtype)  # unused, as in `add`
     noised, deep = library.tfdp_gaussian_noise_add_group(
-        tensors, tf.cast(seed, tf.int64), tf.cast(factor, tf.float64), divisor, divide=divide)
+        tensors, tf.cast(seed, tf.int64), tf.cast(factor, tf.float64), divisor)
     return list(noised), deep
 
 

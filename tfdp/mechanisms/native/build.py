@@ -5,8 +5,10 @@
 (`tf.sysconfig`), into a per-user cache: `$TFDP_CACHE_DIR`, else
 `$XDG_CACHE_HOME/tfdp`, else `~/.cache/tfdp`, in a folder named by a hash
 of the TensorFlow version, the source, the compiler's version and the flags.
-A later process loads the cached library (`tf.load_op_library`). Nothing is
-built at install time, so `pip install` needs no compiler.
+A later process loads the cached library (`tf.load_op_library`) only if it
+and its folders are owned by the current user and not writable by group or
+others (else the graph generator runs, `noise_path` naming the path and the
+fix). Nothing is built at install time, so `pip install` needs no compiler.
 
 The op reproduces the graph generator bit for bit only on the TensorFlow
 builds whose kernels it mirrors, so a loaded op must also pass a self-check
@@ -93,9 +95,27 @@ def _cache_key(compiler_version):
     return f"tf{tf.__version__}-{digest.hexdigest()[:16]}"
 
 
+def _unsafe(paths):
+    """Why the first of `paths` that another user could have written is not
+    to be trusted, else None: it must be owned by this user and not
+    writable by group or others (a planted library would run in this
+    process and could draw no noise)."""
+    for path in paths:
+        try:
+            info = path.stat()
+        except FileNotFoundError:
+            continue
+        if info.st_uid != os.getuid() or info.st_mode & 0o022:
+            return (f"{path} is not owned by this user or is writable by others (mode "
+                    f"{info.st_mode & 0o777:o}): remove it, or set TFDP_CACHE_DIR to a folder "
+                    "only you can write")
+    return None
+
+
 def _build(compiler, target):
     """Compiles into `target`'s folder atomically; returns None or why not."""
-    target.parent.mkdir(parents=True, exist_ok=True)
+    for folder in (_cache_root(), target.parent.parent, target.parent):  # private folders
+        folder.mkdir(mode=0o700, parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as scratch:
         partial = pathlib.Path(scratch) / _LIBRARY_NAME
         try:
@@ -106,6 +126,7 @@ def _build(compiler, target):
         if run.returncode != 0:
             tail = " ".join(run.stderr.strip().splitlines()[-3:])
             return f"compiling {SOURCE.name} failed (exit {run.returncode}): {tail}"
+        partial.chmod(0o755)  # whatever the umask: writable by this user only
         os.replace(partial, target)  # atomic: a concurrent build writes the same bytes
     return None
 
@@ -124,6 +145,10 @@ def load():
     if compiler is None:
         return NativeOps(reason=version)
     target = _cache_root() / "native" / _cache_key(version) / _LIBRARY_NAME
+    folders = [target.parent, target.parent.parent, _cache_root()]
+    unsafe = _unsafe(folders)
+    if unsafe is not None:
+        return NativeOps(reason=unsafe)
     build_seconds = None
     if not target.exists():
         start = time.monotonic()
@@ -131,6 +156,9 @@ def load():
         if failure is not None:
             return NativeOps(reason=failure)
         build_seconds = time.monotonic() - start
+    unsafe = _unsafe([target, *folders])  # as built or found: checked again before loading
+    if unsafe is not None:
+        return NativeOps(reason=unsafe)
     try:
         library = tf.load_op_library(str(target))
     except (tf.errors.OpError, OSError) as error:
