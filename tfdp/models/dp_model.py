@@ -40,6 +40,7 @@ from tfdp.models.debug_dumping import refuse_op_callbacks
 from tfdp.models.executions import whole_executions
 from tfdp.models.functional_class import make_functional, wants_functional
 from tfdp.models.jit import resolve_jit_compile
+from tfdp.models.matmul_precision import refuse_rewritten_matmuls
 from tfdp.models.losses import check_one_output, per_example_loss
 from tfdp.models.restore import LedgerGuard, naming_the_file, restore_backups
 from tfdp.models.sequence_loss import token_weighted_loss
@@ -461,6 +462,7 @@ class DPTrainingMixin:
         if self.optimizer is None or self._per_example_loss is None:
             raise ValueError("Compile the model with a tfdp optimizer before calling fit().")
         refuse_op_callbacks(self)  # TensorFlow's debug dumping: before any op sees a record
+        refuse_rewritten_matmuls(self)  # Grappler's float16/bfloat16 matmuls: outside the bounds
         _check_train_step(self)
         check_per_example_support(self)  # a layer changed since compile
         if isinstance(x, tf.data.Dataset) and getattr(self.optimizer, "trains_on_datasets", False):
