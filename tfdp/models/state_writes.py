@@ -29,6 +29,11 @@ what it may run is allowed, not denied:
   attribute a layer's `call()` reads, a recompile). A DP step never runs
   eagerly (`run_eagerly=True` is refused): eager Python in a layer's
   `call()` (`.numpy()`, a list, a file) has no graph to check.
+- A lookup table read in the step (`LookupTableFindV2`) must be held by a
+  Keras `StringLookup`, `IntegerLookup` or `TextVectorization` layer of the
+  model (or one `fit(augment=fn)` names), whose vocabulary fit checks
+  (`tfdp.preprocessing`): a custom layer's `tf.lookup` table keyed by
+  training records' ids would be saved with the model unchecked.
 - `checked_metric_updates`: the step updates its compiled metrics in it; a
   metric may write only its own variables (`add_variable`), not a model
   weight (a bias set to a label), an optimizer's state or a seed.
@@ -102,6 +107,7 @@ import tensorflow as tf
 from tfdp.models import step_ops
 from tfdp.per_example import compute_per_example_gradients
 from tfdp.per_example.inference_mode import BatchNormalizationInTraining
+from tfdp.preprocessing import provenance
 
 # Ops that only read a resource, or pass a handle on (a call or control flow
 # whose body is checked in turn). Any other op given a resource that comes
@@ -324,6 +330,7 @@ def _refuse_writes(model, graph, operations, scope=_PASS):
                         if key not in variables and key not in optimizer_variables}
     known = {**variables, **optimizer_variables, **metric_variables,
              **_handles(_own_variables(model))}
+    tables = _lookup_tables(model)
     # Metrics name no scope of their own: their ops are marked as theirs.
     walked = list(_walk(graph, operations, path=_METRICS_PATH if scope == _METRICS else ""))
     for op, _, path, _, _ in walked:  # the ops that release or stop first, by name
@@ -340,6 +347,8 @@ def _refuse_writes(model, graph, operations, scope=_PASS):
             raise ValueError(_unknown_message(model, op, path))
         if op.type == "Assert":
             continue  # a check of shapes only: one on values was refused above
+        if op.type in _TABLE_READS and _resolve(op.inputs[0], owner, tables, chain) is None:
+            raise ValueError(_table_message(model, op, path))
         if _writes_outside(op):
             variable = _resolve(op.inputs[0], owner, known, chain) if op.inputs else None
             if not _may_write(scope, op, owner, chain, variable, controls, seeds,
@@ -366,6 +375,33 @@ def _may_write(scope, op, graph, chain, variable, controls, seeds, metric_variab
     return (id(variable) in seeds and op.type == "AssignVariableOp" and all(
         _decided_by(tensor, where, calls, variable, variables)
         for tensor, where, calls in ((op.inputs[1], graph, chain), *controls)))
+
+
+# Reads of a lookup table: its keys are saved with the model.
+_TABLE_READS = {"LookupTableFindV2", "LookupTableSizeV2"}
+# The lookup layers whose vocabulary `tfdp.preprocessing` checks the
+# provenance of before fit (adapted privately or declared public).
+_LOOKUP_LAYERS = (keras.layers.StringLookup, keras.layers.IntegerLookup,
+                  keras.layers.TextVectorization)
+
+
+def _lookup_tables(model):
+    """{id of a table's resource handle: the Keras lookup layer holding it},
+    for the lookup layers whose vocabulary fit checks: the model's and
+    those `fit(augment=fn)`'s function names."""
+    augmentation = getattr(model, "_augmentation", None)
+    named = provenance.augment_layers(getattr(augmentation, "augment", None))
+    layers = [inner for layer in [model, *named]
+              for inner in layer._flatten_layers(include_self=True)]  # pylint: disable=protected-access
+    tables = {}
+    for layer in layers:
+        if not isinstance(layer, _LOOKUP_LAYERS):
+            continue
+        table = getattr(getattr(layer, "_lookup_layer", layer), "lookup_table", None)
+        handle = getattr(table, "resource_handle", None)
+        if handle is not None:
+            tables[id(handle)] = layer
+    return tables
 
 
 def _writes_outside(op):
@@ -743,6 +779,19 @@ def _abort_message(model, op, path=""):
         "value) tells that record, a release no noise covers. Drop the assertion, or "
         "make the computation valid for every input (clip or replace the value). "
         f"{_received(op, path)}"
+    )
+
+
+def _table_message(model, op, path=""):
+    return (
+        f"{_holder(model, path)} reads a lookup table in its DP step that no Keras "
+        "lookup layer of the model holds (a tf.lookup table built in a custom layer, or "
+        "a lookup layer the model does not track): its keys, ids of training records if "
+        "they were taken from the data, are saved and released with the model, and "
+        "tfdp cannot check where they came from. Use a keras.layers.StringLookup, "
+        "IntegerLookup or TextVectorization layer of the model instead, adapted "
+        "privately (tfdp.preprocessing.adapt_privately) or declared public "
+        f"(tfdp.preprocessing.declare_public). {_received(op, path)}"
     )
 
 
