@@ -125,11 +125,12 @@ class WriterThroughSharedFunction(keras.layers.Layer):
     def call(self, x, training=None):
         if not training:
             return x
+        # pylint: disable=protected-access
         state = self.seed_generator.state
-        written = self.setter(self.target.memory._value,  # pylint: disable=protected-access
+        written = self.setter(self.target.memory._value,
                               tf.cast(tf.stack([tf.reduce_max(x), 0.0]), "int64"))
         advanced = tf.cond(state.value[0] >= 0,
-                           lambda: self.setter(state._value, state.value + 0),  # pylint: disable=protected-access
+                           lambda: self.setter(state._value, state.value + 0),
                            lambda: tf.constant(0.0))
         return keras.random.dropout(x, 0.5, seed=self.seed_generator) + 0.0 * (written + advanced)
 

@@ -391,8 +391,8 @@ def _lookup_tables(model):
     those `fit(augment=fn)`'s function names."""
     augmentation = getattr(model, "_augmentation", None)
     named = provenance.augment_layers(getattr(augmentation, "augment", None))
-    layers = [inner for layer in [model, *named]
-              for inner in layer._flatten_layers(include_self=True)]  # pylint: disable=protected-access
+    # pylint: disable=protected-access
+    layers = [inner for layer in [model, *named] for inner in layer._flatten_layers()]
     tables = {}
     for layer in layers:
         if not isinstance(layer, _LOOKUP_LAYERS):
