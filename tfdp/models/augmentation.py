@@ -528,34 +528,70 @@ _SHAPE_OPS = {"Shape", "ShapeN", "Rank", "Size"}
 def _indexed_by_values(op, seed_inputs):
     """Whether an index of `op` may be computed from the example's values:
     reached from a function input other than the seed (a branch's argument
-    counts) other than through a fully known shape. A `tf.clip_by_value`d
-    index cannot fail, and is accepted."""
-    pending, seen = list(op.inputs[1:]), set()
+    counts) other than through a fully known shape. An index that is itself
+    `tf.clip_by_value`d into range (constant bounds within the indexed
+    axis's length, nothing computed after the clip) cannot fail, and is
+    accepted."""
+    length = _index_range(op)
+    pending, seen = [(t, True) for t in op.inputs[1:]], set()
     while pending:
-        tensor = pending.pop()
+        tensor, direct = pending.pop()
         producer = tensor.op
-        if producer.name in seen or producer.type == "Const" or tensor.name in seed_inputs:
+        if producer.type == "Const" or tensor.name in seed_inputs:
             continue
-        seen.add(producer.name)
-        if _clipped(producer) or (producer.type in _SHAPE_OPS and all(
-                t.shape.is_fully_defined() for t in producer.inputs)):
+        if (producer.name, direct) in seen:
+            continue
+        seen.add((producer.name, direct))
+        if direct and _clipped(producer, length):
+            continue
+        if producer.type in _SHAPE_OPS and all(
+                t.shape.is_fully_defined() for t in producer.inputs):
             continue
         if producer.type == "Placeholder":
             return True
-        pending.extend(producer.inputs)
+        passes_on = direct and producer.type in ("Identity", "Cast")
+        pending.extend((t, passes_on) for t in producer.inputs)
     return False
 
 
-def _clipped(op):
-    """Whether `op` bounds its value between constants (`tf.clip_by_value`:
-    a maximum of a minimum, or the other way round, each with a constant)."""
-    bounds = {"Maximum": "Minimum", "Minimum": "Maximum"}
-    if op.type == "ClipByValue":
-        return True
-    if op.type not in bounds or not any(t.op.type == "Const" for t in op.inputs):
+def _index_range(op):
+    """The length of the axis `op` indexes, when static (a gather's axis),
+    else the shortest static dimension of what it indexes; None if unknown."""
+    params = op.inputs[0]
+    if not params.shape.is_fully_defined() or params.shape.rank == 0:
+        return None
+    dims = params.shape.as_list()
+    if op.type == "GatherV2":
+        axis = tf.get_static_value(op.inputs[2])
+        if axis is None:
+            return None
+        return dims[int(axis)]
+    return min(dims)
+
+
+def _clipped(op, length):
+    """Whether `op` bounds its value into [0, length - 1] with constants
+    (`tf.clip_by_value`: a maximum of a minimum, or the other way round, each
+    with a constant)."""
+    if length is None:
         return False
-    return any(t.op.type == bounds[op.type] and any(u.op.type == "Const" for u in t.op.inputs)
-               for t in op.inputs)
+    if op.type == "ClipByValue":
+        bounds = (tf.get_static_value(op.inputs[1]), tf.get_static_value(op.inputs[2]))
+    elif op.type in ("Maximum", "Minimum"):
+        inner = {"Maximum": "Minimum", "Minimum": "Maximum"}[op.type]
+        outer = next((tf.get_static_value(t) for t in op.inputs if t.op.type == "Const"), None)
+        nested = next((t.op for t in op.inputs if t.op.type == inner), None)
+        other = None if nested is None else next(
+            (tf.get_static_value(t) for t in nested.inputs if t.op.type == "Const"), None)
+        if outer is None or other is None:
+            return False
+        bounds = (outer, other) if op.type == "Maximum" else (other, outer)
+    else:
+        return False
+    if any(b is None for b in bounds):
+        return False
+    low, high = (int(b) if getattr(b, "ndim", 0) == 0 else None for b in bounds)
+    return low is not None and high is not None and 0 <= low and high <= length - 1
 
 
 def _ops(graph, seen=None):

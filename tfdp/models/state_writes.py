@@ -13,7 +13,8 @@ what it may run is allowed, not denied:
   forward and backward pass, the loss, compiled metrics' `update_state`,
   tfdp's noise and counters, the optimizer's update, and whatever a callback
   changed in the model), in every function it calls (`tf.cond` branches,
-  loop bodies), must be allowed by `tfdp.models.step_ops` (a stateless op of
+  loop bodies; a function called from two places is checked at each, with
+  the inputs that place passes), must be allowed by `tfdp.models.step_ops` (a stateless op of
   TensorFlow's computing libraries, or a stateful op known to keep its
   effects in the step) and may write only a variable of the model, its
   optimizer or its metrics (or tfdp's own counters); anything else is
@@ -28,6 +29,11 @@ what it may run is allowed, not denied:
   attribute a layer's `call()` reads, a recompile). A DP step never runs
   eagerly (`run_eagerly=True` is refused): eager Python in a layer's
   `call()` (`.numpy()`, a list, a file) has no graph to check.
+- A lookup table read in the step (`LookupTableFindV2`) must be held by a
+  Keras `StringLookup`, `IntegerLookup` or `TextVectorization` layer of the
+  model (or one `fit(augment=fn)` names), whose vocabulary fit checks
+  (`tfdp.preprocessing`): a custom layer's `tf.lookup` table keyed by
+  training records' ids would be saved with the model unchecked.
 - `checked_metric_updates`: the step updates its compiled metrics in it; a
   metric may write only its own variables (`add_variable`), not a model
   weight (a bias set to a label), an optimizer's state or a seed.
@@ -101,6 +107,7 @@ import tensorflow as tf
 from tfdp.models import step_ops
 from tfdp.per_example import compute_per_example_gradients
 from tfdp.per_example.inference_mode import BatchNormalizationInTraining
+from tfdp.preprocessing import provenance
 
 # Ops that only read a resource, or pass a handle on (a call or control flow
 # whose body is checked in turn). Any other op given a resource that comes
@@ -323,37 +330,39 @@ def _refuse_writes(model, graph, operations, scope=_PASS):
                         if key not in variables and key not in optimizer_variables}
     known = {**variables, **optimizer_variables, **metric_variables,
              **_handles(_own_variables(model))}
-    callers = {}
+    tables = _lookup_tables(model)
     # Metrics name no scope of their own: their ops are marked as theirs.
-    walked = list(_walk(graph, operations, path=_METRICS_PATH if scope == _METRICS else "",
-                        callers=callers))
-    for op, _, path, _ in walked:  # the ops that release or stop first, by name
+    walked = list(_walk(graph, operations, path=_METRICS_PATH if scope == _METRICS else ""))
+    for op, _, path, _, _ in walked:  # the ops that release or stop first, by name
         if op.type in _PYTHON_OPS:
             raise ValueError(_python_message(model, op, path))
         if op.type in _OUTPUT_OPS or op.type.startswith(_OUTPUT_PREFIXES):
             raise ValueError(_output_message(model, op, path))
         if op.type in _ABORT_OPS and (op.type != "Assert" or reads_values(op, False)):
             raise ValueError(_abort_message(model, op, path))
-    for op, owner, path, controls in walked:
+    for op, owner, path, controls, chain in walked:
         if op.type in step_ops.COLLECTIVES:
             if scope != _PASS:
                 continue  # the replicas' all-reduce of the step's own sums
             raise ValueError(_unknown_message(model, op, path))
         if op.type == "Assert":
             continue  # a check of shapes only: one on values was refused above
+        if op.type in _TABLE_READS and _resolve(op.inputs[0], owner, tables, chain) is None:
+            raise ValueError(_table_message(model, op, path))
         if _writes_outside(op):
-            variable = _resolve(op.inputs[0], owner, known, callers) if op.inputs else None
-            if not _may_write(scope, op, owner, variable, controls, seeds, metric_variables,
-                              variables, callers):
+            variable = _resolve(op.inputs[0], owner, known, chain) if op.inputs else None
+            if not _may_write(scope, op, owner, chain, variable, controls, seeds,
+                              metric_variables, variables):
                 raise ValueError(_message(model, op, variable, path, scope))
         elif not step_ops.allowed(op.type):
             raise ValueError(_unknown_message(model, op, path))
 
 
-def _may_write(scope, op, graph, variable, controls, seeds, metric_variables, variables,
-               callers):
+def _may_write(scope, op, graph, chain, variable, controls, seeds, metric_variables,
+               variables):
     """Whether `scope` allows `op`'s write to `variable` (None: not a known
-    variable, always refused)."""
+    variable, always refused), `op` being in `graph`, reached through the
+    call sites `chain`."""
     if variable is None:
         return False
     if scope == _STEP:
@@ -364,8 +373,35 @@ def _may_write(scope, op, graph, variable, controls, seeds, metric_variables, va
     # state decides: the value written and every input deciding whether the
     # write runs (a cond's predicate, a case's index, a loop's condition).
     return (id(variable) in seeds and op.type == "AssignVariableOp" and all(
-        _decided_by(tensor, where, variable, variables, callers)
-        for tensor, where in ((op.inputs[1], graph), *controls)))
+        _decided_by(tensor, where, calls, variable, variables)
+        for tensor, where, calls in ((op.inputs[1], graph, chain), *controls)))
+
+
+# Reads of a lookup table: its keys are saved with the model.
+_TABLE_READS = {"LookupTableFindV2", "LookupTableSizeV2"}
+# The lookup layers whose vocabulary `tfdp.preprocessing` checks the
+# provenance of before fit (adapted privately or declared public).
+_LOOKUP_LAYERS = (keras.layers.StringLookup, keras.layers.IntegerLookup,
+                  keras.layers.TextVectorization)
+
+
+def _lookup_tables(model):
+    """{id of a table's resource handle: the Keras lookup layer holding it},
+    for the lookup layers whose vocabulary fit checks: the model's and
+    those `fit(augment=fn)`'s function names."""
+    augmentation = getattr(model, "_augmentation", None)
+    named = provenance.augment_layers(getattr(augmentation, "augment", None))
+    # pylint: disable=protected-access
+    layers = [inner for layer in [model, *named] for inner in layer._flatten_layers()]
+    tables = {}
+    for layer in layers:
+        if not isinstance(layer, _LOOKUP_LAYERS):
+            continue
+        table = getattr(getattr(layer, "_lookup_layer", layer), "lookup_table", None)
+        handle = getattr(table, "resource_handle", None)
+        if handle is not None:
+            tables[id(handle)] = layer
+    return tables
 
 
 def _writes_outside(op):
@@ -448,41 +484,41 @@ def _seed_states(model):
     return {id(state) for state in seed_generator_states(model)}
 
 
-def _walk(graph, operations=None, path="", controls=(), callers=None, seen=None):
+def _walk(graph, operations=None, path="", controls=(), chain=()):
     """(op, the graph it is in, its path, the inputs deciding whether it
-    runs) for every op of `operations` (default: all of `graph`'s) and of the
-    functions they call. The deciding inputs are (tensor, graph) pairs: the
-    predicate of each `tf.cond` and the branch index of each `tf.switch_case`
-    around the op, the condition's output of each loop. `callers` is filled
-    with {id of a called graph: (the calling op, its graph)}."""
-    seen = set() if seen is None else seen
-    callers = {} if callers is None else callers
+    runs, its call chain) for every op of `operations` (default: all of
+    `graph`'s) and of the functions they call, each function once per call
+    site: one function called from two places (a `tf.function` a layer calls
+    twice) is walked twice, each time with its own callers, so that its
+    inputs are followed to the values each call passes. The call chain is
+    ((calling op, its graph), ...), outermost first: the last one called
+    `graph`. The deciding inputs are (tensor, graph, its call chain)
+    triples: the predicate of each `tf.cond` and the branch index of each
+    `tf.switch_case` around the op, the condition's output of each loop."""
     functions = getattr(graph, "_functions", {})
     for op in graph.get_operations() if operations is None else operations:
-        yield op, graph, path + op.name, controls
+        yield op, graph, path + op.name, controls, chain
         for key, name in _called_functions(op, with_keys=True):
             nested = getattr(functions.get(name), "graph", None)
-            deciding = _deciding(op, key, functions)
-            # A function called under other control flow is walked again.
-            visit = (name, tuple((id(where), t.name) for t, where in controls + deciding))
-            if nested is None or visit in seen:
+            if nested is None:
                 continue
-            seen.add(visit)
-            callers[id(nested)] = (op, graph)
-            yield from _walk(nested, path=f"{path}{op.name}/", controls=controls + deciding,
-                             callers=callers, seen=seen)
+            inner = chain + ((op, graph),)
+            yield from _walk(nested, path=f"{path}{op.name}/",
+                             controls=controls + _deciding(op, key, functions, chain, inner),
+                             chain=inner)
 
 
-def _deciding(op, key, functions):
-    """The inputs of control flow `op` that decide whether its function
-    `key` runs, and how many times."""
+def _deciding(op, key, functions, chain, inner):
+    """The inputs of control flow `op` (reached through `chain`) that decide
+    whether its function `key` runs, and how many times, as (tensor, graph,
+    call chain); `inner` is the chain of the functions `op` calls."""
     if key in ("then_branch", "else_branch", "branches"):
-        return ((op.inputs[0], op.graph),)  # the predicate, the branch index
+        return ((op.inputs[0], op.graph, chain),)  # the predicate, the branch index
     if key in ("body", "cond") and op.type in ("While", "StatelessWhile"):
         condition = getattr(functions.get(op.node_def.attr["cond"].func.name), "graph", None)
         if condition is None or not condition.outputs:
-            return ((op.inputs[0], op.graph),)  # unknown: refused unless constant
-        return ((condition.outputs[0], condition),)
+            return ((op.inputs[0], op.graph, chain),)  # unknown: refused unless constant
+        return ((condition.outputs[0], condition, inner),)
     return ()
 
 
@@ -510,42 +546,47 @@ def _called_functions(op, with_keys=False):
     return names if with_keys else [name for _, name in names]
 
 
-def _resolve(handle, graph, variables, callers=None):
-    """The known variable a resource tensor is, through captures and the
-    inputs of the functions that pass it on; else None."""
+def _resolve(handle, graph, variables, chain=()):
+    """The known variable a resource tensor (in `graph`, reached through the
+    call sites `chain`) is, through captures and the inputs of the functions
+    that pass it on; else None."""
     while True:
-        sources = _sources(handle, graph, callers or {})
+        sources = _sources(handle, graph, chain)
         if not sources:
             return None
-        handle, graph = sources[0]
+        handle, graph, chain = sources[0]
         if graph is None:  # an eager handle: the variable itself
             return variables.get(id(handle))
 
 
-def _sources(tensor, graph, callers):
-    """Where a function's input comes from: [(tensor, graph)] in the graphs
-    around it (graph None: an eager tensor captured, fixed when traced; a
-    loop's variable: its first value and the body's next value), or [] for
-    the step's own inputs and anything else."""
+def _sources(tensor, graph, chain):
+    """Where a function's input comes from: [(tensor, graph, call chain)]
+    in the graphs around it, through the call site that called this graph
+    (`chain[-1]`): graph None for an eager tensor captured, fixed when
+    traced; for a loop's variable, its first value and the body's next
+    value. [] for the step's own inputs and anything else."""
     if tensor.op.type != "Placeholder":
         return []
     external = _external_capture(graph, tensor)
-    if external is not None:
-        return [(external, getattr(external, "graph", None))]
-    caller = callers.get(id(graph))
+    if external is not None and getattr(external, "graph", None) is None:
+        return [(external, None, ())]  # eager: the same for every caller
     inputs = list(getattr(graph, "inputs", ()))
     index = next((i for i, t in enumerate(inputs) if t is tensor), None)
-    if caller is None or index is None:
+    if not chain:  # the scanned graph itself: its captures, no call site to follow
+        if external is None:
+            return []
+        return [(external, getattr(external, "graph", None), ())]
+    if index is None:
         return []
-    op, outer = caller
+    (op, outer), outer_chain = chain[-1], chain[:-1]
     if op.type in ("If", "StatelessIf", "Case", "StatelessCase"):
-        return [(op.inputs[index + 1], outer)]  # after the predicate or index
+        return [(op.inputs[index + 1], outer, outer_chain)]  # after the predicate or index
     if op.type in ("While", "StatelessWhile"):
         body = getattr(getattr(outer, "_functions", {}).get(
             op.node_def.attr["body"].func.name), "graph", None)
-        later = [(body.outputs[index], body)] if body is not None else []
-        return [(op.inputs[index], outer)] + later
-    return [(op.inputs[index], outer)] if index < len(op.inputs) else []
+        later = [(body.outputs[index], body, chain)] if body is not None else []
+        return [(op.inputs[index], outer, outer_chain)] + later
+    return [(op.inputs[index], outer, outer_chain)] if index < len(op.inputs) else []
 
 
 def _external_capture(graph, internal):
@@ -567,35 +608,37 @@ _PURE = {
 }
 
 
-def _decided_by(tensor, graph, variable, variables, callers):
-    """Whether `tensor` (in `graph`) is computed only from reads of the seed
-    state `variable`, constants and pure arithmetic, following function
-    inputs to the values around them: no input of the step, no other
-    resource, no stateful op, nothing that could carry a record in."""
-    pending, visited = [(tensor, graph)], set()
+def _decided_by(tensor, graph, chain, variable, variables):
+    """Whether `tensor` (in `graph`, reached through the call sites `chain`)
+    is computed only from reads of the seed state `variable`, constants and
+    pure arithmetic, following function inputs to the values the call site
+    passes: no input of the step, no other resource, no stateful op,
+    nothing that could carry a record in."""
+    pending, visited = [(tensor, graph, chain)], set()
     while pending:
-        current, where = pending.pop()
+        current, where, calls = pending.pop()
         if where is None:  # an eager tensor captured when traced: a constant
             if current.dtype == tf.resource:
                 return False
             continue
-        if (id(where), current.name) in visited:
+        key = (tuple((id(g), o.name) for o, g in calls), id(where), current.name)
+        if key in visited:
             continue
-        visited.add((id(where), current.name))
+        visited.add(key)
         op = current.op
         if op.type == "ReadVariableOp":
-            if _resolve(op.inputs[0], where, variables, callers) is not variable:
+            if _resolve(op.inputs[0], where, variables, calls) is not variable:
                 return False
             continue
         if op.type == "Placeholder":
-            sources = _sources(current, where, callers)
+            sources = _sources(current, where, calls)
             if not sources:
                 return False  # an input of the step, or unknown
             pending.extend(sources)
             continue
         if op.type not in _PURE:
             return False
-        pending.extend((t, where) for t in op.inputs)
+        pending.extend((t, where, calls) for t in op.inputs)
     return True
 
 
@@ -736,6 +779,19 @@ def _abort_message(model, op, path=""):
         "value) tells that record, a release no noise covers. Drop the assertion, or "
         "make the computation valid for every input (clip or replace the value). "
         f"{_received(op, path)}"
+    )
+
+
+def _table_message(model, op, path=""):
+    return (
+        f"{_holder(model, path)} reads a lookup table in its DP step that no Keras "
+        "lookup layer of the model holds (a tf.lookup table built in a custom layer, or "
+        "a lookup layer the model does not track): its keys, ids of training records if "
+        "they were taken from the data, are saved and released with the model, and "
+        "tfdp cannot check where they came from. Use a keras.layers.StringLookup, "
+        "IntegerLookup or TextVectorization layer of the model instead, adapted "
+        "privately (tfdp.preprocessing.adapt_privately) or declared public "
+        f"(tfdp.preprocessing.declare_public). {_received(op, path)}"
     )
 
 
