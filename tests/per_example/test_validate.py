@@ -118,3 +118,16 @@ def test_several_outputs_are_refused_at_compile_with_the_way_round():
         model.compile(optimizer=_sgd(), loss="mse")
     [finding] = tfdp.per_example.validate(model, loss="mse").refused
     assert finding.subject == "model" and "Several outputs" in finding.reason
+
+
+def test_text_inputs_are_refused_only_when_no_layer_of_the_model_reads_text():
+    words = keras.Input((), dtype="string")
+    lookup = keras.layers.StringLookup(vocabulary=["a", "b"], name="words")
+    reads = tfdp.DPModel(words, keras.layers.Dense(2)(keras.ops.one_hot(lookup(words), 3)))
+    assert not [f for f in tfdp.per_example.validate(reads).refused
+                if f.subject.startswith("input")]
+    raw = keras.Input((), dtype="string")
+    hashed = keras.ops.one_hot(keras.layers.Hashing(3)(raw), 3)  # strings, but no text layer
+    ignores = tfdp.DPModel(raw, keras.layers.Dense(2)(hashed))
+    assert [f for f in tfdp.per_example.validate(ignores).refused
+            if f.subject.startswith("input")]

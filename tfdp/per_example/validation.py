@@ -159,11 +159,13 @@ def _model_findings(model):
             import numpy as np
 
             try:
-                check_no_text(np.empty((0,), object))
+                check_no_text(np.empty((0,), object), model)
             except ValueError as error:
                 yield Finding("refused", f"input '{tensor.name}'", str(error),
-                              "turn text into token ids outside the model (a KerasHub "
-                              "preprocessor, or a TextVectorization adapted before training)")
+                              "read the text with a TextVectorization or StringLookup in the "
+                              "model (adapted privately or declared public: "
+                              "tfdp.preprocessing), or turn it into token ids outside the "
+                              "model (a KerasHub preprocessor)")
 
 
 def _loss_findings(loss):
