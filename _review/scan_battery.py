@@ -226,16 +226,53 @@ def case_boolmask_shape_assert():
     fit(BoolMaskShapeAssert(name="bm"))
 
 
+def _regression_fit(metrics):
+    keras.utils.set_random_seed(0)
+    x = np.zeros((16, 4), "float32"); y = np.zeros((16, 1), "float32"); y[0, 0] = SECRET
+    model = tfdp.DPSequential([keras.Input((4,)), keras.layers.Dense(1, name="head")])
+    model.compile(optimizer=tfdp.optimizers.DPSGD(0.1, noise_multiplier=1.0, l2_norm_clip=1.0,
+                                                  seed=1), loss="mse", metrics=metrics)
+    model.fit(x, y, batch_size=16, epochs=1, steps_per_epoch=2, verbose=0)
+    return model
+
+
+def _files_hold(model, needle):
+    import zipfile, glob
+    found = []
+    for kind in ("keras", "weights.h5"):
+        path = os.path.join(TMP, f"saved.{kind}")
+        (model.save if kind == "keras" else model.save_weights)(path)
+        blob = open(path, "rb").read()
+        if kind == "keras":
+            blob += b"".join(zipfile.ZipFile(path).read(n) for n in zipfile.ZipFile(path).namelist())
+        found.append(f"{kind}: {needle in blob}")
+    return ", ".join(found)
+
+
 def case_metric_own_variable():
-    x, _ = crafted()
-    y = np.zeros(16, "int64"); y[0] = 2
     m = MaxLabel()
-    model = fit(keras.layers.Identity(name="id"), x=x, y=y, metrics=[m])
-    path = os.path.join(TMP, "m.keras"); model.save(path)
-    import zipfile
-    blob = b"".join(zipfile.ZipFile(path).read(n) for n in zipfile.ZipFile(path).namelist())
-    return (f"metric value {float(m.v.numpy())}; float32(2.0) bytes in .keras: "
-            f"{np.float32(2.0).tobytes() in blob} (not conclusive)")
+    model = _regression_fit([m])
+    return (f"metric variable = {float(m.v.numpy())} (the crafted label); canary float32 bytes in "
+            f"saved files: {_files_hold(model, np.float32(SECRET).tobytes())}")
+
+
+class WritesOther(keras.metrics.Metric):
+    """update_state writes ANOTHER metric's variable (the known MINOR)."""
+    def __init__(self, other, name="writes_other", **kw):
+        super().__init__(name=name, **kw)
+        self.other = [other]
+        self.n = self.add_variable(shape=(), initializer="zeros", name="n")
+    def update_state(self, y_true, y_pred, sample_weight=None):
+        self.other[0].v.assign(tf.maximum(self.other[0].v, tf.reduce_max(y_true)))
+        self.n.assign_add(1.0)
+    def result(self):
+        return self.n
+
+
+def case_metric_writes_other_metric():
+    first = MaxLabel(name="first")
+    _regression_fit([first, WritesOther(first)])
+    return f"other metric's variable = {float(first.v.numpy())}"
 
 
 CASES = {k[5:]: v for k, v in globals().items() if k.startswith("case_")}
