@@ -275,6 +275,48 @@ def case_metric_writes_other_metric():
     return f"other metric's variable = {float(first.v.numpy())}"
 
 
+class ScatterOwn(keras.layers.Layer):
+    def build(self, shape):
+        self.m = self.add_weight(shape=(4,), initializer="zeros", trainable=False, name="scat")
+    def call(self, x, training=None):
+        if training:
+            tf.raw_ops.ResourceScatterUpdate(resource=self.m.value.handle, indices=tf.constant([0]), updates=tf.reduce_max(x, 0)[:1])
+        return x
+
+
+class DatasetInStep(keras.layers.Layer):
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        self.ds = tf.data.Dataset.from_tensors(tf.zeros([4])).repeat()
+    def call(self, x, training=None):
+        return x + next(iter(self.ds)) if training else x
+
+
+@tfdp.per_example.declare_per_example
+class LocalTensorArray(keras.layers.Layer):
+    """A TensorArray made and read inside the step (no state): should be accepted."""
+    def call(self, x):
+        ta = tf.TensorArray(tf.float32, size=2)
+        ta = ta.write(0, x).write(1, 2.0 * x)
+        return ta.read(1) - x
+
+
+def case_scatter_own():
+    fit(ScatterOwn(name="scat"))
+
+
+def case_running_max_jit_compile():
+    fit(OwnRunningMax(name="rmax_jit"), jit_compile=True)
+
+
+def case_dataset_in_step():
+    fit(DatasetInStep(name="ds"))
+
+
+def case_local_tensor_array():
+    fit(LocalTensorArray(name="ta"))
+
+
 CASES = {k[5:]: v for k, v in globals().items() if k.startswith("case_")}
 
 if __name__ == "__main__":
