@@ -71,3 +71,15 @@ def test_with_the_escape_hatch_the_message_quotes_the_record(monkeypatch):
     monkeypatch.setenv(step_errors.SHOW_ENV, "1")
     with pytest.raises(tf.errors.InvalidArgumentError, match=CANARY):
         parsing_model().fit(RECORDS, LABELS, batch_size=16, epochs=1, verbose=0)
+
+
+def test_the_input_pipelines_own_errors_pass_unchanged():
+    """tfdp's data sources name a bad record by position; their error, raised
+    at IteratorGetNext, keeps its message."""
+    def reads():
+        raise tf.errors.InvalidArgumentError(
+            None, None, "Record 23 has a label outside [0, 2]\n\t [[{{node PyFuncStateless}}]]"
+                        "\n\t [[IteratorGetNext]] [Op:__inference_multi_step_on_iterator_1]")
+
+    with pytest.raises(tf.errors.InvalidArgumentError, match="Record 23"):
+        step_errors.without_record_values(reads)()

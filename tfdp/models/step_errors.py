@@ -10,7 +10,11 @@ error class naming the failing node (the layer and op, which the model
 fixes, not the data) and withhold TensorFlow's message. The original error
 is not chained (`__cause__` and `__context__` are empty), so no handler or
 logger prints it. `tf.errors.OutOfRangeError`, the end of the data Keras
-waits for, passes unchanged.
+waits for, passes unchanged, and so does an error of the input pipeline
+(raised at `IteratorGetNext`, before the step): tfdp's data sources word
+theirs by record position, never value ("Record 23 has a label outside
+[0, 2]"), and a `tf.data` pipeline of your own is your code, outside the
+step.
 
 To read the full message while debugging on data that is not private, set
 the environment variable `TFDP_SHOW_STEP_ERRORS=1`: the message then
@@ -39,6 +43,7 @@ import tensorflow as tf
 
 SHOW_ENV = "TFDP_SHOW_STEP_ERRORS"
 _NODE = re.compile(r"\{\{node ([^}]+)\}\}")
+_INPUT_PIPELINE = re.compile(r"\[\[(\{\{node )?IteratorGetNext")
 
 
 def withheld_message(error):
@@ -70,8 +75,9 @@ def without_record_values(function):
         function: a callable, e.g. Keras's `train_function`; None passes.
 
     Returns:
-        A callable raising, for a `tf.errors.OpError` other than
-        `OutOfRangeError`, the same error class with `withheld_message`,
+        A callable raising, for a `tf.errors.OpError` of the step (not
+        `OutOfRangeError`, not the input pipeline's), the same error class
+        with `withheld_message`,
         not chained to the original. `function` itself when it is None,
         already wrapped, or when `TFDP_SHOW_STEP_ERRORS=1`.
     """
@@ -87,6 +93,8 @@ def without_record_values(function):
         except tf.errors.OutOfRangeError:
             raise
         except tf.errors.OpError as error:
+            if _INPUT_PIPELINE.search(error.message or ""):
+                raise
             replacement = _same_class(error, withheld_message(error))
         raise replacement  # outside the handler: nothing chains the original
 
