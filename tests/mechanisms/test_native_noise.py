@@ -267,13 +267,12 @@ class _ZeroNoiseOffCheck:
         return self.library.tfdp_gaussian_noise(shape, seed, self._factor(seed, factor),
                                                 dtype=dtype)
 
-    def tfdp_gaussian_noise_add(self, total, seed, factor, divisor):
-        return self.library.tfdp_gaussian_noise_add(total, seed, self._factor(seed, factor),
-                                                    divisor)
+    def tfdp_gaussian_noise_add(self, total, seed, factor):
+        return self.library.tfdp_gaussian_noise_add(total, seed, self._factor(seed, factor))
 
-    def tfdp_gaussian_noise_add_group(self, totals, seed, factor, divisor):
+    def tfdp_gaussian_noise_add_group(self, totals, seed, factor):
         return self.library.tfdp_gaussian_noise_add_group(totals, seed,
-                                                          self._factor(seed, factor), divisor)
+                                                          self._factor(seed, factor))
 
 
 def test_the_self_check_draws_unpredictable_seeds_sizes_and_stddev():
@@ -322,6 +321,19 @@ def test_a_cache_writable_by_others_is_refused_with_the_path(library, monkeypatc
     assert str(planted) in refused.reason and "TFDP_CACHE_DIR" in refused.reason
     monkeypatch.setattr(native_noise, "_loaded", None)
     assert native_noise.noise_path() == f"graph generator ({refused.reason})"
+
+
+def test_a_changed_source_builds_into_a_new_cache_folder(monkeypatch, tmp_path):
+    """The cache folder is keyed by the op's source bytes, so a library built
+    from an older source (other inputs: the fused ops once took a divisor) is
+    never loaded for a newer one."""
+    source = tmp_path / build.SOURCE.name
+    shutil.copyfile(build.SOURCE, source)
+    monkeypatch.setattr(build, "SOURCE", source)
+    key = build._cache_key("g++ 1.0")
+    assert build._cache_key("g++ 1.0") == key  # negative control: the same source, the same key
+    source.write_bytes(source.read_bytes() + b"\n")
+    assert build._cache_key("g++ 1.0") != key
 
 
 def test_a_cache_owned_by_another_user_is_refused(library, monkeypatch, tmp_path):
