@@ -66,8 +66,9 @@ _trainings = weakref.WeakKeyDictionary()  # model -> its _Training
 class _Training:
     """One DPModel's training, as the variables it trained remember it.
 
-    Its own releases (`PrivacyLedger.own_parts`) are read from the model
-    while it lives (a rollback shrinks them with the weights), else the
+    Its own releases (`PrivacyLedger.own_history`, with their identity) are
+    read from the model while it lives (a rollback shrinks them with the
+    weights), else the
     last ones seen; `carried` are the trainings its weights carried, so a
     model that holds only what this one trained on top of them carries
     those too.
@@ -87,7 +88,7 @@ class _Training:
         model = self._model()
         if model is not None:
             ledger = model._privacy_ledger  # pylint: disable=protected-access
-            self.parts, self.relation = tuple(ledger.own_parts()), ledger.relation
+            self.parts, self.relation = tuple(ledger.own_history()), ledger.relation
             self.additive_delta = ledger.own_additive_delta()
             self.floors = ledger.floors
         return self
@@ -184,7 +185,7 @@ def _saved_training(source_id, carried):
     """A training a loaded ledger carries, with its releases as saved (the
     loaded weights are copies: what the live one does later is not in them)."""
     training = _Training(carried.label, training_id=source_id)
-    training.parts, training.relation = tuple(carried.parts), carried.relation
+    training.parts, training.relation = carried.history, carried.relation
     training.additive_delta = carried.additive_delta
     return training
 
