@@ -106,3 +106,17 @@ def test_two_branches_from_one_file_are_both_charged_and_survive_json():
     holder.carry("a", "model 'a'", second.own_history())
     assert sum(n for _, n in holder.carried["a"].parts) == 10 + 10 + 30
     assert PrivacyLedger.from_json(saved).to_json() == saved  # nothing released: unchanged
+
+
+def test_one_off_records_of_two_branches_are_both_charged():
+    """A record released after a rollback at the index a discarded one had is another release."""
+    ledger = _source(10)
+    saved = ledger.to_json()
+    ledger.record(dpsgd_event(2.0, 1.0))  # discarded branch: record 0
+    holder = PrivacyLedger()
+    holder.carry("a", "model 'a'", ledger.own_history())
+    holder.hold_carried()
+    rolled_back = PrivacyLedger.from_json(saved)
+    rolled_back.record(dpsgd_event(2.0, 1.0))  # new branch: record 0 again
+    holder.carry("a", "model 'a'", rolled_back.own_history())
+    assert sorted(n for _, n in holder.carried["a"].parts) == [1, 1, 10]

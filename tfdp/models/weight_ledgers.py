@@ -19,14 +19,18 @@ releases and preprocessing delta, and the trainings its ledger carried
 (as saved: the loaded weights are copies), so a layer reused from it
 charges them. When a model trains, what it carries becomes a floor
 (`PrivacyLedger.hold_carried`): the other model rolling back later does
-not lower it.
+not lower it, and what that model releases after its rollback is charged
+on top (releases have an identity: `tfdp.accounting.carried_floor`).
 
 The registry holds the variables weakly. Weights copied as arrays
 (`set_weights(other.get_weights())`, assigning `.numpy()` values or
-another variable with `tf.Variable.assign`) are not the same variables,
-so they cannot be traced, and only DP fits are traced (a plain Keras
-model training a DP model's layer is not noticed): the docs say so next
-to `load_weights`'s refusal of a weights file without a ledger.
+another variable with `tf.Variable.assign`, or restoring a
+`tf.train.Checkpoint`) are not the same variables, so they cannot be
+traced; a plain Keras `.keras` or `.weights.h5` file of traced variables
+holds what they carry (`tfdp.models.keras_file_ledgers`). Only DP fits
+are traced (a plain Keras model training a DP model's layer is not
+noticed): the docs say so next to `load_weights`'s refusal of a weights
+file without a ledger.
 
 Example:
 
