@@ -105,5 +105,6 @@ def test_a_damaged_file_ledger_is_refused(trained, tmp_path):
 
 def test_sharded_weights_that_carry_a_training_are_refused(trained, tmp_path):
     a, _ = trained
-    with pytest.raises(ValueError, match="trained with differential privacy.*model 'A'.*DPModel.save"):
+    refusal = "trained with differential privacy.*model 'A'.*DPModel.save"
+    with pytest.raises(ValueError, match=refusal):
         a.get_layer("enc").save_weights(tmp_path / "enc.weights.json", max_shard_size=1)

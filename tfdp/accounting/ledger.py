@@ -1181,7 +1181,8 @@ def _parse_lineage(data, saved_steps, saved_records):
         previous = lineage[-1] if lineage else (None, 0, 0)
         if (not lineage and item[1:] != [0, 0]) or not (
                 previous[1] <= item[1] <= saved_steps and previous[2] <= item[2] <= saved_records):
-            raise _corrupt(f"lineage[{i}] starts at step {item[1]}, record {item[2]}, out of order.")
+            raise _corrupt(
+                f"lineage[{i}] starts at step {item[1]}, record {item[2]}: out of order.")
         lineage.append(tuple(item))
     if not lineage:
         raise _corrupt("an empty lineage.")

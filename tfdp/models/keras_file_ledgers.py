@@ -67,7 +67,7 @@ def write(model, weights_store):
         ValueError: if they carry a training and the store is sharded or
             `.npz` (no place for the ledger).
     """
-    if weights_store is None or _is_dp_model(model):
+    if weights_store is None or _is_dp_model(model) or not hasattr(model, "_flatten_layers"):
         return
     ledger = weight_ledgers.carrier_ledger(model)
     if ledger is None:
@@ -88,8 +88,8 @@ def write(model, weights_store):
 def read(model, weights_store):
     """After Keras loaded `model`'s variables from `weights_store`: they
     carry the trainings the file's ledger carries."""
-    if not isinstance(weights_store, saving_lib.H5IOStore) or DATASET not in getattr(
-            weights_store.h5_file, "keys", lambda: ())():
+    if (not isinstance(weights_store, saving_lib.H5IOStore)
+            or not hasattr(model, "_flatten_layers") or DATASET not in weights_store.h5_file):
         return
     data = bytes(np.asarray(weights_store.h5_file[DATASET][()], dtype=np.uint8))
     try:
