@@ -120,3 +120,19 @@ def test_one_off_records_of_two_branches_are_both_charged():
     rolled_back.record(dpsgd_event(2.0, 1.0))  # new branch: record 0 again
     holder.carry("a", "model 'a'", rolled_back.own_history())
     assert sorted(n for _, n in holder.carried["a"].parts) == [1, 1, 10]
+
+
+@pytest.mark.parametrize("lineage, message", [
+    ("x", "lineage to be a list"),
+    ([["a", 0]], r"lineage\[0\] to be \[id, step, record\]"),
+    ([["a", 3, 0]], r"lineage\[0\] starts at step 3"),
+    ([["a", 0, 0], ["b", 99, 0]], r"lineage\[1\] starts at step 99"),
+    ([], "an empty lineage"),
+])
+def test_a_malformed_lineage_is_refused(lineage, message):
+    import json
+
+    data = json.loads(_source(10).to_json())
+    data["lineage"] = lineage
+    with pytest.raises(ValueError, match="Corrupt privacy ledger: .*" + message):
+        PrivacyLedger.from_json(json.dumps(data))
