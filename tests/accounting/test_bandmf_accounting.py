@@ -69,11 +69,12 @@ def test_rounds_survive_json_and_old_ledgers_are_written_as_before():
     plain = PrivacyLedger()
     plain.begin_steps(dpsgd_event(1.1, 0.01))
     plain.advance(7)
-    assert plain.to_json().startswith(  # then its checksum (tfdp.accounting.integrity)
+    assert plain.to_json().startswith(  # then its lineage (the identity of its releases,
+        # tfdp.accounting.carried_floor: earlier tfdps read past it) and its checksum
         '{"format": "tfdp.PrivacyLedger", "version": 1, "steps": 7, "segments": [], '
         '"open": {"event": {"type": "PoissonSampledDpEvent", "sampling_probability": 0.01, '
         '"event": {"type": "GaussianDpEvent", "noise_multiplier": 1.1}}, "start": 0}, '
-        '"records": [], "sha256": "'
+        '"records": [], "lineage": [["'
     )
 
 

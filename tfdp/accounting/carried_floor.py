@@ -5,25 +5,82 @@ A model whose layers trained on top of another model's weights
 the other model later rolls back (`load_weights` of an earlier file), its
 own ledger shrinks with its weights, but what the first model's weights
 carry does not. `PrivacyLedger.hold_carried` freezes the carried releases
-as a floor when a model trains; `at_least` then charges the floor, the
-releases now carried, or, when they went separate ways (rolled back, then
-trained again), both: every release that happened is charged.
+as a floor when a model trains; `at_least` then charges every release that
+happened: those of the floor and those carried now.
+
+Releases have an identity (`PrivacyLedger.own_history`): a piece of a
+segment, named by the ledger's branch (which a ledger loaded from a file
+starts anew as soon as it releases anything) and the step it starts at, or
+a one-off record, named by its branch and index. A piece only ever grows
+(a rollback starts a new branch, it never shortens an old one), so the
+releases that happened are, per identity, the largest count seen. Comparing
+(event, count) alone took a rolled-back branch run further ((event, 40)
+against a floor of (event, 20), of which only 10 are shared) for "the same
+segment went on", and charged 40 of the 50 releases.
+
+Releases without an identity (given by hand, or saved by an earlier tfdp)
+are compared by (event, count), as before.
 
 Example:
 
 >>> from tfdp.accounting import dpsgd_event
 >>> step = dpsgd_event(1.0, 0.1)
->>> [count for _, count in at_least(((step, 3),), floor=((step, 9),))]  # rolled back
-[9]
->>> [count for _, count in at_least(((step, 12),), floor=((step, 9),))]  # went on
+>>> [count for _, count, _ in at_least(((step, 12, "a@0"),), floor=((step, 9, "a@0"),))]
 [12]
+>>> rolled_back = ((step, 5, "a@0"), (step, 30, "b@5"))  # back to step 5, then 30 steps
+>>> [count for _, count, _ in at_least(rolled_back, floor=((step, 9, "a@0"),))]
+[9, 30]
+>>> [count for _, count, _ in at_least(((step, 3),), floor=((step, 9),))]  # no identity
+[9]
 """
 
 
+def tagged(parts):
+    """`parts` as (event, count, identity) triples; pairs get identity None."""
+    return tuple((item[0], item[1], item[2] if len(item) > 2 else None) for item in parts)
+
+
+def at_least(parts, floor):
+    """Every release of `floor` and of `parts`, each counted once.
+
+    Args:
+        parts: (event, count) pairs or (event, count, identity) triples:
+            another training's releases as they are now.
+        floor: the same: its releases when this model trained.
+
+    Returns:
+        (event, count, identity) triples, a tuple: with identities, each
+        identity once, at the largest count either holds (`parts`' order,
+        then what only the floor holds); else `parts` when it extends
+        `floor`, or `floor` followed by what `parts` released after the two
+        went separate ways (identity None).
+    """
+    now, held = tagged(parts), tagged(floor)
+    if all(item[2] is not None for item in now + held):
+        return _union(now, held)
+    return tuple((event, count, None) for event, count in _by_count(now, held))
+
+
+def _union(now, held):
+    counts = {}
+    order = []
+    for event, count, identity in now + held:
+        key = (identity, _event_key(event))
+        if key not in counts:
+            order.append((key, event))
+        counts[key] = max(counts.get(key, 0), count)
+    return tuple((event, counts[key], key[0]) for key, event in order)
+
+
+def _event_key(event):
+    """A hashable stand-in for a DpEvent (an identity with another event is another release)."""
+    return repr(event)
+
+
 def _merged(parts):
-    """`parts` as a list with adjacent releases of one event summed."""
+    """(event, count) pairs of `parts`, adjacent releases of one event summed."""
     merged = []
-    for event, count in parts:
+    for event, count, _ in parts:
         if merged and merged[-1][0] == event:
             merged[-1] = (event, merged[-1][1] + count)
         else:
@@ -31,29 +88,19 @@ def _merged(parts):
     return merged
 
 
-def at_least(parts, floor):
-    """The releases `parts` carries now, or more where they do not cover `floor`.
-
-    Args:
-        parts: (event, count) pairs: another training's releases as they are now.
-        floor: (event, count) pairs: its releases when this model trained.
-
-    Returns:
-        `parts` itself when it extends `floor` (the other training went on);
-        else `floor` followed by whatever `parts` released after the two
-        went separate ways, as a tuple.
-    """
+def _by_count(parts, floor):
+    """`at_least` for releases without identity, by (event, count)."""
     now, held = _merged(parts), _merged(floor)
     shared = 0
     while shared < min(len(now), len(held)) and now[shared] == held[shared]:
         shared += 1
     if shared == len(held):
-        return parts
+        return [(event, count) for event, count, _ in parts]
     rest = now[shared:]
     if rest and rest[0][0] == held[shared][0]:  # the same segment, run to different lengths
         if shared == len(held) - 1 and held[shared][1] <= rest[0][1]:
-            return parts  # the floor's last segment ran on further
+            return [(event, count) for event, count, _ in parts]  # the floor's last segment ran on
         event, count = rest[0]
         count -= min(count, held[shared][1])
         rest = ([(event, count)] if count else []) + rest[1:]
-    return tuple(_merged(held + rest))
+    return _merged(tuple((e, n, None) for e, n in held + rest))

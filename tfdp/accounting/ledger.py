@@ -38,12 +38,13 @@ True
 import collections
 import json
 import math
+import uuid
 
 import dp_accounting
 
 from tfdp.accounting import _engine, additive_delta, integrity
 from tfdp.accounting._validation import check_choice, check_delta, check_int, check_real, show
-from tfdp.accounting.carried_floor import at_least
+from tfdp.accounting.carried_floor import at_least, tagged
 from tfdp.accounting.events import event_from_dict, event_to_dict
 from tfdp.accounting.statement import describe_releases, is_search, privacy_statement
 
@@ -148,7 +149,13 @@ class PrivacyLedger:
         self._records = []  # one-off releases: (event, count)
         self._preprocessing = []  # provenance of preprocessing state: dicts (_PREPROCESSING_KEYS)
         self._carried = {}  # source id -> Carried: another training these weights carry
-        self._floors = {}  # source id -> parts: what it carried when this model trained
+        self._floors = {}  # source id -> tagged parts: what it carried when this model trained
+        # The branches of this ledger's history, (id, first step, first record index):
+        # a ledger loaded from a file starts a new one (`_resumed`) once it releases
+        # anything, so the releases of a rolled-back run and of the discarded one
+        # have different identities (`own_history`).
+        self._lineage = [(_new_id(), 0, 0)]
+        self._resumed = None
         self._version = 0  # bumped on every change other than the step count
         # Called before a statement: its model refuses state changed since its provenance.
         self.before_statement = None
@@ -408,8 +415,9 @@ class PrivacyLedger:
         check_choice("relation", relation, RELATIONS)
         additive_delta = check_real("additive_delta", additive_delta, low=0.0, high=1.0,
                                     low_inclusive=True)
-        parts = tuple((_check_event(event, "parts"), check_int("count", count, minimum=1))
-                      for event, count in parts)
+        parts = tuple((_check_event(event, "parts"), check_int("count", count, minimum=1),
+                       _check_identity(identity))
+                      for event, count, identity in tagged(parts))
         if any((other == _USER_RELATION) != (relation == _USER_RELATION)
                for other in self._relations(self.steps, without=source_id)):
             raise ValueError(
@@ -420,7 +428,8 @@ class PrivacyLedger:
                 f"{label} trained, or train at the same level. Received: relation={relation!r}"
             )
         parts = at_least(parts, self._floors.get(source_id, ()))
-        carried = Carried(label, parts, relation, additive_delta)
+        carried = Carried(label, tuple((event, count) for event, count, _ in parts), relation,
+                          additive_delta, tuple(identity for _, _, identity in parts))
         if self._carried.get(source_id) != carried:
             self._carried[source_id] = carried
             self._version += 1
@@ -441,12 +450,13 @@ class PrivacyLedger:
         >>> ledger.carried["a"].parts[0][1]
         100
         """
-        self._floors = {key: c.parts for key, c in self._carried.items()}
+        self._floors = {key: c.history for key, c in self._carried.items()}
 
     @property
     def floors(self):
-        """{source id: parts}: what each carried training released when this
-        ledger's model trained on it (`hold_carried`); never charged less."""
+        """{source id: (event, count, identity) triples}: what each carried
+        training released when this ledger's model trained on it
+        (`hold_carried`); never charged less."""
         return dict(self._floors)
 
     @property
@@ -460,6 +470,47 @@ class PrivacyLedger:
         carried ones: what another model that holds these weights carries."""
         parts = self._parts(self.steps)
         return parts[:len(parts) - self._carried_count()]
+
+    def own_history(self):
+        """This ledger's own releases with their identity, as (event, count,
+        identity) triples (`tfdp.accounting.carried_floor`): what another
+        model that trains on these weights holds as its floor.
+
+        A segment is cut where a branch of the history begins (a ledger
+        loaded from a file that released more since), each piece named
+        "branch@first step"; a one-off record is "branch#index". The counts
+        sum to `own_parts`' (a rounds segment cut in two may count one round
+        more: never fewer).
+        """
+        now = self.steps
+        self._check_counter(now)
+        branches = self._branches(now)
+        ends = [start for _, start, _ in branches[1:]] + [math.inf]
+        history = []
+
+        def pieces(event, start, end, counting):
+            for (branch, first, _), last in zip(branches, ends):
+                low, high = max(start, first), min(end, last)
+                if high > low:
+                    history.append((event, counting.releases(high - low), f"{branch}@{low}"))
+
+        for event, start, end, counting in self._segments:
+            pieces(event, start, end, counting)
+        for index, (event, count) in enumerate(self._records):
+            branch = [name for name, _, first in branches if first <= index][-1]
+            history.append((event, count, f"{branch}#{index}"))
+        if self._open is not None:
+            event, start, counting = self._open
+            pieces(event, start, now, counting)
+        return history
+
+    def _branches(self, now):
+        """The lineage, with the branch a load began once it released anything."""
+        if self._resumed is not None:
+            _, steps, records = self._resumed
+            if now > steps or len(self._records) > records:
+                return self._lineage + [self._resumed]
+        return list(self._lineage)
 
     def _carried_count(self):
         return sum(len(c.parts) for c in self._carried.values())
@@ -515,6 +566,7 @@ class PrivacyLedger:
         self._segments = [(event, 0, now, Counting(now, relation))]
         self._records = [(item, 1) for item in earlier]
         self._open = (open_event, now, open_counting)
+        self._lineage, self._resumed = [(_new_id(), 0, 0)], None  # a new history
         self._version += 1
 
     # -- composition ---------------------------------------------------------
@@ -823,13 +875,16 @@ class PrivacyLedger:
             "records": [
                 {"event": event_to_dict(event), "count": count} for event, count in self._records
             ],
+            "lineage": [list(branch) for branch in self._branches(now)],
         }
         if self._preprocessing:
             data["preprocessing"] = self.preprocessing
         if self._carried:
             data["carried"] = [
                 {"id": key, "label": c.label, "relation": c.relation,
-                 "releases": [{"event": event_to_dict(e), "count": n} for e, n in c.parts],
+                 "releases": [{"event": event_to_dict(e), "count": n,
+                               **({"id": i} if i is not None else {})}
+                              for e, n, i in c.history],
                  **({"additive_delta": c.additive_delta} if c.additive_delta else {})}
                 for key, c in self._carried.items()
             ]
@@ -872,6 +927,7 @@ class PrivacyLedger:
         except json.JSONDecodeError as error:
             raise ValueError(f"Corrupt privacy ledger: invalid JSON ({error}).") from None
         segments, open_segment, records, saved_steps = _parse(data)
+        lineage = _parse_lineage(data, saved_steps, len(records))
         preprocessing = _parse_preprocessing(data)
         _check_seal(data)  # after the structure's checks, whose messages are more telling
 
@@ -881,12 +937,15 @@ class PrivacyLedger:
         ledger._open = open_segment
         ledger._records = records
         ledger._carried = _parse_carried(data)
-        ledger._floors = {key: c.parts for key, c in ledger._carried.items()}
+        ledger._floors = {key: c.history for key, c in ledger._carried.items()}
         ledger._high_water = open_segment[1] if open_segment is not None else 0
+        ledger._lineage = lineage
+        ledger._resumed = (_new_id(), saved_steps, len(records))
         if step_counter is None:
             ledger._own_steps = saved_steps
             return ledger
         now = ledger.steps
+        ledger._resumed = (ledger._resumed[0], min(now, saved_steps), len(records))
         floor = open_segment[1] if open_segment is not None else 0
         if now < floor:
             raise ValueError(
@@ -921,13 +980,31 @@ def _segment_dict(event, counting, **span):
     return data
 
 
-class Carried(collections.namedtuple("Carried", ["label", "parts", "relation", "additive_delta"],
-                                     defaults=(0.0,))):
+class Carried(collections.namedtuple(
+        "Carried", ["label", "parts", "relation", "additive_delta", "ids"], defaults=(0.0, ()))):
     """Another training's releases that a ledger's weights carry: how the
-    statement names it, its (event, count) parts, its relation, and its
-    preprocessing thresholds' failure probability."""
+    statement names it, its (event, count) parts, its relation, its
+    preprocessing thresholds' failure probability, and the identity of each
+    part (`carried_floor`; None, or no ids at all, where unknown)."""
 
     __slots__ = ()
+
+    @property
+    def history(self):
+        """The parts as (event, count, identity) triples."""
+        ids = self.ids or (None,) * len(self.parts)
+        return tuple((event, count, identity) for (event, count), identity in zip(self.parts, ids))
+
+
+def _new_id():
+    return uuid.uuid4().hex
+
+
+def _check_identity(identity):
+    if identity is not None and not isinstance(identity, str):
+        raise TypeError(
+            f"Expected a release's identity to be a string or None. Received: {show(identity)}")
+    return identity
 
 
 def _parse_carried(data):
@@ -941,13 +1018,17 @@ def _parse_carried(data):
         relation = _get(item, "relation", where)
         if not isinstance(key, str) or not isinstance(label, str) or relation not in RELATIONS:
             raise _corrupt(f"bad id, label or relation at {where}.")
+        releases = _get_list(item, "releases", where)
         parts = tuple((_get_event(release, f"{where}.releases[{j}]"),
                        _get_int(release, "count", f"{where}.releases[{j}]", minimum=1))
-                      for j, release in enumerate(_get_list(item, "releases", where)))
+                      for j, release in enumerate(releases))
+        ids = tuple(release.get("id") for release in releases)
+        if any(identity is not None and not isinstance(identity, str) for identity in ids):
+            raise _corrupt(f"bad release id at {where}.")
         extra = item.get("additive_delta", 0.0)
         if not isinstance(extra, (int, float)) or isinstance(extra, bool) or not 0 <= extra < 1:
             raise _corrupt(f"bad additive_delta at {where}.")
-        carried[key] = Carried(label, parts, relation, float(extra))
+        carried[key] = Carried(label, parts, relation, float(extra), ids)
     return carried
 
 
@@ -1084,7 +1165,28 @@ def _check_seal(data):
 
 
 _KEYS = {"format", "version", "steps", "segments", "open", "records", "preprocessing",
-         "carried"}
+         "carried", "lineage"}
+
+
+def _parse_lineage(data, saved_steps, saved_records):
+    """The validated branches [(id, first step, first record)] of a saved
+    ledger; one new branch for a ledger saved before lineages."""
+    if "lineage" not in data:
+        return [(_new_id(), 0, 0)]
+    lineage = []
+    for i, item in enumerate(_get_list(data, "lineage", "the ledger")):
+        if (not isinstance(item, list) or len(item) != 3 or not isinstance(item[0], str)
+                or any(isinstance(n, bool) or not isinstance(n, int) for n in item[1:])):
+            raise _corrupt(f"expected lineage[{i}] to be [id, step, record], got {show(item)}.")
+        previous = lineage[-1] if lineage else (None, 0, 0)
+        if (not lineage and item[1:] != [0, 0]) or not (
+                previous[1] <= item[1] <= saved_steps and previous[2] <= item[2] <= saved_records):
+            raise _corrupt(
+                f"lineage[{i}] starts at step {item[1]}, record {item[2]}: out of order.")
+        lineage.append(tuple(item))
+    if not lineage:
+        raise _corrupt("an empty lineage.")
+    return lineage
 
 
 def _parse(data):

@@ -1,6 +1,7 @@
 """Keras models whose `fit` trains with differential privacy."""
 
 from tfdp.models.dp_model import DPModel, DPSequential
+from tfdp.models import keras_file_ledgers  # noqa: F401  (plain Keras files keep their ledger)
 
 
 def load_model(filepath, **kwargs):

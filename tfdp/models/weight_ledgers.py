@@ -19,14 +19,18 @@ releases and preprocessing delta, and the trainings its ledger carried
 (as saved: the loaded weights are copies), so a layer reused from it
 charges them. When a model trains, what it carries becomes a floor
 (`PrivacyLedger.hold_carried`): the other model rolling back later does
-not lower it.
+not lower it, and what that model releases after its rollback is charged
+on top (releases have an identity: `tfdp.accounting.carried_floor`).
 
 The registry holds the variables weakly. Weights copied as arrays
 (`set_weights(other.get_weights())`, assigning `.numpy()` values or
-another variable with `tf.Variable.assign`) are not the same variables,
-so they cannot be traced, and only DP fits are traced (a plain Keras
-model training a DP model's layer is not noticed): the docs say so next
-to `load_weights`'s refusal of a weights file without a ledger.
+another variable with `tf.Variable.assign`, or restoring a
+`tf.train.Checkpoint`) are not the same variables, so they cannot be
+traced; a plain Keras `.keras` or `.weights.h5` file of traced variables
+holds what they carry (`tfdp.models.keras_file_ledgers`). Only DP fits
+are traced (a plain Keras model training a DP model's layer is not
+noticed): the docs say so next to `load_weights`'s refusal of a weights
+file without a ledger.
 
 Example:
 
@@ -52,6 +56,7 @@ True
 import uuid
 import weakref
 
+from tfdp.accounting import PrivacyLedger
 from tfdp.accounting.carried_floor import at_least
 from tfdp.preprocessing import provenance
 
@@ -66,8 +71,9 @@ _trainings = weakref.WeakKeyDictionary()  # model -> its _Training
 class _Training:
     """One DPModel's training, as the variables it trained remember it.
 
-    Its own releases (`PrivacyLedger.own_parts`) are read from the model
-    while it lives (a rollback shrinks them with the weights), else the
+    Its own releases (`PrivacyLedger.own_history`, with their identity) are
+    read from the model while it lives (a rollback shrinks them with the
+    weights), else the
     last ones seen; `carried` are the trainings its weights carried, so a
     model that holds only what this one trained on top of them carries
     those too.
@@ -87,7 +93,7 @@ class _Training:
         model = self._model()
         if model is not None:
             ledger = model._privacy_ledger  # pylint: disable=protected-access
-            self.parts, self.relation = tuple(ledger.own_parts()), ledger.relation
+            self.parts, self.relation = tuple(ledger.own_history()), ledger.relation
             self.additive_delta = ledger.own_additive_delta()
             self.floors = ledger.floors
         return self
@@ -108,13 +114,14 @@ def _trainers_of(variable):
     return entry[1] if entry is not None and entry[0]() is variable else []
 
 
-def held_trainings(model):
-    """Every other training `model`'s variables carry (trainable or not),
-    and the trainings those carried in turn."""
-    own = _training(model)
-    held = list(model.weights) + model._flatten_layers(include_self=False)  # pylint: disable=protected-access
-    found, stack = set(), [t for v in held for t in _trainers_of(v)]
-    stack += list(own.carried)
+def _holdings(model):
+    """`model`'s variables and layers (a lookup's vocabulary is no variable)."""
+    return list(model.weights) + model._flatten_layers(include_self=False)  # pylint: disable=protected-access
+
+
+def _with_carried(stack, own=None):
+    """The trainings of `stack` and those they carried in turn, but `own`."""
+    found = set()
     while stack:
         training = stack.pop()
         if training is own or training in found:
@@ -122,6 +129,26 @@ def held_trainings(model):
         found.add(training)
         stack.extend(training.carried)
     return found
+
+
+def held_trainings(model):
+    """Every other training `model`'s variables carry (trainable or not),
+    and the trainings those carried in turn."""
+    own = _training(model)
+    stack = [t for v in _holdings(model) for t in _trainers_of(v)] + list(own.carried)
+    return _with_carried(stack, own)
+
+
+def _charges(held):
+    """{training id: its releases to charge}: what it released, never below
+    what the trainings in between trained on (a rollback does not lower it)."""
+    floors = {}
+    for training in held:
+        for key, parts in training.refresh().floors.items():
+            floors[key] = at_least(parts, floors.get(key, ()))
+    for training in held:  # a live training and a loaded copy of it share an id
+        floors[training.id] = at_least(training.parts, floors.get(training.id, ()))
+    return floors
 
 
 def charge_held(model):
@@ -139,12 +166,7 @@ def charge_held(model):
     if own.seen is not None and own.seen[0] == _registry_version[0] and own.seen[1]() is ledger:
         return  # nothing trained since, and no ledger loaded
     held = held_trainings(model)
-    floors = {}  # what the trainings in between trained on: a rollback does not lower it
-    for training in held:
-        for key, parts in training.refresh().floors.items():
-            floors[key] = at_least(parts, floors.get(key, ()))
-    for training in held:  # a live training and a loaded copy of it share an id
-        floors[training.id] = at_least(training.parts, floors.get(training.id, ()))
+    floors = _charges(held)
     for training in sorted(held, key=lambda t: t.id):
         ledger.carry(training.id, training.label, floors[training.id], training.relation,
                      training.additive_delta)
@@ -175,16 +197,44 @@ def note_loaded(model):
     for source_id, carried in ledger.carried.items():
         own.carried.add(_saved_training(source_id, carried))
     # Its layers too: a lookup's vocabulary is no variable, yet it holds the loaded release.
-    _register(list(model.weights) + model._flatten_layers(include_self=False),  # pylint: disable=protected-access
-              own.refresh())
+    _register(_holdings(model), own.refresh())
     provenance.travel_with_layers(model, ledger.preprocessing)
+
+
+def carrier_ledger(model):
+    """A ledger of no releases of its own that carries every training the
+    weights of `model` (a Keras model that is not a DP model) hold, for a
+    file plain Keras writes (`tfdp.models.keras_file_ledgers`); None if
+    they hold none.
+
+    Raises:
+        ValueError: if they hold both user-level and record-level trainings
+            (`PrivacyLedger.carry`).
+    """
+    held = _with_carried([t for v in _holdings(model) for t in _trainers_of(v)])
+    if not held:
+        return None
+    floors = _charges(held)
+    ledger = PrivacyLedger()
+    for training in sorted(held, key=lambda t: t.id):
+        ledger.carry(training.id, training.label, floors[training.id], training.relation,
+                     training.additive_delta)
+    return ledger
+
+
+def note_file_ledger(model, ledger):
+    """After plain Keras loaded into `model` weights whose file holds
+    `ledger` (`carrier_ledger`): its variables and layers carry the
+    trainings that ledger carries, as saved."""
+    for source_id, carried in ledger.carried.items():
+        _register(_holdings(model), _saved_training(source_id, carried))
 
 
 def _saved_training(source_id, carried):
     """A training a loaded ledger carries, with its releases as saved (the
     loaded weights are copies: what the live one does later is not in them)."""
     training = _Training(carried.label, training_id=source_id)
-    training.parts, training.relation = tuple(carried.parts), carried.relation
+    training.parts, training.relation = carried.history, carried.relation
     training.additive_delta = carried.additive_delta
     return training
 

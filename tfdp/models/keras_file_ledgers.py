@@ -1,0 +1,137 @@
+"""Weights saved by plain Keras keep the ledger they carry.
+
+The common transfer recipe saves a DP-trained feature extractor as a Keras
+model of its own (`encoder.save("encoder.keras")`,
+`encoder.save_weights("encoder.weights.h5")`, or a `keras.Model` of the
+trained model's layers) and builds the next model on it after
+`keras.models.load_model` / `load_weights`. Such a model is no DP model, so
+no ledger of its own travels in the file, and the next model's statement
+left out the training its weights had.
+
+tfdp hooks Keras's saving (`install`, at import, as it registers its Keras
+classes): when Keras writes the variables of a model that is not a DP
+model, and they carry trainings (`tfdp.models.weight_ledgers`), the file
+gets a ledger that carries them (`weight_ledgers.carrier_ledger`: no
+releases of its own), as the dataset "/tfdp_carried_ledger" of the weights
+HDF5 file (`.weights.h5`, or the `model.weights.h5` inside a `.keras`
+zip), sealed with its SHA-256 (`tfdp.accounting.integrity`). Keras reads
+only the groups of the layers, so plain Keras still loads the file. When
+Keras loads such a file, the loaded model's variables carry those trainings
+(`weight_ledgers.note_file_ledger`), so a DP model built on them charges
+them. A damaged ledger is refused, as in a DP model's file. Sharded and
+`.npz` weights have no place for it: saving carried weights in them is
+refused, naming the formats that keep the ledger.
+
+Not covered: `tf.train.Checkpoint` (and any copy as arrays: `set_weights`,
+`assign`) writes values only; the docs list it with them.
+
+Example:
+
+>>> import keras, numpy as np, tfdp
+>>> x, y = np.ones((8, 2), "float32"), np.zeros(8, "int32")
+>>> encoder = keras.Sequential([keras.Input((2,)), keras.layers.Dense(3)], name="encoder")
+>>> model = tfdp.DPSequential([keras.Input((2,)), encoder, keras.layers.Dense(2)], name="dp")
+>>> model.compile(optimizer=tfdp.optimizers.DPSGD(0.1, l2_norm_clip=1.0, noise_multiplier=1.0),
+...               loss="sparse_categorical_crossentropy")
+>>> _ = model.fit(x, y, batch_size=4, steps_per_epoch=1, verbose=0)
+>>> import tempfile, os
+>>> path = os.path.join(tempfile.mkdtemp(), "encoder.keras")
+>>> encoder.save(path)                            # plain Keras
+>>> reused = keras.models.load_model(path)
+>>> holder = tfdp.DPSequential([keras.Input((2,)), reused, keras.layers.Dense(2)])
+>>> [c.label for c in holder.privacy.carried.values()]
+["model 'dp'"]
+"""
+
+import functools
+import inspect
+
+import numpy as np
+from keras.src.saving import saving_lib
+
+from tfdp.accounting import PrivacyLedger
+from tfdp.models import weight_ledgers
+
+DATASET = "tfdp_carried_ledger"
+
+
+def _is_dp_model(model):
+    return hasattr(model, "_privacy_ledger")  # its own file ledger carries them already
+
+
+def write(model, weights_store):
+    """Before Keras writes `model`'s variables into `weights_store`: adds
+    the ledger they carry, if any.
+
+    Raises:
+        ValueError: if they carry a training and the store is sharded or
+            `.npz` (no place for the ledger).
+    """
+    if weights_store is None or _is_dp_model(model) or not hasattr(model, "_flatten_layers"):
+        return
+    ledger = weight_ledgers.carrier_ledger(model)
+    if ledger is None:
+        return
+    if type(weights_store) is not saving_lib.H5IOStore:  # pylint: disable=unidiomatic-typecheck
+        labels = ", ".join(c.label for c in ledger.carried.values())
+        raise ValueError(
+            f"The weights of {model.name!r} were trained with differential privacy (by "
+            f"{labels}), and this file format ({type(weights_store).__name__}: sharded or "
+            ".npz weights) has no place for their privacy ledger, so a model built on them "
+            "would not charge that training. Save them unsharded, as .keras or "
+            ".weights.h5 (the ledger travels in the file), or save the DP model itself "
+            "(`DPModel.save`).")
+    text = ledger.to_json().encode("utf-8")
+    weights_store.h5_file.create_dataset(DATASET, data=np.frombuffer(text, dtype=np.uint8))
+
+
+def read(model, weights_store):
+    """After Keras loaded `model`'s variables from `weights_store`: they
+    carry the trainings the file's ledger carries."""
+    if (not isinstance(weights_store, saving_lib.H5IOStore)
+            or not hasattr(model, "_flatten_layers") or DATASET not in weights_store.h5_file):
+        return
+    data = bytes(np.asarray(weights_store.h5_file[DATASET][()], dtype=np.uint8))
+    try:
+        ledger = PrivacyLedger.from_json(data)
+    except ValueError as error:
+        raise ValueError(
+            f"The privacy ledger that these weights carry is refused: {error}") from None
+    weight_ledgers.note_file_ledger(model, ledger)
+
+
+def _root(function, *args, **kwargs):
+    """(saveable, weights store) if this call is the outermost (path ""), else None."""
+    bound = inspect.signature(function).bind(*args, **kwargs)
+    if bound.arguments.get("inner_path") != "":
+        return None
+    return bound.arguments["saveable"], bound.arguments["weights_store"]
+
+
+def install():
+    """Wraps Keras's `_save_state` and `_load_state` (every save and load
+    of `.keras` and `.weights.h5` goes through them); once."""
+    if getattr(saving_lib._save_state, "_tfdp_ledgers", False):  # pylint: disable=protected-access
+        return
+    save_state, load_state = saving_lib._save_state, saving_lib._load_state  # pylint: disable=protected-access
+
+    @functools.wraps(save_state)
+    def saving(*args, **kwargs):
+        root = _root(save_state, *args, **kwargs)
+        if root is not None:
+            write(*root)
+        return save_state(*args, **kwargs)
+
+    @functools.wraps(load_state)
+    def loading(*args, **kwargs):
+        result = load_state(*args, **kwargs)
+        root = _root(load_state, *args, **kwargs)
+        if root is not None:
+            read(*root)
+        return result
+
+    saving._tfdp_ledgers = loading._tfdp_ledgers = True  # pylint: disable=protected-access
+    saving_lib._save_state, saving_lib._load_state = saving, loading  # pylint: disable=protected-access
+
+
+install()
