@@ -226,9 +226,11 @@ def _check_data(model, x, y, sample_weight, records):
     x = tf.nest.map_structure(np.asarray, _lists_to_tuples(x))
     if multi_output.has_several_outputs(model):  # one target per output, in output order
         y = multi_output.in_output_order(model, multi_output.check_targets(model, y))
-        if sample_weight is not None:
-            sample_weight = multi_output.check_sample_weight(sample_weight, None)
-    data = (x, tf.nest.map_structure(np.asarray, y)) + (() if sample_weight is None else (np.asarray(sample_weight),))
+        if sample_weight is not None:  # [N], or one per output (a tuple in output order)
+            sample_weight = multi_output.in_output_order(
+                model, multi_output.check_sample_weight(sample_weight, None))
+    data = (x, tf.nest.map_structure(np.asarray, y)) + (
+        () if sample_weight is None else (tf.nest.map_structure(np.asarray, sample_weight),))
     for array in tf.nest.flatten(data):
         if array.ndim == 0 or not (np.issubdtype(array.dtype, np.number) or array.dtype == bool):
             raise ValueError(

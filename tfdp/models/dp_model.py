@@ -291,21 +291,23 @@ class DPTrainingMixin:
         x, y = arrays[0], arrays[1]
         mask = tf.cast(step_info["mask"], tf.float32)
         weights, loss_fn, targets = mask, self._per_example_loss, y
-        if len(arrays) > 2 and arrays[2].shape.rank > 1:
+        if len(arrays) > 2 and tf.nest.is_nested(arrays[2]):  # a weight per output (multi_output)
+            loss_fn, targets = self._per_example_loss.weighted_by_output, (y, arrays[2])
+        elif len(arrays) > 2 and arrays[2].shape.rank > 1:
             # Per-token weights (a language model's padding mask): they weigh
             # tokens inside each sequence's loss (tfdp.models.sequence_loss).
             loss_fn, targets = self._per_token_loss, (y, arrays[2])
         elif len(arrays) > 2:
             weights = mask * tf.cast(tf.reshape(arrays[2], [-1]), tf.float32)
         # Compiled metrics read y, not a language model's (y, token weights).
-        labels = (lambda t: t[0]) if loss_fn is self._per_token_loss else (lambda t: t)  # noqa: E731
+        labels = (lambda t: t[0]) if targets is not y else (lambda t: t)  # noqa: E731
 
         def update_metrics(x, targets, y_pred, weights, mask, losses):
             # Unweighted metrics (compile(metrics=...)) ignore sample weights:
             # give them the drawn rows only, never the padding.
             drawn = lambda t: tf.boolean_mask(t, mask > 0)  # noqa: E731
             with state_writes.checked_metric_updates(self):  # they write only their own
-                multi_output.update_output_loss_metrics(self, targets, y_pred, weights * mask)
+                multi_output.update_output_loss_metrics(self, labels(targets), y_pred, weights * mask)
                 return self.compute_metrics(
                     x, tf.nest.map_structure(drawn, labels(targets)),
                     tf.nest.map_structure(drawn, y_pred),

@@ -106,6 +106,20 @@ class OutputLosses:
         terms = [weight * losses for _, weight, losses in self.per_output(y_true, y_pred)]
         return tf.add_n(terms)
 
+    def weighted_by_output(self, y_and_weights, y_pred):
+        """As `__call__`, each output's loss also weighed by its own sample
+        weight: `y_and_weights` is (y, weights), weights a tuple (output
+        order) or dict (by name) of [B] tensors (1 for an output left out)."""
+        y_true, weights = y_and_weights
+        by_name = dict(zip(self.names, self.flat_targets(weights)))
+        terms = []
+        for name, weight, losses in self.per_output(y_true, y_pred):
+            own = by_name.get(name)
+            if own is not None:
+                losses = losses * tf.cast(tf.reshape(own, [-1]), tf.float32)
+            terms.append(weight * losses)
+        return tf.add_n(terms)
+
 
 def _names_for(model, loss):
     names = output_names(model)
@@ -270,11 +284,13 @@ def check_targets(model, y, name="y"):
 
 
 def check_sample_weight(sample_weight, class_weight, name="sample_weight"):
-    """Refuses the weights a model with several outputs cannot take.
+    """`sample_weight` for a model with several outputs: one weight per
+    example ([N]) for the whole sum, or a list (output order) or dict (by
+    output name) of them, one per output, each weighing its output's loss.
 
     Raises:
-        ValueError: for per-output sample weights (a list or dict), per-token
-            sample weights, and `class_weight`, each with the way round.
+        ValueError: for per-token sample weights and `class_weight`, each
+            with the way round.
     """
     if class_weight is not None:
         raise ValueError(
@@ -285,22 +301,22 @@ def check_sample_weight(sample_weight, class_weight, name="sample_weight"):
         )
     if sample_weight is None:
         return None
-    if isinstance(sample_weight, (list, tuple, dict)):
-        raise ValueError(
-            "Per-output sample weights are not supported: each example's clipped loss "
-            "sums every output's, and one weight per example (shape [N]) weighs that "
-            "sum. Give one sample_weight per example, and weigh outputs with "
-            "compile(loss_weights=...) or inside an output's loss. "
-            f"{WAY_ROUND} Received: {name} as a {type(sample_weight).__name__}"
-        )
+    if isinstance(sample_weight, (list, tuple, dict)):  # one weight per example per output
+        items = sample_weight.items() if isinstance(sample_weight, dict) else enumerate(sample_weight)
+        weights = {key: _one_per_example(f"{name}[{key!r}]", one) for key, one in items}
+        return weights if isinstance(sample_weight, dict) else tuple(weights.values())
+    return _one_per_example(name, sample_weight)
+
+
+def _one_per_example(name, sample_weight):
     weights = np.asarray(sample_weight, np.float32)
     if weights.ndim == 2 and weights.shape[1] == 1:
         weights = weights[:, 0]
     if weights.ndim != 1:
         raise ValueError(
             "A model with several outputs takes one sample weight per example (shape "
-            f"[N]): per-token weights need one output. {WAY_ROUND} Received: {name} of "
-            f"shape {weights.shape}"
+            "[N]), for every output or, as a list or dict, for each: per-token weights "
+            f"need one output. {WAY_ROUND} Received: {name} of shape {weights.shape}"
         )
     return weights
 
@@ -319,7 +335,12 @@ def training_arrays(model, x, y, sample_weight, class_weight):
     if any(len(a) != rows for a in tf.nest.flatten(x)):
         raise ValueError("All inputs in x must have the same number of examples.")
     named = dict(y) if isinstance(y, dict) else {f"y[{i}]": a for i, a in enumerate(y)}
-    if sample_weight is not None:
+    if isinstance(sample_weight, (tuple, dict)):
+        by_output(output_names(model), sample_weight, "sample_weight")  # names or count
+        items = sample_weight.items() if isinstance(sample_weight, dict) else enumerate(sample_weight)
+        named.update({f"sample_weight[{key!r}]": one for key, one in items})
+        sample_weight = like_outputs(model, sample_weight)  # how Keras reads it, every output
+    elif sample_weight is not None:
         named["sample_weight"] = sample_weight
     for name, array in named.items():
         if len(array) != rows:
@@ -353,11 +374,25 @@ def update_output_loss_metrics(model, targets, y_pred, weights):
         )
 
 
+def like_outputs(model, weights):
+    """Per-output `weights` with one entry for every output (ones where
+    they leave one out), as a dict for a dict of outputs, else a tuple in
+    the outputs' order: how Keras's compiled loss reads them by output."""
+    ordered = in_output_order(model, weights)
+    if isinstance(getattr(model, "_outputs_struct", None), dict):
+        return dict(zip(output_names(model), ordered))
+    return ordered
+
+
 def in_output_order(model, y):
-    """A dict `y` (by output name) as a tuple in the outputs' order, which
-    is how a record's targets line up with the model's outputs."""
+    """A dict `y` (targets or sample weights, by output name) as a tuple in
+    the outputs' order, which is how a record's leaves line up with the
+    model's outputs; an output the dict leaves out (one without a loss, or
+    without its own weight) reads ones."""
     if isinstance(y, dict):
-        return tuple(y[name] for name in output_names(model))
+        rows = len(tf.nest.flatten(y)[0])
+        return tuple(y[name] if name in y else np.ones(rows, np.float32)
+                     for name in output_names(model))
     return y
 
 
