@@ -18,7 +18,7 @@ SCE = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
 CLIP = 0.05
 
 
-def two_heads(clip=CLIP, loss=None, loss_weights="default", outputs="list", seed=0):
+def two_heads(clip=CLIP, loss=None, loss_weights="default", outputs="list", seed=0, noise_seed=0):
     keras.utils.set_random_seed(seed)
     inputs = keras.Input((4,))
     h = L.Dense(6, activation="tanh")(inputs)
@@ -26,7 +26,8 @@ def two_heads(clip=CLIP, loss=None, loss_weights="default", outputs="list", seed
     heads = [kind, size] if outputs == "list" else {"kind": kind, "size": size}
     model = tfdp.DPModel(inputs, heads)
     model.compile(
-        optimizer=tfdp.optimizers.DPSGD(0.1, l2_norm_clip=clip, noise_multiplier=1.0, seed=0),
+        optimizer=tfdp.optimizers.DPSGD(0.1, l2_norm_clip=clip, noise_multiplier=1.0,
+                                        seed=noise_seed),
         loss={"kind": SCE, "size": "mse"} if loss is None else loss,
         loss_weights={"kind": 1.0, "size": 0.5} if loss_weights == "default" else loss_weights,
     )
@@ -278,3 +279,22 @@ def test_label_ranges_are_checked_per_output():
     with pytest.raises(ValueError, match=r"class indices in \[0, 2\].*y\[0\].*index 3"):
         model.fit(x, [kind, size], batch_size=8, verbose=0)
     assert model.privacy.steps == 0
+
+
+def test_the_private_search_refuses_several_outputs_before_its_draw(monkeypatch):
+    pytest.importorskip("keras_tuner")
+    from tfdp.tuning import PrivateRandomSearch
+    from tfdp.tuning import search as search_module
+
+    monkeypatch.setattr(search_module, "_IN_PROCESS", True)  # no child process: fast
+
+    def build(hp):
+        return two_heads(clip=hp.Float("clip", 0.5, 1.0), noise_seed=None)
+
+    x, kind, size = data()
+    search = PrivateRandomSearch(build, mean_trials=2)
+    with pytest.raises(ValueError, match=r"does not search models with several outputs.*"
+                                         r"Received: a model with 2 outputs \['kind', 'size'\]"):
+        search.search(x, kind, batch_size=8, validation_split=0.25)
+    with pytest.raises(ValueError, match=r"several outputs.* Received: y as a dict"):
+        search.search(x, {"kind": kind, "size": size}, batch_size=8, validation_split=0.25)
