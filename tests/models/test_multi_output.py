@@ -298,3 +298,22 @@ def test_the_private_search_refuses_several_outputs_before_its_draw(monkeypatch)
         search.search(x, kind, batch_size=8, validation_split=0.25)
     with pytest.raises(ValueError, match=r"several outputs.* Received: y as a dict"):
         search.search(x, {"kind": kind, "size": size}, batch_size=8, validation_split=0.25)
+
+
+class _TwoHeads(tfdp.DPModel):
+    def __init__(self):
+        super().__init__()
+        self.hidden, self.kind, self.size = L.Dense(6), L.Dense(3), L.Dense(1)
+
+    def call(self, x):
+        h = self.hidden(x)
+        return [self.kind(h), self.size(h)]
+
+
+def test_a_subclassed_model_with_several_outputs_trains_with_a_list_of_losses():
+    model = _TwoHeads()
+    model.compile(optimizer=tfdp.optimizers.DPSGD(0.1, l2_norm_clip=1.0, noise_multiplier=1.0),
+                  loss=[SCE, "mse"], loss_weights=[1.0, 0.5])
+    x, kind, size = data()
+    model.fit(x, [kind, size], batch_size=8, verbose=0)
+    assert model.privacy.steps == 4 and model._per_example_loss.names == ["output_0", "output_1"]

@@ -299,7 +299,7 @@ class DPTrainingMixin:
             loss_fn, targets = self._per_token_loss, (y, arrays[2])
         elif len(arrays) > 2:
             weights = mask * tf.cast(tf.reshape(arrays[2], [-1]), tf.float32)
-        # Compiled metrics read y, not a language model's (y, token weights).
+        # Compiled metrics read y, not (y, a language model's token weights or per-output weights).
         labels = (lambda t: t[0]) if targets is not y else (lambda t: t)  # noqa: E731
 
         def update_metrics(x, targets, y_pred, weights, mask, losses):
@@ -921,7 +921,7 @@ def _split_validation(x, y, sample_weight, validation_split):
     val = (_take(x, slice(cut, None)), _take(y, slice(cut, None)))
     sw_train = sw_val = None
     if sample_weight is not None:
-        sw_train, sw_val = sample_weight[:cut], sample_weight[cut:]
+        sw_train, sw_val = _take(sample_weight, slice(0, cut)), _take(sample_weight, slice(cut, None))
         val = val + (sw_val,)
     return train[0], train[1], sw_train, val
 

@@ -27,9 +27,13 @@ def as_array(name, value):
     except ValueError:
         array = None
     if array is None or array.dtype == object:
+        several = (" (one target per output of a model with several outputs: a subclassed "
+                   "model, whose outputs compile cannot see, compiles with a list or dict of "
+                   "losses, one per output)" if name == "y" and isinstance(value, (list, tuple))
+                   else "")
         raise ValueError(
             f"Expected `{name}` to be a rectangular numeric array (pad ragged rows to "
-            "one length, or use a tfdp.data.RecordSource). Received: "
+            f"one length, or use a tfdp.data.RecordSource){several}. Received: "
             f"{name} with rows of different lengths"
         )
     if array.ndim == 0:
@@ -149,7 +153,7 @@ def check_validation_data_fits(model, validation_data, units, split_at=None):
     if not isinstance(validation_data, (tuple, list)) or len(validation_data) not in (2, 3):
         return validation_data
     x, y = validation_data[0], validation_data[1]
-    if isinstance(units, dict):  # several outputs (tfdp.models.multi_output)
+    if isinstance(units, dict) or multi_output.has_several_outputs(model):  # one target per output
         y = multi_output.check_targets(model, y, "validation_data's y")
         if len(validation_data) == 3:
             multi_output.check_sample_weight(validation_data[2], None,

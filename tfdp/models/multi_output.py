@@ -12,14 +12,17 @@ output's is), and that one value is what is differentiated: each example's
 gradient over every head together is clipped as ONE unit and noised once, so
 the heads share the clip norm C instead of each taking C (which would let
 one record move the update by sqrt(K) C). A sample weight of shape [N]
-weighs the whole sum, as Keras weighs every output's loss with it.
+weighs the whole sum, as Keras weighs every output's loss with it; a list
+or dict of them (one per output, Keras's form) weighs each output's loss
+inside the sum (`OutputLosses.weighted_by_output`).
 
 An output whose loss is None (a list entry, or a name missing from a dict
-of losses) trains nothing through its own loss: it adds 0, and its target
-may be left out of a dict `y`. Refused before the first step, with the way
-round: per-output sample weights (a list or dict `sample_weight`), per-token
-weights, `class_weight` (Keras refuses it for several outputs too), and
-every output without a loss.
+of losses for a dict of outputs) trains nothing through its own loss: it
+adds 0, and its target may be left out of a dict `y`. Refused before the
+first step, with the way round: per-token weights, `class_weight` (Keras
+refuses it for several outputs too), lists and dicts that do not match the
+outputs, and no output with a loss. Metrics (`compile(metrics=...)`) see
+the drawn examples unweighted, as for one output.
 
 Example:
 
@@ -43,8 +46,17 @@ WAY_ROUND = "Docs: docs/guides/your-model.md, 'Several outputs'."
 
 def output_names(model):
     """The model's output names in its outputs' order (tf.nest's order for a
-    dict of outputs), or None when unknown (a subclassed model before it is
-    built). Example: `output_names(model)` -> ['kind', 'size']."""
+    dict of outputs); for a subclassed model, whose outputs are its call()'s,
+    the names its losses were compiled with ("output_0", ...); else None.
+    Example: `output_names(model)` -> ['kind', 'size']."""
+    names = _graph_output_names(model)
+    compiled = getattr(model, "_per_example_loss", None)
+    if names is None and isinstance(compiled, OutputLosses):
+        return compiled.names
+    return names
+
+
+def _graph_output_names(model):
     try:
         outputs = model.outputs
     except AttributeError:  # a subclassed model: its outputs are its call()'s
@@ -58,7 +70,9 @@ def output_names(model):
 def has_several_outputs(model, loss=None):
     """True for a model with several outputs, or, when its outputs are not
     known yet, for a list or dict of losses."""
-    names = output_names(model)
+    if isinstance(getattr(model, "_per_example_loss", None), OutputLosses):
+        return True  # compiled with one loss per output
+    names = _graph_output_names(model)
     if names is not None:
         return len(names) > 1
     return isinstance(loss, (list, tuple, dict))
@@ -122,7 +136,7 @@ class OutputLosses:
 
 
 def _names_for(model, loss):
-    names = output_names(model)
+    names = _graph_output_names(model)
     if names is not None:
         return names
     count = len(loss)  # a subclassed model: positions, from the list of losses
@@ -249,8 +263,8 @@ def check_targets(model, y, name="y"):
     """
     from tfdp.models.input_checks import as_array
 
-    names = output_names(model)
     losses = getattr(model, "_per_example_loss", None)
+    names = output_names(model) or getattr(losses, "names", None)
     if isinstance(y, dict):
         unknown = sorted(set(y) - set(names), key=str)
         needed = [n for n, loss in zip(names, getattr(losses, "losses", [])) if loss is not None]
