@@ -231,7 +231,8 @@ def test_save_and_load_keep_the_losses_weights_and_ledger(tmp_path):
 @pytest.mark.parametrize("compile_args, match", [
     (dict(loss={"kind": SCE, "colour": "mse"}), r"outputs the model does not have: \['colour'\]"),
     (dict(loss=[SCE]), r"one `loss` entry per output \(2: \['kind', 'size'\]\)"),
-    (dict(loss={"kind": None}), r"No output of \['kind', 'size'\] has a loss"),
+    (dict(loss={"kind": None, "size": None}), r"No output of \['kind', 'size'\] has a loss"),
+    (dict(loss={"kind": SCE}), r"names every output: \['size'\] missing. Give an output"),
     (dict(loss=[SCE, "mse"], loss_weights=0.5), r"takes `loss_weights` as a list"),
     (dict(loss=[SCE, "mse"], loss_weights=[1.0, float("nan")]), r"loss weight of output 'size'"),
     (dict(loss=[SCE, None, "mse"]), r"one `loss` entry per output"),

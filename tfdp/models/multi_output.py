@@ -180,6 +180,13 @@ def output_losses(model, loss, loss_weights=None):
         raise ValueError(
             "A DP model needs a loss to compute per-example gradients. Received: loss=None")
     losses = by_output(names, loss, "loss")
+    missing = [name for name in names if isinstance(loss, dict) and name not in loss]
+    if missing and not isinstance(getattr(model, "_outputs_struct", None), dict):
+        raise ValueError(  # Keras's rule for a list of outputs
+            f"A dict of losses for a model with a list of outputs names every output: "
+            f"{missing} missing. Give an output without a loss the loss None. Received: "
+            f"loss with keys {sorted(loss, key=str)}"
+        )
     if loss_weights is None:
         weights = [1.0] * len(names)
     elif isinstance(loss_weights, (list, tuple, dict)):
