@@ -110,14 +110,16 @@ def test_a_batch_normalization_called_in_inference_mode_or_frozen_is_accepted():
     assert "fit refuses" not in model.per_example_path
 
 
-def test_several_outputs_are_refused_at_compile_with_the_way_round():
+def test_several_outputs_validate_each_output_loss_and_name_a_wrong_one():
     inputs = keras.Input((4,))
     h = L.Dense(8)(inputs)
     model = tfdp.DPModel(inputs, [L.Dense(2, name="kind")(h), L.Dense(1, name="size")(h)])
-    with pytest.raises(ValueError, match=r"2 outputs .*Concatenate\(\)\(\[head_a, head_b\]\)"):
-        model.compile(optimizer=_sgd(), loss="mse")
-    [finding] = tfdp.per_example.validate(model, loss="mse").refused
-    assert finding.subject == "model" and "Several outputs" in finding.reason
+    assert tfdp.per_example.validate(model, loss={"kind": "mse", "size": "mse"},
+                                     loss_weights={"kind": 1.0, "size": 0.5}).ok
+    [finding] = tfdp.per_example.validate(model, loss={"kind": "mse", "colour": "mse"}).refused
+    assert finding.subject == "loss" and "'colour'" in finding.reason
+    [slow] = tfdp.per_example.validate(model, loss=["mse", "circle"]).slow
+    assert slow.subject == "loss of output 'size'"
 
 
 def test_text_inputs_are_refused_only_when_no_layer_of_the_model_reads_text():

@@ -64,7 +64,9 @@ class RecordSpace:
     Args:
         data: (x, y) or (x, y, sample_weight), arrays with one row a record.
         label_classes: classes of integer targets (the model's last output
-            dimension), or 1 when unknown (then the data's range is used).
+            dimension), or 1 when unknown (then the data's range is used);
+            for a model with several outputs, a list: one per target leaf,
+            in the outputs' order.
 
     Attributes:
         template: the data's first record.
@@ -80,15 +82,19 @@ class RecordSpace:
         self.roles = [role for role, part in zip("xyw", parts) for _ in part]
         self.template = tf.nest.pack_sequence_as(data, [np.asarray(a[0]) for a in flat])
         self.kinds, self.ranges = [], []
+        per_target = list(label_classes) if isinstance(label_classes, (list, tuple)) else None
         for role, array in zip(self.roles, flat):
+            classes = label_classes
+            if role == "y" and per_target is not None:
+                classes = per_target.pop(0) if per_target else 1
             array = np.asarray(array)
             kind = "bool" if array.dtype == bool else (
                 "float" if np.issubdtype(array.dtype, np.floating) else "int")
             self.kinds.append(kind)
             if kind != "int":
                 self.ranges.append(None)
-            elif role == "y" and label_classes > 1:
-                self.ranges.append((0, int(label_classes) - 1))
+            elif role == "y" and classes > 1:
+                self.ranges.append((0, int(classes) - 1))
             else:
                 self.ranges.append((int(array.min()), int(array.max())))
 

@@ -72,6 +72,8 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from tfdp.models import multi_output
+
 RELATIONS = ("add", "add, padded batch", "add, record in padding", "replace")
 
 # Mechanisms whose update is not (learning rate) x (clipped sum) / b.
@@ -248,9 +250,11 @@ class NeighbourStep:
             )
 
     def predict(self, record):
-        """The model's inference prediction for one record, float64."""
+        """The model's inference prediction for one record, float64 (its
+        first output's, for a model with several: the first target's)."""
         x = _stack([self.as_data(record)])[0]
         prediction = self.model(tf.nest.map_structure(tf.constant, x), training=False)
+        prediction = multi_output.first_output(self.model, prediction)
         return tf.cast(prediction, tf.float64).numpy()[0]
 
     def _baseline(self, relation):

@@ -59,7 +59,9 @@ class ClippedContribution:
             tape.watch(watched)
             x, y = arrays[0], arrays[1]
             weights, loss_fn, targets = tf.ones([1]), model._per_example_loss, y
-            if len(arrays) > 2 and arrays[2].shape.rank > 1:
+            if len(arrays) > 2 and tf.nest.is_nested(arrays[2]):  # a weight per output
+                loss_fn, targets = model._per_example_loss.weighted_by_output, (y, arrays[2])
+            elif len(arrays) > 2 and arrays[2].shape.rank > 1:
                 loss_fn, targets = model._per_token_loss, (y, arrays[2])
             elif len(arrays) > 2:
                 weights = tf.cast(tf.reshape(arrays[2], [-1]), tf.float32)

@@ -84,7 +84,7 @@ import tensorflow as tf
 from tfdp.auditing import crafted_records, record_search
 from tfdp.auditing.neighbour_step import RELATIONS, NeighbourStep
 from tfdp.data.users import check_examples_per_user
-from tfdp.models import float32_precision
+from tfdp.models import float32_precision, multi_output
 from tfdp.models.dp_model import _lists_to_tuples
 from tfdp.models.user_level import check_user_level_optimizer
 
@@ -224,7 +224,13 @@ def _check_data(model, x, y, sample_weight, records):
     if isinstance(x, (list, tuple)) and len(getattr(model, "inputs", None) or ()) <= 1:
         x = np.asarray(x)  # one input given as a Python list, as fit takes it
     x = tf.nest.map_structure(np.asarray, _lists_to_tuples(x))
-    data = (x, np.asarray(y)) + (() if sample_weight is None else (np.asarray(sample_weight),))
+    if multi_output.has_several_outputs(model):  # one target per output, in output order
+        y = multi_output.in_output_order(model, multi_output.check_targets(model, y))
+        if sample_weight is not None:  # [N], or one per output (a tuple in output order)
+            sample_weight = multi_output.in_output_order(
+                model, multi_output.check_sample_weight(sample_weight, None))
+    data = (x, tf.nest.map_structure(np.asarray, y)) + (
+        () if sample_weight is None else (tf.nest.map_structure(np.asarray, sample_weight),))
     for array in tf.nest.flatten(data):
         if array.ndim == 0 or not (np.issubdtype(array.dtype, np.number) or array.dtype == bool):
             raise ValueError(
@@ -337,7 +343,9 @@ def sensitivity_search(model, x, y, sample_weight=None, *, records=7, batch_size
 def _search(step, data, records, search_steps, seed):
     """Runs every construction and search on the entered `step`; returns the `_Table`."""
     outputs = getattr(step.model, "outputs", None)
-    classes = int(outputs[0].shape[-1] or 1) if outputs and len(outputs[0].shape) else 1
+    classes = [int(o.shape[-1] or 1) if len(o.shape) else 1 for o in outputs or []] or [1]
+    if len(classes) == 1:
+        classes = classes[0]  # one output; several: one count per output's target
     space = crafted_records.RecordSpace(data, classes)
     rng = np.random.default_rng(seed)
     table = _Table()

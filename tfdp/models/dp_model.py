@@ -30,7 +30,8 @@ from tfdp.accounting.calibration import steps_per_epoch as default_steps_per_epo
 from tfdp.data import interrupts, sources
 from tfdp.data.fixed_order import FixedOrderData
 from tfdp.models import (
-    chunked_step, float32_precision, input_checks, state_writes, user_level, weight_ledgers,
+    chunked_step, float32_precision, input_checks, multi_output, state_writes, user_level,
+    weight_ledgers,
 )
 from tfdp.models.atomic_save import atomic_write, is_local_path
 from tfdp.models.augmentation import check_augmentation
@@ -41,9 +42,7 @@ from tfdp.models.executions import whole_executions
 from tfdp.models.functional_class import make_functional, wants_functional
 from tfdp.models.jit import resolve_jit_compile
 from tfdp.models.matmul_precision import refuse_rewritten_matmuls
-from tfdp.models.losses import check_one_output, per_example_loss
 from tfdp.models.restore import LedgerGuard, naming_the_file, restore_backups
-from tfdp.models.sequence_loss import token_weighted_loss
 from tfdp.models.step_errors import without_record_values
 from tfdp.models.task_inputs import check_graph_arguments, check_no_text, text_as_tensors
 from tfdp.models.tied_layers import retie, tied_layers
@@ -214,12 +213,12 @@ class DPTrainingMixin:
                 f"{type(optimizer).__name__ if optimizer is not None else None}"
             )
         check_per_example_support(self)
-        check_one_output(self)  # several heads: one concatenated output (losses.py)
         if kwargs.get("run_eagerly"):
             raise ValueError(_EAGER_REFUSAL.format(name=type(self).__name__)
                              + " Received: run_eagerly=True")
-        self._per_example_loss = per_example_loss(loss)
-        self._per_token_loss = token_weighted_loss(loss)
+        # Several outputs: each example's loss sums its heads' (multi_output.py).
+        self._per_example_loss, self._per_token_loss = multi_output.compiled_losses(
+            self, loss, kwargs.get("loss_weights"))
         kwargs["jit_compile"] = resolve_jit_compile(
             kwargs.get("jit_compile", "auto"), model=self
         )
@@ -293,20 +292,23 @@ class DPTrainingMixin:
         x, y = arrays[0], arrays[1]
         mask = tf.cast(step_info["mask"], tf.float32)
         weights, loss_fn, targets = mask, self._per_example_loss, y
-        if len(arrays) > 2 and arrays[2].shape.rank > 1:
+        if len(arrays) > 2 and tf.nest.is_nested(arrays[2]):  # a weight per output (multi_output)
+            loss_fn, targets = self._per_example_loss.weighted_by_output, (y, arrays[2])
+        elif len(arrays) > 2 and arrays[2].shape.rank > 1:
             # Per-token weights (a language model's padding mask): they weigh
             # tokens inside each sequence's loss (tfdp.models.sequence_loss).
             loss_fn, targets = self._per_token_loss, (y, arrays[2])
         elif len(arrays) > 2:
             weights = mask * tf.cast(tf.reshape(arrays[2], [-1]), tf.float32)
-        # Compiled metrics read y, not a language model's (y, token weights).
-        labels = (lambda t: t[0]) if loss_fn is self._per_token_loss else (lambda t: t)  # noqa: E731
+        # Compiled metrics read y, not (y, a language model's token weights or per-output weights).
+        labels = (lambda t: t[0]) if targets is not y else (lambda t: t)  # noqa: E731
 
         def update_metrics(x, targets, y_pred, weights, mask, losses):
             # Unweighted metrics (compile(metrics=...)) ignore sample weights:
             # give them the drawn rows only, never the padding.
             drawn = lambda t: tf.boolean_mask(t, mask > 0)  # noqa: E731
             with state_writes.checked_metric_updates(self):  # they write only their own
+                multi_output.update_output_loss_metrics(self, labels(targets), y_pred, weights * mask)
                 return self.compute_metrics(
                     x, tf.nest.map_structure(drawn, labels(targets)),
                     tf.nest.map_structure(drawn, y_pred),
@@ -543,7 +545,7 @@ class DPTrainingMixin:
             self._augmentation = augmentation
             self.train_function = None  # retrace the step with the new copies
         # Outputs are known once built (a model without keras.Input has none before).
-        units = self.outputs[0].shape[-1] if getattr(self, "outputs", None) else None
+        units = multi_output.label_units(self)  # per output name for several outputs
         if isinstance(x, sources.RecordSource):
             arrays = input_checks.check_record_source(x, units)
         elif not isinstance(x, FixedOrderData):  # a pipeline's labels arrive as it runs
@@ -671,6 +673,8 @@ class DPTrainingMixin:
         x = tf.nest.map_structure(
             lambda a: input_checks.as_array("x", a), _lists_to_tuples(x)
         )
+        if multi_output.has_several_outputs(self):  # one target per output
+            return multi_output.training_arrays(self, x, y, sample_weight, class_weight)
         y = input_checks.as_array("y", y)
         num_examples = _first_dim(x)
         if num_examples == 0:
@@ -927,11 +931,11 @@ def _split_validation(x, y, sample_weight, validation_split):
             f"validation_split={validation_split} leaves no training or no "
             f"validation examples out of {num_examples}."
         )
-    train = (_take(x, slice(0, cut)), y[:cut])
-    val = (_take(x, slice(cut, None)), y[cut:])
+    train = (_take(x, slice(0, cut)), _take(y, slice(0, cut)))
+    val = (_take(x, slice(cut, None)), _take(y, slice(cut, None)))
     sw_train = sw_val = None
     if sample_weight is not None:
-        sw_train, sw_val = sample_weight[:cut], sample_weight[cut:]
+        sw_train, sw_val = _take(sample_weight, slice(0, cut)), _take(sample_weight, slice(cut, None))
         val = val + (sw_val,)
     return train[0], train[1], sw_train, val
 

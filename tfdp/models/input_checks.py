@@ -17,6 +17,7 @@ import numpy as np
 import tensorflow as tf
 
 from tfdp.data import sources
+from tfdp.models import multi_output
 
 
 def as_array(name, value):
@@ -26,9 +27,13 @@ def as_array(name, value):
     except ValueError:
         array = None
     if array is None or array.dtype == object:
+        several = (" (one target per output of a model with several outputs: a subclassed "
+                   "model, whose outputs compile cannot see, compiles with a list or dict of "
+                   "losses, one per output)" if name == "y" and isinstance(value, (list, tuple))
+                   else "")
         raise ValueError(
             f"Expected `{name}` to be a rectangular numeric array (pad ragged rows to "
-            "one length, or use a tfdp.data.RecordSource). Received: "
+            f"one length, or use a tfdp.data.RecordSource){several}. Received: "
             f"{name} with rows of different lengths"
         )
     if array.ndim == 0:
@@ -40,7 +45,17 @@ def as_array(name, value):
 
 def check_label_values(y, units, name="y"):
     """Labels are numbers; class indices fit a model with `units` outputs
-    (`name` says whose labels, e.g. "validation_data's y")."""
+    (`name` says whose labels, e.g. "validation_data's y"). A model with
+    several outputs gives `y` as a tuple or dict of arrays and `units` as
+    {output name: units} (`tfdp.models.multi_output.label_units`)."""
+    if isinstance(y, (tuple, list, dict)):
+        names = list(units) if isinstance(units, dict) else []
+        items = y.items() if isinstance(y, dict) else enumerate(y)
+        for key, labels in items:
+            output = key if isinstance(y, dict) else (names[key] if key < len(names) else None)
+            check_label_values(np.asarray(labels), (units or {}).get(output),
+                               f"{name}[{key!r}]")
+        return
     if y.dtype.kind not in "biuf":
         raise ValueError(
             "Expected numeric labels (class indices or targets); map strings to "
@@ -138,9 +153,15 @@ def check_validation_data_fits(model, validation_data, units, split_at=None):
     if not isinstance(validation_data, (tuple, list)) or len(validation_data) not in (2, 3):
         return validation_data
     x, y = validation_data[0], validation_data[1]
-    y = as_array("validation_data's y", y)
+    if isinstance(units, dict) or multi_output.has_several_outputs(model):  # one target per output
+        y = multi_output.check_targets(model, y, "validation_data's y")
+        if len(validation_data) == 3:
+            multi_output.check_sample_weight(validation_data[2], None,
+                                             "validation_data's sample_weight")
+    else:
+        y = as_array("validation_data's y", y)
     check_label_values(y, units, "validation_data's y")
-    if len(validation_data) == 3 and validation_data[2] is not None:
+    if len(validation_data) == 3 and validation_data[2] is not None and not isinstance(units, dict):
         weights = as_array("validation_data's sample_weight", validation_data[2])
         check_sample_weight_shape(weights, y, "validation_data's sample_weight")
     x = x if not isinstance(x, list) else tuple(x)
@@ -197,7 +218,7 @@ def check_record_source(source, units):
             )
     spec = source.element_spec[1]
     if not (
-        isinstance(spec, tf.TensorSpec) and units and units > 1
+        isinstance(spec, tf.TensorSpec) and isinstance(units, int) and units > 1
         and (spec.dtype.is_integer or spec.dtype.is_bool) and spec.shape[1:] in ((), (1,))
     ):
         return source

@@ -167,6 +167,8 @@ def check_dp_model(model, sample):
 def _step_inputs(model, arrays):
     """(x, targets, per-example loss) as the step takes them."""
     # pylint: disable=protected-access
+    if len(arrays) > 2 and tf.nest.is_nested(arrays[2]):  # a weight per output (multi_output)
+        return arrays[0], (arrays[1], arrays[2]), model._per_example_loss.weighted_by_output
     if len(arrays) > 2 and arrays[2] is not None and arrays[2].shape.rank > 1:
         return arrays[0], (arrays[1], arrays[2]), model._per_token_loss  # per-token weights
     return arrays[0], arrays[1], model._per_example_loss

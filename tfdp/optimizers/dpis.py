@@ -545,6 +545,11 @@ class DPIS(DPOptimizer):
         count = run.num_examples
         chunk = min(count, NORM_PASS_CHUNK)
         sample_weight = arrays[2] if len(arrays) > 2 else None
+        if tf.nest.is_nested(sample_weight):
+            raise ValueError(
+                "DPIS's pass over all records takes one sample weight per example (shape "
+                "[N]); give one for every output, or train with DPSGD. Received: "
+                f"sample_weight as a {type(sample_weight).__name__} (one per output)")
         out = np.empty(count, np.float64)
         for start in range(0, count, chunk):
             stop = min(start + chunk, count)
@@ -558,7 +563,7 @@ class DPIS(DPOptimizer):
                 return part
 
             x = tf.nest.map_structure(take, arrays[0])
-            y = take(arrays[1])
+            y = tf.nest.map_structure(take, arrays[1])  # one array per output of several
             weights = np.zeros(chunk, np.float32)
             weights[:real] = 1.0 if sample_weight is None else np.reshape(sample_weight[start:stop], -1)
             sq = run.norm_fn(x, y, tf.constant(weights)).numpy()[:real].astype(np.float64)

@@ -135,7 +135,6 @@ def _path_findings(model, plan):
 
 def _model_findings(model):
     from tfdp.models.dp_model import DPTrainingMixin, _check_train_step
-    from tfdp.models.losses import check_one_output
     from tfdp.models.task_inputs import check_no_text
 
     if not isinstance(model, DPTrainingMixin):
@@ -143,12 +142,6 @@ def _model_findings(model):
                       "plain Keras fit trains without privacy",
                       "build it as tfdp.DPModel(inputs, outputs) or tfdp.DPSequential(layers)")
         return
-    try:
-        check_one_output(model)
-    except ValueError as error:
-        yield Finding("refused", "model", str(error),
-                      "concatenate the heads into one output and compile with one loss that "
-                      "weighs each head's loss per example")
     try:
         _check_train_step(model)
     except ValueError as error:
@@ -168,26 +161,40 @@ def _model_findings(model):
                               "model (a KerasHub preprocessor)")
 
 
-def _loss_findings(loss):
-    from tfdp.models.losses import ROW_WISE_LOSSES, unreduced_loss
+def _loss_findings(model, loss, loss_weights):
+    from tfdp.models import multi_output
+    from tfdp.models.losses import unreduced_loss
 
+    several = multi_output.has_several_outputs(model, loss)
     try:
-        unreduced_loss(loss)
+        if several:  # each example's loss sums its outputs' (tfdp.models.multi_output)
+            multi_output.output_losses(model, loss, loss_weights)
+        else:
+            unreduced_loss(loss)
     except ValueError as error:
-        fix = ("compile with one loss for one output (for several heads, concatenate them "
-               "into one output with one loss that weighs each head's loss per example)"
-               if isinstance(loss, (list, tuple, dict))
+        fix = ("give one loss per output (a list in the outputs' order, or a dict keyed by "
+               "output name, as the reason says), or one loss for every output" if several
+               else "compile with one loss for this one output" if isinstance(loss, (list, tuple, dict))
                else "pass a Keras loss, its name, or a function returning one loss per example")
         yield Finding("refused", "loss", str(error), fix)
         return
+    names = multi_output.output_names(model) if several else None
+    for name, one in zip(names or [None], multi_output.by_output(names, loss, "loss")
+                         if several else [loss]):
+        if one is not None and not _row_wise(one):
+            subject = "loss" if name is None else f"loss of output '{name}'"
+            yield Finding("slow", subject, f"{one!r} is not a known row-wise Keras loss: it is "
+                          "evaluated one example at a time", "none needed; a Keras row-wise "
+                          "loss (crossentropy, mse, ...) runs batched")
+
+
+def _row_wise(loss):
     import keras
 
+    from tfdp.models.losses import ROW_WISE_LOSSES
+
     resolved = keras.losses.get(loss) if isinstance(loss, str) else loss
-    function = getattr(resolved, "fn", resolved)
-    if function not in ROW_WISE_LOSSES:
-        yield Finding("slow", "loss", f"{loss!r} is not a known row-wise Keras loss: it is "
-                      "evaluated one example at a time", "none needed; a Keras row-wise loss "
-                      "(crossentropy, mse, ...) runs batched")
+    return getattr(resolved, "fn", resolved) in ROW_WISE_LOSSES
 
 
 def _setting_findings(model, optimizer, settings):
@@ -222,7 +229,9 @@ def validate(model, loss=None, optimizer=None, **compile_settings):
         loss: the loss for `compile` (default: the compiled one, if any).
         optimizer: the optimizer for `compile` (default: the compiled one).
         **compile_settings: other `compile` arguments to check
-            (`run_eagerly`, `auto_scale_loss`).
+            (`run_eagerly`, `auto_scale_loss`, `loss_weights`: one per output
+            of a model with several outputs, whose losses are checked one by
+            one).
 
     Returns:
         A `ValidationReport`; `print(report)` shows it, `report.ok` is
@@ -241,12 +250,15 @@ def validate(model, loss=None, optimizer=None, **compile_settings):
     findings += _layer_findings(model)
     findings += _path_findings(model, plan)
     path = path_line(model, plan, findings)
+    loss_weights = compile_settings.pop("loss_weights", None)
     if getattr(model, "compiled", False):
-        loss = model.loss if loss is None else loss
+        if loss is None:
+            loss = model.loss
+            loss_weights = getattr(getattr(model, "_compile_loss", None), "_user_loss_weights", None)
         optimizer = model.optimizer if optimizer is None else optimizer
         compile_settings.setdefault("run_eagerly", model.run_eagerly)
     if loss is not None:
-        findings += _loss_findings(loss)
+        findings += _loss_findings(model, loss, loss_weights)
     findings += _setting_findings(model, optimizer, compile_settings)
     return ValidationReport(path, findings)
 

@@ -446,10 +446,20 @@ class _Owned:
             self._refs[id(item)] = weakref.ref(item)
 
 
+SEVERAL_OUTPUTS = (
+    "The private search scores one output per example: it does not search models with "
+    "several outputs. Search with their heads concatenated into one output and one loss "
+    "(docs/guides/your-model.md, 'Several outputs'), then train the several-output "
+    "model with fit."
+)
+
+
 class _Validation:
     """Where trials train and what they score on."""
 
     def __init__(self, x, y, split, data, public, noise):
+        if isinstance(y, dict):
+            raise ValueError(SEVERAL_OUTPUTS + " Received: y as a dict")
         self._x, self._y = np.asarray(x), np.asarray(y)
         total = len(self._x)
         if len(self._y) != total or total == 0:
@@ -499,6 +509,9 @@ class _Validation:
                 "and ids before it draws its trials: a trial failing on one record would reveal "
                 f"it. Received: {type(model).__name__} '{model.name}' without outputs"
             )
+        if len(model.outputs) > 1:
+            raise ValueError(SEVERAL_OUTPUTS + f" Received: a model with {len(model.outputs)} "
+                             f"outputs {list(getattr(model, 'output_names', []))}")
         units = model.outputs[0].shape[-1]
         input_checks.check_label_values(self._y, units)
         input_checks.check_embedding_ids(model, self._x)
