@@ -62,6 +62,7 @@ Example:
 """
 
 import math
+import os
 
 import tensorflow as tf
 
@@ -256,7 +257,8 @@ def mass_of(rows_x, rows_g):
 def _gram64(rows):
     """[B, S, S] float64 Gram matrices of float32 rows [B, S, C], summed over
     column chunks of `GRAM_CHUNK` (the products of float32 values are exact
-    in float64; only the sums round)."""
+    in float64; only the sums round). The fallback of `factored_norm_bounds`
+    where float32 Gram matrices could overflow or may not round as float32."""
     columns = rows.shape[-1]
     gram = None
     for start in range(0, columns, GRAM_CHUNK):
@@ -264,6 +266,138 @@ def _gram64(rows):
         part = tf.matmul(chunk, chunk, transpose_b=True)
         gram = part if gram is None else gram + part
     return gram
+
+
+# Row norms up to which float32 Gram matrices cannot overflow: every partial
+# sum of a dot of two rows is at most (1 + gamma) |x_s| |x_t| + eta, far
+# below float32's largest value (2^128 (1 - 2^-24)) when both are <= 2^63.
+FLOAT32_GRAM_ROW_LIMIT = 2.0**63
+
+# Settings under which a float32 matmul may round its operands to fewer
+# bits than float32 (oneDNN's bf16 / tf32 "fpmath" modes).
+_REDUCED_PRECISION_ENV = ("ONEDNN_DEFAULT_FPMATH_MODE", "TF_SET_ONEDNN_FPMATH_MODE")
+
+
+def float32_grams_round_as_float32():
+    """Whether a float32 matmul here rounds as float32 (unit roundoff 2^-24
+    per operation), which the float32 Gram bound assumes. Not where an
+    accelerator is visible (GPUs run float32 matmuls in TF32, 10-bit
+    mantissas, unless told otherwise; TPUs in bfloat16 passes) or where
+    oneDNN is told to use a reduced-precision math mode: there
+    `factored_norm_bounds` keeps float64 Gram matrices.
+
+    Example:
+
+    >>> isinstance(float32_grams_round_as_float32(), bool)
+    True
+    """
+    if any(os.environ.get(name, "STRICT").upper() != "STRICT" for name in _REDUCED_PRECISION_ENV):
+        return False
+    return not any(tf.config.list_logical_devices(kind) for kind in ("GPU", "TPU"))
+
+
+def float32_dot_error(width):
+    """(relative, absolute) Python floats: a float32 dot product of two
+    vectors of `width` entries, computed in ANY order, with or without fused
+    multiply-adds, with results below 2^-126 flushed to zero or not, and
+    without overflow, is within relative * |a| |b| + absolute of the exact
+    dot of its operands as read (Cauchy-Schwarz on Higham's
+    gamma(width) |a| . |b|): relative = gamma(width), absolute =
+    2 width FLOAT32_TINY (1 + gamma(width)) for the at most 2 width - 1
+    products and additions whose result may be flushed (an absolute error
+    below FLOAT32_TINY each, then carried through at most width - 1 later
+    roundings).
+
+    Example:
+
+    >>> relative, absolute = float32_dot_error(4)
+    >>> relative == gamma(4), absolute == 8 * FLOAT32_TINY * (1 + gamma(4))
+    (True, True)
+    """
+    relative = gamma(width)
+    return relative, 2.0 * width * FLOAT32_TINY * (1.0 + relative)
+
+
+def float32_gram_error(x_gram, g_gram, rows_x, rows_g, fan_in, fan_out):
+    """float64 [B] bound on |sum_{s,t} A^_st B^_st - sum_{s,t} A_st B_st|
+    where A^ = `x_gram`, B^ = `g_gram` are the float32 Gram matrices
+    [B, S, S] of an example's rows (widths `fan_in`, `fan_out`), A and B the
+    exact Gram matrices of the rows as read, and the double sum of the
+    products A^_st B^_st is taken in float64 (exact products, F3).
+    `rows_x`, `rows_g` [B, S] are upper bounds of the row norms r_s = |x_s|
+    and q_s = |g_s|. With |A^_st - A_st| <= a_st = ga r_s r_t + ea and
+    |B^_st - B_st| <= b_st = gb q_s q_t + eb (`float32_dot_error`) and
+    |A_st| <= |A^_st| + a_st, |B_st| <= |B^_st| + b_st:
+
+        sum |A^ B^ - A B| <= sum |A| b + a |B| + a b
+            <= sum |A^| b + a |B^| + 3 a b
+             = gb q'|A^|q + eb sum|A^| + ga r'|B^|r + ea sum|B^|
+               + 3 (ga gb m^2 + ga eb X^2 + ea gb G^2 + S^2 ea eb),
+
+    m = sum_s r_s q_s, X = sum_s r_s, G = sum_s q_s (sum_{s,t} r_s r_t q_s
+    q_t = m^2). The float64 sum of the S^2 products adds at most
+    gamma64(2 S + 4) sum |A^ B^|. Every quantity here is a float64 sum of at
+    most 2 S + 8 rounded positive terms, so the result is raised by
+    (1 + gamma64(2 S + 16)).
+
+    Example:
+
+    >>> gram = tf.ones([1, 1, 1])
+    >>> rows = tf.ones([1, 1], tf.float64)
+    >>> bound = float(float32_gram_error(gram, gram, rows, rows, 8, 8)[0])
+    >>> 2 * gamma(8) < bound < 2 * gamma(9)
+    True
+    """
+    positions = rows_x.shape[1]
+    relative_x, absolute_x = float32_dot_error(fan_in)
+    relative_g, absolute_g = float32_dot_error(fan_out)
+    a_abs = tf.abs(tf.cast(x_gram, tf.float64))
+    b_abs = tf.abs(tf.cast(g_gram, tf.float64))
+
+    def quadratic(matrix, rows):
+        return tf.reduce_sum(tf.linalg.matvec(matrix, rows) * rows, 1)
+
+    def total(matrix):
+        return tf.reduce_sum(tf.reduce_sum(matrix, 2), 1)
+
+    sum_x, sum_g = tf.reduce_sum(rows_x, 1), tf.reduce_sum(rows_g, 1)
+    mass = tf.reduce_sum(rows_x * rows_g, 1)
+    entries = (relative_g * quadratic(a_abs, rows_g) + absolute_g * total(a_abs)
+               + relative_x * quadratic(b_abs, rows_x) + absolute_x * total(b_abs)
+               + 3.0 * (relative_x * relative_g * tf.square(mass)
+                        + relative_x * absolute_g * tf.square(sum_x)
+                        + absolute_x * relative_g * tf.square(sum_g)
+                        + float(positions) ** 2 * absolute_x * absolute_g))
+    summation = gamma(2 * positions + 4, tf.float64) * total(a_abs * b_abs)
+    return (entries + summation) * (1.0 + gamma(2 * positions + 16, tf.float64))
+
+
+def _float32_grams_fit(rows_x, rows_g):
+    """Scalar bool: every row norm bound is within `FLOAT32_GRAM_ROW_LIMIT`
+    (then nothing in the float32 Gram matrices overflows)."""
+    return tf.logical_and(tf.reduce_max(rows_x) <= FLOAT32_GRAM_ROW_LIMIT,
+                          tf.reduce_max(rows_g) <= FLOAT32_GRAM_ROW_LIMIT)
+
+
+def _float32_factored(x, g, rows_x, rows_g):
+    """[B] sum_{s,t} A^_st B^_st from float32 Gram matrices, the products and
+    the double sum in float64, plus `float32_gram_error`."""
+    x_gram = tf.matmul(x, x, transpose_b=True)
+    g_gram = tf.matmul(g, g, transpose_b=True)
+    products = tf.cast(x_gram, tf.float64) * tf.cast(g_gram, tf.float64)
+    estimate = tf.reduce_sum(tf.reduce_sum(products, 2), 1)
+    return estimate + float32_gram_error(x_gram, g_gram, rows_x, rows_g, x.shape[2], g.shape[2])
+
+
+def _float64_factored(x, g, rows_x, rows_g):
+    """[B] sum_{s,t} (x_s.x_t)(g_s.g_t) from float64 Gram matrices plus
+    gamma64(K + O + 2S + 4) mass^2 (each Gram entry within gamma64(K)
+    |x_s||x_t| or gamma64(O) |g_s||g_t|, one rounding per product, S^2
+    products summed over t then s)."""
+    positions, fan_in, fan_out = x.shape[1], x.shape[2], g.shape[2]
+    estimate = tf.reduce_sum(tf.reduce_sum(_gram64(x) * _gram64(g), 2), 1)
+    terms = fan_in + fan_out + 2 * positions + 4
+    return estimate + gamma(terms, tf.float64) * tf.square(mass_of(rows_x, rows_g))
 
 
 def factored_norm_bounds(x, g):
@@ -275,24 +409,27 @@ def factored_norm_bounds(x, g):
 
     Returns:
         (sq, rows_x, rows_g), float64: `sq` [B] >= ||sum_s x_s g_s^T||_F^2
-        (exact arithmetic on x and g as the float64 cast reads them), and
+        (exact arithmetic on x and g as the Gram matrices read them), and
         [B, S] upper bounds of the true row norms |x_s| and |g_s|
-        (`row_norm_bounds`), which bound every rounding that depends on the
+        (`position_rows`), which bound every rounding that depends on the
         positions' sizes (`mass_of`, `summation_rounding`, `dot_rounding`).
 
-    The squared norm is sum_{s,t} (x_s . x_t)(g_s . g_t), computed from
-    float64 Gram matrices; its rounding is at most
-    gamma(K + O + 2S + 4) * mass^2 (each Gram entry within gamma(K) |x_s||x_t|
-    or gamma(O) |g_s||g_t|, one rounding per product, S^2 products summed
-    over t then s), which is added.
+    The squared norm is sum_{s,t} (x_s . x_t)(g_s . g_t). Its Gram matrices
+    are float32 products (`float32_gram_error` bounds what that rounds and
+    flushes) where float32 matmuls round as float32
+    (`float32_grams_round_as_float32`) and every row norm of the batch is
+    within `FLOAT32_GRAM_ROW_LIMIT` (nothing overflows); otherwise float64
+    products (exact) with gamma64(K + O + 2S + 4) mass^2 added. Either
+    bound is added, so `sq` holds for any record, a cancelling one
+    included.
     """
-    positions, fan_in, fan_out = x.shape[1], x.shape[2], g.shape[2]
-    x_gram, g_gram = _gram64(x), _gram64(g)
-    estimate = tf.reduce_sum(tf.reduce_sum(x_gram * g_gram, 2), 1)
-    rows_x = row_norm_bounds(tf.linalg.diag_part(x_gram), fan_in)
-    rows_g = row_norm_bounds(tf.linalg.diag_part(g_gram), fan_out)
-    terms = fan_in + fan_out + 2 * positions + 4
-    sq = estimate + gamma(terms, tf.float64) * tf.square(mass_of(rows_x, rows_g))
+    rows_x, rows_g = position_rows(x, g)
+    if float32_grams_round_as_float32():
+        sq = tf.cond(_float32_grams_fit(rows_x, rows_g),
+                     lambda: _float32_factored(x, g, rows_x, rows_g),
+                     lambda: _float64_factored(x, g, rows_x, rows_g))
+    else:
+        sq = _float64_factored(x, g, rows_x, rows_g)
     return tf.maximum(sq, 0.0), rows_x, rows_g
 
 
