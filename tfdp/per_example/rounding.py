@@ -273,6 +273,10 @@ def _gram64(rows):
 # below float32's largest value (2^128 (1 - 2^-24)) when both are <= 2^63.
 FLOAT32_GRAM_ROW_LIMIT = 2.0**63
 
+# Columns per float32 dot in `float32_gram`: each dot's rounding bound grows
+# with its length (gamma(256) = 1.5e-5), and chunks are added in float64.
+FLOAT32_GRAM_CHUNK = 256
+
 # Settings under which a float32 matmul may round its operands to fewer
 # bits than float32 (oneDNN's bf16 / tf32 "fpmath" modes).
 _REDUCED_PRECISION_ENV = ("ONEDNN_DEFAULT_FPMATH_MODE", "TF_SET_ONEDNN_FPMATH_MODE")
@@ -297,33 +301,71 @@ def float32_grams_round_as_float32():
 
 
 def float32_dot_error(width):
-    """(relative, absolute) Python floats: a float32 dot product of two
-    vectors of `width` entries, computed in ANY order, with or without fused
+    """(relative, absolute) Python floats for the dots `float32_gram`
+    computes: each entry is within relative * |a| |b| + absolute of the
+    exact dot of its two rows of `width` entries as read.
+
+    A float32 dot of c entries computed in ANY order, with or without fused
     multiply-adds, with results below 2^-126 flushed to zero or not, and
-    without overflow, is within relative * |a| |b| + absolute of the exact
-    dot of its operands as read (Cauchy-Schwarz on Higham's
-    gamma(width) |a| . |b|): relative = gamma(width), absolute =
-    2 width FLOAT32_TINY (1 + gamma(width)) for the at most 2 width - 1
-    products and additions whose result may be flushed (an absolute error
-    below FLOAT32_TINY each, then carried through at most width - 1 later
-    roundings).
+    without overflow, is within gamma(c) |a| . |b| + 2 c FLOAT32_TINY
+    (1 + gamma(c)) of the exact one (Higham's gamma(c) for the roundings;
+    at most 2 c - 1 products and additions whose result may be flushed, an
+    absolute error below FLOAT32_TINY each, carried through at most c - 1
+    later roundings). The rows are cut into n chunks of c <=
+    `FLOAT32_GRAM_CHUNK` columns whose float32 dots are added in float64
+    (exact casts, within gamma64(n) of their absolute sum), and
+    sum_chunks |a_c| . |b_c| <= |a| |b| (Cauchy-Schwarz), so: relative =
+    gamma(c) + gamma64(n) (1 + gamma(c)), absolute = 2 width FLOAT32_TINY
+    (1 + gamma(c)) (1 + gamma64(n)).
 
     Example:
 
     >>> relative, absolute = float32_dot_error(4)
-    >>> relative == gamma(4), absolute == 8 * FLOAT32_TINY * (1 + gamma(4))
+    >>> relative > gamma(4), absolute > 8 * FLOAT32_TINY * (1 + gamma(4))
     (True, True)
     """
-    relative = gamma(width)
-    return relative, 2.0 * width * FLOAT32_TINY * (1.0 + relative)
+    chunk = min(width, FLOAT32_GRAM_CHUNK)
+    chunks = -(-width // chunk)
+    relative = gamma(chunk) + gamma(chunks, tf.float64) * (1.0 + gamma(chunk))
+    absolute = 2.0 * width * FLOAT32_TINY * (1.0 + gamma(chunk)) * (1.0 + gamma(chunks, tf.float64))
+    return relative, absolute
+
+
+def float32_gram(rows):
+    """[B, S, S] float64 Gram matrices of float32 rows [B, S, C]: float32
+    products over chunks of `FLOAT32_GRAM_CHUNK` columns (one batched matmul
+    per `GRAM_CHUNK` columns; the last chunk padded with zeros, which add
+    nothing), each cast to float64 and added there (`float32_dot_error`
+    bounds what this rounds and flushes).
+
+    Example:
+
+    >>> float(float32_gram(tf.ones([1, 2, 300]))[0, 0, 1])
+    300.0
+    """
+    positions, columns = rows.shape[1], rows.shape[-1]
+    chunk = min(columns, FLOAT32_GRAM_CHUNK)
+    gram = None
+    for start in range(0, columns, GRAM_CHUNK):
+        block = rows[..., start:start + GRAM_CHUNK]
+        width = block.shape[-1]
+        pieces = -(-width // chunk)
+        if pieces * chunk != width:
+            block = tf.pad(block, [[0, 0], [0, 0], [0, pieces * chunk - width]])
+        block = tf.transpose(tf.reshape(block, [-1, positions, pieces, chunk]), [0, 2, 1, 3])
+        part = tf.reduce_sum(tf.cast(tf.matmul(block, block, transpose_b=True), tf.float64), 1)
+        gram = part if gram is None else gram + part
+    return gram
 
 
 def float32_gram_error(x_gram, g_gram, rows_x, rows_g, fan_in, fan_out):
     """float64 [B] bound on |sum_{s,t} A^_st B^_st - sum_{s,t} A_st B_st|
-    where A^ = `x_gram`, B^ = `g_gram` are the float32 Gram matrices
-    [B, S, S] of an example's rows (widths `fan_in`, `fan_out`), A and B the
-    exact Gram matrices of the rows as read, and the double sum of the
-    products A^_st B^_st is taken in float64 (exact products, F3).
+    where A^ = `x_gram`, B^ = `g_gram` [B, S, S] are an example's Gram
+    matrices from `float32_gram` (rows of widths `fan_in`, `fan_out`), A
+    and B the exact Gram matrices of the rows as read, and the double sum of
+    the products A^_st B^_st is taken in float64 (A^, B^ are sums of float32
+    values there; the products are not exact, so they count in the sum's
+    rounding below).
     `rows_x`, `rows_g` [B, S] are upper bounds of the row norms r_s = |x_s|
     and q_s = |g_s|. With |A^_st - A_st| <= a_st = ga r_s r_t + ea and
     |B^_st - B_st| <= b_st = gb q_s q_t + eb (`float32_dot_error`) and
@@ -335,8 +377,8 @@ def float32_gram_error(x_gram, g_gram, rows_x, rows_g, fan_in, fan_out):
                + 3 (ga gb m^2 + ga eb X^2 + ea gb G^2 + S^2 ea eb),
 
     m = sum_s r_s q_s, X = sum_s r_s, G = sum_s q_s (sum_{s,t} r_s r_t q_s
-    q_t = m^2). The float64 sum of the S^2 products adds at most
-    gamma64(2 S + 4) sum |A^ B^|. Every quantity here is a float64 sum of at
+    q_t = m^2). The float64 products and their float64 sum over t then s
+    add at most gamma64(2 S + 4) sum |A^ B^|. Every quantity here is a float64 sum of at
     most 2 S + 8 rounded positive terms, so the result is raised by
     (1 + gamma64(2 S + 16)).
 
@@ -382,9 +424,8 @@ def _float32_grams_fit(rows_x, rows_g):
 def _float32_factored(x, g, rows_x, rows_g):
     """[B] sum_{s,t} A^_st B^_st from float32 Gram matrices, the products and
     the double sum in float64, plus `float32_gram_error`."""
-    x_gram = tf.matmul(x, x, transpose_b=True)
-    g_gram = tf.matmul(g, g, transpose_b=True)
-    products = tf.cast(x_gram, tf.float64) * tf.cast(g_gram, tf.float64)
+    x_gram, g_gram = float32_gram(x), float32_gram(g)
+    products = x_gram * g_gram
     estimate = tf.reduce_sum(tf.reduce_sum(products, 2), 1)
     return estimate + float32_gram_error(x_gram, g_gram, rows_x, rows_g, x.shape[2], g.shape[2])
 
