@@ -57,8 +57,8 @@ Example:
 >>> x = tf.constant([[[1.0, 0.0], [1.0, 0.0]]])      # two equal positions
 >>> g = tf.constant([[[1e8, 0.0], [-1e8, 1.0]]])     # cancelling gradients
 >>> sq, rows_x, rows_g = factored_norm_bounds(x, g)   # true squared norm: 1
->>> bool(sq.numpy()[0] >= 1.0), round(float(mass_of(rows_x, rows_g).numpy()[0]))
-(True, 200000000)
+>>> bool(sq.numpy()[0] >= 1.0), round(float(mass_of(rows_x, rows_g).numpy()[0]) / 1e8, 6)
+(True, 2.0)
 """
 
 import math
@@ -268,11 +268,6 @@ def _gram64(rows):
     return gram
 
 
-# Row norms up to which float32 Gram matrices cannot overflow: every partial
-# sum of a dot of two rows is at most (1 + gamma) |x_s| |x_t| + eta, far
-# below float32's largest value (2^128 (1 - 2^-24)) when both are <= 2^63.
-FLOAT32_GRAM_ROW_LIMIT = 2.0**63
-
 # Columns per float32 dot in `float32_gram`: each dot's rounding bound grows
 # with its length (gamma(256) = 1.5e-5), and chunks are added in float64.
 FLOAT32_GRAM_CHUNK = 256
@@ -414,31 +409,55 @@ def float32_gram_error(x_gram, g_gram, rows_x, rows_g, fan_in, fan_out):
     return (entries + summation) * (1.0 + gamma(2 * positions + 16, tf.float64))
 
 
-def _float32_grams_fit(rows_x, rows_g):
-    """Scalar bool: every row norm bound is within `FLOAT32_GRAM_ROW_LIMIT`
-    (then nothing in the float32 Gram matrices overflows)."""
-    return tf.logical_and(tf.reduce_max(rows_x) <= FLOAT32_GRAM_ROW_LIMIT,
-                          tf.reduce_max(rows_g) <= FLOAT32_GRAM_ROW_LIMIT)
+def float32_row_bounds(gram, width):
+    """[B, S] float64 upper bounds of the true norms of rows of `width`
+    entries from the diagonal of their `float32_gram` (no overflow): the
+    computed A^_ss is at least A_ss (1 - relative) - absolute
+    (`float32_dot_error`), so A_ss <= (A^_ss + absolute) / (1 - relative);
+    then `row_norm_bounds` (the float64 square root's rounding, and entries
+    the matmul read as 0 under denormals-are-zero).
+
+    Example:
+
+    >>> float(float32_row_bounds(tf.constant([[[25.0]]], tf.float64), 2)[0, 0])
+    5.0...
+    """
+    relative, absolute = float32_dot_error(width)
+    squares = (tf.linalg.diag_part(gram) + absolute) / (1.0 - relative)
+    return row_norm_bounds(squares, width)
 
 
-def _float32_factored(x, g, rows_x, rows_g):
-    """[B] sum_{s,t} A^_st B^_st from float32 Gram matrices, the products and
-    the double sum in float64, plus `float32_gram_error`."""
-    x_gram, g_gram = float32_gram(x), float32_gram(g)
-    products = x_gram * g_gram
-    estimate = tf.reduce_sum(tf.reduce_sum(products, 2), 1)
-    return estimate + float32_gram_error(x_gram, g_gram, rows_x, rows_g, x.shape[2], g.shape[2])
+def _float32_factored(x, g, x_gram, g_gram):
+    """(sq, rows_x, rows_g) from finite `float32_gram` matrices: the float64
+    double sum of their products plus `float32_gram_error`."""
+    fan_in, fan_out = x.shape[2], g.shape[2]
+    rows_x, rows_g = float32_row_bounds(x_gram, fan_in), float32_row_bounds(g_gram, fan_out)
+    estimate = tf.reduce_sum(tf.reduce_sum(x_gram * g_gram, 2), 1)
+    sq = estimate + float32_gram_error(x_gram, g_gram, rows_x, rows_g, fan_in, fan_out)
+    return sq, rows_x, rows_g
 
 
-def _float64_factored(x, g, rows_x, rows_g):
-    """[B] sum_{s,t} (x_s.x_t)(g_s.g_t) from float64 Gram matrices plus
-    gamma64(K + O + 2S + 4) mass^2 (each Gram entry within gamma64(K)
-    |x_s||x_t| or gamma64(O) |g_s||g_t|, one rounding per product, S^2
-    products summed over t then s)."""
+def _float64_factored(x, g):
+    """(sq, rows_x, rows_g) from float64 Gram matrices: sum_{s,t}
+    (x_s.x_t)(g_s.g_t) plus gamma64(K + O + 2S + 4) mass^2 (each Gram entry
+    within gamma64(K) |x_s||x_t| or gamma64(O) |g_s||g_t|, one rounding per
+    product, S^2 products summed over t then s)."""
     positions, fan_in, fan_out = x.shape[1], x.shape[2], g.shape[2]
-    estimate = tf.reduce_sum(tf.reduce_sum(_gram64(x) * _gram64(g), 2), 1)
+    x_gram, g_gram = _gram64(x), _gram64(g)
+    estimate = tf.reduce_sum(tf.reduce_sum(x_gram * g_gram, 2), 1)
+    rows_x = row_norm_bounds(tf.linalg.diag_part(x_gram), fan_in)
+    rows_g = row_norm_bounds(tf.linalg.diag_part(g_gram), fan_out)
     terms = fan_in + fan_out + 2 * positions + 4
-    return estimate + gamma(terms, tf.float64) * tf.square(mass_of(rows_x, rows_g))
+    sq = estimate + gamma(terms, tf.float64) * tf.square(mass_of(rows_x, rows_g))
+    return sq, rows_x, rows_g
+
+
+def _rank_one(x, g):
+    """(sq, rows_x, rows_g) for one position: ||x g^T||^2 = |x|^2 |g|^2
+    exactly, so the row bounds' product (rounded up) bounds it."""
+    rows_x, rows_g = position_rows(x, g)
+    sq = tf.square(rows_x[:, 0] * rows_g[:, 0]) * (1.0 + gamma(4, tf.float64))
+    return sq, rows_x, rows_g
 
 
 def factored_norm_bounds(x, g):
@@ -451,26 +470,30 @@ def factored_norm_bounds(x, g):
     Returns:
         (sq, rows_x, rows_g), float64: `sq` [B] >= ||sum_s x_s g_s^T||_F^2
         (exact arithmetic on x and g as the Gram matrices read them), and
-        [B, S] upper bounds of the true row norms |x_s| and |g_s|
-        (`position_rows`), which bound every rounding that depends on the
-        positions' sizes (`mass_of`, `summation_rounding`, `dot_rounding`).
+        [B, S] upper bounds of the true row norms |x_s| and |g_s|, which
+        bound every rounding that depends on the positions' sizes
+        (`mass_of`, `summation_rounding`, `dot_rounding`).
 
-    The squared norm is sum_{s,t} (x_s . x_t)(g_s . g_t). Its Gram matrices
-    are float32 products (`float32_gram_error` bounds what that rounds and
-    flushes) where float32 matmuls round as float32
-    (`float32_grams_round_as_float32`) and every row norm of the batch is
-    within `FLOAT32_GRAM_ROW_LIMIT` (nothing overflows); otherwise float64
-    products (exact) with gamma64(K + O + 2S + 4) mass^2 added. Either
-    bound is added, so `sq` holds for any record, a cancelling one
-    included.
+    The squared norm is sum_{s,t} (x_s . x_t)(g_s . g_t) (|x||g| for one
+    position, `_rank_one`). Its Gram matrices are float32 products
+    (`float32_gram`; `float32_gram_error` bounds what they round and flush)
+    where float32 matmuls round as float32
+    (`float32_grams_round_as_float32`) and every entry of the batch's Gram
+    matrices is finite (an overflow in any product or partial sum leaves an
+    inf or a NaN in its entry); otherwise float64 products (exact) with
+    gamma64(K + O + 2S + 4) mass^2 added. Either bound is added, so `sq`
+    holds for any record, a cancelling one included.
     """
-    rows_x, rows_g = position_rows(x, g)
-    if float32_grams_round_as_float32():
-        sq = tf.cond(_float32_grams_fit(rows_x, rows_g),
-                     lambda: _float32_factored(x, g, rows_x, rows_g),
-                     lambda: _float64_factored(x, g, rows_x, rows_g))
+    if x.shape[1] == 1:
+        sq, rows_x, rows_g = _rank_one(x, g)
+    elif float32_grams_round_as_float32():
+        x_gram, g_gram = float32_gram(x), float32_gram(g)
+        finite = tf.logical_and(tf.reduce_all(tf.math.is_finite(x_gram)),
+                                tf.reduce_all(tf.math.is_finite(g_gram)))
+        sq, rows_x, rows_g = tf.cond(finite, lambda: _float32_factored(x, g, x_gram, g_gram),
+                                     lambda: _float64_factored(x, g))
     else:
-        sq = _float64_factored(x, g, rows_x, rows_g)
+        sq, rows_x, rows_g = _float64_factored(x, g)
     return tf.maximum(sq, 0.0), rows_x, rows_g
 
 
