@@ -18,9 +18,11 @@ product |fl(a . b) - a . b| <= gamma(n) |a| . |b|, plus, in float32, one
 smallest normal number per operation for results TensorFlow flushes to zero.
 Sums of squares have no cancellation (their error is relative; they are
 summed in float64, where squares of float32 values neither overflow nor
-underflow); factored norms are computed from float64 Gram matrices, where
-the bound leaves a slack of about 1e-12 relative on ordinary data; each
-bound is added, so the result is >= the true value whatever the record.
+underflow); factored norms are computed from float32 Gram matrices (by
+chunks of 256 columns added in float64; float64 Gram matrices where a
+float32 one overflows or float32 matmuls may round to fewer bits), whose
+bound leaves a slack of about 1e-5 relative on ordinary data; each bound is
+added, so the result is >= the true value whatever the record.
 
 Flush-to-zero. On the CPU (inside `tf.function`, under XLA) float32 results
 below 2^-126 (`FLOAT32_TINY`) are flushed to zero, and subnormal inputs may
