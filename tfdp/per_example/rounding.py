@@ -347,10 +347,13 @@ def float32_gram(rows):
         block = rows[..., start:start + GRAM_CHUNK]
         width = block.shape[-1]
         pieces = -(-width // chunk)
-        if pieces * chunk != width:
-            block = tf.pad(block, [[0, 0], [0, 0], [0, pieces * chunk - width]])
-        block = tf.transpose(tf.reshape(block, [-1, positions, pieces, chunk]), [0, 2, 1, 3])
-        part = tf.reduce_sum(tf.cast(tf.matmul(block, block, transpose_b=True), tf.float64), 1)
+        if pieces == 1:  # no unit axis after the batch (see tfdp.per_example.onednn)
+            part = tf.cast(tf.matmul(block, block, transpose_b=True), tf.float64)
+        else:
+            if pieces * chunk != width:
+                block = tf.pad(block, [[0, 0], [0, 0], [0, pieces * chunk - width]])
+            block = tf.transpose(tf.reshape(block, [-1, positions, pieces, chunk]), [0, 2, 1, 3])
+            part = tf.reduce_sum(tf.cast(tf.matmul(block, block, transpose_b=True), tf.float64), 1)
         gram = part if gram is None else gram + part
     return gram
 
