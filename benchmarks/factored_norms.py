@@ -11,6 +11,11 @@ loss and clip, as a `tf.function` (no XLA). Each round times both routes
 over rounds.
 
     python benchmarks/factored_norms.py --batch 256 512 1024 2048 --rounds 3
+    python benchmarks/factored_norms.py --norms-only   # the Gram norm alone
+
+`--norms-only` times `factored_norm_bounds` alone on the shapes of the
+CNN's one factored layer (the second convolution: 25 positions, 256 patch
+entries, 32 filters; random data), old against new.
 """
 
 import argparse
@@ -70,6 +75,15 @@ def per_example_pass(batch, route):
     return run, result
 
 
+def norms_only(batch, route):
+    """A tf.function of `route` on the second convolution's shapes."""
+    rng = np.random.default_rng(0)
+    x = tf.constant(rng.random((batch, 25, 256), np.float32))
+    g = tf.constant(rng.normal(size=(batch, 25, 32)).astype(np.float32) * 1e-3)
+    run = tf.function(lambda: route(x, g)[0])
+    return run, run().numpy()
+
+
 def milliseconds(function, repeats):
     best = float("inf")
     for _ in range(3):
@@ -86,12 +100,14 @@ def main():
     parser.add_argument("--batch", type=int, nargs="+", default=[256, 2048])
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--norms-only", action="store_true")
     args = parser.parse_args()
+    setup = norms_only if args.norms_only else per_example_pass
     print("| batch | float64 Grams (ms) | float32 Grams (ms) | speedup | max norm ratio new/old |")
     print("|---|---|---|---|---|")
     for batch in args.batch:
-        old, old_norms = per_example_pass(batch, _float64_reference)
-        new, new_norms = per_example_pass(batch, NEW)
+        old, old_norms = setup(batch, _float64_reference)
+        new, new_norms = setup(batch, NEW)
         times = {"old": [], "new": []}
         for _ in range(args.rounds):
             times["old"].append(milliseconds(old, args.repeats))
