@@ -135,3 +135,19 @@ def test_one_position_is_bounded_by_its_row_norms():
     x = np.array([[[3e38, 1e-45, -2e-38]]], np.float32)
     g = np.array([[[1e-30, 0.0, 4e-39]]], np.float32)
     assert _bound(x, g)[0] >= _exact(x, g)[0]
+
+
+@pytest.mark.parametrize("tf32, expected", [(True, False), (False, True)])
+def test_a_gpu_takes_float32_grams_only_without_tf32(monkeypatch, tf32, expected):
+    """A visible GPU runs float32 matmuls in TF32 while it is on: float64
+    Gram matrices then; float32 ones once TF32 is off."""
+    visible = {"GPU": ["GPU:0"], "TPU": []}
+    monkeypatch.setattr(tf.config, "list_logical_devices", lambda kind=None: visible.get(kind, []))
+    monkeypatch.setattr(tf.config.experimental, "tensor_float_32_execution_enabled", lambda: tf32)
+    assert rounding.float32_grams_round_as_float32() is expected
+
+
+def test_a_tpu_keeps_float64_grams(monkeypatch):
+    visible = {"GPU": [], "TPU": ["TPU:0"]}
+    monkeypatch.setattr(tf.config, "list_logical_devices", lambda kind=None: visible.get(kind, []))
+    assert not rounding.float32_grams_round_as_float32()

@@ -281,11 +281,12 @@ _REDUCED_PRECISION_ENV = ("ONEDNN_DEFAULT_FPMATH_MODE", "TF_SET_ONEDNN_FPMATH_MO
 
 def float32_grams_round_as_float32():
     """Whether a float32 matmul here rounds as float32 (unit roundoff 2^-24
-    per operation), which the float32 Gram bound assumes. Not where an
-    accelerator is visible (GPUs run float32 matmuls in TF32, 10-bit
-    mantissas, unless told otherwise; TPUs in bfloat16 passes) or where
-    oneDNN is told to use a reduced-precision math mode: there
-    `factored_norm_bounds` keeps float64 Gram matrices.
+    per operation), which the float32 Gram bound assumes. Not where a TPU
+    is visible (bfloat16 passes), nor a GPU while TensorFloat-32 is on
+    (10-bit mantissas; `tfdp.models.float32_precision` turns it off before
+    a DP model trains on a GPU), nor where oneDNN is told to use a
+    reduced-precision math mode: there `factored_norm_bounds` keeps float64
+    Gram matrices. Read when the step is traced.
 
     Example:
 
@@ -294,7 +295,10 @@ def float32_grams_round_as_float32():
     """
     if any(os.environ.get(name, "STRICT").upper() != "STRICT" for name in _REDUCED_PRECISION_ENV):
         return False
-    return not any(tf.config.list_logical_devices(kind) for kind in ("GPU", "TPU"))
+    if tf.config.list_logical_devices("TPU"):
+        return False
+    return not (tf.config.list_logical_devices("GPU")
+                and tf.config.experimental.tensor_float_32_execution_enabled())
 
 
 def float32_dot_error(width):
