@@ -109,13 +109,15 @@ class PrivacyBudget(keras.callbacks.Callback):
         self.model.stop_training = True
         self._stop_epoch = self._epoch
 
-    def check_can_start(self, ledger, num_examples=None):
+    def check_can_start(self, ledger, num_examples=None, optimizer=None):
         """Raises ValueError if the budget leaves no room for one more step.
 
         Args:
             ledger: the model's privacy ledger.
             num_examples: N, the training set's size, if known: a `delta`
                 above 1/N gets a `tfdp.accounting.LargeDeltaWarning`.
+            optimizer: the model's optimizer, if known: a `target_epsilon`
+                above this budget is named in the advice.
         """
         if num_examples is not None:
             warn_if_delta_exceeds_one_over_n(self.delta, num_examples)
@@ -127,13 +129,38 @@ class PrivacyBudget(keras.callbacks.Callback):
                 f"The privacy budget epsilon={self.epsilon} (delta={self.delta}) "
                 f"leaves no room for another step: one more step would reach "
                 f"epsilon={spent:.4g}. Training was not started."
+                + self._target_advice(optimizer)
             )
+
+    @classmethod
+    def for_noise_target(cls, target):
+        """The budget `fit` adds for an optimizer's `target_epsilon` (its
+        messages name that argument, not a PrivacyBudget the user never
+        added)."""
+        budget = cls(epsilon=target.epsilon, delta=target.delta)
+        budget._named = f"The optimizer's target_epsilon={target.epsilon:g}"
+        return budget
+
+    def _target_advice(self, optimizer):
+        """Advice for a budget below the optimizer's `target_epsilon` ("" if
+        none): that target calibrated the noise to spend more than the budget."""
+        target = getattr(optimizer, "target_epsilon", None)
+        if target is None or self.epsilon is None or target <= self.epsilon:
+            return ""
+        return (
+            f" The optimizer's target_epsilon={target:g} calibrated the noise to spend "
+            f"{target:g} over this fit, more than this budget's epsilon={self.epsilon:g}: "
+            f"give the optimizer target_epsilon={self.epsilon:g} (fit then stops at it, "
+            "with no PrivacyBudget needed) or raise the budget to the target."
+        )
 
     def on_train_begin(self, logs=None):
         if self.epsilon is not None and getattr(self.model, "steps_per_execution", 1) > 1:
+            named = getattr(self, "_named", None)
             raise ValueError(
-                "PrivacyBudget stops training between steps, so it needs "
-                "steps_per_execution=1. Received: steps_per_execution="
+                f"{named or 'PrivacyBudget'} stops training between steps, at the "
+                f"{'target' if named else 'budget'}, so it needs steps_per_execution=1: "
+                "compile with steps_per_execution=1. Received: steps_per_execution="
                 f"{self.model.steps_per_execution}"
             )
         self.stopped_for_budget = False
@@ -184,9 +211,13 @@ class PrivacyBudget(keras.callbacks.Callback):
         if epochs is None or steps is None or self._first_epoch is None:
             return ""
         planned = (epochs - self._first_epoch) * steps
-        sigma = getattr(getattr(self.model, "optimizer", None), "noise_multiplier", None)
+        optimizer = getattr(self.model, "optimizer", None)
+        sigma = getattr(optimizer, "noise_multiplier", None)
         if ran >= planned or sigma is None:
             return ""
+        advice = self._target_advice(optimizer)
+        if advice:
+            return advice
         return (
             f" The noise multiplier is too small for this fit's plan: the budget affords "
             f"{ran} of its {planned} steps at noise_multiplier={sigma:.4g}. Calibrate the "
@@ -337,8 +368,10 @@ class PrivacyJournal(keras.callbacks.Callback):
 
     FORMAT = "tfdp.PrivacyJournal"
     # Version 2 entries may carry "steps_per_round", "relation" and
-    # "segment_start" (a segment counted in rounds); version 1 files are read.
-    VERSION = 2
+    # "segment_start" (a segment counted in rounds); version 3 entries all
+    # carry "sha256" (tfdp.accounting.integrity). Versions 1 and 2 are read.
+    VERSION = 3
+    READABLE = (1, 2, 3)
     FREQUENCIES = ("epoch", "batch")
 
     def __init__(self, path, frequency="epoch"):
@@ -359,11 +392,16 @@ class PrivacyJournal(keras.callbacks.Callback):
         for a segment counted in rounds, "steps_per_round", "relation" and
         "segment_start").
 
+        Every line carries the SHA-256 of its content
+        (`tfdp.accounting.integrity`), so a damaged line is refused instead
+        of read as a smaller charge; lines of a journal begun by an earlier
+        tfdp (version 1 or 2) have none and are read with a warning.
+
         A last line cut short (the process was killed, or the disk filled,
         while writing it) is ignored: its steps had not started, since they
         start only after the line is written. The next entry the callback
         writes first cuts that fragment off. Any other damage raises
-        ValueError.
+        ValueError naming the file.
         """
         import json
         import os
@@ -376,8 +414,10 @@ class PrivacyJournal(keras.callbacks.Callback):
         if lines and lines[-1] == b"":
             lines.pop()
         elif lines:
-            lines.pop()  # torn last line: written without its newline
+            self._check_torn(lines.pop())  # written without its newline
         entries = []
+        version = None
+        unchecked = 0
         for number, line in enumerate(lines, 1):
             try:
                 entry = json.loads(line.decode("utf-8"))
@@ -386,16 +426,17 @@ class PrivacyJournal(keras.callbacks.Callback):
                     f"Corrupt privacy journal {self.path!r}: line {number} is not JSON ({error})."
                 ) from None
             if number == 1:
-                if entry not in ({"format": self.FORMAT, "version": 1},
-                                 {"format": self.FORMAT, "version": self.VERSION}):
+                if entry not in [{"format": self.FORMAT, "version": v} for v in self.READABLE]:
                     raise ValueError(
                         f"Corrupt privacy journal {self.path!r}: expected a "
                         f"{self.FORMAT} header on line 1. Received: {line[:80]!r}"
                     )
+                version = entry["version"]
                 continue
+            entry, checked = self._unseal(entry, number, version, line)
+            unchecked += not checked
             if not (
-                isinstance(entry, dict)
-                and isinstance(entry.get("start"), int)
+                isinstance(entry.get("start"), int)
                 and isinstance(entry.get("end"), int)
                 and 0 <= entry["start"] < entry["end"]
                 and isinstance(entry.get("event"), dict)
@@ -406,7 +447,58 @@ class PrivacyJournal(keras.callbacks.Callback):
                     f"with 0 <= start < end and an event. Received: {line[:80]!r}"
                 )
             entries.append(entry)
+        if unchecked:
+            import warnings
+
+            from tfdp.accounting.integrity import UncheckedRecordWarning
+
+            warnings.warn(
+                f"The privacy journal {self.path!r} has {unchecked} line(s) without a checksum "
+                "(written by an earlier tfdp): they are read unchecked. A new journal file "
+                "seals every line.", UncheckedRecordWarning, stacklevel=2)
         return entries
+
+    _KEYS = {"start", "end", "event", "steps_per_round", "relation", "segment_start"}
+
+    def _unseal(self, entry, number, version, line):
+        """A line's entry without its checksum, checked, and whether it had one."""
+        from tfdp.accounting import integrity
+
+        if not isinstance(entry, dict):
+            raise ValueError(
+                f"Corrupt privacy journal {self.path!r}: line {number} is not an entry "
+                f"with 0 <= start < end and an event. Received: {line[:80]!r}"
+            )
+        where = f"Corrupt privacy journal {self.path!r}: line {number}"
+        content = integrity.unseal(entry, where)
+        if content is not None:
+            return content, True
+        unknown = sorted(set(entry) - self._KEYS)
+        if version == self.VERSION or unknown:
+            raise ValueError(
+                f"{where} has no checksum"
+                + (f" and unknown key(s) {unknown}" if unknown else "")
+                + f" (a damaged line). Received: {line[:80]!r}"
+            )
+        return entry, False
+
+    def _check_torn(self, fragment):
+        """Refuses a last line without its newline that is not a cut-short
+        write: a whole JSON object followed by more bytes (a damaged newline
+        that would hide a complete entry)."""
+        import json
+
+        text = fragment.decode("latin-1")  # any byte: a damaged newline may not be UTF-8
+        try:
+            _, end = json.JSONDecoder().raw_decode(text)
+        except json.JSONDecodeError:
+            return  # a prefix of a line: its steps had not started
+        if end < len(text):
+            raise ValueError(
+                f"Corrupt privacy journal {self.path!r}: its last line holds a complete entry "
+                f"followed by other bytes instead of a newline (a damaged line). Received: "
+                f"{fragment[-80:]!r}"
+            )
 
     def journaled_steps(self):
         """The highest step count the journal records (0 if empty)."""
@@ -433,13 +525,15 @@ class PrivacyJournal(keras.callbacks.Callback):
         import json
         import os
 
+        from tfdp.accounting.integrity import seal
+
         self._cut_torn_line()
         new = not os.path.exists(self.path) or os.path.getsize(self.path) == 0
         with open(self.path, "ab") as file:
             if new:
                 header = {"format": self.FORMAT, "version": self.VERSION}
                 file.write(json.dumps(header).encode() + b"\n")
-            file.write(json.dumps(entry, allow_nan=False).encode("utf-8") + b"\n")
+            file.write(json.dumps(seal(entry), allow_nan=False).encode("utf-8") + b"\n")
             file.flush()
             os.fsync(file.fileno())
 

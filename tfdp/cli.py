@@ -3,9 +3,11 @@
     tfdp epsilon   --num-examples 60000 --batch-size 256 --noise-multiplier 1.1 --epochs 60
     tfdp calibrate --num-examples 60000 --batch-size 256 --epochs 60 --epsilon 3
     tfdp train     --dataset digits --epsilon 3
+    tfdp validate  model.keras
 
 `--help`, `epsilon` and `calibrate` import only the accountant (fast, no
-TensorFlow); `train` imports TensorFlow, without its native start-up lines.
+TensorFlow); `train` and `validate` import TensorFlow, without its native
+start-up lines.
 """
 
 import argparse
@@ -181,6 +183,14 @@ def build_parser():
                             "(default: not saved)")
     train.add_argument("--verbose", type=int, choices=(0, 1, 2), default=2,
                        help="0 silent, 1 progress bar, 2 a line per epoch (default: 2)")
+
+    validate = commands.add_parser(
+        "validate", help="what fit would refuse or run slowly in a saved model",
+        description="Loads a saved model (.keras) and lists every layer, loss and setting "
+                    "DP training would refuse or run on a slow path, with the reason and the "
+                    "fix for each (tfdp.per_example.validate). Exit status 1 when fit would "
+                    "refuse the model.")
+    validate.add_argument("model", help="a saved model file (.keras)")
     return parser
 
 
@@ -256,6 +266,18 @@ def _train(args):
     return training.train(**settings)
 
 
+def _validate(args):
+    _import_tensorflow_quietly()
+    import keras
+
+    import tfdp
+
+    if not os.path.exists(args.model):
+        raise FileNotFoundError(f"No model file at {args.model!r}. Received: model={args.model!r}")
+    model = keras.models.load_model(args.model, compile=True)
+    return tfdp.per_example.validate(model).as_dict()
+
+
 # dp_accounting warns once per RDP order when a huge noise's divergence rounds
 # below zero, and answers 0 for that order: the right answer (the command
 # prints it), so the warnings only bury it.
@@ -326,7 +348,8 @@ def main(argv=None):
     """
     parser = build_parser()
     args = parser.parse_args(argv)
-    handlers = {"epsilon": _epsilon, "calibrate": _calibrate, "train": _train}
+    handlers = {"epsilon": _epsilon, "calibrate": _calibrate, "train": _train,
+                "validate": _validate}
     started = time.time()
     try:
         with _negative_divergence_hidden(), _large_delta_said(args.command):
@@ -345,6 +368,8 @@ def main(argv=None):
         parser.exit(1, f"tfdp {args.command}: error: {not_finite}\n")
     if result.get("output_error"):  # trained and reported, but not saved
         parser.exit(1, f"tfdp {args.command}: error: {result['output_error']}\n")
+    if result.get("ok") is False:  # validate: fit would refuse the model
+        parser.exit(1, f"tfdp {args.command}: fit would refuse this model\n")
     return 0
 
 

@@ -27,6 +27,7 @@ import tensorflow as tf
 import tfdp
 from tests.per_example import hub_models
 from tfdp.auditing import SensitivityExceeded, sensitivity_search
+from tfdp.models import step_ops
 from tfdp.per_example import declare_per_example, register_rule
 from tfdp.per_example.grads import Part
 from tfdp.per_example.rules.dense import DenseRule
@@ -392,7 +393,10 @@ class _Jitter(L.Layer):
         return x + tf.random.uniform(tf.shape(x), maxval=1e-3)
 
 
-def test_a_step_it_cannot_measure_is_refused_and_the_model_put_back():
+def test_a_step_it_cannot_measure_is_refused_and_the_model_put_back(monkeypatch):
+    # fit's scan refuses the stateful draw (tfdp.models.step_ops): allowed
+    # here, to reach the search's own check.
+    monkeypatch.setattr(step_ops, "STATEFUL", step_ops.STATEFUL | {"RandomUniform"})
     inputs = keras.Input((6,))
     model = tfdp.DPModel(inputs, L.Dense(3)(_Jitter()(inputs)))
     optimizer = tfdp.optimizers.DPSGD(0.1, l2_norm_clip=CLIP, noise_multiplier=1.0)
@@ -433,3 +437,23 @@ def test_model_and_data_errors_are_clear():
         sensitivity_search(model, np.ones((2, 2)), np.ones(3))
     with pytest.raises(ValueError, match="records"):
         sensitivity_search(model, np.ones((2, 2)), np.ones(2), records=1)
+
+
+
+def test_a_float_input_models_contribution_on_the_vectorized_path_has_dense_gradients():
+    # Its input gradients come back as IndexedSlices (tf.vectorized_map
+    # gathers each example): they crashed sensitivity_search's gradient
+    # ascent (issue 54).
+    from tfdp.auditing.crafted_records import RecordSpace
+    from tfdp.auditing.neighbour_step import NeighbourStep
+    from tfdp.auditing.record_search import ClippedContribution
+
+    model = tfdp.DPSequential([keras.Input((3,)), L.Dense(4, activation="tanh"), L.Dense(1)],
+                              per_example_gradients="vectorized")
+    model.compile(optimizer=tfdp.optimizers.DPSGD(0.1, noise_multiplier=1.0), loss="mse")
+    data = (np.ones((4, 3), "float32"), np.zeros((4, 1), "float32"))
+    with NeighbourStep(model, data, records=3, batch_size=4, physical_batch_size=None) as step:
+        value, gradients = ClippedContribution(step, RecordSpace(data, 1))(
+            (np.full(3, 100.0), np.zeros(1)))
+    assert value == pytest.approx(1.0, abs=1e-5)
+    assert [g.shape for g in gradients] == [(3,), (1,)]

@@ -125,6 +125,38 @@ def test_a_kill_between_noise_state_and_backup_resumes_exactly_from_the_previous
     assert [e.count for e in resumed.privacy.composed_event().events] == [3]
 
 
+@pytest.mark.parametrize("temporary", ["complete", "lost"])
+def test_a_kill_between_the_two_renames_of_a_save_resumes_exactly(tmp_path, temporary):
+    """Killed inside the noise-state save at step 16, after it moved the state
+    at step 8 to .prev and before it renamed its temporary file (the state at
+    16) to the path; the backup holds step 8. The rerun completes the save
+    (or, with the temporary file gone, reads .prev) and resumes exactly."""
+    x, y = data()
+    ds = pipeline(x, y)
+    state = tmp_path / "noise_state.npz"
+    coefficients = bandmf.optimal_coefficients(4, 24)
+    straight = classifier(bandmf_opt(seed=9, coefficients=coefficients))
+    straight.fit(ds, epochs=3, verbose=0)
+
+    backup = str(tmp_path / "backup")
+    killed = classifier(bandmf_opt(seed=9, coefficients=coefficients, noise_state=str(state)))
+    with pytest.raises(RuntimeError, match="killed"):
+        killed.fit(ds, epochs=3, verbose=0, callbacks=[
+            KillAtEpochEnd(1), keras.callbacks.BackupAndRestore(backup)])
+    if temporary == "complete":  # between the renames: the new state still in its temporary file
+        state.rename(tmp_path / ".noise_state.npz.0123456789ab.tmp")
+    else:
+        state.unlink()
+    (tmp_path / ".noise_state.npz.ba9876543210.tmp").write_bytes(b"PK\x03\x04cut")  # another, cut short
+    resumed = classifier(bandmf_opt(seed=9, coefficients=coefficients, noise_state=str(state)))
+    resumed.fit(ds, epochs=3, verbose=0, callbacks=[keras.callbacks.BackupAndRestore(backup)])
+    assert resumed.privacy.steps == 24
+    np.testing.assert_allclose(resumed.layers[0].kernel.numpy(),
+                               straight.layers[0].kernel.numpy(), rtol=1e-6, atol=1e-7)
+    assert resumed.privacy.epsilon(DELTA) == straight.privacy.epsilon(DELTA)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["noise_state.npz", "noise_state.npz.prev"]
+
+
 def test_a_state_older_than_the_previous_one_is_still_refused(tmp_path):
     x, y = data()
     ds = pipeline(x, y)

@@ -48,7 +48,7 @@ def test_a_loss_scale_optimizer_inside_a_dp_optimizer_is_refused_by_name():
 @pytest.mark.parametrize("validation_data, match", [
     ((np.zeros((10, D + 1), np.float32), Y[:10]), r"(?s)validation_data.*does not fit the model.*expected axis -1.*shape \(10, 5\)"),
     ((X[:10], np.array(["cat"] * 10)), r"numeric labels.*validation_data.*<U3"),
-    ((X[:10], np.full(10, 9)), r"class indices in \[0, 2\].*validation_data's y with labels in \[9, 9\]"),
+    ((X[:10], np.full(10, 9)), r"class indices in \[0, 2\].*validation_data's y with 10 label\(s\) outside that range, the first at index 0"),
     ((X[:10], Y[:10], np.ones((10, 2))), r"validation_data.*sample_weight.*\(10, 2\)"),
     (RecordSource(list(zip(X[:10], Y[:10]))), r"validation_data.*RecordSource.*read_records"),
 ])
@@ -78,10 +78,23 @@ def test_labels_of_a_model_without_an_input_layer_are_checked_once_it_is_built()
     it; the old code skipped the check and charged a step before TensorFlow
     failed."""
     model = build(with_input=False)
-    with pytest.raises(ValueError, match=r"class indices in \[0, 2\].*\[9, 9\]"):
+    with pytest.raises(ValueError, match=r"class indices in \[0, 2\].*the first at index 0"):
         fit(model, X, np.full(N, 9))
     assert model.privacy.steps == 0
     fit(build(with_input=False), X, Y)  # control
+
+
+def test_an_out_of_range_label_is_refused_by_its_position_never_its_value():
+    """A label can be a record's own value (a crafted 4711): the old message
+    printed the largest label."""
+    labels = Y.copy()
+    labels[-1] = 4711
+    model = build()
+    with pytest.raises(ValueError, match=rf"1 label\(s\) outside that range, the first at "
+                       rf"index {N - 1}") as caught:
+        fit(model, X, labels)
+    assert "4711" not in str(caught.value)
+    assert model.privacy.steps == 0
 
 
 # -- a RecordSource's records ------------------------------------------------------------
@@ -106,15 +119,17 @@ def test_record_0_that_does_not_fit_the_model_is_named_before_the_first_step():
 
 def test_record_0_with_a_label_out_of_range_is_refused_before_the_first_step():
     model = build()
-    with pytest.raises(ValueError, match=r"Record 0 has label 9.*3 outputs"):
-        fit(model, RecordSource(records(bad_at=0)))
+    with pytest.raises(ValueError, match=r"Record 0 has a label outside \[0, 2\].*3 outputs") \
+            as caught:
+        fit(model, RecordSource(records(bad_at=0, label=4711)))
+    assert "4711" not in str(caught.value)  # the position, never the record's value
     assert model.privacy.steps == 0
 
 
 def test_a_later_record_with_a_label_out_of_range_is_named_when_it_is_read():
     """The old error came from the loss, without a record index."""
     model = build()
-    with pytest.raises(tf.errors.OpError, match=r"Record 23 has label -1"):
+    with pytest.raises(tf.errors.OpError, match=r"Record 23 has a label outside \[0, 2\]"):
         model.fit(RecordSource(records(bad_at=23, label=-1)), batch_size=20, epochs=5, verbose=0)
 
 

@@ -1,5 +1,6 @@
 """Resumed runs draw fresh noise; corrupted or mismatched checkpoints are refused."""
 
+import json
 import shutil
 import zipfile
 
@@ -9,6 +10,7 @@ import numpy as np
 import pytest
 
 import tfdp
+from tfdp.accounting.integrity import seal
 
 LOSS = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
 
@@ -195,13 +197,20 @@ def rewrite_ledger(path, transform):
         file["vars/privacy_ledger"] = np.frombuffer(transform(text), dtype=np.uint8)
 
 
+def resealed(text, **changes):
+    """The ledger JSON with `changes`, sealed again (a well-formed record)."""
+    data = json.loads(text)
+    del data["sha256"]
+    return json.dumps(seal(dict(data, **changes))).encode("utf-8")
+
+
 @pytest.mark.parametrize(
     "transform, message",
     [
         (lambda t: t[: len(t) // 2], "Corrupt privacy ledger: invalid JSON"),
         (lambda t: b"\xff\xfe" + t, "Corrupt privacy ledger: not UTF-8"),
         (lambda t: t.replace(b'"start": 4', b'"start": 3'), "Corrupt privacy ledger"),
-        (lambda t: t.replace(b'"steps": 6', b'"steps": 5'), "Mismatched checkpoint: its privacy ledger was saved at step 5"),
+        (lambda t: resealed(t, steps=5), "Mismatched checkpoint: its privacy ledger was saved at step 5"),
     ],
 )
 def test_a_corrupted_or_mismatched_ledger_is_refused(checkpoint, tmp_path, transform, message):

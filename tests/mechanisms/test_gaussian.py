@@ -102,6 +102,7 @@ class ZeroWords:
 @pytest.mark.parametrize("levels", [1, 2])
 def test_deep_tail_is_exponential_beyond_each_cell(monkeypatch, levels):
     # Every w0 = 0: the radius must be sqrt(2 (32 ln 2 * levels + Exp(1))).
+    monkeypatch.setenv("TFDP_NOISE_KERNEL", "graph")  # crafted words reach the graph only
     monkeypatch.setattr(gaussian, "_REAL_WORDS", gaussian._words, raising=False)
     monkeypatch.setattr(gaussian, "_words", ZeroWords(levels))
     z = standard_normal([200_000], SEED).numpy().astype(np.float64)
@@ -214,6 +215,7 @@ def test_top_radius_words_give_no_zero_draw(monkeypatch, dtype):
     """w0 = 2^32 - k must give E = -ln(1 - k 2^-32) > 0, not a float32
     uniform rounded to 1.0 (radius 0, both draws exactly 0.0: an atom of
     2^-25 a pair); no angle word makes a draw exactly 0 either."""
+    monkeypatch.setenv("TFDP_NOISE_KERNEL", "graph")  # crafted words reach the graph only
     monkeypatch.setattr(gaussian, "_REAL_WORDS", gaussian._words, raising=False)
     monkeypatch.setattr(gaussian, "_words", CraftedWords())
     z = standard_normal([2 * len(W0)], SEED, dtype=dtype).numpy().astype(np.float64)

@@ -61,7 +61,8 @@ def test_clone_model_of_a_plain_sequential_stays_plain():
 def test_clone_model_of_a_dp_model_is_a_dp_model():
     inputs = keras.Input((4,))
     model = tfdp.DPModel(inputs, keras.layers.Dense(3)(inputs))
-    assert type(keras.models.clone_model(model)) is tfdp.DPModel
+    clone = keras.models.clone_model(model)
+    assert isinstance(clone, tfdp.DPModel) and type(clone) is type(model)
 
 
 def summary_counts(model):

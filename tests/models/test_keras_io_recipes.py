@@ -22,8 +22,10 @@ filters), on synthetic data of the same shapes:
 
 The documented changes: `tfdp.DPModel` for `keras.Model`, a tfdp optimizer
 for "adam", `fix_batch_normalization` where a trainable BatchNormalization
-appears (1, 4), `declare_per_example` for the keras.io custom layers (5) and
-for the random augmentation layers (1). Each test trains one epoch of a few
+appears (1, 4) and `declare_per_example` for the keras.io custom layers (5);
+Keras's random augmentation layers (1) need no change: the batched pass keys
+each example's transform by its own content
+(`tfdp.per_example.random_augmentation`). Each test trains one epoch of a few
 steps and checks the loss is finite, the weights moved, the ledger charged
 every step, the per-example path, and that a crafted record (an input scaled
 by 1e6, or extreme token ids) moves the real compiled step by at most the
@@ -120,16 +122,10 @@ def _xception_like(input_shape, num_classes, sizes=(8, 16, 24), entry=8, exit=32
 
 
 def test_image_classification_from_scratch():
-    # tfdp does not know Keras's random augmentation layers: undeclared, the
-    # whole model would run one example at a time (and that path aborts the
-    # process on this model under oneDNN: a 1x1 strided Conv2D's gradient in
-    # tf.vectorized_map).
-    undeclared, _ = fix_batch_normalization(_xception_like((32, 32, 3), 2))
-    assert "whole-model vectorized_map (layer 'random_" in undeclared.per_example_path
-    # They draw per image from the layer's seed, not from other images: the
-    # documented change declares them, and the model keeps the batched path.
-    declare_per_example(layers.RandomFlip)
-    declare_per_example(layers.RandomRotation)
+    # No change for the random augmentation layers: the batched pass keys each
+    # example's transform by its own content (the whole-model vectorized path
+    # would abort the process on this model under oneDNN: a 1x1 strided
+    # Conv2D's gradient in tf.vectorized_map).
     model, changes = fix_batch_normalization(_xception_like((32, 32, 3), 2))
     assert len(changes) == 8 and all("GroupNormalization" in c for c in changes), changes
     assert not any(isinstance(l, layers.BatchNormalization) for l in model.layers)
@@ -139,6 +135,7 @@ def test_image_classification_from_scratch():
     path = _train_privately(model, keras.losses.BinaryCrossentropy(from_logits=True), x, y,
                             batch_size=8, crafted=(x[5] * 1e6, y[5]))
     assert path.startswith(BATCHED) and "vectorized_map" not in path, path
+    assert "random augmentation keyed per example" in path, path
 
 
 # 2. Transfer learning ---------------------------------------------------------

@@ -183,3 +183,26 @@ def test_a_path_that_is_not_a_regular_file_is_refused_without_reading_it(tmp_pat
     else:
         os.symlink(str(tmp_path / "missing"), path)
     refused_before_a_step(path, "is not a regular file")
+
+
+# -- issue 55, item 7: a noise_state path that is a symbolic link -------------------------
+
+
+def test_a_symbolic_link_is_followed_and_the_secrets_stay_where_it_points(tmp_path):
+    secrets = tmp_path / "secrets"
+    secrets.mkdir()
+    run = tmp_path / "run"
+    run.mkdir()
+    model = classifier(str(secrets / "state.npz"))
+    model.fit(dataset(), epochs=1, verbose=0)  # the file exists: now link to it
+    link = run / "noise_state.npz"
+    link.symlink_to(secrets / "state.npz")
+    model.compile(optimizer=tfdp.optimizers.DPBandMF(
+        keras.optimizers.SGD(0.5), 1.0, 1.0, bands=4, noise_state=str(link)), loss=LOSS)
+    model.fit(dataset(), epochs=2, verbose=0)  # resumes through the link, saves twice
+    assert model.privacy.steps == 24
+    assert link.is_symlink() and os.readlink(link) == str(secrets / "state.npz")
+    assert sorted(os.listdir(run)) == ["noise_state.npz"]  # no regular file beside the link
+    assert sorted(os.listdir(secrets)) == ["state.npz", "state.npz.prev"]
+    meta, _, _ = bandmf_state.load(str(link))
+    assert meta["start"] + meta["steps"] == 24

@@ -200,6 +200,26 @@ def test_the_fixer_replaces_trainable_batch_normalization_keeping_weights():
     assert "batched pass" in fixed.per_example_path
 
 
+@pytest.mark.parametrize("sequential", [keras.Sequential, tfdp.DPSequential])
+def test_the_fixer_works_on_sequential_models(sequential):
+    """Issue 55, item 7: Keras refused the clone's call_function on every
+    Sequential model, DPSequential included."""
+    model = sequential([keras.Input((8, 8, 3)), keras.layers.Conv2D(4, 3, name="conv"),
+                        keras.layers.BatchNormalization(name="bn"),
+                        keras.layers.GlobalAveragePooling2D(), keras.layers.Dense(3, name="head")])
+    model.get_layer("bn").gamma.assign(np.arange(1, 5, dtype="float32"))
+    fixed, changes = fix_batch_normalization(model, groups=2)
+    assert type(fixed) is sequential
+    assert changes == ["'bn': BatchNormalization -> GroupNormalization(groups=2, axis=-1)"]
+    np.testing.assert_array_equal(fixed.get_layer("bn").gamma.numpy(), [1, 2, 3, 4])
+    for a, b in zip(model.get_layer("conv").weights, fixed.get_layer("conv").weights):
+        np.testing.assert_array_equal(a.numpy(), b.numpy())
+    if sequential is tfdp.DPSequential:
+        _compile(fixed)
+        fixed.fit(*_data(), batch_size=8, epochs=1, steps_per_epoch=1, verbose=0)
+        assert fixed.privacy.steps == 1
+
+
 def test_the_fixer_keeps_frozen_layers_and_refuses_subclassed_models():
     model, _ = _cnn(frozen=True)
     fixed, changes = fix_batch_normalization(model)

@@ -51,9 +51,46 @@ def test_a_lone_unit_passes_with_probability_delta_threshold_and_a_per_token_thr
 
 def test_each_unit_contributes_at_most_k_distinct_tokens():
     units = [["a", "a", "b", "c", "d"], ["a"], ["b", "e"]]
-    counts = partition_selection.bounded_counts(units, 2, np.random.default_rng(0))
+    counts = partition_selection.bounded_counts(
+        [((i,), tokens) for i, tokens in enumerate(units)], 2, key=0)
     assert sum(counts.values()) == 2 + 1 + 2
     assert counts["a"] >= 1
+
+
+def _samples(units, key):
+    """Which tokens each unit contributes (k = 2), one unit at a time."""
+    return {code: set(partition_selection.bounded_counts([(code, tokens)], 2, key))
+            for code, tokens in units}
+
+
+def test_removing_one_unit_leaves_the_other_units_samples_alone():
+    units = [((i, 0), [f"t{i}-{j}" for j in range(6)]) for i in range(40)]
+    counts = partition_selection.bounded_counts(units, 2, key=5)
+    without_first = partition_selection.bounded_counts(units[1:], 2, key=5)
+    assert set(without_first) == set(counts) - set(_samples(units[:1], 5)[(0, 0)])
+    assert _samples(units[1:], 5) == {c: s for c, s in _samples(units, 5).items() if c != (0, 0)}
+    # Negative control: another key draws other samples (the samples are random).
+    assert _samples(units, 6) != _samples(units, 5)
+
+
+def test_the_vocabulary_noise_does_not_depend_on_the_units_samples():
+    """Removing a person with more than k tokens moves each count by what the person
+    contributed (0 or 1), never the noise: the noise has its own stream."""
+    tokens = ("a", "b", "c", "d")
+
+    def noisy_counts(rows, people):
+        layer = keras.layers.StringLookup(output_mode="tf_idf")
+        preprocessing.adapt_privately(layer, np.array(rows), epsilon=1.0, delta=1e-6,
+                                      max_tokens_per_record=2, seed=3, user_ids=people)
+        idf = dict(zip(layer.get_vocabulary(), layer.idf_weights.numpy().astype(np.float64)))
+        units = len(set(people))
+        return np.array([units / np.expm1(idf[t]) - 1 for t in tokens])  # log1p(N / (1 + c))
+
+    common, people = [["a", "b"], ["c", "d"]] * 100, list(range(200))
+    many = [["a", "b"], ["c", "d"]]  # one more person: 4 distinct tokens, k = 2 sampled
+    moved = noisy_counts(common + many, people + [200, 200]) - noisy_counts(common, people)
+    assert np.allclose(moved, np.round(moved), atol=1e-3)
+    assert set(np.round(moved)) <= {0.0, 1.0} and np.round(moved).sum() == 2
 
 
 def private_entry(additive=2e-7):

@@ -261,17 +261,6 @@ def test_a_vectorizers_own_lookup_is_part_of_its_state_not_another_layer():
     assert [layer.name for layer, _, _ in provenance._data_layers(model)] == ["words"]
 
 
-def test_an_adaptation_per_person_is_refused_for_a_fit_per_record():
-    lookup = keras.layers.IntegerLookup(name="lookup", output_mode="one_hot")
-    ids = private_ids()
-    preprocessing.adapt_privately(lookup, ids, epsilon=4.0, delta=1e-7,
-                                  max_tokens_per_record=2, user_ids=np.arange(len(ids)) // 2,
-                                  seed=0)
-    with pytest.raises(ValueError, match="adapted privately per person, but this fit protects "
-                                         "each record"):
-        fit(lookup_model(lookup), ids)
-
-
 def test_a_target_epsilon_counts_the_adaptation_and_its_thresholds_delta():
     lookup = keras.layers.IntegerLookup(name="lookup", output_mode="one_hot")
     preprocessing.adapt_privately(lookup, private_ids(), epsilon=1.0, delta=1e-6, seed=0)
@@ -282,3 +271,30 @@ def test_a_target_epsilon_counts_the_adaptation_and_its_thresholds_delta():
     fit(model, private_ids())  # 10 planned steps: sigma calibrated with what the ledger holds
     assert model.privacy.steps == 10
     assert 2.99 < model.privacy.epsilon(DELTA) <= 3.0
+
+
+class _Featurizer(keras.layers.Layer):
+    """A custom adaptable layer without weights of its own: its state is its lookup's."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.lookup = keras.layers.IntegerLookup(
+            output_mode="one_hot", max_tokens=12, pad_to_max_tokens=True)
+
+    def adapt(self, data):
+        self.lookup.adapt(data)
+
+    def call(self, x):
+        return self.lookup(x)
+
+
+def test_a_custom_layer_is_fingerprinted_with_its_sublayers_vocabularies():
+    featurizer = _Featurizer(name="featurizer")
+    preprocessing.declare_public(featurizer, source="nothing yet")  # declared while empty
+    featurizer.adapt(private_ids())  # then its lookup adapted on the private records
+    assert UNIQUE in featurizer.lookup.get_vocabulary()
+    model = lookup_model(featurizer)
+    with pytest.raises(ValueError, match="'featurizer' .* changed after") as caught:
+        fit(model, private_ids())
+    assert str(UNIQUE) not in str(caught.value)
+    assert model.privacy.steps == 0

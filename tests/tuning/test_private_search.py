@@ -175,8 +175,8 @@ def test_a_label_out_of_range_is_refused_before_the_trials_are_drawn(trials, whe
     bad[7] = 5
     arguments = (dict(y=bad, validation_split=SPLIT) if where == "y" else
                  dict(y=y, validation_data=(x[:10], bad[:10])))
-    _refused_before_the_draw(_build(), r"class indices in \[0, 1\].*labels in \[0, 5\]", x,
-                             **arguments)
+    _refused_before_the_draw(_build(), r"class indices in \[0, 1\].*1 label\(s\) outside that "
+                             r"range", x, **arguments)
 
 
 def test_fewer_output_units_in_a_drawn_trial_are_refused(trials):
@@ -307,3 +307,11 @@ def test_a_hypermodel_that_cannot_reach_the_child_process_is_named(in_child):
     with pytest.raises(TypeError, match=r"its `hypermodel` must be picklable.*Received: "
                                         r"hypermodel=<function .*build"):
         tuner.search(*_data(), batch_size=BATCH, validation_split=SPLIT)
+
+
+@pytest.mark.parametrize("cut", [(0, 0), (5, 4)])
+def test_validation_data_without_records_is_refused_before_the_draw(trials, cut):
+    """Issue 55, item 4: it was a withheld ZeroDivisionError after the draw."""
+    x, y = _data()
+    _refused_before_the_draw(_build(), r"validation_data \(x_val, y_val\) with the same, non-zero",
+                             x, y, validation_data=(x[:cut[0]], y[:cut[1]]))

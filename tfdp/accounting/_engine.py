@@ -39,6 +39,7 @@ from dp_accounting.pld import privacy_loss_distribution as _pld_lib
 from dp_accounting.rdp import rdp_privacy_accountant as _rdp_lib
 
 from tfdp.accounting._huge_noise import cap_noise
+from tfdp.accounting.joint_gaussian import as_one_gaussian
 from tfdp.accounting._validation import show
 
 ACCOUNTANTS = ("rdp", "pld")
@@ -146,7 +147,7 @@ def _cached_rdp_vector(event, orders):
 
 def rdp_vector(event, orders=RDP_ORDERS):
     """RDP of one `event` at `orders` (read-only array; cached per event)."""
-    event = cap_noise(event)
+    event = cap_noise(as_one_gaussian(event))
     try:
         hash(event)
     except TypeError:  # e.g. a ComposedDpEvent holds a list
@@ -299,7 +300,7 @@ def _build_pld_accountant(parts):
     with the arguments dp_accounting's PLDAccountant uses, so the result is
     the same. Anything else goes through PLDAccountant itself.
     """
-    parts = [(cap_noise(event), count) for event, count in parts]
+    parts = [(cap_noise(as_one_gaussian(event)), count) for event, count in parts]
     interval = pld_discretization(parts)
     if all(_is_dpsgd_step(event) for event, _ in parts):
         pld = _pld_lib.identity(value_discretization_interval=interval)

@@ -41,20 +41,26 @@ import math
 
 import dp_accounting
 
-from tfdp.accounting import _engine, additive_delta
+from tfdp.accounting import _engine, additive_delta, integrity
 from tfdp.accounting._validation import check_choice, check_delta, check_int, check_real, show
+from tfdp.accounting.carried_floor import at_least
 from tfdp.accounting.events import event_from_dict, event_to_dict
 from tfdp.accounting.statement import describe_releases, is_search, privacy_statement
 
 _FORMAT = "tfdp.PrivacyLedger"
 # Version 2 adds a segment's "steps_per_round" and "relation"; a ledger that
 # uses neither is written as version 1, as before, and both are read.
-# Version 3 adds "preprocessing" (the provenance of preprocessing state,
-# `tfdp.preprocessing`); a ledger without any is written as before.
 _VERSION = 1
 _ROUNDS_VERSION = 2
-_PREPROCESSING_VERSION = 3
+# Version 3 adds "preprocessing" (the provenance of preprocessing state,
+# `tfdp.preprocessing`) and "carried" (releases of other models' training
+# that this model's weights carry, `carry`); written only when there are
+# some, so a tfdp that cannot read them refuses the file instead of
+# dropping them.
+_EXTENDED_VERSION = 3
 _PREPROCESSING_KEYS = ("id", "layer", "state", "kind", "what", "source", "unit", "additive_delta")
+# A per-person adaptation's grouping of records into people (a digest), optional.
+_PREPROCESSING_OPTIONAL = ("partition",)
 _PREPROCESSING_KINDS = ("private", "public")
 _CACHE_SIZE = 256
 
@@ -141,7 +147,11 @@ class PrivacyLedger:
         self._open = None  # (event, start, Counting), start == end of the last closed segment
         self._records = []  # one-off releases: (event, count)
         self._preprocessing = []  # provenance of preprocessing state: dicts (_PREPROCESSING_KEYS)
+        self._carried = {}  # source id -> Carried: another training these weights carry
+        self._floors = {}  # source id -> parts: what it carried when this model trained
         self._version = 0  # bumped on every change other than the step count
+        # Called before a statement: its model refuses state changed since its provenance.
+        self.before_statement = None
         self._high_water = 0  # the largest step count seen: counters never go back
         self._cache = {}
 
@@ -248,8 +258,18 @@ class PrivacyLedger:
         counting = _check_counting(steps_per_round, relation)
         now = self.steps
         self._check_counter(now)
-        if any((c.relation == _USER_RELATION) != (relation == _USER_RELATION)
-               for _, start, end, c in self._spans(now) if end > start):
+        carried = [c.label for c in self._carried.values()
+                   if (c.relation == _USER_RELATION) != (relation == _USER_RELATION)]
+        if carried:
+            raise ValueError(
+                f"This model's weights carry the training of {', '.join(carried)}, at the "
+                f"{'record' if relation == _USER_RELATION else 'user'} level, and these steps "
+                "are at the other level: one guarantee does not bound the other, so the two "
+                "cannot be composed. Train fresh layers instead of the ones it trained, or "
+                f"train at the same level. Received: relation={relation!r}"
+            )
+        if any((other == _USER_RELATION) != (relation == _USER_RELATION)
+               for other in self._relations(now)):
             raise ValueError(
                 "A ledger's steps must all be user-level or all record-level: a record-level "
                 "guarantee does not protect a person with several records, and a user-level "
@@ -332,7 +352,14 @@ class PrivacyLedger:
         return tuple(dict(item) for item in self._preprocessing)
 
     def _additive_delta(self):
-        """A: the summed failure probability of the preprocessing thresholds."""
+        """A: the summed failure probability of the preprocessing thresholds,
+        this ledger's and those of the trainings its weights carry."""
+        return math.fsum([self.own_additive_delta()]
+                         + [c.additive_delta for c in self._carried.values()])
+
+    def own_additive_delta(self):
+        """This ledger's own thresholds' failure probability, without the
+        carried ones: what another model that holds these weights carries."""
         return math.fsum(item["additive_delta"] for item in self._preprocessing)
 
     def _epsilon_of(self, parts, delta, accountant="rdp", conversion="tight"):
@@ -340,6 +367,107 @@ class PrivacyLedger:
         with this ledger's thresholds' delta (for calibrations)."""
         return additive_delta.epsilon_with(parts, delta, self._additive_delta(), accountant,
                                            conversion)
+
+    def carry(self, source_id, label, parts, relation="add_or_remove", additive_delta=0.0):
+        """Charges releases that this model's weights carry from another
+        training (`tfdp.models.weight_ledgers`): weights that another
+        model's DP steps trained, held or trained on here.
+
+        Carried releases compose with this ledger's own (a valid bound
+        whatever data each training read) and are named in the statement.
+        Carrying the same `source_id` again replaces its releases (the
+        other training's ledger as it is now), so nothing is counted twice.
+
+        Args:
+            source_id: a string naming the other training.
+            label: how the statement names it, e.g. "model 'encoder'".
+            parts: its releases, a sequence of (DpEvent, count >= 1).
+            relation: the neighbouring relation its guarantee holds under
+                (see `relation`).
+            additive_delta: its preprocessing thresholds' failure
+                probability (`own_additive_delta`), added to this ledger's.
+
+        Raises:
+            ValueError: if the other training is user-level and this
+                ledger's record-level, or the reverse (one guarantee does
+                not bound the other), or a part is malformed.
+
+        Example:
+
+        >>> from tfdp.accounting import dpsgd_event
+        >>> ledger = PrivacyLedger()
+        >>> ledger.carry("a", "model 'a'", [(dpsgd_event(1.0, 0.01), 100)])
+        >>> round(ledger.epsilon(1e-5), 4) > 0, len(ledger.own_parts())
+        (True, 0)
+        """
+        if not isinstance(source_id, str) or not isinstance(label, str):
+            raise TypeError(
+                "Expected `source_id` and `label` to be strings. Received: "
+                f"source_id={show(source_id)}, label={show(label)}"
+            )
+        check_choice("relation", relation, RELATIONS)
+        additive_delta = check_real("additive_delta", additive_delta, low=0.0, high=1.0,
+                                    low_inclusive=True)
+        parts = tuple((_check_event(event, "parts"), check_int("count", count, minimum=1))
+                      for event, count in parts)
+        if any((other == _USER_RELATION) != (relation == _USER_RELATION)
+               for other in self._relations(self.steps, without=source_id)):
+            raise ValueError(
+                f"These weights carry the training of {label}, "
+                f"{'user-level' if relation == _USER_RELATION else 'record-level'}, and this "
+                "model's training is the other level: one guarantee does not bound the other, "
+                "so the two cannot be composed. Train fresh layers instead of the ones "
+                f"{label} trained, or train at the same level. Received: relation={relation!r}"
+            )
+        parts = at_least(parts, self._floors.get(source_id, ()))
+        carried = Carried(label, parts, relation, additive_delta)
+        if self._carried.get(source_id) != carried:
+            self._carried[source_id] = carried
+            self._version += 1
+
+    def hold_carried(self):
+        """Freezes what this ledger carries as a floor (`carried_floor`):
+        called when its model trains on the carried weights, so a later
+        rollback of the model that trained them does not lower this charge.
+        A saved ledger keeps it (a loaded ledger's carried releases are floors).
+
+        Example:
+
+        >>> from tfdp.accounting import dpsgd_event
+        >>> ledger = PrivacyLedger()
+        >>> ledger.carry("a", "model 'a'", [(dpsgd_event(1.0, 0.01), 100)])
+        >>> ledger.hold_carried()
+        >>> ledger.carry("a", "model 'a'", [(dpsgd_event(1.0, 0.01), 10)])  # 'a' rolled back
+        >>> ledger.carried["a"].parts[0][1]
+        100
+        """
+        self._floors = {key: c.parts for key, c in self._carried.items()}
+
+    @property
+    def floors(self):
+        """{source id: parts}: what each carried training released when this
+        ledger's model trained on it (`hold_carried`); never charged less."""
+        return dict(self._floors)
+
+    @property
+    def carried(self):
+        """{source id: Carried(label, parts, relation)}: the other trainings
+        these weights carry (`carry`), charged with this ledger's own."""
+        return dict(self._carried)
+
+    def own_parts(self):
+        """This ledger's own releases as (event, count) pairs, without the
+        carried ones: what another model that holds these weights carries."""
+        parts = self._parts(self.steps)
+        return parts[:len(parts) - self._carried_count()]
+
+    def _carried_count(self):
+        return sum(len(c.parts) for c in self._carried.values())
+
+    def _relations(self, now, without=None):
+        """The relations of the segments that ran and of the carried trainings."""
+        spans = [c.relation for _, start, end, c in self._spans(now) if end > start]
+        return spans + [c.relation for key, c in self._carried.items() if key != without]
 
     def charge_selection(self, event, earlier=()):
         """Replaces every release so far by `event`, one release that covers them.
@@ -409,6 +537,8 @@ class PrivacyLedger:
                 "No step event is open, so there is no step to project: call "
                 f"begin_steps(event) first. Received: extra_steps={extra_steps}"
             )
+        for carried in self._carried.values():  # last: own_parts cuts them off
+            parts += list(carried.parts)
         return parts
 
     def composed_event(self):
@@ -434,6 +564,8 @@ class PrivacyLedger:
         if self._open is not None and now > self._open[1]:
             event, start, counting = self._open
             events.append(dp_accounting.SelfComposedDpEvent(event, counting.releases(now - start)))
+        events += [dp_accounting.SelfComposedDpEvent(event, count)
+                   for carried in self._carried.values() for event, count in carried.parts]
         return dp_accounting.ComposedDpEvent(events)
 
     @property
@@ -459,9 +591,9 @@ class PrivacyLedger:
         contributes nothing is as good as absent), so the ledger's epsilon
         then holds under "zero_out" for the whole run.
         """
-        spans = [(start, end, c) for _, start, end, c in self._spans(self.steps) if end > start]
+        relations = self._relations(self.steps)
         for relation in ("zero_out", _USER_RELATION):
-            if any(counting.relation == relation for _, _, counting in spans):
+            if relation in relations:
                 return relation
         return "add_or_remove"
 
@@ -618,6 +750,8 @@ class PrivacyLedger:
             A few sentences: the guarantee, what it means, what it covers
             and what it does not (see `privacy_statement`).
         """
+        if self.before_statement is not None and self._preprocessing:
+            self.before_statement()
         epsilon = self.epsilon(delta, accountant)
         now = self.steps
         return privacy_statement(
@@ -633,7 +767,8 @@ class PrivacyLedger:
 
     def _description(self, now):
         """`describe_releases` of the releases, with what a rounds segment means."""
-        text = describe_releases(self._parts(now))
+        own = self._parts(now)
+        text = describe_releases(own[:len(own) - self._carried_count()])
         rounds = [(end - start, c) for event, start, end, c in self._spans(now)
                   if end > start and (c.steps_per_round > 1 or c.relation == "zero_out")
                   and not is_search(event)]
@@ -649,6 +784,11 @@ class PrivacyLedger:
                 f" ({steps} steps of banded correlated noise (DP-BandMF) in which {pattern}: "
                 f"{counting.releases(steps)} round(s), each counted as one release)"
             )
+        for carried in self._carried.values():
+            text += (
+                f". These weights also carry the releases of the training of {carried.label}, "
+                f"charged here too ({describe_releases(list(carried.parts))})"
+            )
         return text
 
     # -- persistence -----------------------------------------------------------
@@ -657,7 +797,8 @@ class PrivacyLedger:
         """The ledger as a JSON string.
 
         Holds the closed segments, the open segment, the one-off records and
-        the step count at save time; `from_json` restores it.
+        the step count at save time, sealed with their SHA-256
+        (`tfdp.accounting.integrity`); `from_json` checks and restores it.
 
         Raises:
             ValueError: if the step counter went back below a count the
@@ -670,7 +811,7 @@ class PrivacyLedger:
         version = _VERSION if all(c.is_default for c in countings) else _ROUNDS_VERSION
         data = {
             "format": _FORMAT,
-            "version": _PREPROCESSING_VERSION if self._preprocessing else version,
+            "version": _EXTENDED_VERSION if self._preprocessing or self._carried else version,
             "steps": now,
             "segments": [
                 _segment_dict(event, counting, start=start, end=end)
@@ -685,7 +826,14 @@ class PrivacyLedger:
         }
         if self._preprocessing:
             data["preprocessing"] = self.preprocessing
-        return json.dumps(data, allow_nan=False)
+        if self._carried:
+            data["carried"] = [
+                {"id": key, "label": c.label, "relation": c.relation,
+                 "releases": [{"event": event_to_dict(e), "count": n} for e, n in c.parts],
+                 **({"additive_delta": c.additive_delta} if c.additive_delta else {})}
+                for key, c in self._carried.items()
+            ]
+        return json.dumps(integrity.seal(data), allow_nan=False)
 
     @classmethod
     def from_json(cls, text, step_counter=None):
@@ -704,8 +852,10 @@ class PrivacyLedger:
             The `PrivacyLedger`.
 
         Raises:
-            ValueError: corrupt JSON (the message names the problem) or a
-                mismatched step counter.
+            ValueError: corrupt JSON (the message names the problem), a
+                checksum that does not match (a damaged record), or a
+                mismatched step counter. A ledger saved before checksums is
+                read with an `integrity.UncheckedRecordWarning`.
         """
         if isinstance(text, (bytes, bytearray)):
             try:
@@ -722,12 +872,16 @@ class PrivacyLedger:
         except json.JSONDecodeError as error:
             raise ValueError(f"Corrupt privacy ledger: invalid JSON ({error}).") from None
         segments, open_segment, records, saved_steps = _parse(data)
+        preprocessing = _parse_preprocessing(data)
+        _check_seal(data)  # after the structure's checks, whose messages are more telling
 
         ledger = cls(step_counter=step_counter)
-        ledger._preprocessing = _parse_preprocessing(data)
+        ledger._preprocessing = preprocessing
         ledger._segments = segments
         ledger._open = open_segment
         ledger._records = records
+        ledger._carried = _parse_carried(data)
+        ledger._floors = {key: c.parts for key, c in ledger._carried.items()}
         ledger._high_water = open_segment[1] if open_segment is not None else 0
         if step_counter is None:
             ledger._own_steps = saved_steps
@@ -765,6 +919,36 @@ def _segment_dict(event, counting, **span):
     if not counting.is_default:
         data.update(steps_per_round=counting.steps_per_round, relation=counting.relation)
     return data
+
+
+class Carried(collections.namedtuple("Carried", ["label", "parts", "relation", "additive_delta"],
+                                     defaults=(0.0,))):
+    """Another training's releases that a ledger's weights carry: how the
+    statement names it, its (event, count) parts, its relation, and its
+    preprocessing thresholds' failure probability."""
+
+    __slots__ = ()
+
+
+def _parse_carried(data):
+    """The validated "carried" trainings of a saved ledger (version 3)."""
+    carried = {}
+    if data["version"] != _EXTENDED_VERSION or "carried" not in data:
+        return carried
+    for i, item in enumerate(_get_list(data, "carried", "the ledger")):
+        where = f"carried[{i}]"
+        key, label = _get(item, "id", where), _get(item, "label", where)
+        relation = _get(item, "relation", where)
+        if not isinstance(key, str) or not isinstance(label, str) or relation not in RELATIONS:
+            raise _corrupt(f"bad id, label or relation at {where}.")
+        parts = tuple((_get_event(release, f"{where}.releases[{j}]"),
+                       _get_int(release, "count", f"{where}.releases[{j}]", minimum=1))
+                      for j, release in enumerate(_get_list(item, "releases", where)))
+        extra = item.get("additive_delta", 0.0)
+        if not isinstance(extra, (int, float)) or isinstance(extra, bool) or not 0 <= extra < 1:
+            raise _corrupt(f"bad additive_delta at {where}.")
+        carried[key] = Carried(label, parts, relation, float(extra))
+    return carried
 
 
 def _largest_fitting(fits, max_steps, guess=None):
@@ -844,12 +1028,14 @@ def _get_event(mapping, where):
 
 def _check_preprocessing(entry, where):
     """A validated copy of a preprocessing provenance entry."""
-    if not isinstance(entry, dict) or sorted(entry) != sorted(_PREPROCESSING_KEYS):
+    if not isinstance(entry, dict) or not (
+            set(_PREPROCESSING_KEYS) <= set(entry)
+            <= set(_PREPROCESSING_KEYS) | set(_PREPROCESSING_OPTIONAL)):
         raise ValueError(
-            f"Expected {where} to be a dict with the keys {list(_PREPROCESSING_KEYS)}. "
-            f"Received: {show(entry)}"
+            f"Expected {where} to be a dict with the keys {list(_PREPROCESSING_KEYS)} "
+            f"(and optionally {list(_PREPROCESSING_OPTIONAL)}). Received: {show(entry)}"
         )
-    for key in _PREPROCESSING_KEYS[:-1]:
+    for key in [*_PREPROCESSING_KEYS[:-1], *(k for k in _PREPROCESSING_OPTIONAL if k in entry)]:
         if not isinstance(entry[key], str):
             raise ValueError(
                 f"Expected {where}[{key!r}] to be a string. Received: {show(entry[key])}")
@@ -881,15 +1067,35 @@ def _get_counting(mapping, where, version):
         raise _corrupt(f"bad counting at {where}: {error}") from None
 
 
+def _check_seal(data):
+    """Checks a parsed ledger's checksum; an old ledger without one (and with
+    no key a ledger never had: a flipped key name) is read with a warning."""
+    if integrity.unseal(data, "Corrupt privacy ledger") is not None:
+        return
+    unknown = sorted(set(data) - _KEYS)
+    if unknown:
+        raise _corrupt(f"unknown key(s) {unknown} and no checksum (a damaged record).")
+    import warnings
+
+    warnings.warn(
+        "This privacy ledger was saved without a checksum (by an earlier tfdp): it is read "
+        "unchecked. Save the model again to seal it.",
+        integrity.UncheckedRecordWarning, stacklevel=4)
+
+
+_KEYS = {"format", "version", "steps", "segments", "open", "records", "preprocessing",
+         "carried"}
+
+
 def _parse(data):
     """Validated (segments, open, records, steps) of a saved ledger."""
     if _get(data, "format", "the ledger") != _FORMAT:
         raise _corrupt(f"expected format {_FORMAT!r}, got {show(data['format'])}.")
     version = _get(data, "version", "the ledger")
-    if version not in (_VERSION, _ROUNDS_VERSION, _PREPROCESSING_VERSION):
+    if version not in (_VERSION, _ROUNDS_VERSION, _EXTENDED_VERSION):
         raise _corrupt(
-            f"unsupported version {show(version)} (this tfdp reads {_VERSION}, "
-            f"{_ROUNDS_VERSION} and {_PREPROCESSING_VERSION})."
+            f"unsupported version {show(version)} (this tfdp reads {_VERSION} to "
+            f"{_EXTENDED_VERSION})."
         )
     saved_steps = _get_int(data, "steps", "the ledger")
 

@@ -16,6 +16,7 @@ import math
 import dp_accounting
 
 from tfdp.accounting._validation import check_int, check_real
+from tfdp.accounting.joint_gaussian import joint_gaussians
 
 DEFAULT_MECHANISM = "DP-SGD (Poisson-sampled Gaussian mechanism on clipped per-example gradients)"
 
@@ -202,9 +203,11 @@ def describe_preprocessing(entries):
                 f"{entry['what']} of {entry['layer']!r} from data declared public: "
                 f"{entry['source']}")
         else:
+            unit = (" per person (which protects each record too)"
+                    if entry.get("unit") == "person" else "")
             pieces.append(
-                f"{entry['what']} of {entry['layer']!r} adapted privately on the training data "
-                f"({entry['source']}; covered by this guarantee)")
+                f"{entry['what']} of {entry['layer']!r} adapted privately{unit} on the training "
+                f"data ({entry['source']}; covered by this guarantee)")
     text = "Preprocessing: " + "; ".join(pieces) + "."
     if any(entry["kind"] == "public" for entry in entries):
         text += " Data declared public is not covered by this guarantee."
@@ -227,9 +230,17 @@ def _describe_search(event):
          else (item, 1) for item in inner.events]
         if isinstance(inner, dp_accounting.ComposedDpEvent) else [(inner, 1)]
     )
+    score = ""
+    last = parts[-1][0] if parts else None
+    if len(parts) > 1 and parts[-1][1] == 1 and isinstance(last, dp_accounting.GaussianDpEvent):
+        # The trial's noisy validation score (tfdp.tuning.scores): what picks the best.
+        parts = parts[:-1]
+        score = (f", and scored by a noisy validation score (Gaussian, noise multiplier "
+                 f"{last.noise_multiplier:.4g}) that picks the best; that score is part of "
+                 "this search, not a release of its own")
     return (
         f"a private hyperparameter search: the best of a random number of trials ({law} law, "
-        f"mean {event.mean:.4g}), each trial releasing {describe_releases(parts)}"
+        f"mean {event.mean:.4g}), each trial trained with {describe_releases(parts)}{score}"
     )
 
 
@@ -245,6 +256,18 @@ def _describe_event(event):
         )
     if isinstance(event, dp_accounting.GaussianDpEvent):
         return f"Gaussian (noise multiplier {event.noise_multiplier:.4g})"
+    joint = (joint_gaussians(event.event)
+             if isinstance(event, dp_accounting.PoissonSampledDpEvent) else None)
+    if joint is not None:  # tfdp.accounting.joint_gaussian: a sparse-embedding step
+        rate = event.sampling_probability
+        selections = ", ".join(f"{s:.4g}" for s in joint[1:])
+        return (
+            f"Poisson-sampled Gaussian (sampling probability {rate:.4g}) releasing the "
+            f"gradient (noise multiplier {joint[0]:.4g}) and the sparse embeddings' row "
+            f"selection counts (noise multiplier {selections}) of the same batch, "
+            f"composed as one Gaussian of noise multiplier "
+            f"{sum(s ** -2.0 for s in joint) ** -0.5:.4g}"
+        )
     return type(event).__name__
 
 

@@ -82,7 +82,10 @@ class ClippedContribution:
             value, gradients = self._function(batch)
         finally:
             self.step.restore()  # the pass drew dropout masks: seed states moved
-        return float(value), [None if g is None else tf.cast(g, tf.float64).numpy()[0]
+        # The vectorized path's gradient of an input is IndexedSlices (its
+        # tf.vectorized_map gathers each example): made dense here.
+        return float(value), [None if g is None
+                              else tf.cast(tf.convert_to_tensor(g), tf.float64).numpy()[0]
                               for g in gradients]
 
 

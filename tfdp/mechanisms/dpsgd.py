@@ -15,7 +15,7 @@ array([0.5, 1. , 0. ], dtype=float32)
 
 import tensorflow as tf
 
-from tfdp.mechanisms.gaussian import fold_seed, normals
+from tfdp.mechanisms.gaussian import add_normals, fold_seed, normals
 
 
 # The smallest normal number of each float type: a squared-norm bound below it
@@ -158,6 +158,36 @@ def gaussian_noise_like(tensors, stddev, seed):
     return [u * tf.cast(stddev, t.dtype) for u, t in zip(units, tensors)]
 
 
+def add_gaussian_noise(tensors, stddev, seed, divisor=None):
+    """Each tensor plus its `gaussian_noise_like` noise, divided by `divisor`
+    if given, bit for bit as `(t + n) / divisor`.
+
+    With a scalar `stddev` the compiled kernel (where it runs)
+    adds the noise in the same pass that draws it; the division is a
+    TensorFlow op on both paths (`tfdp.mechanisms.gaussian.add_normals`).
+
+    Args:
+        tensors: list of float tensors.
+        stddev: as in `gaussian_noise_like`.
+        seed: int64 tensor [2].
+        divisor: None or a scalar.
+
+    Returns:
+        List of tensors like `tensors`.
+
+    Example:
+
+    >>> t = add_gaussian_noise([tf.ones([2])], 0.0, tf.constant([0, 1], tf.int64))
+    >>> t[0].numpy()
+    array([1., 1.], dtype=float32)
+    """
+    if tf.convert_to_tensor(stddev).shape.rank == 0:
+        streams = [fold_seed(seed, i) for i in range(len(tensors))]
+        return add_normals(tensors, streams, stddev, divisor)
+    noised = [t + n for t, n in zip(tensors, gaussian_noise_like(tensors, stddev, seed))]
+    return noised if divisor is None else [t / tf.cast(divisor, t.dtype) for t in noised]
+
+
 def noisy_mean(clipped_sums, noise_stddev, expected_batch_size, seed):
     """Adds Gaussian noise to clipped sums and divides by the expected size.
 
@@ -178,8 +208,4 @@ def noisy_mean(clipped_sums, noise_stddev, expected_batch_size, seed):
     >>> g[0].numpy()
     array([0.25, 0.25], dtype=float32)
     """
-    noise = gaussian_noise_like(clipped_sums, noise_stddev, seed)
-    return [
-        (s + n) / tf.cast(expected_batch_size, s.dtype)
-        for s, n in zip(clipped_sums, noise)
-    ]
+    return add_gaussian_noise(clipped_sums, noise_stddev, seed, divisor=expected_batch_size)

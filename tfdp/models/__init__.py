@@ -28,7 +28,10 @@ def load_model(filepath, **kwargs):
     import tfdp.layers  # noqa: F401  (registers tfdp's layers with Keras)
     import tfdp.optimizers  # noqa: F401  (and its optimizers)
 
-    return keras.models.load_model(filepath, **kwargs)
+    from tfdp.models.restore import naming_the_file
+
+    with naming_the_file(filepath):  # a damaged ledger's error names the file
+        return keras.models.load_model(filepath, **kwargs)
 
 
 __all__ = ["DPModel", "DPSequential", "load_model"]

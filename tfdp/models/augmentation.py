@@ -28,8 +28,10 @@ replacing another example changes neither its augmentation nor its clipped
 gradient. `fn` sees one example at a time (no batch axis, so it cannot mix
 examples) and is refused if it draws from a stateful generator (whose draws
 depend on the batch position and the run's other draws), writes a variable,
-runs Python, writes files or asserts on its input (a failed check on one
-record stops training), or if any tensor of its trace has a shape that is not
+runs Python, writes files, asserts on its input (a failed check on one
+record stops training) or indexes by its values (a `tf.gather`, slice or
+scatter whose index the example decides: out of range on one record, the
+step fails), or if any tensor of its trace has a shape that is not
 static (a shape that depends on the values lets a run-time shape check fail
 on one record). It is traced once, checked, and that trace is the one the
 step calls.
@@ -48,14 +50,18 @@ Example:
 'add_or_remove'
 """
 
+import dis
 import inspect
+import random
+import types
 
 import keras
 import numpy as np
 import tensorflow as tf
 
 from tfdp.mechanisms import dpsgd
-from tfdp.models.state_writes import _OUTPUT_OPS, _OUTPUT_PREFIXES, _PYTHON_OPS, _READS, _called_functions
+from tfdp.models.state_writes import (_OUTPUT_OPS, _OUTPUT_PREFIXES, _PYTHON_OPS, _READS,
+                                      _called_functions, reads_values)
 
 __all__ = ["Augmentation", "check_augmentation", "example_hashes"]
 
@@ -218,7 +224,12 @@ def _as_int64(tensor):
     return tf.cast(tensor, tf.int64)
 
 
-def check_augmentation(augment, augmentations, sample_x, optimizer):
+# The most copies of an example a step averages: the published gains level
+# off by 16 to 32 copies, and every copy costs a forward and backward pass.
+MAX_AUGMENTATIONS = 1024
+
+
+def check_augmentation(augment, augmentations, sample_x, optimizer, rows=None):
     """Validates fit's `augment` and `augmentations`; an `Augmentation` or None.
 
     Args:
@@ -231,6 +242,9 @@ def check_augmentation(augment, augmentations, sample_x, optimizer):
             (default 1 with `augment`).
         sample_x: the inputs of a one-example batch (their shapes and dtypes).
         optimizer: the model's tfdp optimizer.
+        rows: the examples a step computes at once (its batch size, or
+            physical_batch_size; times a user's records), for the message
+            refusing more than `MAX_AUGMENTATIONS` copies.
 
     Raises:
         ValueError: naming the argument and the value received.
@@ -251,6 +265,16 @@ def check_augmentation(augment, augmentations, sample_x, optimizer):
             "Expected `augmentations` to be an int >= 1 (the augmented copies of each "
             f"example a step averages) or None. Received: augmentations={augmentations!r}"
         )
+    if augmentations is not None and augmentations > MAX_AUGMENTATIONS:
+        at_once = "" if rows is None else (
+            f" (here {rows:,} examples x {int(augmentations):,} copies = "
+            f"{rows * int(augmentations):,} forward and backward passes in one step)")
+        raise ValueError(
+            f"Expected `augmentations` <= {MAX_AUGMENTATIONS}: a step augments every example "
+            "of its batch k times and computes a gradient for each copy, so its work and "
+            f"memory grow k-fold{at_once}; the accuracy gained levels off by 16 to 32 "
+            f"copies. Received: augmentations={augmentations!r}"
+        )
     if augment is None:
         if augmentations is not None and augmentations > 1:
             raise ValueError(
@@ -269,6 +293,7 @@ def check_augmentation(augment, augmentations, sample_x, optimizer):
             f"(fn(x, seed)). Received: augment={_name(augment)} with augmentations={copies}"
         )
     _check_privatize(optimizer)
+    _check_no_python_randomness(augment)
     augmentation = Augmentation(augment, copies, takes_seed)
     augmentation.traced(tf.nest.map_structure(
         lambda t: tf.TensorSpec(t.shape[1:], t.dtype), sample_x))
@@ -321,16 +346,109 @@ def _check_privatize(optimizer):
         )
 
 
+_PYTHON_RANDOM = ("random", "numpy.random", "numpy.random.mtrand", "numpy.random._generator")
+
+
+def _python_random_source(value):
+    """The name of Python's or NumPy's randomness that `value` is, or None."""
+    if isinstance(value, types.ModuleType):
+        return value.__name__ if value.__name__ in ("random", "numpy.random") else None
+    if isinstance(value, (np.random.Generator, np.random.RandomState, random.Random)):
+        return f"a {type(value).__module__}.{type(value).__name__}"
+    module = getattr(value, "__module__", None)
+    if callable(value) and module in _PYTHON_RANDOM:
+        return f"{module}.{getattr(value, '__name__', '?')}"
+    return None
+
+
+_LOADS = {"LOAD_GLOBAL", "LOAD_NAME", "LOAD_DEREF", "LOAD_CLASSDEREF"}
+
+
+def _python_randomness(augment):
+    """Where `augment`'s own code (and the functions defined in it) loads
+    Python's or NumPy's random numbers: a global or closure variable that is
+    `random`, `numpy.random`, one of their functions or generators, or
+    `numpy` followed by `.random`. None if nowhere."""
+    function = getattr(augment, "__func__", augment)
+    code = getattr(function, "__code__", None)
+    if code is None:
+        return None
+    scope = dict(getattr(function, "__globals__", {}))
+    for name, cell in zip(code.co_freevars, getattr(function, "__closure__", None) or ()):
+        try:
+            scope[name] = cell.cell_contents
+        except ValueError:  # an empty cell
+            pass
+    pending = [code]
+    while pending:
+        current = pending.pop()
+        pending.extend(c for c in current.co_consts if inspect.iscode(c))
+        instructions = list(dis.get_instructions(current))
+        for index, instruction in enumerate(instructions):
+            if instruction.opname not in _LOADS or instruction.argval not in scope:
+                continue
+            value = scope[instruction.argval]
+            found = _python_random_source(value)
+            following = instructions[index + 1] if index + 1 < len(instructions) else None
+            if found is None and isinstance(value, types.ModuleType) and \
+                    value.__name__ == "numpy" and following is not None and \
+                    following.opname in ("LOAD_ATTR", "LOAD_METHOD") and \
+                    following.argval == "random":
+                found = f"{instruction.argval}.random"
+            if found is not None:
+                return found
+    return None
+
+
+def _constants(traced):
+    """The values of a trace's constants, in order."""
+    return [op.get_attr("value").SerializeToString() for op in _ops(traced.graph)
+            if op.type == "Const"]
+
+
+def _check_no_python_randomness(augment):
+    """Refuses an `augment` that draws Python or NumPy random numbers: it runs
+    once, when traced, so its draw is a constant of the graph and every copy
+    of every step gets the same "random" augmentation."""
+    source = _python_randomness(augment)
+    if source is not None:
+        raise ValueError(
+            "augment must draw its randomness from its seed argument with stateless TF ops "
+            "(tf.random.stateless_uniform, tf.image.stateless_random_crop, ...): Python's or "
+            "NumPy's random numbers run once, when augment is traced, so every copy of "
+            "every example in every step would get the same augmentation. Received: "
+            f"augment={_name(augment)} using {source}"
+        )
+
+
+def _check_traced_again(augment, takes_seed, specs, traced):
+    """Refuses an `augment` whose second trace holds other constants than its
+    first: it draws random numbers (or reads other state) in Python, which the
+    trace freezes (every copy identical)."""
+    again = _trace(augment, takes_seed, specs)
+    if _constants(again) != _constants(traced):
+        raise ValueError(
+            "augment gave other constants when traced twice: it draws random numbers in "
+            "Python (random, numpy.random) or reads changing Python state, which runs once, "
+            "when traced, so every copy of every example in every step would get the same "
+            "augmentation. Draw randomness from its seed argument with stateless TF ops "
+            f"(tf.random.stateless_uniform, ...). Received: augment={_name(augment)}"
+        )
+
+
+def _trace(augment, takes_seed, specs):
+    seed = tf.TensorSpec([2], tf.int64)
+    if takes_seed:
+        return tf.function(lambda x, s: augment(x, s)).get_concrete_function(specs, seed)
+    return tf.function(lambda x: augment(x)).get_concrete_function(specs)
+
+
 def _check_traced(augment, takes_seed, specs):
     """Traces `augment` on one example of `specs`: same structure, shapes and
     dtypes out, and no op that draws from a stateful generator, writes state,
     runs Python or asserts, or whose output shape is not fully static.
     Returns the checked ConcreteFunction."""
-    seed = tf.TensorSpec([2], tf.int64)
-    if takes_seed:
-        traced = tf.function(lambda x, s: augment(x, s)).get_concrete_function(specs, seed)
-    else:
-        traced = tf.function(lambda x: augment(x)).get_concrete_function(specs)
+    traced = _trace(augment, takes_seed, specs)
     out = traced.structured_outputs
     try:
         tf.nest.assert_same_structure(out, specs)
@@ -348,9 +466,11 @@ def _check_traced(augment, takes_seed, specs):
             f"it in place of the example): {wanted}. Received: augment={_name(augment)} "
             f"returning {shown}"
         )
+    seed_inputs = {t.name for t in traced.graph.inputs[len(tf.nest.flatten(specs)):]
+                   if takes_seed} if takes_seed else set()
     for op in _ops(traced.graph):
         if op.type == "Assert":
-            if not _reads_values(op):  # a check of constants and static shapes only
+            if not reads_values(op):  # a check of constants and static shapes only
                 continue
             raise ValueError(
                 "augment must not assert on its input: a check that fails on one record "
@@ -385,33 +505,93 @@ def _check_traced(augment, takes_seed, specs):
                 f"augment={_name(augment)} running op '{op.name}' ({op.type}) with output "
                 f"shape {dynamic[0].shape}"
             )
+        if op.type in _INDEXING and _indexed_by_values(op, seed_inputs):
+            raise ValueError(
+                "augment must not index by the example's values (a tf.gather, slice or "
+                "scatter whose index is computed from the input): an index out of range "
+                "fails on that record only, stops training, and the error may print it "
+                "(a release no noise covers). Index by the seed or by constants, or clip "
+                "the index into range (tf.clip_by_value) first. Received: "
+                f"augment={_name(augment)} running op '{op.name}' ({op.type})"
+            )
+    _check_traced_again(augment, takes_seed, specs, traced)
     return traced
 
 
-# Ops whose value is fixed by their input's static shape, when it is fully known.
+# Ops that fail on an index out of range: their index inputs (all but the first).
+_INDEXING = {"GatherV2", "Gather", "GatherNd", "ResourceGather", "ResourceGatherNd",
+             "Slice", "StridedSlice", "ScatterNd", "TensorScatterUpdate", "TensorScatterAdd",
+             "TensorScatterSub", "TensorScatterMax", "TensorScatterMin"}
 _SHAPE_OPS = {"Shape", "ShapeN", "Rank", "Size"}
 
 
-def _reads_values(op):
-    """Whether `op` may depend on an input's values (not only on constants
-    and static shapes): a shape check such as `stateless_random_crop`'s holds
-    or fails alike for every example; anything else is a data-dependent
-    abort. Conservative: a function input (the example, the seed, a branch's
-    argument) reached other than through a fully known shape counts."""
-    pending, seen = list(op.inputs), set()
+def _indexed_by_values(op, seed_inputs):
+    """Whether an index of `op` may be computed from the example's values:
+    reached from a function input other than the seed (a branch's argument
+    counts) other than through a fully known shape. An index that is itself
+    `tf.clip_by_value`d into range (constant bounds within the indexed
+    axis's length, nothing computed after the clip) cannot fail, and is
+    accepted."""
+    length = _index_range(op)
+    pending, seen = [(t, True) for t in op.inputs[1:]], set()
     while pending:
-        tensor = pending.pop()
+        tensor, direct = pending.pop()
         producer = tensor.op
-        if producer.name in seen or producer.type == "Const":
+        if producer.type == "Const" or tensor.name in seed_inputs:
             continue
-        seen.add(producer.name)
+        if (producer.name, direct) in seen:
+            continue
+        seen.add((producer.name, direct))
+        if direct and _clipped(producer, length):
+            continue
         if producer.type in _SHAPE_OPS and all(
                 t.shape.is_fully_defined() for t in producer.inputs):
             continue
-        if producer.type == "Placeholder" or not producer.inputs and producer.type != "Const":
+        if producer.type == "Placeholder":
             return True
-        pending.extend(producer.inputs)
+        passes_on = direct and producer.type in ("Identity", "Cast")
+        pending.extend((t, passes_on) for t in producer.inputs)
     return False
+
+
+def _index_range(op):
+    """The length of the axis `op` indexes, when static (a gather's axis),
+    else the shortest static dimension of what it indexes; None if unknown."""
+    params = op.inputs[0]
+    if not params.shape.is_fully_defined() or params.shape.rank == 0:
+        return None
+    dims = params.shape.as_list()
+    if op.type == "GatherV2":
+        axis = tf.get_static_value(op.inputs[2])
+        if axis is None:
+            return None
+        return dims[int(axis)]
+    return min(dims)
+
+
+def _clipped(op, length):
+    """Whether `op` bounds its value into [0, length - 1] with constants
+    (`tf.clip_by_value`: a maximum of a minimum, or the other way round, each
+    with a constant)."""
+    if length is None:
+        return False
+    if op.type == "ClipByValue":
+        bounds = (tf.get_static_value(op.inputs[1]), tf.get_static_value(op.inputs[2]))
+    elif op.type in ("Maximum", "Minimum"):
+        inner = {"Maximum": "Minimum", "Minimum": "Maximum"}[op.type]
+        outer = next((tf.get_static_value(t) for t in op.inputs if t.op.type == "Const"), None)
+        nested = next((t.op for t in op.inputs if t.op.type == inner), None)
+        other = None if nested is None else next(
+            (tf.get_static_value(t) for t in nested.inputs if t.op.type == "Const"), None)
+        if outer is None or other is None:
+            return False
+        bounds = (outer, other) if op.type == "Maximum" else (other, outer)
+    else:
+        return False
+    if any(b is None for b in bounds):
+        return False
+    low, high = (int(b) if getattr(b, "ndim", 0) == 0 else None for b in bounds)
+    return low is not None and high is not None and 0 <= low and high <= length - 1
 
 
 def _ops(graph, seen=None):

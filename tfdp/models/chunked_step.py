@@ -33,7 +33,7 @@ import numpy as np
 import tensorflow as tf
 
 from tfdp.data.poisson import DEFAULT_OVERFLOW_PROBABILITY, padded_batch_size
-from tfdp.models.state_writes import checked_per_example_pass
+from tfdp.models.state_writes import checked_per_example_pass, seed_generator_states
 from tfdp.models.user_level import per_user_gradients
 from tfdp.per_example import compute_per_example_gradients
 
@@ -229,9 +229,17 @@ def chunked_private_gradients(model, x, y, weights, step_info, physical_batch_si
         tf.TensorArray(tf.float32, size=(rows + k - 1) // k if static_chunks else num_chunks,
                        element_shape=[k if static_chunks else None], infer_shape=static_chunks),
     )
+    # Dropout's seed state advances once a chunk, and the number of chunks is
+    # the draw's: the state saved with the model would count the records
+    # drawn. After the chunks it is set one step past where the step began
+    # ([seed + 1, counter]: no chunk's seed comes again), whatever was drawn.
+    seeds = [(state, tf.identity(state.value)) for state in seed_generator_states(model)]
     _, sums, counts, losses = tf.while_loop(
         lambda i, *_: i < num_chunks, body, start, parallel_iterations=1
     )
+    with tf.control_dependencies(sums):
+        for state, began in seeds:
+            state.assign(began + tf.constant([1, 0], began.dtype))
     grads = optimizer.noisy_gradients(sums, step_info, variables)
     stats = {"nonfinite_examples": counts["nonfinite_examples"],
              **optimizer.update_clip_norm(counts, step_info)}

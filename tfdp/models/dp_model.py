@@ -13,11 +13,14 @@ import functools
 import json
 import logging
 import os
+import weakref
 
 import keras
 import numpy as np
 import tensorflow as tf
 from keras.src.models import cloning
+from keras.src.models.functional import Functional
+from keras.src.saving import object_registration
 from keras.src.utils import io_utils
 from keras.src.utils.tracking import no_automatic_dependency_tracking
 
@@ -26,14 +29,20 @@ from tfdp.accounting import PrivacyLedger
 from tfdp.accounting.calibration import steps_per_epoch as default_steps_per_epoch
 from tfdp.data import interrupts, sources
 from tfdp.data.fixed_order import FixedOrderData
-from tfdp.models import chunked_step, float32_precision, input_checks, state_writes, user_level
+from tfdp.models import (
+    chunked_step, float32_precision, input_checks, state_writes, user_level, weight_ledgers,
+)
 from tfdp.models.atomic_save import atomic_write, is_local_path
 from tfdp.models.augmentation import check_augmentation
 from tfdp.models.augmentation import step_key as augmentation_key
 from tfdp.models.chosen_checkpoint import keep_chosen_checkpoints_charged, note_save
+from tfdp.models.debug_dumping import refuse_op_callbacks
+from tfdp.models.executions import whole_executions
+from tfdp.models.functional_class import make_functional, wants_functional
 from tfdp.models.jit import resolve_jit_compile
-from tfdp.models.losses import per_example_loss
-from tfdp.models.restore import LedgerGuard, restore_backups
+from tfdp.models.matmul_precision import refuse_rewritten_matmuls
+from tfdp.models.losses import check_one_output, per_example_loss
+from tfdp.models.restore import LedgerGuard, naming_the_file, restore_backups
 from tfdp.models.sequence_loss import token_weighted_loss
 from tfdp.models.task_inputs import check_graph_arguments, check_no_text, text_as_tensors
 from tfdp.models.tied_layers import retie, tied_layers
@@ -44,8 +53,8 @@ from tfdp.per_example import (
     METHODS,
     check_per_example_support,
     compute_per_example_gradients,
-    plan_for,
 )
+from tfdp.per_example.validation import path_line
 
 logger = logging.getLogger("tfdp")
 
@@ -67,7 +76,10 @@ _NOT_SAMPLEABLE = (
     "pipeline, PyDataset or generator cannot be sampled. Pass NumPy arrays "
     "(memmaps too: np.load(path, mmap_mode='r') is read row by row) or a "
     "tfdp.data.RecordSource (any object with len() and [i]), or convert the "
-    "pipeline once: tfdp.data.write_records(dataset, path), then "
+    "pipeline once: tfdp.data.write_records(dataset, path, batched=True) for a "
+    "batched pipeline (dataset.batch(...): each example becomes one record; "
+    "without batched=True each batch would be stored as one record), "
+    "tfdp.data.write_records(dataset, path) for one of single examples, then "
     "model.fit(tfdp.data.read_records(path), ...). A pipeline read in a fixed "
     "order trains with tfdp.optimizers.DPBandMF instead. Received: x of type {}"
 )
@@ -118,14 +130,13 @@ class DPTrainingMixin:
         """Which per-example gradient path `fit` takes, in one line.
 
         "batched pass with per-layer rules" (naming any layer that takes the
-        per-layer vjp fallback) or "whole-model vectorized_map (why)". Also
+        per-layer vjp fallback) or "whole-model vectorized_map (why)", and
+        what fit would refuse ("but fit refuses ..."). Also
         logged once (logger "tfdp", INFO) when the training step is traced.
 
         Example: `print(model.per_example_path)`.
         """
-        if self.per_example_gradients == "vectorized":
-            return "per-example gradients: whole-model vectorized_map (requested)"
-        return plan_for(self).describe()
+        return path_line(self)  # with what fit would refuse (tfdp.per_example.validate)
 
     def _read_dp_steps(self):
         return int(self._dp_steps.numpy())
@@ -143,7 +154,16 @@ class DPTrainingMixin:
 
         Example: `model.privacy.epsilon(delta=1e-5)`.
         """
+        weight_ledgers.charge_held(self)  # what weights trained by another model carry
+        # A statement never says "covered" for state changed since its provenance.
+        self._privacy_ledger.before_statement = functools.partial(
+            preprocessing.provenance.check_released_if_alive, weakref.ref(self))
         return self._privacy_ledger
+
+    def export(self, filepath, *args, **kwargs):
+        """Keras `export`, refused for preprocessing state changed since its provenance."""
+        preprocessing.provenance.check_released(self)
+        return super().export(filepath, *args, **kwargs)
 
     # -- compile -------------------------------------------------------------
 
@@ -193,6 +213,7 @@ class DPTrainingMixin:
                 f"{type(optimizer).__name__ if optimizer is not None else None}"
             )
         check_per_example_support(self)
+        check_one_output(self)  # several heads: one concatenated output (losses.py)
         if kwargs.get("run_eagerly"):
             raise ValueError(_EAGER_REFUSAL.format(name=type(self).__name__)
                              + " Received: run_eagerly=True")
@@ -243,11 +264,12 @@ class DPTrainingMixin:
         read was still failing.
         """
         self._check_step()
-        with tf.control_dependencies(tf.nest.flatten(data)):
-            charged = self._dp_steps.value.assign_add(1, read_value=False)
-        with tf.control_dependencies([charged]):
-            data = tf.nest.map_structure(tf.identity, data)
-            return self._private_step(data)
+        with state_writes.checked_train_step(self):  # every op the step runs is allowed
+            with tf.control_dependencies(tf.nest.flatten(data)):
+                charged = self._dp_steps.value.assign_add(1, read_value=False)
+            with tf.control_dependencies([charged]):
+                data = tf.nest.map_structure(tf.identity, data)
+                return self._private_step(data)
 
     def _check_step(self):
         """The step's refusals that Python makes (when the step is traced),
@@ -283,11 +305,12 @@ class DPTrainingMixin:
             # Unweighted metrics (compile(metrics=...)) ignore sample weights:
             # give them the drawn rows only, never the padding.
             drawn = lambda t: tf.boolean_mask(t, mask > 0)  # noqa: E731
-            return self.compute_metrics(
-                x, tf.nest.map_structure(drawn, labels(targets)),
-                tf.nest.map_structure(drawn, y_pred),
-                sample_weight=drawn(_finite_weights(losses, weights)),
-            )
+            with state_writes.checked_metric_updates(self):  # they write only their own
+                return self.compute_metrics(
+                    x, tf.nest.map_structure(drawn, labels(targets)),
+                    tf.nest.map_structure(drawn, y_pred),
+                    sample_weight=drawn(_finite_weights(losses, weights)),
+                )
 
         per_user = self._examples_per_user
         if per_user is not None:  # a user's gradient: of the mean loss of their k records
@@ -438,6 +461,8 @@ class DPTrainingMixin:
         """
         if self.optimizer is None or self._per_example_loss is None:
             raise ValueError("Compile the model with a tfdp optimizer before calling fit().")
+        refuse_op_callbacks(self)  # TensorFlow's debug dumping: before any op sees a record
+        refuse_rewritten_matmuls(self)  # Grappler's float16/bfloat16 matmuls: outside the bounds
         _check_train_step(self)
         check_per_example_support(self)  # a layer changed since compile
         if isinstance(x, tf.data.Dataset) and getattr(self.optimizer, "trains_on_datasets", False):
@@ -495,9 +520,11 @@ class DPTrainingMixin:
         # A layer that writes a variable in training would keep records' data (issue 43).
         state_writes.check_dp_model(self, sample)
         # Preprocessing state (vocabularies, means, bins) needs a provenance (issue 52).
-        preprocessing.check_model(self, user_level=users is not None)
+        preprocessing.check_model(self, users=users, augment=augment)
+        weight_ledgers.mark_trained(self)  # charges what held weights carry; they carry this
         input_checks.check_input_names(self)  # before any array meets an input
-        augmentation = check_augmentation(augment, augmentations, sample[0], self.optimizer)
+        augmentation = check_augmentation(augment, augmentations, sample[0], self.optimizer,
+                                          rows=(physical_batch_size or batch_size) * (per_user or 1))
         if augmentation != self._augmentation:
             self._augmentation = augmentation
             self.train_function = None  # retrace the step with the new copies
@@ -518,9 +545,11 @@ class DPTrainingMixin:
             )
         # Keras would restore a backup (weights, ledger) after the releases below.
         callbacks = restore_backups(self, list(callbacks or []))
+        callbacks.append(preprocessing.provenance.ProvenanceWatch())  # re-adapted mid-fit: refused
         # A file kept by save_best_only is rewritten with the ledger of each check.
         callbacks = keep_chosen_checkpoints_charged(callbacks)
         if not isinstance(x, FixedOrderData):  # a target epsilon sets sigma now
+            steps_per_epoch = whole_executions(self, num_examples, batch_size, steps_per_epoch)
             # After the restore: its ledger and epoch are what this fit continues.
             first_epoch = getattr(self, "_initial_epoch", None) or initial_epoch
             planned = (steps_per_epoch or default_steps_per_epoch(num_examples, batch_size)) * max(
@@ -542,6 +571,8 @@ class DPTrainingMixin:
                 if reads.interrupted:
                     raise KeyboardInterrupt("training interrupted (SIGINT)") from error
                 raise
+            finally:
+                weight_ledgers.note_trained(self)
 
     def _fit_in_scope(self, reads, arrays, num_examples, batch_size, callbacks, epochs,
                       verbose, validation_data, initial_epoch, steps_per_epoch,
@@ -560,7 +591,7 @@ class DPTrainingMixin:
             target = getattr(self.optimizer, "noise_target", None)
             callbacks.append(
                 PrivacyBudget(epsilon=None, delta=min(DEFAULT_DELTA, 1.0 / num_examples))
-                if target is None else PrivacyBudget(epsilon=target.epsilon, delta=target.delta))
+                if target is None else PrivacyBudget.for_noise_target(target))
         # Ledger-reading callbacks go first so that every other callback
         # (progress bar, History, TensorBoard, checkpoints) sees epsilon.
         callbacks.sort(key=lambda c: not isinstance(c, PrivacyBudget))
@@ -573,7 +604,7 @@ class DPTrainingMixin:
         mark_step_log_readers(callbacks, verbose)  # no epsilon per step that nobody reads
         for callback in callbacks:
             if isinstance(callback, PrivacyBudget):
-                callback.check_can_start(self.privacy, num_examples)
+                callback.check_can_start(self.privacy, num_examples, optimizer=self.optimizer)
         callbacks.append(LedgerGuard(self.privacy, callbacks))
         callbacks.append(reads.callback())
         float32_precision.keep_float32_exact()  # per-example norms in float32, not TF32
@@ -720,6 +751,11 @@ class DPTrainingMixin:
         note_save(self, filepath)
         return result
 
+    def load_weights(self, filepath, *args, **kwargs):
+        """Keras `load_weights`; a refused ledger's error names the file."""
+        with naming_the_file(filepath):
+            return super().load_weights(filepath, *args, **kwargs)
+
     # -- the ledger travels with the weights ------------------------------
 
     def set_weights(self, weights):
@@ -731,9 +767,10 @@ class DPTrainingMixin:
         self._dp_steps.assign(steps)
 
     def save_own_variables(self, store):
+        preprocessing.provenance.check_released(self)  # changed since its provenance: refused
         super().save_own_variables(store)
         preprocessing.charge_pending(self)  # the file holds adapted state: its charge too
-        text = self._privacy_ledger.to_json().encode("utf-8")
+        text = self.privacy.to_json().encode("utf-8")
         store[_LEDGER_KEY] = np.frombuffer(text, dtype=np.uint8)
 
     def load_own_variables(self, store):
@@ -757,6 +794,7 @@ class DPTrainingMixin:
                 "from different checkpoints. tfdp refuses to resume from them."
             )
         self._privacy_ledger = ledger
+        weight_ledgers.note_loaded(self)  # a layer reused from it carries this ledger
 
     def get_config(self):
         config = super().get_config()
@@ -886,7 +924,12 @@ def _split_validation(x, y, sample_weight, validation_split):
 
 @keras.saving.register_keras_serializable(package="tfdp")
 class DPModel(DPTrainingMixin, keras.Model):
-    """A Functional Keras model trained with differential privacy.
+    """A Keras model trained with differential privacy.
+
+    Built as `keras.Model` is: from a graph, `DPModel(inputs, outputs)`, or
+    subclassed, `class MyModel(tfdp.DPModel)` with `super().__init__()` and
+    a `call()` (a subclassed model trains on the whole-model vectorized
+    path, `per_example_path`).
 
     Args:
         inputs, outputs: as `keras.Model(inputs, outputs)`.
@@ -907,6 +950,13 @@ class DPModel(DPTrainingMixin, keras.Model):
     ...     optimizer=tfdp.optimizers.DPSGD(0.5, l2_norm_clip=1.0, noise_multiplier=1.1),
     ...     loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
     """
+
+    def __new__(cls, *args, **kwargs):
+        # DPModel(inputs, outputs) is a FunctionalDPModel: Keras would
+        # otherwise rewrite DPModel's own bases (tfdp.models.functional_class).
+        if wants_functional(cls, DPModel, args, kwargs):
+            cls = make_functional(cls, DPModel, FunctionalDPModel)
+        return super().__new__(cls, *args, **kwargs)
 
     def __init__(self, *args, per_example_gradients="auto", **kwargs):
         check_graph_arguments(args, kwargs)  # DPModel(task): say DPModel(task.inputs, ...)
@@ -929,6 +979,18 @@ class DPModel(DPTrainingMixin, keras.Model):
         if saved.get("tied_layers"):
             model = cls(model.input, retie(model, saved["tied_layers"]), name=model.name)
         return cls._restore_training_state(model, saved)
+
+
+class FunctionalDPModel(DPModel, Functional):
+    """What `tfdp.DPModel(inputs, outputs)` builds: a `DPModel` that is a
+    Keras `Functional` (tfdp.models.functional_class). Named "DPModel", so
+    messages, default model names ("dp_model") and saved files
+    ("tfdp>DPModel") read as they did. Example:
+    `isinstance(tfdp.DPModel(i, o), tfdp.DPModel)` is True."""
+
+
+FunctionalDPModel.__name__ = "DPModel"  # __qualname__ stays, for pickle's lookup
+object_registration.GLOBAL_CUSTOM_NAMES[FunctionalDPModel] = "tfdp>DPModel"
 
 
 @keras.saving.register_keras_serializable(package="tfdp")

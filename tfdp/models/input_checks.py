@@ -51,11 +51,12 @@ def check_label_values(y, units, name="y"):
         return
     if y.dtype.kind == "f" and not np.all(np.isfinite(y) & (y == np.round(y))):
         return  # targets, not class indices
-    low, high = y.min(), y.max()
-    if low < 0 or high >= units:
+    outside = np.flatnonzero((y.reshape(len(y)) < 0) | (y.reshape(len(y)) >= units))
+    if outside.size:  # the position, never a record's value (a label may be an id)
         raise ValueError(
             f"Labels must be class indices in [0, {units - 1}] for a model with "
-            f"{units} outputs. Received: {name} with labels in [{low:g}, {high:g}]"
+            f"{units} outputs. Received: {name} with {outside.size} label(s) outside that "
+            f"range, the first at index {outside[0]}"
         )
 
 
@@ -207,11 +208,11 @@ def check_record_source(source, units):
         bad = (labels < 0) | (labels >= units)
         if bad.any():
             row = int(np.argmax(bad))
-            raise ValueError(
-                f"Record {int(indices[row])} has label {labels[row]}: a model with {units} "
-                f"outputs takes class indices 0 to {units - 1}. Training stopped before "
-                f"the step that read it. Received: label {labels[row]} at record "
-                f"{int(indices[row])}"
+            raise ValueError(  # the record's position, never its value
+                f"Record {int(indices[row])} has a label outside [0, {units - 1}]: a model "
+                f"with {units} outputs takes class indices 0 to {units - 1}. Training "
+                "stopped before the step that read it. Received: a label out of range at "
+                f"record {int(indices[row])}"
             )
 
     check([np.asarray(leaf)[None] for leaf in tf.nest.flatten(first)], [0])

@@ -56,6 +56,34 @@ def _one_row_at_a_time(unreduced):
     return per_row
 
 
+SEVERAL_HEADS = (
+    "each example's loss is what is clipped, so several heads train as one output "
+    "with one loss that weighs them per example: concatenate the heads "
+    "(keras.layers.Concatenate()([head_a, head_b])), stack their targets as the "
+    "columns of y, and compile with a loss that splits both and returns w_a * "
+    "loss_a + w_b * loss_b for each example (docs/guides/your-model.md, "
+    "'Several outputs')."
+)
+
+
+def check_one_output(model):
+    """Refuses, at `compile`, a model with several outputs.
+
+    Raises:
+        ValueError: naming the outputs and how to train the heads as one.
+    """
+    try:
+        outputs = model.outputs or []
+    except AttributeError:  # a subclassed model: its outputs are its call()'s
+        return
+    if len(outputs) > 1:
+        names = [getattr(o, "name", "?") for o in outputs]
+        raise ValueError(
+            f"A DP model trains one output with one loss; this one has {len(outputs)} "
+            f"outputs {names}: " + SEVERAL_HEADS + f" Received: {len(outputs)} outputs"
+        )
+
+
 def unreduced_loss(loss):
     """callable(y_true, y_pred) -> unreduced losses whose row i reads row i only.
 
@@ -70,7 +98,7 @@ def unreduced_loss(loss):
         raise ValueError("A DP model needs a loss to compute per-example gradients. Received: loss=None")
     if isinstance(loss, (list, tuple, dict)):
         raise ValueError(
-            "DP models support one output with one loss. Received: "
+            "DP models support one output with one loss: " + SEVERAL_HEADS + " Received: "
             f"loss={loss!r}"
         )
     resolved = keras.losses.get(loss) if isinstance(loss, str) else loss

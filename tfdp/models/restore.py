@@ -21,6 +21,11 @@ model.fit(x, y, epochs=40, callbacks=[backup])  # restores, then releases
 ```
 """
 
+import contextlib
+import json
+import os
+import warnings
+
 import keras
 
 _HOOKS = tuple(
@@ -28,6 +33,18 @@ _HOOKS = tuple(
     for name in dir(keras.callbacks.Callback)
     if name.startswith("on_") and name != "on_train_begin"
 )
+
+
+@contextlib.contextmanager
+def naming_the_file(path):
+    """Adds the file's name to a ValueError raised while loading it (a
+    damaged or mismatched privacy ledger), unless the message has it."""
+    try:
+        yield
+    except ValueError as error:
+        if str(path) in str(error):
+            raise
+        raise ValueError(f"Cannot load {str(path)!r}: {error}") from error
 
 
 class _Restored(keras.callbacks.Callback):
@@ -89,22 +106,68 @@ def restore_backups(model, callbacks):
     from tfdp.callbacks import PrivacyJournal
 
     result = []
-    backups = False
+    backups = restored = False
     check = getattr(model.optimizer, "check_backup", None)  # DP-BandMF's noise state
+    journaled = any(isinstance(callback, PrivacyJournal) for callback in callbacks)
     for callback in callbacks:
         if isinstance(callback, keras.callbacks.BackupAndRestore):
             if check is not None:
                 check(callback)
             backups = True
             callback.set_model(model)
-            callback.on_train_begin()
+            restored |= os.path.exists(callback._weights_path)  # pylint: disable=protected-access
+            with _refusing_damage(callback.backup_dir, journaled):
+                callback.on_train_begin()
             callback = _Restored(callback)
         result.append(callback)
     if backups:
         for callback in callbacks:
             if isinstance(callback, PrivacyJournal):
                 callback.recover(model)
+    if restored and not journaled:
+        warnings.warn(_UNJOURNALED, UnjournaledRestoreWarning, stacklevel=3)
     return result
+
+
+class UnjournaledRestoreWarning(UserWarning):
+    """A `BackupAndRestore` backup was restored and no `PrivacyJournal`
+    records the run: the steps after the backup may be under-counted."""
+
+
+_UNJOURNALED = (
+    "BackupAndRestore restored a backup, but no tfdp.callbacks.PrivacyJournal records this "
+    "run: the steps the interrupted run took after its last backup ran and are not in the "
+    "backup's ledger, so epsilon under-counts them, and a seeded optimizer draws their noise "
+    "again. The recipe: pass PrivacyJournal('run/journal.jsonl') with BackupAndRestore in "
+    "the callbacks of every fit of the run; fit then charges those steps when it restores "
+    "(docs/guides/crash-and-resume.md, 'With BackupAndRestore')."
+)
+
+
+@contextlib.contextmanager
+def _refusing_damage(folder, journaled):
+    """Refuses a backup that cannot be read (a truncated or zeroed
+    `.weights.h5`, a torn `training_metadata.json`, a damaged ledger) with
+    the backup's folder and the way out, instead of a raw h5py or JSON
+    error."""
+    try:
+        yield
+    except (OSError, KeyError, TypeError, json.JSONDecodeError, ValueError) as error:
+        if isinstance(error, ValueError) and not isinstance(error, json.JSONDecodeError) \
+                and "Corrupt privacy ledger" not in str(error):
+            raise  # a refusal of a readable backup (another run's, mismatched)
+        journal = (
+            "the PrivacyJournal in its callbacks then charges every step the interrupted "
+            "run journaled" if journaled else
+            "add a tfdp.callbacks.PrivacyJournal of the run if you kept one: it then charges "
+            "every step the interrupted run journaled (without one, the steps already run "
+            "are not charged)")
+        raise ValueError(
+            f"The BackupAndRestore backup in {str(folder)!r} is damaged and cannot be "
+            f"restored ({type(error).__name__}: {error}). Delete that folder and rerun the "
+            f"same fit on a newly built model (this one may hold part of the backup): it "
+            f"starts again from the beginning, and {journal}. Training was not started."
+        ) from error
 
 
 class LedgerGuard(keras.callbacks.Callback):

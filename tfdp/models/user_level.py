@@ -51,8 +51,12 @@ def check_user_level(model, user_ids, examples_per_user, num_records, validation
                 f"examples_per_user={examples_per_user!r} and user_ids=None"
             )
         if model.privacy.relation == "add_or_remove_user":
+            carried = [c.label for c in model.privacy.carried.values()
+                       if c.relation == "add_or_remove_user"]
+            held = (f" (its weights carry the training of {', '.join(carried)}: train fresh "
+                    "layers instead of the ones it trained)") if carried else ""
             raise ValueError(
-                "This model's privacy ledger holds user-level steps: a record-level fit "
+                f"This model's privacy ledger holds user-level steps{held}: a record-level fit "
                 "cannot continue it (the two guarantees do not compose into either). "
                 "Pass the same user_ids and examples_per_user, or train a fresh model. "
                 "Received: user_ids=None"

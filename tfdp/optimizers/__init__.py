@@ -11,5 +11,6 @@ from tfdp.optimizers.dp_optimizer import DPOptimizer
 from tfdp.optimizers.dpsgd import DPSGD
 from tfdp.optimizers.dpis import DPIS
 from tfdp.optimizers.sadpsgd import SADPSGD
+from tfdp.optimizers.sparse_embeddings import SparseNoise
 
-__all__ = ["AdaDP", "DPBandMF", "DPIS", "DPOptimizer", "DPSGD", "SADPSGD"]
+__all__ = ["AdaDP", "DPBandMF", "DPIS", "DPOptimizer", "DPSGD", "SADPSGD", "SparseNoise"]

@@ -547,7 +547,8 @@ class DPBandMF(DPOptimizer):
         # is lost with the kill, so the stream cannot go on unless the state
         # file holds it at `now`.
         recovered = _journal_recovered(model, now) if ran_bandmf else None
-        if self.noise_state is not None and os.path.exists(self.noise_state) and ran_bandmf:
+        if self.noise_state is not None and ran_bandmf and any(
+                os.path.exists(p) for p in _state_files(self.noise_state)):
             try:
                 return self._load_stream(variables, layout, planned, now, open_segment, segment,
                                          strategy, lineage), False
@@ -646,7 +647,7 @@ class DPBandMF(DPOptimizer):
         `bandmf_state.lineage_matches`) is taken: never another run's, nor
         a branch of this run that the weights did not take. `check(meta,
         path)` refuses a state of other settings or data."""
-        path = self.noise_state
+        path = bandmf_state.resolved(self.noise_state)
         if lineage is None:
             raise _noise_state_error(
                 "This model's weights do not record which DP-BandMF noise stream its steps "
@@ -655,7 +656,7 @@ class DPBandMF(DPOptimizer):
                 path,
             )
         own_id = lineage[0][1]
-        files = [path] + [p for p in [bandmf_state.previous_path(path)] if os.path.exists(p)]
+        files = [p for p in _state_files(path) if os.path.exists(p)]
         found = []  # (path, loaded state, its stream id, its lineage)
         for candidate in files:
             loaded = bandmf_state.load(candidate)
@@ -788,6 +789,13 @@ class DPBandMF(DPOptimizer):
         if config["coefficients"] is not None:
             config["coefficients"] = [float(c) for c in config["coefficients"]]
         return config
+
+
+def _state_files(path):
+    """The noise state and the previous one it replaced (a save killed
+    between its two renames leaves only the previous one)."""
+    path = bandmf_state.resolved(path)
+    return [path, bandmf_state.previous_path(path)]
 
 
 def _saved_step(meta):

@@ -26,10 +26,16 @@ history or record groups (two runs that share a path), nor a branch of its
 own run that its weights did not take (a model rolled back to an earlier
 file after the run went on, then trained on with fresh noise).
 
+A symbolic link at the path is followed (`resolved`): the files are
+written where it points, atomically there, and the link stays.
+
 Each save first moves the file it replaces to `<path>.prev`: a run killed
 between writing the noise state and writing its last backup
 (`keras.callbacks.BackupAndRestore`) resumes from that backup with the
-previous state, which is at the backup's step.
+previous state, which is at the backup's step. A save killed between its
+two renames (no file at the path, the `.prev` in place, the new state whole
+in its temporary file) is completed by the next `fit`'s probe
+(`finish_interrupted_save`); without that file, the `.prev` alone is read.
 
 The path is probed before the first step (`check_path`: a real write of a
 temporary file next to it), and tfdp never replaces or renames a file that
@@ -56,6 +62,7 @@ import contextlib
 import hashlib
 import json
 import os
+import re
 import secrets
 import struct
 import tempfile
@@ -86,6 +93,27 @@ def fixed_order_layout(steps_per_epoch, batch_size):
     """The layout of a fixed-order stream: P batches of B records."""
     return {"order": FIXED_ORDER, "steps_per_epoch": int(steps_per_epoch),
             "batch_size": int(batch_size)}
+
+
+def resolved(path):
+    """The file a `noise_state` path names: the target of a symbolic link
+    at the path (followed, so the state, its `.prev` and the temporary
+    files stay in the target's folder, and the link stays), else the path.
+    A dangling link is left as it is (refused by `check_own_files`).
+
+    Example:
+
+    >>> import os, tempfile
+    >>> folder = tempfile.mkdtemp()
+    >>> target = os.path.join(folder, "state.npz")
+    >>> open(target, "wb").close()
+    >>> os.symlink(target, os.path.join(folder, "link.npz"))
+    >>> resolved(os.path.join(folder, "link.npz")) == os.path.realpath(target)
+    True
+    """
+    if os.path.islink(path) and os.path.exists(path):
+        return os.path.realpath(path)
+    return path
 
 
 def previous_path(path):
@@ -241,6 +269,7 @@ def save(stream, path, settings):
         settings: dict of the optimizer's privacy settings, stored to be
             checked on load.
     """
+    path = resolved(path)
     fingerprints, recorded = stream.order_check.state()
     meta = {
         "format": FORMAT,
@@ -299,12 +328,59 @@ def check_path(path):
             "Expected `noise_state` to be the path of a file (tfdp writes the secret noise "
             f"state there). Received: noise_state={path!r}"
         )
+    path = resolved(path)
     check_own_files(path)
+    finish_interrupted_save(path)
 
     def write(file):
         file.write(b"tfdp noise_state probe")
 
     _write_beside(path, write, os.remove)
+
+
+def finish_interrupted_save(path):
+    """Completes a save killed between its two renames: no file at `path`,
+    its `.prev` in place, and the new state whole in the save's temporary
+    file (written and flushed before the renames). That file is renamed to
+    `path`, as the save would have; a rerun then resumes from whichever of
+    the two is at the model's step (`DPBandMF`). Done only when no other save
+    of the folder runs and exactly one temporary file of `path` is a
+    readable noise state; otherwise the leftovers are removed as before and
+    the `.prev` alone is read.
+
+    Returns:
+        True when it renamed a temporary file to `path`.
+    """
+    if os.path.lexists(path) or not os.path.isfile(previous_path(path)) or fcntl is None:
+        return False
+    folder, name = os.path.split(os.path.abspath(path))
+    pattern = re.compile(re.escape(f".{name}.") + "[0-9a-f]{12}" + re.escape(".tmp"))
+    try:
+        handle = os.open(folder, os.O_RDONLY)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)  # no other save of this folder
+        complete = []
+        for entry in sorted(os.listdir(folder)):
+            candidate = os.path.join(folder, entry)
+            if pattern.fullmatch(entry) and os.path.isfile(candidate):
+                try:
+                    load(candidate)
+                except ValueError:
+                    continue  # cut short: a leftover, removed by the probe
+                complete.append(candidate)
+        if len(complete) != 1:
+            return False
+        with _renames_of(path):
+            if os.path.lexists(path):
+                return False
+            os.replace(complete[0], path)
+        return True
+    except OSError:
+        return False
+    finally:
+        os.close(handle)
 
 
 def check_own_files(path):

@@ -17,10 +17,12 @@ import tensorflow as tf
 
 from tfdp import accounting, distribute
 from tfdp.accounting.calibration import steps_per_epoch as default_steps_per_epoch
+from tfdp.accounting.joint_gaussian import joint_step_event
 from tfdp.data.poisson import PoissonSampler, make_dataset
 from tfdp.data.users import UserSampler
 from tfdp.mechanisms import dpsgd, quantile_clipping
 from tfdp.mechanisms.gaussian import fold_seed
+from tfdp.optimizers import sparse_embeddings as sparse
 from tfdp.optimizers.noise_target import NoiseTarget
 
 WEIGHT_DECAY_PLACEMENTS = ("before_clip", "after_noise")
@@ -238,6 +240,14 @@ class DPOptimizer(keras.optimizers.Optimizer):
             paper's); needs 2 sigma_b > noise_multiplier.
         clip_update: "geometric" (default, C exp(-eta (b - gamma))) or
             "linear" (C - eta (b - gamma)).
+        sparse_embeddings: None (default: every coordinate gets noise) or
+            {Embedding layer name: `tfdp.optimizers.SparseNoise(...)`}: those
+            tables are updated on privately selected rows only, with noise
+            on those rows only (`tfdp.optimizers.sparse_embeddings`;
+            docs/mechanisms/sparse-embeddings.md). `noise_multiplier` stays
+            the step's z, the one the ledger charges; the gradient's noise
+            is raised to (z^-2 - sum sigma_c^-2)^(-1/2) to pay for the
+            selections.
 
     Every privacy setting (the arguments above, and those listed in a
     subclass's `_fixed_settings`) is fixed once the optimizer is created:
@@ -273,6 +283,7 @@ class DPOptimizer(keras.optimizers.Optimizer):
         "clip_learning_rate",
         "clipped_count_stddev",
         "clip_update",
+        "sparse_embeddings",
     )
 
     # Why a subclass cannot clip adaptively (None: it can).
@@ -297,6 +308,7 @@ class DPOptimizer(keras.optimizers.Optimizer):
         clip_learning_rate=None,
         clipped_count_stddev=None,
         clip_update="geometric",
+        sparse_embeddings=None,
         **kwargs,
     ):
         if not isinstance(inner_optimizer, keras.optimizers.Optimizer):
@@ -336,6 +348,8 @@ class DPOptimizer(keras.optimizers.Optimizer):
         adaptive = self._check_adaptive_clipping(
             target_unclipped_quantile, clip_learning_rate, clipped_count_stddev, clip_update,
             noise_multiplier)
+        sparse_embeddings = self._check_sparse_embeddings(
+            sparse_embeddings, noise_multiplier, target_unclipped_quantile)
         if isinstance(weight_decay, bool) or not isinstance(
             weight_decay, (int, float, np.number)
         ) or not math.isfinite(weight_decay) or weight_decay < 0:
@@ -369,10 +383,38 @@ class DPOptimizer(keras.optimizers.Optimizer):
         self.clip_learning_rate = adaptive[1]
         self.clipped_count_stddev = adaptive[2]
         self.clip_update = adaptive[3]
+        self.sparse_embeddings = sparse_embeddings
+        if sparse_embeddings is not None:
+            self.__dict__["physical_batches_unsupported"] = (
+                "sparse_embeddings selects rows from the whole logical batch's counts.")
         self._clip_norm = None  # adaptive clipping: C_t, made by build
         self._noise_key = _noise_key(seed)
         self._model_steps = _ModelSteps()
         self._fit_nonce = _FitNonce()
+
+    def _check_sparse_embeddings(self, sparse_embeddings, noise_multiplier, quantile):
+        """Validates `sparse_embeddings` (`tfdp.optimizers.sparse_embeddings`)."""
+        settings = sparse.check_settings(sparse_embeddings)
+        if settings is None:
+            return None
+        overridden = [name for name in ("privatize", "clipped_sum", "noisy_gradients",
+                                        "step_event", "apply_private_gradients")
+                      if getattr(type(self), name) is not getattr(DPOptimizer, name)]
+        if overridden:
+            raise ValueError(
+                f"`sparse_embeddings` is a setting of DP-SGD's step (tfdp.optimizers.DPOptimizer); "
+                f"{type(self).__name__} changes that step ({', '.join(overridden)}), so its "
+                "analysis does not cover the selection. Use DPOptimizer, or no "
+                "sparse_embeddings. Received: sparse_embeddings="
+                f"{sparse_embeddings!r}")
+        if quantile is not None:
+            raise ValueError(
+                "`sparse_embeddings` and adaptive clipping (target_unclipped_quantile) cannot "
+                "be combined yet: both pay for a count from the step's noise multiplier. Use "
+                f"a fixed l2_norm_clip. Received: target_unclipped_quantile={quantile!r}")
+        if noise_multiplier is not None:
+            sparse.gradient_noise_multiplier(noise_multiplier, settings.values())
+        return settings
 
     def _check_adaptive_clipping(self, quantile, learning_rate, count_stddev, update,
                                  noise_multiplier):
@@ -488,6 +530,16 @@ class DPOptimizer(keras.optimizers.Optimizer):
         a fit refused before then leaves it open. No-op without a target."""
         if self.noise_target is None:
             return
+        executions = getattr(model, "steps_per_execution", 1)
+        if executions > 1:
+            raise ValueError(
+                f"The optimizer's target_epsilon={self.noise_target.epsilon:g} is enforced "
+                "between steps (fit stops at the target, never past it), so it needs one step "
+                "per execution: compile with steps_per_execution=1, or give the optimizer a "
+                "fixed noise_multiplier (tfdp.accounting.calibrate_dpsgd computes one for a "
+                "target) to run several steps per execution. Nothing was trained. "
+                f"Received: steps_per_execution={executions}"
+            )
         if "noise_multiplier" not in self.__dict__["_assigned_settings"]:
             self.__dict__["noise_multiplier"] = None  # still open: plan this fit
         sigma = self.noise_target.plan(self, model.privacy, num_units, batch_size, steps,
@@ -522,6 +574,17 @@ class DPOptimizer(keras.optimizers.Optimizer):
             self._clip_norm = self.add_variable(
                 shape=(), initializer=keras.initializers.Constant(self.l2_norm_clip),
                 dtype="float32", name="clip_norm")
+
+    @property
+    def target_epsilon(self):
+        """The `target_epsilon` this optimizer was given, or None (a fixed
+        `noise_multiplier`). Example: `optimizer.target_epsilon` -> 3.0."""
+        return None if self.noise_target is None else self.noise_target.epsilon
+
+    @property
+    def target_delta(self):
+        """The `target_delta` of `target_epsilon`, or None without one."""
+        return None if self.noise_target is None else self.noise_target.delta
 
     @property
     def variables(self):
@@ -609,6 +672,25 @@ class DPOptimizer(keras.optimizers.Optimizer):
         with strategy.scope() if several else contextlib.nullcontext():
             holder.variable = tf.Variable(value, dtype=tf.int64, trainable=False, **per_replica)
 
+    def fit_nonce_words(self):
+        """This fit's nonce for a host-side draw's key (DPIS's K~ and
+        importance sampling): int64 [1], or [0] for a seeded run
+        (reproducible by design, rollbacks included) or before the first
+        `bind_model_steps`. A draw that folds it in, as `step_key` does, is
+        fresh in every fit of an unseeded run whatever the restored counters
+        (a rolled-back branch never draws the discarded one's values).
+
+        Example:
+
+        >>> from tfdp.optimizers import DPSGD
+        >>> DPSGD(0.1, l2_norm_clip=1.0, noise_multiplier=1.0).fit_nonce_words()  # no fit yet
+        array([], dtype=int64)
+        """
+        variable = self._fit_nonce.variable
+        if variable is None or self.seed is not None:
+            return np.zeros([0], np.int64)
+        return np.reshape(variable.numpy(), [1]).astype(np.int64)
+
     def step_key(self):
         """This step's key: the run's secret key folded with this fit's nonce
         (unseeded runs, `bind_model_steps`), the model's step count and the
@@ -652,6 +734,9 @@ class DPOptimizer(keras.optimizers.Optimizer):
             dict of per-step tensors for logging).
         """
         sums, counts = self.clipped_sum(per_example, step_info)
+        if self.sparse_embeddings is not None:
+            return self._sparse_noisy_gradients(sums, step_info, per_example), {
+                "nonfinite_examples": counts["nonfinite_examples"]}
         grads = self.noisy_gradients(sums, step_info, per_example.variables)
         return grads, {"nonfinite_examples": counts["nonfinite_examples"],
                        **self.update_clip_norm(counts, step_info)}
@@ -728,6 +813,29 @@ class DPOptimizer(keras.optimizers.Optimizer):
             grads = [g + o * share for g, o in zip(grads, self._decay_offsets(variables))]
         return grads
 
+    def _sparse_noisy_gradients(self, sums, step_info, per_example):
+        """`noisy_gradients` with sparse tables: noise on selected rows only."""
+        tables = self.__dict__.get("_sparse_tables")
+        if tables is None:
+            raise ValueError(
+                "`sparse_embeddings` resolves its layers when `DPModel.fit` prepares the data "
+                "(make_training_data); this optimizer was driven without it. Train with "
+                "DPModel.fit.")
+        variables = per_example.variables
+        b = step_info["expected_batch_size"]
+        seed = self.noise_seed()
+        grads, selections = sparse.sparse_noisy_means(
+            sums, variables, per_example, step_info["mask"], tables, self.noise_multiplier,
+            lambda sigma: sigma * self.l2_norm_clip,
+            lambda dense, stddev: dpsgd.noisy_mean(dense, stddev, b, seed), seed,
+            static_shapes=self.__dict__.get("_sparse_static_shapes", False), divisor=b)
+        if self.weight_decay and self.weight_decay_placement == "after_noise":
+            offsets = self._decay_offsets(variables)
+            for i, selected in selections.items():  # unselected rows: no update at all
+                offsets[i] = offsets[i] * tf.cast(selected, offsets[i].dtype)[:, None]
+            grads = [g + o for g, o in zip(grads, offsets)]
+        return grads
+
     # Why a subclass cannot split a logical batch into physical chunks
     # (None: it can, through `clipped_sum` and `noisy_gradients`).
     physical_batches_unsupported = None
@@ -755,6 +863,11 @@ class DPOptimizer(keras.optimizers.Optimizer):
         """The dp_accounting event one step of this optimizer releases (at
         `noise_multiplier` instead of its own, for planning)."""
         sigma = self.noise_multiplier if noise_multiplier is None else noise_multiplier
+        if self.sparse_embeddings is not None:  # the gradient's, then each selection's
+            settings = list(self.sparse_embeddings.values())
+            return joint_step_event(sampling_probability, [
+                sparse.gradient_noise_multiplier(sigma, settings),
+                *(s.selection_noise_multiplier for s in settings)])
         return accounting.dpsgd_event(sigma, sampling_probability)
 
     # Why a subclass cannot run under several replicas (None: it can).
@@ -780,6 +893,12 @@ class DPOptimizer(keras.optimizers.Optimizer):
                 "gradient sum does not make. Train on one device or with a fixed "
                 f"l2_norm_clip. Received: {replicas} replicas"
             )
+        if self.sparse_embeddings is not None:
+            raise ValueError(
+                "`sparse_embeddings` trains on one device: each replica would select rows "
+                "from its own share's counts, a selection Keras's gradient sum does not "
+                f"make. Train on one device or without sparse_embeddings. Received: {replicas} "
+                "replicas")
         if self.multi_replica_unsupported:
             raise ValueError(
                 f"{type(self).__name__} cannot train under a tf.distribute strategy "
@@ -905,6 +1024,12 @@ class DPOptimizer(keras.optimizers.Optimizer):
         if users is not None:
             num_examples = users.num_users  # the sampled units: people
         self.check_noise_split(batch_size)
+        if self.sparse_embeddings is not None:
+            if self.noise_multiplier is not None:
+                sparse.gradient_noise_multiplier(self.noise_multiplier,
+                                                 self.sparse_embeddings.values())
+            self.__dict__["_sparse_tables"] = sparse.resolve_tables(self.sparse_embeddings, model)
+            self.__dict__["_sparse_static_shapes"] = bool(model.jit_compile)
         strategy = model.distribute_strategy
         self.bind_model_steps(model)
         seed = self.sampling_seed(model.privacy.steps)
@@ -961,6 +1086,8 @@ class DPOptimizer(keras.optimizers.Optimizer):
                 "clipped_count_stddev": self.clipped_count_stddev,
                 "clip_update": self.clip_update,
             }),
+            **({} if self.sparse_embeddings is None else {"sparse_embeddings": {
+                name: setting.get_config() for name, setting in self.sparse_embeddings.items()}}),
         }
 
     @classmethod
@@ -973,4 +1100,9 @@ class DPOptimizer(keras.optimizers.Optimizer):
                 config[key] = keras.saving.deserialize_keras_object(
                     config[key], custom_objects=custom_objects
                 )
+        if isinstance(config.get("sparse_embeddings"), dict):
+            config["sparse_embeddings"] = {
+                name: setting if isinstance(setting, sparse.SparseNoise)
+                else sparse.SparseNoise(**setting)
+                for name, setting in config["sparse_embeddings"].items()}
         return cls(**config)

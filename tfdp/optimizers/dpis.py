@@ -170,6 +170,11 @@ class DPIS(DPOptimizer):
     (5.0, 0.8)
     """
 
+    # DPIS's own settings (assigned in __init__), not DPOptimizer's read-only
+    # target_epsilon and target_delta properties of its NoiseTarget.
+    target_epsilon = None
+    target_delta = None
+
     # noise_multiplier is left out: it is sigma_G, chosen every epoch (its
     # property refuses assignment with its own message).
     _fixed_settings = tuple(n for n in DPOptimizer._fixed_settings if n != "noise_multiplier") + (
@@ -406,15 +411,18 @@ class DPIS(DPOptimizer):
 
     def _stream(self, purpose, counter, steps_taken):
         """A NumPy generator keyed by the run's secret key, a purpose, a counter
-        (the epoch index) and the ledger's step count.
+        (the epoch index), the ledger's step count and this fit's nonce.
 
         The key is never saved (OS entropy unless seeded); the counter and the
-        step count only grow, also across save/load and a new optimizer on a
-        resumed model, so no release ever reuses earlier noise.
+        step count only grow across save/load and a new optimizer on a
+        resumed model, but go back with the weights (`load_weights(earlier)`):
+        the nonce, fresh each `fit` of an unseeded run, keeps a rolled-back
+        branch from drawing the noise of the discarded one again.
         """
         words = [int(w) for w in np.asarray(self._noise_key, np.int64).view(np.uint64)]
+        nonce = self.fit_nonce_words().view(np.uint64).tolist()
         sequence = np.random.SeedSequence(
-            words, spawn_key=(purpose, int(counter), int(steps_taken))
+            words, spawn_key=(purpose, int(counter), int(steps_taken), *nonce)
         )
         return np.random.default_rng(sequence)
 
@@ -472,8 +480,8 @@ class DPIS(DPOptimizer):
             num_examples,
             batch_size,
             steps_per_epoch=steps_per_epoch,
-            seed=[int(w) for w in np.asarray(self._noise_key, np.int64)]
-            + [_SAMPLING_STREAM, model.privacy.steps],
+            seed=np.concatenate([np.asarray(self._noise_key, np.int64),
+                                 [_SAMPLING_STREAM, model.privacy.steps], self.fit_nonce_words()]),
             ghat_table=self._state.ghat,  # read in the graph at every draw
         )
         self._run = _Run(

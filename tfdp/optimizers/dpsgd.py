@@ -25,7 +25,8 @@ class DPSGD(DPOptimizer):
             `clipped_count_stddev` (default batch_size / 20) and
             `clip_update` ("geometric").
         weight_decay: see `DPOptimizer`, as are `weight_decay_placement`,
-            `seed`, `name`, `target_epsilon` and `target_delta`.
+            `seed`, `name`, `target_epsilon`, `target_delta` and
+            `sparse_embeddings`.
         use_ema, ema_momentum, ema_overwrite_frequency: as SGD (default
             False, 0.99, None): keep an exponential moving average of the
             weights, swapped into the model at the end of `fit` (and for

@@ -54,7 +54,7 @@ class NoiseTarget:
                 "`target_epsilon` needs `target_delta` (the delta of the guarantee, "
                 "e.g. 1e-5, below 1 / the number of records). Received: target_delta=None"
             )
-        self.delta = check_delta(delta)
+        self.delta = check_delta(delta, "target_delta")
 
     def epsilon_after(self, ledger, event, steps):
         """Epsilon at the target delta of `ledger`'s releases (its

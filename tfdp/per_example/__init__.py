@@ -47,6 +47,7 @@ from tfdp.per_example.configuration import declare_per_example_activation
 from tfdp.per_example.grads import LinearGrads, MaterializedGrads, PerExampleGradients
 from tfdp.per_example.plan import plan_for
 from tfdp.per_example.registry import declare_per_example, register_rule
+from tfdp.per_example.validation import validate
 from tfdp.per_example.vectorized import vectorized_gradients
 
 __all__ = [
@@ -61,6 +62,7 @@ __all__ = [
     "fix_batch_normalization",
     "plan_for",
     "register_rule",
+    "validate",
 ]
 
 METHODS = ("auto", "batched", "fast", "vectorized")
@@ -84,10 +86,19 @@ def check_per_example_support(model):
             clipping and the update need float32 weights; a mixed precision
             policy such as "mixed_bfloat16" keeps them float32 and is fine).
     """
+    for _, message in support_problems(model):
+        raise ValueError(message)
+
+
+def support_problems(model):
+    """Yields (layer, message) for every layer `check_per_example_support`
+    refuses, in layer order (`tfdp.per_example.validate` lists them all)."""
     for layer in model._flatten_layers(include_self=False):
-        _check_normalized_axis(layer)
+        problem = _normalized_axis_problem(layer)
+        if problem:
+            yield layer, problem
         if getattr(layer, "stateful", False):
-            raise ValueError(
+            yield layer, (
                 f"Layer '{layer.name}' ({type(layer).__name__}) is stateful: its state "
                 "carries earlier batches' examples into later steps, so one record "
                 "would influence steps it was not sampled for and the privacy "
@@ -95,7 +106,7 @@ def check_per_example_support(model):
             )
         low = [v.name for v in layer.trainable_variables if v.dtype != "float32"]
         if low:
-            raise ValueError(
+            yield layer, (
                 f"Layer '{layer.name}' keeps its trainable weights {low} in "
                 f"{layer.variable_dtype}: tfdp clips, noises and updates float32 weights. "
                 "Use a float32 or mixed precision policy ('mixed_bfloat16', "
@@ -104,12 +115,12 @@ def check_per_example_support(model):
             )
 
 
-def _check_normalized_axis(layer):
+def _normalized_axis_problem(layer):
     if not isinstance(layer, keras.layers.BatchNormalization):
-        return
+        return None
     rank = getattr(layer.input_spec, "ndim", None)
     if layer.axis == 0 or (rank and layer.axis % rank == 0):
-        raise ValueError(
+        return (
             f"Layer '{layer.name}' ({type(layer).__name__}) normalizes over axis 0, the "
             "batch axis: its statistics, gamma and beta are per position in the batch "
             "(in training mode it normalizes over the batch's examples), so an "
@@ -118,6 +129,7 @@ def _check_normalized_axis(layer):
             "the channels) instead. "
             f"Received: axis={layer.axis}"
         )
+    return None
 
 
 def compute_per_example_gradients(

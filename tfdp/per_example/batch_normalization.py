@@ -95,8 +95,11 @@ def fix_batch_normalization(model, groups=32):
             kwargs.pop("mask", None)
         return layer(*args, **kwargs)
 
-    fixed = keras.models.clone_model(model, clone_function=clone, call_function=call,
-                                     recursive=True)
+    # A Sequential lists its layers (Keras refuses a call_function for it);
+    # it passes a mask only to a layer whose call takes one.
+    sequential = isinstance(model, keras.Sequential)
+    fixed = keras.models.clone_model(model, clone_function=clone,
+                                     call_function=None if sequential else call, recursive=True)
     for old, new in pairs:
         _carry_weights(old, new)
     return fixed, changes

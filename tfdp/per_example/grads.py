@@ -208,8 +208,10 @@ class LinearGrads(Part):
     """
 
     def __init__(self, x, g, kernel, bias=None, kernel_perm=None):
-        self.x = as_float32(x)
         self.g = as_float32(g)
+        self.x = as_float32(x)
+        if not self.x.dtype.is_floating:  # a lookup's int64 one-hot: Dense multiplies it cast
+            self.x = tf.cast(self.x, self.g.dtype)
         self.variables = [kernel] + ([bias] if bias is not None else [])
         self._kernel_shape = kernel.shape
         self._perm = kernel_perm

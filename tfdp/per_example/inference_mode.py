@@ -115,6 +115,25 @@ def _inference_layers(model):
     return [layer for layer, all_false in flags.values() if all_false]
 
 
+def batch_normalizations_in_training(model):
+    """The trainable BatchNormalization layers that are nodes of `model`'s
+    graphs and are not called, by themselves or by a graph that holds them,
+    with `training=False`: the DP step would refuse them when traced
+    (`check_inference_call`). One inside a custom layer's own `call()` is
+    not listed: only tracing the step tells how it is called."""
+    covered = {id(sub) for layer in _inference_layers(model)
+               for sub in layer._flatten_layers(include_self=True)}  # pylint: disable=protected-access
+    found = {}
+    for graph_model in _graph_models(model):
+        graph = getattr(graph_model, "_functional", None) or graph_model
+        for nodes in getattr(graph, "_nodes_by_depth", {}).values():
+            for node in nodes:
+                layer = node.operation
+                if is_trainable_batch_normalization(layer) and id(layer) not in covered:
+                    found[id(layer)] = layer
+    return list(found.values())
+
+
 def _training_default(layer):
     """The default of `training` in the layer class's `call` (None if none)."""
     parameter = inspect.signature(type(layer).call).parameters.get("training")

@@ -21,6 +21,11 @@ Example:
 from tfdp.per_example import rules
 from tfdp.per_example.configuration import configuration_problem
 from tfdp.per_example.fallback import LayerFallback
+from tfdp.per_example.random_augmentation import (
+    KeyedAugmentation,
+    augmentation_hint,
+    is_keyed_augmentation,
+)
 from tfdp.per_example.registry import (
     _DECLARED,
     is_graph_model,
@@ -31,6 +36,7 @@ from tfdp.per_example.registry import (
 )
 
 FALLBACK = LayerFallback()
+KEYED = KeyedAugmentation()
 
 
 class Plan:
@@ -41,6 +47,7 @@ class Plan:
         handlers: for "batched", list of (layer, rule or FALLBACK).
         reason: for "vectorized", why the batched path does not apply.
         fallback_layers: names of layers run by the per-layer fallback.
+        keyed_layers: names of random augmentation layers keyed per example.
     """
 
     def __init__(self, path, handlers=(), reason=None):
@@ -48,6 +55,7 @@ class Plan:
         self.handlers = list(handlers)
         self.reason = reason
         self.fallback_layers = [l.name for l, h in self.handlers if h is FALLBACK]
+        self.keyed_layers = [l.name for l, h in self.handlers if h is KEYED]
 
     def describe(self):
         """One line naming the path and what forced a fallback."""
@@ -56,6 +64,8 @@ class Plan:
         line = "per-example gradients: batched pass with per-layer rules"
         if self.fallback_layers:
             line += "; per-layer vjp fallback for " + ", ".join(self.fallback_layers)
+        if self.keyed_layers:
+            line += "; random augmentation keyed per example: " + ", ".join(self.keyed_layers)
         return line
 
 
@@ -75,7 +85,7 @@ def _check_layer(layer):
     if is_graph_model(layer):
         return _check_graph(layer)
     if not is_per_example(layer):
-        return _describe(layer, "is not known to keep examples independent")
+        return _describe(layer, "is not known to keep examples independent" + augmentation_hint(layer))
     if type(layer) in _DECLARED:
         return None
     problem = configuration_problem(layer)
@@ -95,7 +105,8 @@ def _check_graph(model):
     for node in nodes:
         operation = node.operation
         if not node_is_per_example(node):
-            return _describe(operation, "is not known to keep examples independent")
+            return _describe(operation, "is not known to keep examples independent"
+                             + augmentation_hint(operation))
         if hasattr(operation, "_flatten_layers") and operation is not model:
             problem = _check_layer(operation)
             if problem:
@@ -151,4 +162,6 @@ def plan_for(model):
     expected = [id(v) for v in model.trainable_variables]
     if sorted(covered) != sorted(expected):
         return Plan("vectorized", reason="some trainable variables belong to no layer it can run")
+    handlers += [(layer, KEYED) for layer in model._flatten_layers(include_self=False)
+                 if is_keyed_augmentation(layer)]
     return Plan("batched", handlers)

@@ -23,6 +23,7 @@ pass (`register_rule`).
 import keras
 
 from tfdp.per_example.preprocessing_layers import keeps_examples_independent
+from tfdp.per_example.random_augmentation import is_keyed_augmentation
 
 _L = keras.layers
 
@@ -171,9 +172,12 @@ def rule_for(layer):
 
 
 def is_per_example(layer):
-    """True if `layer` is known (or declared) to keep examples independent."""
+    """True if `layer` is known (or declared) to keep examples independent
+    (Keras's random augmentation layers: keyed per example on the batched
+    pass, `tfdp.per_example.random_augmentation`; text and lookup layers:
+    `tfdp.per_example.preprocessing_layers`)."""
     return (type(layer) in ALLOWED or type(layer) in _DECLARED or is_batch_normalization(layer)
-            or keeps_examples_independent(layer))
+            or keeps_examples_independent(layer) or is_keyed_augmentation(layer))
 
 
 def is_batch_normalization(layer):

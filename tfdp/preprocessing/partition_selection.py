@@ -64,23 +64,36 @@ def threshold(noise_std, max_tokens, delta_threshold):
     return 1.0 - noise_std * _NORMAL.inv_cdf(p)  # Phi^-1(1 - p) = -Phi^-1(p), exact in the tail
 
 
-def bounded_counts(units, max_tokens, rng):
+def bounded_counts(units, max_tokens, key):
     """Counts of units holding each token, each unit contributing <= k tokens.
 
+    A unit with more than k distinct tokens contributes a uniform sample of
+    k of them, drawn from its own stream keyed by (`key`, the unit's code):
+    removing one unit leaves every other unit's sample as it was.
+
     Args:
-        units: an iterable of iterables of hashable tokens (one per unit).
-        max_tokens: k; a unit with more distinct tokens contributes a
-            uniform random sample of k of them.
-        rng: a `numpy.random.Generator` for that sample.
+        units: an iterable of (code, tokens) pairs, one per unit: `code` a
+            sequence of non-negative ints naming the unit, a function of the
+            unit alone (`tfdp.data.users.user_codes`), `tokens` an iterable
+            of hashable tokens.
+        max_tokens: k.
+        key: a non-negative int, the run's key for the samples.
 
     Returns:
         A dict token -> number of units that contributed it.
+
+    Example:
+
+    >>> counts = bounded_counts([((0,), ["a", "b", "c"]), ((1,), ["a"])], 1, key=7)
+    >>> counts["a"] >= 1 and sum(counts.values())
+    2
     """
     counts = {}
-    for tokens in units:
+    for code, tokens in units:
         distinct = list(dict.fromkeys(tokens))
         if len(distinct) > max_tokens:
-            chosen = rng.choice(len(distinct), size=max_tokens, replace=False)
+            stream = np.random.default_rng([int(key), *(int(word) for word in code)])
+            chosen = stream.choice(len(distinct), size=max_tokens, replace=False)
             distinct = [distinct[i] for i in sorted(chosen)]
         for token in distinct:
             counts[token] = counts.get(token, 0) + 1

@@ -45,7 +45,7 @@ import numpy as np
 
 from tfdp.accounting import additive_delta
 from tfdp.accounting.calibration import calibrate_noise_multiplier
-from tfdp.data.users import UserRecords
+from tfdp.data.users import UserRecords, user_codes
 from tfdp.mechanisms.gaussian import numpy_normal
 from tfdp.preprocessing import partition_selection, provenance
 from tfdp.preprocessing.provenance import _text
@@ -70,15 +70,29 @@ def _check_budget(epsilon, delta):
         raise ValueError(f"Expected `delta` in (0, 1). Received: delta={delta}")
 
 
-def _units(num_records, user_ids):
-    """Lists of record indices, one per unit (record or person)."""
+def _people(num_records, user_ids):
+    """`UserRecords` of `user_ids` (None without), one id per record."""
     if user_ids is None:
-        return [[i] for i in range(num_records)]
+        return None
     users = UserRecords(user_ids)  # fit's rules for ids: no float (NaN) ids, no mixed types
     if users.num_records != num_records:
         raise ValueError(
             f"Expected one user id per record ({num_records}). Received: user_ids with "
             f"{users.num_records} entries")
+    return users
+
+
+def _unit_codes(num_records, user_ids):
+    """uint32 [units, 4]: each unit's code (`user_codes`), in `_units`' order."""
+    users = _people(num_records, user_ids)
+    return user_codes(np.arange(num_records)) if users is None else users.codes
+
+
+def _units(num_records, user_ids):
+    """Lists of record indices, one per unit (record or person)."""
+    users = _people(num_records, user_ids)
+    if users is None:
+        return [[i] for i in range(num_records)]
     return [users.order[start:start + count].tolist()
             for start, count in zip(users.starts, users.counts)]
 
@@ -146,8 +160,13 @@ def _vocabulary(layer, data, epsilon, delta, max_tokens_per_record, user_ids, rn
     sigma = _noise_multiplier(epsilon - additive_delta.shift(delta_threshold), delta / 2)
     noise_std = sigma * math.sqrt(k)
     cut = partition_selection.threshold(noise_std, k, delta_threshold)
-    counts = partition_selection.bounded_counts(unit_tokens, k, rng)
-    kept = partition_selection.select(counts, noise_std, cut, rng)
+    # Each unit's k-sample from its own stream (keyed by the unit's code), the noise from
+    # another: removing one unit leaves the others' samples and the noise draws alone.
+    sample_key = int(rng.integers(2**63))
+    noise_rng = np.random.default_rng(rng.integers(2**63))
+    codes = _unit_codes(len(records), user_ids)
+    counts = partition_selection.bounded_counts(zip(codes.tolist(), unit_tokens), k, sample_key)
+    kept = partition_selection.select(counts, noise_std, cut, noise_rng)
     lookup = getattr(layer, "_lookup_layer", layer)
     limit = lookup.max_tokens
     vocabulary = list(kept)
@@ -155,13 +174,17 @@ def _vocabulary(layer, data, epsilon, delta, max_tokens_per_record, user_ids, rn
         special = lookup._token_start_index()  # pylint: disable=protected-access
         vocabulary = vocabulary[:max(0, limit - special)]
     if not vocabulary:  # Keras cannot hold an empty vocabulary
+        provenance.note_release(layer, dp_accounting.GaussianDpEvent(sigma), delta_threshold,
+                                "record" if user_ids is None else "person")
         raise ValueError(
             f"No token of {layer.name!r} passed the partition selection threshold "
             f"({cut:.4g} records or people; the largest count is below it with this noise): "
             f"the data is too small for epsilon={epsilon:g}, delta={delta:g}, k={k}. This "
-            "attempt's release was not charged to a ledger; a second attempt on the same data "
-            "spends its budget again. Raise epsilon, lower max_tokens_per_record, or adapt the "
-            "layer on public data and declare it with tfdp.preprocessing.declare_public.")
+            "attempt's release waits on the layer and is charged, with the layer's next "
+            "adaptation or declaration, to the model that trains it: a second attempt on the "
+            "same data spends its budget again. Raise epsilon, lower max_tokens_per_record, "
+            "or adapt the layer on public data and declare it with "
+            "tfdp.preprocessing.declare_public.")
     idf = None
     if lookup.output_mode == "tf_idf":
         noisy = np.asarray([kept[t] for t in vocabulary], np.float64)
@@ -305,7 +328,10 @@ def adapt_privately(layer, data, epsilon, delta, max_tokens_per_record=None, val
             feature) and `Discretization`: values are clipped to it.
             Declare it from what the feature means, not from the data.
         user_ids: optional, one id per record: protect people instead of
-            records (for a `fit` with the same user_ids).
+            records, for a `fit` with the same user_ids (the same grouping
+            of records into people: `fit` refuses another; a `fit`
+            without user_ids accepts it, since a person-level guarantee
+            protects each record too).
         bins: `Discretization`'s histogram resolution (default 256).
         seed: optional int for the noise (default: fresh randomness; a
             seed makes the noise reproducible, so keep it secret).
@@ -326,6 +352,7 @@ def adapt_privately(layer, data, epsilon, delta, max_tokens_per_record=None, val
     >>> bool(abs(age.adapt_mean.numpy()[0] - 40) < 2)
     True
     """
+    provenance.refuse_inside_search(layer)  # before any noise is drawn
     _check_budget(epsilon, delta)
     rng = np.random.default_rng(seed)
     unit = "record" if user_ids is None else "person"
@@ -345,5 +372,7 @@ def adapt_privately(layer, data, epsilon, delta, max_tokens_per_record=None, val
             f"{type(layer).__name__} (declare its state public with "
             "tfdp.preprocessing.declare_public if it came from public data)")
     source += f"; epsilon {epsilon:g}, delta {delta:g} for this adaptation alone"
+    partition = None if user_ids is None else provenance.partition_digest(UserRecords(user_ids))
     return provenance.register_private(
-        layer, source, unit, dp_accounting.GaussianDpEvent(sigma), additive)
+        layer, source, unit, dp_accounting.GaussianDpEvent(sigma), additive,
+        partition=partition)

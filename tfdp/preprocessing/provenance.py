@@ -35,17 +35,27 @@ Example:
 ('public', 'zip')
 """
 
+import contextlib
 import hashlib
+import inspect
 import json
+import math
 import uuid
 import weakref
 
+import dp_accounting
 import keras
 import numpy as np
 
 # Provenances not yet charged to a model's ledger: layer -> (entry, event,
 # the ledger the event was already recorded in, or None).
 _PENDING = weakref.WeakKeyDictionary()
+# Releases the user saw that no provenance of the layer's state stands for
+# (a failed attempt, an adaptation replaced by another before any fit):
+# layer -> [(event, additive delta, unit)], charged with the layer's next charge.
+_EARLIER = weakref.WeakKeyDictionary()
+# Ids of the private entries charged to some ledger (not carried again).
+_CHARGED_IDS = set()
 
 _VOCABULARY_LAYERS = (
     keras.layers.StringLookup, keras.layers.IntegerLookup, keras.layers.TextVectorization)
@@ -104,9 +114,20 @@ def data_state(layer):
         if layer.bin_boundaries is None:
             return None
         return "bin boundaries", {"bin_boundaries": _floats(layer.bin_boundaries)}
-    if callable(getattr(layer, "adapt", None)):  # any other adaptable layer: all its weights
-        return "state", {"weights": [_floats(w) for w in layer.get_weights()]}
+    if callable(getattr(layer, "adapt", None)):  # any other adaptable layer: all its state
+        return "state", _composite_state(layer)
     return None
+
+
+def _composite_state(layer):
+    """All of an adaptable layer's state: its weights and each sublayer's own
+    `data_state` (a lookup's vocabulary is a table, not a weight)."""
+    flatten = layer._flatten_layers  # pylint: disable=protected-access
+    sublayers = []
+    for sublayer in flatten(include_self=False, recursive=False):
+        found = data_state(sublayer)
+        sublayers.append(None if found is None else found[1])
+    return {"weights": [_floats(w) for w in layer.get_weights()], "sublayers": sublayers}
 
 
 def fingerprint(state):
@@ -120,18 +141,117 @@ def _entry(layer, what, state, kind, source, unit, additive_delta=0.0):
                 what=what, source=source, unit=unit, additive_delta=float(additive_delta))
 
 
-def register_private(layer, source, unit, event, additive_delta, charged=None):
+def partition_digest(users):
+    """A SHA-256 hex digest of which records belong together, whatever the ids.
+
+    Each record is labelled by the smallest record index of its person, so
+    two `UserRecords` that group the same records into people have the same
+    digest, whatever the ids' values, types or order.
+
+    Args:
+        users: a `tfdp.data.users.UserRecords`.
+
+    Example:
+
+    >>> from tfdp.data.users import UserRecords
+    >>> partition_digest(UserRecords(["b", "a", "b"])) == partition_digest(UserRecords([7, 1, 7]))
+    True
+    >>> partition_digest(UserRecords([0, 1, 2])) == partition_digest(UserRecords([0, 0, 2]))
+    False
+    """
+    first = np.minimum.reduceat(users.order, users.starts) if users.num_records else users.order
+    label = np.empty(users.num_records, np.int64)
+    label[users.order] = np.repeat(first, users.counts)
+    return hashlib.sha256(label.astype("<i8").tobytes()).hexdigest()
+
+
+def register_private(layer, source, unit, event, additive_delta, charged=None, partition=None):
     """Records that `layer`'s current state was adapted privately (`adapt_privately`).
 
     The entry waits on the layer until `fit` charges it to the model's
     ledger (`check_model`). `charged` is a ledger that already recorded
     `event` (`tfdp.layers.private_channel_statistics`): that ledger gets
-    the entry without the event again. Returns the entry.
+    the entry without the event again. `partition` is the
+    `partition_digest` of a per-person adaptation's people: `fit` accepts
+    the entry only with the same grouping of records into people. Returns
+    the entry.
     """
     what, state = data_state(layer)
     entry = _entry(layer, what, state, "private", source, unit, additive_delta)
-    _PENDING[layer] = (entry, event, charged)
+    if partition is not None:
+        entry["partition"] = partition
+    _replace_pending(layer, (entry, event, charged))
     return dict(entry)
+
+
+# How many private search builds (`tfdp.tuning`) are running now.
+_SEARCH_BUILDS = [0]
+
+
+class AdaptationInSearch(ValueError):
+    """`adapt_privately` called inside a private search's `build(hp)`."""
+
+
+@contextlib.contextmanager
+def inside_search_build():
+    """Marks a private search's `build(hp)`: `adapt_privately` refuses to run in it."""
+    _SEARCH_BUILDS[0] += 1
+    try:
+        yield
+    finally:
+        _SEARCH_BUILDS[0] -= 1
+
+
+def refuse_inside_search(layer):
+    """Raises `AdaptationInSearch` inside a private search's `build(hp)`.
+
+    Each trial would run its own adaptation (its own noise and threshold)
+    while the chosen model's ledger counts one.
+    """
+    if _SEARCH_BUILDS[0]:
+        raise AdaptationInSearch(
+            f"adapt_privately({layer.name!r}) was called inside a private search's "
+            "build(hp): every trial would adapt the layer again on the private data (its own "
+            "noise and threshold), and the chosen model's ledger would count only one of "
+            "these releases. Adapt the layer once, outside build(hp), before the search, "
+            "and use it in the model that build(hp) returns.")
+
+
+def note_release(layer, event, additive_delta, unit):
+    """Keeps a release of `layer` that set no state (a failed `adapt_privately`).
+
+    It waits on the layer and is charged with the layer's next provenance,
+    to the ledger of the model that `fit`s (or saves) it.
+    """
+    _EARLIER.setdefault(layer, []).append((event, float(additive_delta), unit))
+
+
+def _replace_pending(layer, pending):
+    """Sets `layer`'s provenance; an earlier private adaptation that no
+    ledger holds yet waits on the layer as an earlier release."""
+    previous = _PENDING.get(layer)
+    if previous is not None:
+        entry, event, charged = previous
+        if entry["kind"] == "private" and charged is None and entry["id"] not in _CHARGED_IDS:
+            note_release(layer, event, entry["additive_delta"], entry["unit"])
+    _PENDING[layer] = pending
+
+
+def _charge_earlier(ledger, layer, what):
+    """Charges the releases waiting on `layer` (`note_release`) as one entry."""
+    earlier = _EARLIER.pop(layer, [])
+    if not earlier:
+        return
+    units = {unit for _, _, unit in earlier}
+    entry = dict(
+        id=uuid.uuid4().hex, layer=layer.name, state="", kind="private", what=what,
+        source=(f"{len(earlier)} earlier release(s) of this layer that the model does not "
+                "hold (a failed or replaced adaptation), charged too"),
+        unit="person" if units == {"person"} else "record",
+        additive_delta=math.fsum(delta for _, delta, _ in earlier))
+    events = [event for event, _, _ in earlier]
+    ledger.charge_preprocessing(
+        entry, events[0] if len(events) == 1 else dp_accounting.ComposedDpEvent(events))
 
 
 def declare_public(layer, source):
@@ -188,7 +308,7 @@ def declare_public(layer, source):
             "variance, or bin boundaries) first, then declare it public.")
     what, state = found
     entry = _entry(layer, what, state, "public", source.strip(), "")
-    _PENDING[layer] = (entry, None, None)
+    _replace_pending(layer, (entry, None, None))
     return dict(entry)
 
 
@@ -208,24 +328,35 @@ def _refusal(layer, what, stale):
         "which the privacy statement then names.")
 
 
-def _unit_refusal(layer, unit, user_level):
-    wanted = "person" if user_level else "record"
-    fix = ("pass user_ids=... (the training's user_ids) to adapt_privately" if user_level else
-           "adapt it again without user_ids")
+def _unit_refusal(layer):
     return ValueError(
-        f"Layer {layer.name!r} was adapted privately per {unit}, but this fit protects "
-        f"each {wanted}: the two guarantees do not compose into one. {fix.capitalize()}. "
-        f"Received: fit(user_ids={'...' if user_level else 'None'})")
+        f"Layer {layer.name!r} was adapted privately per record, but this fit protects "
+        "each person: a person with several records moves the adaptation's counts by "
+        "more than one, so the two guarantees do not compose into one. Pass user_ids=... "
+        "(the training's user_ids) to adapt_privately. Received: fit(user_ids=...)")
 
 
-def _data_layers(model):
-    """(layer, what, state) of every layer of `model` (nested models too) holding
-    data-derived state; a layer inside such a layer (TextVectorization's lookup)
-    is part of its state, not another one."""
-    found, inside = [], set()
-    for layer in model._flatten_layers(include_self=False):  # pylint: disable=protected-access
-        if id(layer) in inside:
+def _partition_refusal(layer):
+    return ValueError(
+        f"Layer {layer.name!r} was adapted privately per person, but with user_ids that "
+        "group the records into people differently from this fit's user_ids: a person of "
+        "this fit may be several people of the adaptation, and count more than once in its "
+        "vocabulary. Adapt it again with adapt_privately(layer, data, ..., user_ids=...) "
+        "passing the same user_ids (one per record, records in the same order) as fit.")
+
+
+def _data_layers(model, extra=()):
+    """(layer, what, state) of every layer of `model` (nested models too), and of
+    the layers `extra` (with theirs), holding data-derived state; a layer inside
+    such a layer (TextVectorization's lookup) is part of its state, not another one."""
+    found, inside, seen = [], set(), set()
+    flat = list(model._flatten_layers(include_self=False))  # pylint: disable=protected-access
+    for root in extra:
+        flat += root._flatten_layers(include_self=True)  # pylint: disable=protected-access
+    for layer in flat:
+        if id(layer) in inside or id(layer) in seen:
             continue
+        seen.add(id(layer))
         state = data_state(layer)
         if state is None:
             continue
@@ -241,9 +372,12 @@ def _pending_for(layer, digest):
     return pending if pending is not None and pending[0]["state"] == digest else None
 
 
-def _charge(ledger, pending):
+def _charge(ledger, layer, what, pending):
     entry, event, charged = pending
-    ledger.charge_preprocessing(entry, None if charged is ledger else event)
+    if ledger.charge_preprocessing(entry, None if charged is ledger else event):
+        _charge_earlier(ledger, layer, what)
+        if entry["kind"] == "private":
+            _CHARGED_IDS.add(entry["id"])
 
 
 def charge_pending(model):
@@ -253,13 +387,35 @@ def charge_pending(model):
     a model saved before its first `fit` carries its adaptations' charge
     (and its declarations); `check_model` refuses what has none at `fit`.
     """
-    for layer, _, state in _data_layers(model):
+    for layer, what, state in _data_layers(model):
         pending = _pending_for(layer, fingerprint(state))
         if pending is not None:
-            _charge(model.privacy, pending)
+            _charge(model.privacy, layer, what, pending)
 
 
-def check_model(model, user_level=False):
+def augment_layers(augment):
+    """The Keras layers `fit(augment=fn)`'s function names: in its closure, the
+    globals it reads, its defaults and a bound method's object (in lists,
+    tuples and dicts too). A layer reached only through another function or
+    object is not seen."""
+    if augment is None:
+        return []
+    function = getattr(augment, "__func__", augment)
+    values = [getattr(augment, "__self__", None), *(getattr(function, "__defaults__", None) or ())]
+    try:
+        names = inspect.getclosurevars(function)
+        values += [*names.nonlocals.values(), *names.globals.values()]
+    except TypeError:  # not a Python function (a callable object, a builtin)
+        values.append(augment)
+    layers = []
+    for value in values:
+        items = list(value.values()) if isinstance(value, dict) else (
+            list(value) if isinstance(value, (list, tuple)) else [value])
+        layers += [item for item in items if isinstance(item, keras.layers.Layer)]
+    return layers
+
+
+def check_model(model, users=None, augment=None):
     """Accepts every data-derived layer state of `model`, charging it once, or refuses it.
 
     Called by `DPModel.fit` before the first step. A layer whose state
@@ -270,29 +426,113 @@ def check_model(model, user_level=False):
 
     Args:
         model: a built `tfdp.DPModel`.
-        user_level: True when this fit protects people (`user_ids`).
+        users: this fit's `tfdp.data.users.UserRecords` when it protects
+            people (`user_ids`), else None.
+        augment: `fit`'s augment function, or None: the preprocessing
+            layers it names (`augment_layers`) shape every step's inputs,
+            so they are checked (and charged) as the model's own.
 
     Raises:
         ValueError: naming the layer and both fixes, for state without a
             provenance, or adapted privately per record for a per-person
-            fit (or the reverse).
+            fit, or per person with people grouped unlike this fit's. (A
+            per-person adaptation is accepted for a per-record fit: a
+            record is in one person, so it protects each record too.)
     """
+    _check_vocabularies(model)
+    partition = None if users is None else partition_digest(users)
     ledger = model.privacy
-    for layer, what, state in _data_layers(model):
+    for layer, what, state in _data_layers(model, augment_layers(augment)):
         digest = fingerprint(state)
         pending = _pending_for(layer, digest)
         if pending is not None:
-            _check_unit(layer, pending[0], user_level)
-            _charge(ledger, pending)
+            _check_unit(layer, pending[0], partition)
+            _charge(ledger, layer, what, pending)
             continue
         known = [e for e in ledger.preprocessing
                  if e["state"] == digest and e["layer"] == layer.name]
         if known:
-            _check_unit(layer, known[0], user_level)
+            _check_unit(layer, known[0], partition)
             continue
         raise _refusal(layer, what, stale=layer in _PENDING)
 
 
-def _check_unit(layer, entry, user_level):
-    if entry["kind"] == "private" and (entry["unit"] == "person") != user_level:
-        raise _unit_refusal(layer, entry["unit"], user_level)
+def check_released(model):
+    """Refuses a layer whose state no longer matches the provenance it had.
+
+    `fit` checks provenance before its first step; a layer adapted or set
+    again afterwards (after `fit`, or by a callback during it) would carry
+    state the statement says is covered. `DPModel` calls this before it
+    writes a file (`save`, `save_weights`, checkpoints), before `export`, at
+    each epoch's start during `fit`, and when the statement is produced
+    (`tfdp.load_model` of a file whose state does not match its ledger too).
+    A layer that never had a provenance is `fit`'s to refuse.
+
+    Raises:
+        ValueError: naming the layer and both fixes.
+    """
+    entries = model.privacy.preprocessing
+    for layer, what, state in _data_layers(model):
+        digest = fingerprint(state)
+        if _pending_for(layer, digest) is not None:
+            continue
+        named = [e for e in entries if e["layer"] == layer.name]
+        if any(e["state"] == digest for e in named):
+            continue
+        if named or layer in _PENDING:
+            raise _refusal(layer, what, stale=True)
+
+
+def check_released_if_alive(model_ref):
+    """`check_released` of the model `model_ref` (a weak reference) still refers to."""
+    model = model_ref()
+    if model is not None:
+        check_released(model)
+
+
+class ProvenanceWatch(keras.callbacks.Callback):
+    """`fit`'s callback: each epoch starts only if every layer's state still
+    matches its provenance (`check_released`)."""
+
+    def on_epoch_begin(self, epoch, logs=None):
+        check_released(self.model)
+
+
+def _check_vocabularies(model):
+    """Refuses a lookup without a vocabulary, which no step could run."""
+    for layer in model._flatten_layers(include_self=False):  # pylint: disable=protected-access
+        if isinstance(layer, _VOCABULARY_LAYERS) and not layer.get_vocabulary(
+                include_special_tokens=False):
+            raise ValueError(
+                f"Layer {layer.name!r} ({type(layer).__name__}) has no vocabulary, so no step "
+                "could look a value up. keras.models.clone_model copies a layer's "
+                "configuration, not an adapted vocabulary: build the model again with the "
+                "adapted layer, or adapt this one, tfdp.preprocessing.adapt_privately(layer, "
+                "data, epsilon=..., delta=..., ...), or declare a public vocabulary with "
+                "tfdp.preprocessing.declare_public(layer, source=...).")
+
+
+def _check_unit(layer, entry, partition):
+    if entry["kind"] != "private" or partition is None:
+        return  # a per-person adaptation protects each record too
+    if entry["unit"] != "person":
+        raise _unit_refusal(layer)
+    if entry.get("partition") != partition:
+        raise _partition_refusal(layer)
+
+
+def travel_with_layers(model, entries):
+    """Lets the layers of a loaded `model` take their provenance along.
+
+    Each layer named in one of `entries` (the loaded ledger's) waits with
+    that entry as after `adapt_privately` (Keras loads the layers' state
+    after the model's ledger; `check_model` compares the fingerprint when a
+    model trains), so a new model built on the loaded layer accepts it. The
+    entry's release and threshold delta are not charged again there: that
+    model carries the loaded ledger's (`tfdp.models.weight_ledgers`), so the
+    waiting copy has none.
+    """
+    by_name = {entry["layer"]: entry for entry in entries}
+    for layer in model._flatten_layers(include_self=False):  # pylint: disable=protected-access
+        if layer.name in by_name and layer not in _PENDING:
+            _PENDING[layer] = (dict(by_name[layer.name], additive_delta=0.0), None, None)

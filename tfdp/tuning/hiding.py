@@ -30,6 +30,8 @@ import traceback
 from keras.src.backend.common import global_state
 from tensorflow.python.eager.polymorphic_function import polymorphic_function
 
+from tfdp.preprocessing import provenance
+
 _UIDS = "object_name_uids"  # keras.backend.get_uid's counters
 
 
@@ -48,9 +50,14 @@ class NameCounters:
         self._start = _uids()
 
     def build(self, build, hp):
-        """`build(hp)` with the counters as they were when the search began."""
+        """`build(hp)` with the counters as they were when the search began
+        (and `adapt_privately` refused in it)."""
         _set_uids(self._start)
-        return build(hp)
+        with provenance.inside_search_build():
+            try:
+                return build(hp)
+            except provenance.AdaptationInSearch as error:
+                raise Refusal(str(error)) from None
 
     def after(self):
         """The counters now (after the build just run)."""

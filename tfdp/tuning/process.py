@@ -17,7 +17,13 @@ The child is a new interpreter (`python -c`) with this process's
 caller's `__main__` script again in the child. The trials (the hypermodel,
 the score function, the data) travel pickled by `cloudpickle`, so functions
 defined in `__main__` or a notebook work; the temporary folder holding them
-(made private by `tempfile.mkdtemp`) is deleted when the search returns.
+(made private by `tempfile.mkdtemp`) is deleted when the search returns;
+the child reads and deletes them first thing, before it imports
+TensorFlow. The child ends when this process does (`tfdp.parent_death`: a
+pipe it watches, and on Linux a parent-death signal), removing that folder
+itself: a SIGKILL or SIGTERM of the user's process, or of its whole process
+group (the child runs in its own session), leaves neither a child training
+the trials nor the chosen model on disk.
 
 Example:
 
@@ -37,9 +43,17 @@ import tempfile
 
 import cloudpickle
 
+from tfdp import parent_death
+
 _JOB, _RESULT, _MODEL = "trials.pkl", "result.json", "chosen.keras"
-_CHILD = "import sys; sys.path[:0] = sys.argv[2:]; " \
-         "from tfdp.tuning import process; process.main(sys.argv[1])"
+# The child reads and deletes the pickled trials (private data) before it
+# imports anything else: a child killed while importing TensorFlow leaves
+# no copy of them on disk.
+_CHILD = "import os, sys; job = os.path.join(sys.argv[1], 'trials.pkl'); " \
+         "file = open(job, 'rb'); trials = file.read(); file.close(); os.remove(job); " \
+         "sys.path[:0] = sys.argv[2:]; " \
+         "from tfdp import parent_death; parent_death.watch(sys.argv[1]); " \
+         "from tfdp.tuning import process; process.main(sys.argv[1], trials)"
 
 
 def run(trials):
@@ -55,15 +69,16 @@ def run(trials):
         # (a crash or Ctrl-C leaves no answer): a search that then fails counts.
         trials.count_drawn = True
         tfdp_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-        child = subprocess.Popen([sys.executable, "-c", _CHILD, folder, tfdp_root, *sys.path],
-                                 stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                                 stderr=subprocess.DEVNULL)
+        child, pipe = parent_death.popen(
+            [sys.executable, "-c", _CHILD, folder, tfdp_root, *sys.path],
+            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         try:
             child.wait()
         finally:  # Ctrl-C here: the child and its trials go, unreported
             if child.poll() is None:
                 child.kill()
                 child.wait()
+            os.close(pipe)
         return _outcome(folder, trials)
     finally:
         shutil.rmtree(folder, ignore_errors=True)
@@ -151,8 +166,11 @@ def _outcome(folder, trials):
 
 
 _HINT = ("To debug, build and fit one model of your hypermodel outside the search (for "
-         "example with keras_tuner.HyperParameters() and your fit arguments), or run the "
-         "search on data you may publish.")
+         "example with keras_tuner.HyperParameters() and your fit arguments), and, if you "
+         "passed a custom `score`, call it on that model's predictions one validation "
+         "example at a time, as the search does (score(y_true[i:i + 1], "
+         "model.predict(x_val[i:i + 1])), one value returned); or run the search on data "
+         "you may publish.")
 
 
 def _error_of(result):
@@ -181,13 +199,13 @@ def _exception_type(module, name):
 # -- in the child ------------------------------------------------------------
 
 
-def main(folder):
-    """Runs the pickled trials in `folder` and writes the result beside them."""
+def main(folder, job):
+    """Runs the pickled trials `job` (read from `folder` and deleted there)
+    and writes the result in `folder`."""
     trials = None
     try:
-        with open(os.path.join(folder, _JOB), "rb") as file:
-            trials = pickle.load(file)
-        os.remove(os.path.join(folder, _JOB))  # the private data: gone as soon as read
+        trials = pickle.loads(job)
+        del job
         result = _chosen(trials, folder)
     except BaseException as error:  # noqa: BLE001 - the parent re-raises it
         result = _failure(error, trials)

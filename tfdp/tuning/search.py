@@ -33,6 +33,7 @@ True
 import weakref
 
 import dp_accounting
+import keras_tuner
 import numpy as np
 
 from tfdp.accounting._validation import check_real, show
@@ -92,14 +93,21 @@ class PrivateRandomSearch:
     its type but not its message.
     """
 
-    def __init__(self, hypermodel, mean_trials, distribution="geometric", shape=None,
+    def __init__(self, hypermodel, mean_trials=None, distribution="geometric", shape=None,
                  score=None, score_noise_multiplier=10.0, max_trials=None):
         if max_trials is not None:
             raise ValueError(
                 "A private search draws the number of trials at random: best-of-K with a "
                 "fixed K has no repeat-and-select bound (Papernot & Steinke 2022), and it "
-                "costs about K times one trial. Pass mean_trials instead. Received: "
-                f"max_trials={show(max_trials)}"
+                "costs about K times one trial. Pass mean_trials instead (the expected "
+                f"number of trials), e.g. PrivateRandomSearch(build, mean_trials={show(max_trials)}). "
+                f"Received: max_trials={show(max_trials)}"
+            )
+        if mean_trials is None:
+            raise ValueError(
+                "A private search needs `mean_trials`, the expected number of trials (the "
+                "number run is drawn at random and kept secret), e.g. "
+                "PrivateRandomSearch(build, mean_trials=5). Received: mean_trials=None"
             )
         self._build = hyperparameters.build_function(hypermodel)
         self.mean_trials = check_mean_trials(mean_trials)
@@ -114,6 +122,29 @@ class PrivateRandomSearch:
         self._best = None
         # A search drew its number of trials and released no model: no retry on this tuner.
         self._released_nothing = False
+
+    def search_space_summary(self):
+        """The search space and the law of the number of trials, as text.
+
+        Builds the hypermodel once at its defaults (no data is read, so the
+        summary is safe to print). Like KerasTuner's, but returned: print
+        it.
+
+        Example: `print(tuner.search_space_summary())`.
+        """
+        hp = keras_tuner.HyperParameters()
+        self._build(hp)
+        law = self.distribution + (f" (shape {self.shape:g})" if self.distribution ==
+                                   "negative_binomial" else "")
+        lines = [f"Search space: {len(hp.space)} hyperparameters; the number of trials is "
+                 f"drawn from the {law} law with mean {self.mean_trials:g} (kept secret)"]
+        for h in hp.space:
+            config = h.get_config()
+            shown = {k: v for k, v in config.items()
+                     if k not in ("name", "conditions") and v is not None}
+            lines.append(f"{h.name} ({type(h).__name__}): " + ", ".join(
+                f"{k}={v!r}" for k, v in shown.items()))
+        return "\n".join(lines)
 
     # -- the search ----------------------------------------------------------
 
@@ -447,6 +478,12 @@ class _Validation:
             x_val, y_val = data
             self._data = (np.asarray(x_val), np.asarray(y_val))
             self.count = len(self._data[0])
+            if self.count == 0 or len(self._data[1]) != self.count:
+                raise ValueError(
+                    "Expected validation_data (x_val, y_val) with the same, non-zero number of "
+                    "records: a trial's score is a mean over them. Received: "
+                    f"{self.count} and {len(self._data[1])} records"
+                )
         else:
             self._fraction = check_real("validation_split", split, low=0.0, high=1.0)
             self.count = self._fraction * total  # public: the split's realised size is not

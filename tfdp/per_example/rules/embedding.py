@@ -5,7 +5,9 @@ token ids, never a dense vocabulary x dim tensor per example. Its squared
 norm is sum over distinct ids u of ||sum_{t: id_t = u} G_{i,t}||^2 (tokens
 that repeat add before squaring); the weighted sum over examples scatters
 weighted rows into one dense [vocabulary, dim] tensor (dense, because DP
-noise goes on every row: a sparse update would reveal which tokens occurred).
+noise goes on every row: a sparse update would reveal which tokens occurred;
+`tfdp.optimizers.sparse_embeddings` selects rows privately instead, from the
+rows each example touches, `first_occurrences`).
 
 Example:
 
@@ -45,13 +47,22 @@ class EmbeddingGrads(SummedAsMeasured):
         self.variables = [table]
         self._table = table
         self._merged = None
+        self._first = None
+
+    def first_occurrences(self):
+        """bool [B, T]: True at the first position of each distinct id of an
+        example (the rows the example touches, once each; computed once)."""
+        if self._first is None:
+            same = tf.equal(self.ids[:, :, None], self.ids[:, None, :])  # [B, T, T]
+            self._first = tf.argmax(tf.cast(same, tf.int8), axis=2, output_type=tf.int32)
+        return tf.equal(self._first, tf.range(tf.shape(self.ids)[1])[None, :])
 
     def merged_rows(self):
         """[B, T, D]: at the first position of each distinct id of an example
         the sum of that id's row gradients, elsewhere zero (computed once)."""
         if self._merged is None:
-            same = tf.equal(self.ids[:, :, None], self.ids[:, None, :])  # [B, T, T]
-            first = tf.argmax(tf.cast(same, tf.int8), axis=2, output_type=tf.int32)  # [B, T]
+            self.first_occurrences()
+            first = self._first  # [B, T]: each position's first position of its id
             batch, length = tf.shape(self.g)[0], tf.shape(self.g)[1]
             segments = tf.reshape(first + length * tf.range(batch)[:, None], [-1, 1])
             # scatter_nd sums duplicates; measured 1.5x faster than

@@ -1,0 +1,209 @@
+"""Weights keep their ledger in memory: variables a DP step trained carry
+the identity of that training, and a model that holds them charges it.
+
+A `DPModel` built on another DPModel's trained layer (the same variable
+objects: `keras.Model(inputs, head(pretrained.get_layer("encoder")(inputs)))`)
+releases weights that carry both trainings. Each model that trains
+registers its trainable variables here before its first step
+(`mark_trained`); whenever a model's ledger is read (`model.privacy`), saved,
+or its `fit` starts, every training its variables carry, held frozen or
+trained further, directly or through the model that trained them on top, is
+composed into its ledger (`PrivacyLedger.carry`) and named in its
+statement: "These weights also carry the releases of the training of
+model 'encoder'". Composition is a valid bound whatever data each training read;
+on the same records it is the right one.
+
+A model loaded from a tfdp file (`load_model`, `load_weights`) makes its
+variables and layers carry the loaded training (`note_loaded`): its own
+releases and preprocessing delta, and the trainings its ledger carried
+(as saved: the loaded weights are copies), so a layer reused from it
+charges them. When a model trains, what it carries becomes a floor
+(`PrivacyLedger.hold_carried`): the other model rolling back later does
+not lower it.
+
+The registry holds the variables weakly. Weights copied as arrays
+(`set_weights(other.get_weights())`, assigning `.numpy()` values or
+another variable with `tf.Variable.assign`) are not the same variables,
+so they cannot be traced, and only DP fits are traced (a plain Keras
+model training a DP model's layer is not noticed): the docs say so next
+to `load_weights`'s refusal of a weights file without a ledger.
+
+Example:
+
+>>> import keras, numpy as np, tfdp
+>>> x, y = np.ones((8, 2), "float32"), np.zeros(8, "int32")
+>>> def trained(model):
+...     model.compile(optimizer=tfdp.optimizers.DPSGD(0.1, l2_norm_clip=1.0,
+...                   noise_multiplier=1.0), loss="sparse_categorical_crossentropy")
+...     model.fit(x, y, batch_size=4, steps_per_epoch=1, verbose=0)
+...     return model
+>>> encoder = keras.layers.Dense(3)
+>>> first = trained(tfdp.DPSequential([keras.Input((2,)), encoder], name="first"))
+>>> second = trained(tfdp.DPSequential([keras.Input((2,)), encoder, keras.layers.Dense(2)],
+...                                     name="second"))
+>>> [c.label for c in second.privacy.carried.values()]
+["model 'first'"]
+>>> "model 'first'" in second.privacy.statement(1e-5)
+True
+>>> [c.label for c in first.privacy.carried.values()]  # its encoder trained on in second
+["model 'second'"]
+"""
+
+import uuid
+import weakref
+
+from tfdp.accounting.carried_floor import at_least
+from tfdp.preprocessing import provenance
+
+# id(variable) -> (weak reference to it, [the _Training of every model that trained it])
+_trainers = {}
+# Bumped when a variable gains a trainer or a training ends: a model's
+# ledger recomposes what it carries only when this moved.
+_registry_version = [0]
+_trainings = weakref.WeakKeyDictionary()  # model -> its _Training
+
+
+class _Training:
+    """One DPModel's training, as the variables it trained remember it.
+
+    Its own releases (`PrivacyLedger.own_parts`) are read from the model
+    while it lives (a rollback shrinks them with the weights), else the
+    last ones seen; `carried` are the trainings its weights carried, so a
+    model that holds only what this one trained on top of them carries
+    those too.
+    """
+
+    def __init__(self, label, model=None, training_id=None):
+        self.id = training_id or uuid.uuid4().hex  # saved in ledgers: unique across processes
+        self.label = label
+        self._model = weakref.ref(model) if model is not None else lambda: None
+        self.parts, self.relation, self.additive_delta = (), "add_or_remove", 0.0
+        self.floors = {}  # the model's ledger's floors (PrivacyLedger.hold_carried)
+        self.carried = set()
+        self.seen = None  # (registry version, weak ledger) its model last composed
+
+    def refresh(self):
+        """Reads the model's own releases, if it still lives."""
+        model = self._model()
+        if model is not None:
+            ledger = model._privacy_ledger  # pylint: disable=protected-access
+            self.parts, self.relation = tuple(ledger.own_parts()), ledger.relation
+            self.additive_delta = ledger.own_additive_delta()
+            self.floors = ledger.floors
+        return self
+
+
+def _training(model):
+    if model not in _trainings:
+        _trainings[model] = _Training(f"model '{model.name}'", model)
+    return _trainings[model]
+
+
+def _forget(key):
+    _trainers.pop(key, None)
+
+
+def _trainers_of(variable):
+    entry = _trainers.get(id(variable))
+    return entry[1] if entry is not None and entry[0]() is variable else []
+
+
+def held_trainings(model):
+    """Every other training `model`'s variables carry (trainable or not),
+    and the trainings those carried in turn."""
+    own = _training(model)
+    held = list(model.weights) + model._flatten_layers(include_self=False)  # pylint: disable=protected-access
+    found, stack = set(), [t for v in held for t in _trainers_of(v)]
+    stack += list(own.carried)
+    while stack:
+        training = stack.pop()
+        if training is own or training in found:
+            continue
+        found.add(training)
+        stack.extend(training.carried)
+    return found
+
+
+def charge_held(model):
+    """Composes into `model.privacy` every training its weights carry.
+
+    Cheap when no model trained since the last call (`model.privacy` calls
+    it on every read).
+
+    Raises:
+        ValueError: if a carried training is user-level and this model's
+            record-level, or the reverse (`PrivacyLedger.carry`).
+    """
+    own = _training(model)
+    ledger = model._privacy_ledger  # pylint: disable=protected-access
+    if own.seen is not None and own.seen[0] == _registry_version[0] and own.seen[1]() is ledger:
+        return  # nothing trained since, and no ledger loaded
+    held = held_trainings(model)
+    floors = {}  # what the trainings in between trained on: a rollback does not lower it
+    for training in held:
+        for key, parts in training.refresh().floors.items():
+            floors[key] = at_least(parts, floors.get(key, ()))
+    for training in held:  # a live training and a loaded copy of it share an id
+        floors[training.id] = at_least(training.parts, floors.get(training.id, ()))
+    for training in sorted(held, key=lambda t: t.id):
+        ledger.carry(training.id, training.label, floors[training.id], training.relation,
+                     training.additive_delta)
+    own.carried |= held
+    own.seen = (_registry_version[0], weakref.ref(ledger))
+
+
+def mark_trained(model):
+    """Before `model`'s first DP step of a `fit`: charges what its weights
+    carry (refusing, before any step, what cannot be composed), then makes
+    its trainable variables carry its own training."""
+    own = _training(model)
+    own.seen = None
+    charge_held(model)
+    model._privacy_ledger.hold_carried()  # pylint: disable=protected-access
+    _register(model.trainable_variables, own)
+
+
+def note_loaded(model):
+    """After a saved ledger is loaded into `model` (`load_model`,
+    `load_weights`): its variables carry the loaded training (the loaded
+    ledger's own releases and preprocessing delta) and the trainings that
+    ledger carried, so a model that holds them, or one built on a loaded
+    layer, charges them. The loaded model itself does not carry its own."""
+    own = _training(model)
+    own.seen = None
+    ledger = model._privacy_ledger  # pylint: disable=protected-access
+    for source_id, carried in ledger.carried.items():
+        own.carried.add(_saved_training(source_id, carried))
+    # Its layers too: a lookup's vocabulary is no variable, yet it holds the loaded release.
+    _register(list(model.weights) + model._flatten_layers(include_self=False),  # pylint: disable=protected-access
+              own.refresh())
+    provenance.travel_with_layers(model, ledger.preprocessing)
+
+
+def _saved_training(source_id, carried):
+    """A training a loaded ledger carries, with its releases as saved (the
+    loaded weights are copies: what the live one does later is not in them)."""
+    training = _Training(carried.label, training_id=source_id)
+    training.parts, training.relation = tuple(carried.parts), carried.relation
+    training.additive_delta = carried.additive_delta
+    return training
+
+
+def _register(variables, training):
+    """Makes `variables` (or layers) carry `training`."""
+    for variable in variables:
+        key = id(variable)
+        if not _trainers_of(variable):
+            _trainers[key] = (weakref.ref(variable, lambda _, key=key: _forget(key)), [])
+        trainers = _trainers[key][1]
+        if training not in trainers:
+            trainers.append(training)
+    _registry_version[0] += 1
+
+
+def note_trained(model):
+    """After a `fit` (also one that failed): its releases as they ended,
+    for the models that hold its variables once it is gone."""
+    if model in _trainings:
+        _trainings[model].refresh()
+        _registry_version[0] += 1
