@@ -20,7 +20,8 @@ Sums of squares have no cancellation (their error is relative; they are
 summed in float64, where squares of float32 values neither overflow nor
 underflow); factored norms are computed from float32 Gram matrices (by
 chunks of 256 columns added in float64; float64 Gram matrices where a
-float32 one overflows or float32 matmuls may round to fewer bits), whose
+float32 one overflows or float32 matmuls may round to fewer bits:
+`tfdp.per_example.gram_precision`), whose
 bound leaves a slack of about 1e-5 relative on ordinary data; each bound is
 added, so the result is >= the true value whatever the record.
 
@@ -64,7 +65,6 @@ Example:
 """
 
 import math
-import os
 
 import tensorflow as tf
 
@@ -274,33 +274,6 @@ def _gram64(rows):
 # with its length (gamma(256) = 1.5e-5), and chunks are added in float64.
 FLOAT32_GRAM_CHUNK = 256
 
-# Settings under which a float32 matmul may round its operands to fewer
-# bits than float32 (oneDNN's bf16 / tf32 "fpmath" modes).
-_REDUCED_PRECISION_ENV = ("ONEDNN_DEFAULT_FPMATH_MODE", "TF_SET_ONEDNN_FPMATH_MODE")
-
-
-def float32_grams_round_as_float32():
-    """Whether a float32 matmul here rounds as float32 (unit roundoff 2^-24
-    per operation), which the float32 Gram bound assumes. Not where a TPU
-    is visible (bfloat16 passes), nor a GPU while TensorFloat-32 is on
-    (10-bit mantissas; `tfdp.models.float32_precision` turns it off before
-    a DP model trains on a GPU), nor where oneDNN is told to use a
-    reduced-precision math mode: there `factored_norm_bounds` keeps float64
-    Gram matrices. Read when the step is traced.
-
-    Example:
-
-    >>> isinstance(float32_grams_round_as_float32(), bool)
-    True
-    """
-    if any(os.environ.get(name, "STRICT").upper() != "STRICT" for name in _REDUCED_PRECISION_ENV):
-        return False
-    if tf.config.list_logical_devices("TPU"):
-        return False
-    return not (tf.config.list_logical_devices("GPU")
-                and tf.config.experimental.tensor_float_32_execution_enabled())
-
-
 def float32_dot_error(width):
     """(relative, absolute) Python floats for the dots `float32_gram`
     computes: each entry is within relative * |a| |b| + absolute of the
@@ -332,6 +305,12 @@ def float32_dot_error(width):
     return relative, absolute
 
 
+def float32_products(block):
+    """The batched float32 matmul block block^T [..., S, S] of `float32_gram`,
+    whose rounding `tfdp.per_example.gram_precision` checks."""
+    return tf.matmul(block, block, transpose_b=True)
+
+
 def float32_gram(rows):
     """[B, S, S] float64 Gram matrices of float32 rows [B, S, C]: float32
     products over chunks of `FLOAT32_GRAM_CHUNK` columns (one batched matmul
@@ -352,12 +331,12 @@ def float32_gram(rows):
         width = block.shape[-1]
         pieces = -(-width // chunk)
         if pieces == 1:  # no unit axis after the batch (see tfdp.per_example.onednn)
-            part = tf.cast(tf.matmul(block, block, transpose_b=True), tf.float64)
+            part = tf.cast(float32_products(block), tf.float64)
         else:
             if pieces * chunk != width:
                 block = tf.pad(block, [[0, 0], [0, 0], [0, pieces * chunk - width]])
             block = tf.transpose(tf.reshape(block, [-1, positions, pieces, chunk]), [0, 2, 1, 3])
-            part = tf.reduce_sum(tf.cast(tf.matmul(block, block, transpose_b=True), tf.float64), 1)
+            part = tf.reduce_sum(tf.cast(float32_products(block), tf.float64), 1)
         gram = part if gram is None else gram + part
     return gram
 
@@ -486,20 +465,25 @@ def factored_norm_bounds(x, g):
     The squared norm is sum_{s,t} (x_s . x_t)(g_s . g_t) (|x||g| for one
     position, `_rank_one`). Its Gram matrices are float32 products
     (`float32_gram`; `float32_gram_error` bounds what they round and flush)
-    where float32 matmuls round as float32
-    (`float32_grams_round_as_float32`) and every entry of the batch's Gram
+    where float32 matmuls round as float32 (no setting allows less and the
+    precision probe passed: `gram_precision.gram_rounds_as_float32`), the
+    canaries computed by the same matmuls came out exact
+    (`gram_precision.checked_gram`) and every entry of the batch's Gram
     matrices is finite (an overflow in any product or partial sum leaves an
     inf or a NaN in its entry); otherwise float64 products (exact) with
     gamma64(K + O + 2S + 4) mass^2 added. Either bound is added, so `sq`
     holds for any record, a cancelling one included.
     """
+    from tfdp.per_example import gram_precision  # it probes float32_gram (circular)
+
     if x.shape[1] == 1:
         sq, rows_x, rows_g = _rank_one(x, g)
-    elif float32_grams_round_as_float32():
-        x_gram, g_gram = float32_gram(x), float32_gram(g)
-        finite = tf.logical_and(tf.reduce_all(tf.math.is_finite(x_gram)),
-                                tf.reduce_all(tf.math.is_finite(g_gram)))
-        sq, rows_x, rows_g = tf.cond(finite, lambda: _float32_factored(x, g, x_gram, g_gram),
+    elif gram_precision.gram_rounds_as_float32(x.shape, g.shape):
+        x_gram, x_exact = gram_precision.checked_gram(x)
+        g_gram, g_exact = gram_precision.checked_gram(g)
+        usable = tf.reduce_all(tf.stack([x_exact, g_exact, tf.reduce_all(tf.math.is_finite(x_gram)),
+                                         tf.reduce_all(tf.math.is_finite(g_gram))]))
+        sq, rows_x, rows_g = tf.cond(usable, lambda: _float32_factored(x, g, x_gram, g_gram),
                                      lambda: _float64_factored(x, g))
     else:
         sq, rows_x, rows_g = _float64_factored(x, g)
