@@ -42,10 +42,6 @@ def _without(monkeypatch, relative=True, absolute=True, width=None):
     monkeypatch.setattr(rounding, "float32_dot_error", mutant)
 
 
-def test_this_cpu_takes_the_float32_route():
-    assert rounding.float32_grams_round_as_float32()
-
-
 @pytest.mark.parametrize("width", [256, 300])  # one chunk; two, the last padded
 def test_every_gram_entry_is_within_its_dot_error(width):
     """|A^_st - A_st| <= ga |x_s||x_t| + ea for every entry; the records'
@@ -119,35 +115,8 @@ def test_an_overflowing_gram_falls_back_to_float64():
     assert bound == max(float(reference.numpy()[0]), 0.0)
 
 
-@pytest.mark.parametrize("name", ["ONEDNN_DEFAULT_FPMATH_MODE", "TF_SET_ONEDNN_FPMATH_MODE"])
-def test_reduced_precision_matmuls_keep_float64_grams(monkeypatch, name):
-    """Where float32 matmuls may round to bfloat16 or TF32, gamma(c) with
-    u = 2^-24 does not hold: the float64 route is taken."""
-    monkeypatch.setenv(name, "BF16")
-    assert not rounding.float32_grams_round_as_float32()
-    x, g = _cancelling_record(0)
-    reference = tf.function(rounding._float64_factored)(tf.constant(x), tf.constant(g))[0]
-    assert _bound(x, g)[0] == max(float(reference.numpy()[0]), 0.0)
-
-
 def test_one_position_is_bounded_by_its_row_norms():
     """One position: |x|^2 |g|^2 from the rows' bounds, subnormal to huge."""
     x = np.array([[[3e38, 1e-45, -2e-38]]], np.float32)
     g = np.array([[[1e-30, 0.0, 4e-39]]], np.float32)
     assert _bound(x, g)[0] >= _exact(x, g)[0]
-
-
-@pytest.mark.parametrize("tf32, expected", [(True, False), (False, True)])
-def test_a_gpu_takes_float32_grams_only_without_tf32(monkeypatch, tf32, expected):
-    """A visible GPU runs float32 matmuls in TF32 while it is on: float64
-    Gram matrices then; float32 ones once TF32 is off."""
-    visible = {"GPU": ["GPU:0"], "TPU": []}
-    monkeypatch.setattr(tf.config, "list_logical_devices", lambda kind=None: visible.get(kind, []))
-    monkeypatch.setattr(tf.config.experimental, "tensor_float_32_execution_enabled", lambda: tf32)
-    assert rounding.float32_grams_round_as_float32() is expected
-
-
-def test_a_tpu_keeps_float64_grams(monkeypatch):
-    visible = {"GPU": [], "TPU": ["TPU:0"]}
-    monkeypatch.setattr(tf.config, "list_logical_devices", lambda kind=None: visible.get(kind, []))
-    assert not rounding.float32_grams_round_as_float32()
