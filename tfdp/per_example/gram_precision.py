@@ -27,14 +27,15 @@ matrices to float64 (`rounding._float64_factored`, exact products):
    small), on crafted rows whose reduced-precision readings all round the
    same way. Every entry must lie within the proved float32 error of the
    exact product (NumPy, float64), and the canaries below must be exact.
-3. Canaries in the step itself (`checked_gram`): two crafted examples are
-   put before and after the batch's rows, so that the SAME matmul op that
-   computes the batch's Gram matrices computes theirs, whatever kernel it
-   picks for that shape, fused or rewritten. Their Gram entries are exact
-   in float32 arithmetic in any order, with or without fused multiply-adds,
-   and differ under any narrower reading or accumulation; where they are
-   not exact the step takes the float64 route (`tf.cond`), as it does for
-   an overflow.
+3. Canaries in the step itself (`checked_gram`): two crafted examples go
+   through the same Gram function in the step's graph, at the step's S
+   and C, every step, so that what the graph's optimizers and the kernel
+   library do to the step's matmuls they do to the canaries' too (but
+   for the batch size: the canaries are a batch of 2). Their Gram entries
+   are exact in float32 arithmetic in any order, with or without fused
+   multiply-adds, and differ under any narrower reading or accumulation;
+   where they are not exact the step takes the float64 route (`tf.cond`),
+   as it does for an overflow.
 
 `gram_path()` names the route, like `per_example_path` and `noise_path`, and
 each probe's verdict is logged once (logger "tfdp", INFO).
@@ -137,16 +138,21 @@ def canaries(positions, width):
 
 
 def checked_gram(rows):
-    """(`rounding.float32_gram(rows)`, whether its canaries were exact): the
-    canaries (`canaries`) are computed by the same matmul ops as the rows,
-    one before and one after them in the batch. Static S and C; a scalar
-    bool tensor."""
+    """(`rounding.float32_gram(rows)`, whether its canaries came out exact).
+
+    The canaries (`canaries`) go through `rounding.float32_gram` in the
+    same graph, at the same S and C (the same chunking and matmul calls),
+    as a batch of 2: joining them to the rows themselves would copy the
+    rows, which measured as slow as the Gram matmul. They are made to
+    depend on the rows (plus 0 times one entry), so that no graph optimizer
+    can compute them ahead of the step: a non-finite first entry makes
+    them NaN, and that step takes the float64 route. Static S and C; the
+    second result is a scalar bool tensor."""
     positions, width = rows.shape[1], rows.shape[2]
     canary_rows, expected = canaries(positions, width)
-    joined = tf.concat([canary_rows[:1], rows, canary_rows[1:]], 0)
-    gram = rounding.float32_gram(joined)
-    got = tf.stack([gram[0], gram[-1]])
-    return gram[1:-1], tf.reduce_all(tf.equal(got, expected))
+    zero = 0.0 * tf.reduce_sum(rows[:1, :1, :1])
+    gram = rounding.float32_gram(canary_rows + zero)
+    return rounding.float32_gram(rows), tf.reduce_all(tf.equal(gram, expected))
 
 
 def _probe_rows(shape):
