@@ -59,7 +59,8 @@ def test_the_default_configuration_takes_float32_grams(fresh_probes):
     x, g = _crafted_record()
     assert gram_precision.reduced_precision_settings() == []
     assert gram_precision.gram_rounds_as_float32(x.shape, g.shape)
-    assert gram_precision.gram_path().startswith("float32 Gram products (the precision probe passed")
+    assert gram_precision.gram_path().startswith(
+        "float32 Gram products (the precision probe passed")
     bound = _bound(x, g)
     assert np.all(bound >= _exact(x, g))
     assert not np.array_equal(bound, _float64_route(x, g))  # the float32 route ran
@@ -119,7 +120,8 @@ def test_a_gpu_takes_float32_grams_only_without_tf32(monkeypatch, tf32, settings
 def test_a_tpu_keeps_float64_grams(monkeypatch):
     visible = {"GPU": [], "TPU": ["TPU:0"]}
     monkeypatch.setattr(tf.config, "list_logical_devices", lambda kind=None: visible.get(kind, []))
-    assert gram_precision.reduced_precision_settings() == ["a TPU is visible (bfloat16 matmul passes)"]
+    assert gram_precision.reduced_precision_settings() == [
+        "a TPU is visible (bfloat16 matmul passes)"]
 
 
 def test_the_probe_detects_a_bfloat16_matmul(monkeypatch, fresh_probes):

@@ -97,7 +97,8 @@ def reduced_precision_settings():
               if name.startswith("auto_mixed_precision") and value]
     if tf.config.list_logical_devices("TPU"):
         found.append("a TPU is visible (bfloat16 matmul passes)")
-    if tf.config.list_logical_devices("GPU") and tf.config.experimental.tensor_float_32_execution_enabled():
+    tf32 = tf.config.experimental.tensor_float_32_execution_enabled()
+    if tf.config.list_logical_devices("GPU") and tf32:
         found.append("a GPU is visible with TensorFloat-32 on")
     return found
 
