@@ -31,7 +31,12 @@ def _assert_matches_reference(grads, reference, rtol=1e-5):
         np.testing.assert_allclose(got / scale, want / scale, atol=rtol * 10, rtol=rtol)
     batch = reference[0].shape[0]
     want_norms = sum(np.sum(np.square(r.reshape(batch, -1)), 1) for r in reference)
-    np.testing.assert_allclose(grads.sq_norms().numpy(), want_norms, rtol=1e-5, atol=1e-9)
+    # The norms are upper bounds: not below the reference (up to its own
+    # float32 rounding), and above it by at most the factored norms' float32
+    # Gram bound (about gamma(256) S relative where rows are nearly parallel).
+    got_norms = grads.sq_norms().numpy()
+    assert np.all(got_norms >= want_norms * (1 - 1e-5) - 1e-9), (got_norms, want_norms)
+    np.testing.assert_allclose(got_norms, want_norms, rtol=1e-4, atol=1e-9)
     weights = np.linspace(0.5, 1.5, batch).astype(np.float32)
     sums = grads.weighted_sum(tf.constant(weights))
     for got, want in zip(sums, reference):

@@ -192,7 +192,7 @@ class LinearGrads(Part):
     steps, conv output pixels whose input patches form X, time steps of a
     recurrence); its bias gradient is the sum of G_i over positions.
 
-    Norms come from float64 Gram matrices with their rounding bound added
+    Norms come from float32 Gram matrices with their rounding bound added
     (`rounding.factored_norm_bounds`) where the factored form is kept, or
     from the materialized per-example matrices (which are then what the
     weighted sum adds).

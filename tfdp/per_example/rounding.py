@@ -18,9 +18,12 @@ product |fl(a . b) - a . b| <= gamma(n) |a| . |b|, plus, in float32, one
 smallest normal number per operation for results TensorFlow flushes to zero.
 Sums of squares have no cancellation (their error is relative; they are
 summed in float64, where squares of float32 values neither overflow nor
-underflow); factored norms are computed from float64 Gram matrices, where
-the bound leaves a slack of about 1e-12 relative on ordinary data; each
-bound is added, so the result is >= the true value whatever the record.
+underflow); factored norms are computed from float32 Gram matrices (by
+chunks of 256 columns added in float64; float64 Gram matrices where a
+float32 one overflows or float32 matmuls may round to fewer bits:
+`tfdp.per_example.gram_precision`), whose
+bound leaves a slack of about 1e-5 relative on ordinary data; each bound is
+added, so the result is >= the true value whatever the record.
 
 Flush-to-zero. On the CPU (inside `tf.function`, under XLA) float32 results
 below 2^-126 (`FLOAT32_TINY`) are flushed to zero, and subnormal inputs may
@@ -57,8 +60,8 @@ Example:
 >>> x = tf.constant([[[1.0, 0.0], [1.0, 0.0]]])      # two equal positions
 >>> g = tf.constant([[[1e8, 0.0], [-1e8, 1.0]]])     # cancelling gradients
 >>> sq, rows_x, rows_g = factored_norm_bounds(x, g)   # true squared norm: 1
->>> bool(sq.numpy()[0] >= 1.0), round(float(mass_of(rows_x, rows_g).numpy()[0]))
-(True, 200000000)
+>>> bool(sq.numpy()[0] >= 1.0), round(float(mass_of(rows_x, rows_g).numpy()[0]) / 1e8, 6)
+(True, 2.0)
 """
 
 import math
@@ -256,7 +259,8 @@ def mass_of(rows_x, rows_g):
 def _gram64(rows):
     """[B, S, S] float64 Gram matrices of float32 rows [B, S, C], summed over
     column chunks of `GRAM_CHUNK` (the products of float32 values are exact
-    in float64; only the sums round)."""
+    in float64; only the sums round). The fallback of `factored_norm_bounds`
+    where float32 Gram matrices could overflow or may not round as float32."""
     columns = rows.shape[-1]
     gram = None
     for start in range(0, columns, GRAM_CHUNK):
@@ -264,6 +268,184 @@ def _gram64(rows):
         part = tf.matmul(chunk, chunk, transpose_b=True)
         gram = part if gram is None else gram + part
     return gram
+
+
+# Columns per float32 dot in `float32_gram`: each dot's rounding bound grows
+# with its length (gamma(256) = 1.5e-5), and chunks are added in float64.
+FLOAT32_GRAM_CHUNK = 256
+
+def float32_dot_error(width):
+    """(relative, absolute) Python floats for the dots `float32_gram`
+    computes: each entry is within relative * |a| |b| + absolute of the
+    exact dot of its two rows of `width` entries as read.
+
+    A float32 dot of c entries computed in ANY order, with or without fused
+    multiply-adds, with results below 2^-126 flushed to zero or not, and
+    without overflow, is within gamma(c) |a| . |b| + 2 c FLOAT32_TINY
+    (1 + gamma(c)) of the exact one (Higham's gamma(c) for the roundings;
+    at most 2 c - 1 products and additions whose result may be flushed, an
+    absolute error below FLOAT32_TINY each, carried through at most c - 1
+    later roundings). The rows are cut into n chunks of c <=
+    `FLOAT32_GRAM_CHUNK` columns whose float32 dots are added in float64
+    (exact casts, within gamma64(n) of their absolute sum), and
+    sum_chunks |a_c| . |b_c| <= |a| |b| (Cauchy-Schwarz), so: relative =
+    gamma(c) + gamma64(n) (1 + gamma(c)), absolute = 2 width FLOAT32_TINY
+    (1 + gamma(c)) (1 + gamma64(n)).
+
+    Example:
+
+    >>> relative, absolute = float32_dot_error(4)
+    >>> relative > gamma(4), absolute > 8 * FLOAT32_TINY * (1 + gamma(4))
+    (True, True)
+    """
+    chunk = min(width, FLOAT32_GRAM_CHUNK)
+    chunks = -(-width // chunk)
+    relative = gamma(chunk) + gamma(chunks, tf.float64) * (1.0 + gamma(chunk))
+    absolute = 2.0 * width * FLOAT32_TINY * (1.0 + gamma(chunk)) * (1.0 + gamma(chunks, tf.float64))
+    return relative, absolute
+
+
+def float32_products(block):
+    """The batched float32 matmul block block^T [..., S, S] of `float32_gram`,
+    whose rounding `tfdp.per_example.gram_precision` checks."""
+    return tf.matmul(block, block, transpose_b=True)
+
+
+def float32_gram(rows):
+    """[B, S, S] float64 Gram matrices of float32 rows [B, S, C]: float32
+    products over chunks of `FLOAT32_GRAM_CHUNK` columns (one batched matmul
+    per `GRAM_CHUNK` columns; the last chunk padded with zeros, which add
+    nothing), each cast to float64 and added there (`float32_dot_error`
+    bounds what this rounds and flushes).
+
+    Example:
+
+    >>> float(float32_gram(tf.ones([1, 2, 300]))[0, 0, 1])
+    300.0
+    """
+    positions, columns = rows.shape[1], rows.shape[-1]
+    chunk = min(columns, FLOAT32_GRAM_CHUNK)
+    gram = None
+    for start in range(0, columns, GRAM_CHUNK):
+        block = rows[..., start:start + GRAM_CHUNK]
+        width = block.shape[-1]
+        pieces = -(-width // chunk)
+        if pieces == 1:  # no unit axis after the batch (see tfdp.per_example.onednn)
+            part = tf.cast(float32_products(block), tf.float64)
+        else:
+            if pieces * chunk != width:
+                block = tf.pad(block, [[0, 0], [0, 0], [0, pieces * chunk - width]])
+            block = tf.transpose(tf.reshape(block, [-1, positions, pieces, chunk]), [0, 2, 1, 3])
+            part = tf.reduce_sum(tf.cast(float32_products(block), tf.float64), 1)
+        gram = part if gram is None else gram + part
+    return gram
+
+
+def float32_gram_error(x_gram, g_gram, rows_x, rows_g, fan_in, fan_out):
+    """float64 [B] bound on |sum_{s,t} A^_st B^_st - sum_{s,t} A_st B_st|
+    where A^ = `x_gram`, B^ = `g_gram` [B, S, S] are an example's Gram
+    matrices from `float32_gram` (rows of widths `fan_in`, `fan_out`), A
+    and B the exact Gram matrices of the rows as read, and the double sum of
+    the products A^_st B^_st is taken in float64 (A^, B^ are sums of float32
+    values there; the products are not exact, so they count in the sum's
+    rounding below).
+    `rows_x`, `rows_g` [B, S] are upper bounds of the row norms r_s = |x_s|
+    and q_s = |g_s|. With |A^_st - A_st| <= a_st = ga r_s r_t + ea and
+    |B^_st - B_st| <= b_st = gb q_s q_t + eb (`float32_dot_error`) and
+    |A_st| <= |A^_st| + a_st, |B_st| <= |B^_st| + b_st:
+
+        sum |A^ B^ - A B| <= sum |A| b + a |B| + a b
+            <= sum |A^| b + a |B^| + 3 a b
+             = gb q'|A^|q + eb sum|A^| + ga r'|B^|r + ea sum|B^|
+               + 3 (ga gb m^2 + ga eb X^2 + ea gb G^2 + S^2 ea eb),
+
+    m = sum_s r_s q_s, X = sum_s r_s, G = sum_s q_s (sum_{s,t} r_s r_t q_s
+    q_t = m^2). The float64 products and their float64 sum over t then s
+    add at most gamma64(2 S + 4) sum |A^ B^|. Every quantity here is a float64 sum of at
+    most 2 S + 8 rounded positive terms, so the result is raised by
+    (1 + gamma64(2 S + 16)).
+
+    Example:
+
+    >>> gram = tf.ones([1, 1, 1])
+    >>> rows = tf.ones([1, 1], tf.float64)
+    >>> bound = float(float32_gram_error(gram, gram, rows, rows, 8, 8)[0])
+    >>> 2 * gamma(8) < bound < 2 * gamma(9)
+    True
+    """
+    positions = rows_x.shape[1]
+    relative_x, absolute_x = float32_dot_error(fan_in)
+    relative_g, absolute_g = float32_dot_error(fan_out)
+    a_abs = tf.abs(tf.cast(x_gram, tf.float64))
+    b_abs = tf.abs(tf.cast(g_gram, tf.float64))
+
+    def quadratic(matrix, rows):
+        return tf.reduce_sum(tf.linalg.matvec(matrix, rows) * rows, 1)
+
+    def total(matrix):
+        return tf.reduce_sum(tf.reduce_sum(matrix, 2), 1)
+
+    sum_x, sum_g = tf.reduce_sum(rows_x, 1), tf.reduce_sum(rows_g, 1)
+    mass = tf.reduce_sum(rows_x * rows_g, 1)
+    entries = (relative_g * quadratic(a_abs, rows_g) + absolute_g * total(a_abs)
+               + relative_x * quadratic(b_abs, rows_x) + absolute_x * total(b_abs)
+               + 3.0 * (relative_x * relative_g * tf.square(mass)
+                        + relative_x * absolute_g * tf.square(sum_x)
+                        + absolute_x * relative_g * tf.square(sum_g)
+                        + float(positions) ** 2 * absolute_x * absolute_g))
+    summation = gamma(2 * positions + 4, tf.float64) * total(a_abs * b_abs)
+    return (entries + summation) * (1.0 + gamma(2 * positions + 16, tf.float64))
+
+
+def float32_row_bounds(gram, width):
+    """[B, S] float64 upper bounds of the true norms of rows of `width`
+    entries from the diagonal of their `float32_gram` (no overflow): the
+    computed A^_ss is at least A_ss (1 - relative) - absolute
+    (`float32_dot_error`), so A_ss <= (A^_ss + absolute) / (1 - relative);
+    then `row_norm_bounds` (the float64 square root's rounding, and entries
+    the matmul read as 0 under denormals-are-zero).
+
+    Example:
+
+    >>> float(float32_row_bounds(tf.constant([[[25.0]]], tf.float64), 2)[0, 0])
+    5.0...
+    """
+    relative, absolute = float32_dot_error(width)
+    squares = (tf.linalg.diag_part(gram) + absolute) / (1.0 - relative)
+    return row_norm_bounds(squares, width)
+
+
+def _float32_factored(x, g, x_gram, g_gram):
+    """(sq, rows_x, rows_g) from finite `float32_gram` matrices: the float64
+    double sum of their products plus `float32_gram_error`."""
+    fan_in, fan_out = x.shape[2], g.shape[2]
+    rows_x, rows_g = float32_row_bounds(x_gram, fan_in), float32_row_bounds(g_gram, fan_out)
+    estimate = tf.reduce_sum(tf.reduce_sum(x_gram * g_gram, 2), 1)
+    sq = estimate + float32_gram_error(x_gram, g_gram, rows_x, rows_g, fan_in, fan_out)
+    return sq, rows_x, rows_g
+
+
+def _float64_factored(x, g):
+    """(sq, rows_x, rows_g) from float64 Gram matrices: sum_{s,t}
+    (x_s.x_t)(g_s.g_t) plus gamma64(K + O + 2S + 4) mass^2 (each Gram entry
+    within gamma64(K) |x_s||x_t| or gamma64(O) |g_s||g_t|, one rounding per
+    product, S^2 products summed over t then s)."""
+    positions, fan_in, fan_out = x.shape[1], x.shape[2], g.shape[2]
+    x_gram, g_gram = _gram64(x), _gram64(g)
+    estimate = tf.reduce_sum(tf.reduce_sum(x_gram * g_gram, 2), 1)
+    rows_x = row_norm_bounds(tf.linalg.diag_part(x_gram), fan_in)
+    rows_g = row_norm_bounds(tf.linalg.diag_part(g_gram), fan_out)
+    terms = fan_in + fan_out + 2 * positions + 4
+    sq = estimate + gamma(terms, tf.float64) * tf.square(mass_of(rows_x, rows_g))
+    return sq, rows_x, rows_g
+
+
+def _rank_one(x, g):
+    """(sq, rows_x, rows_g) for one position: ||x g^T||^2 = |x|^2 |g|^2
+    exactly, so the row bounds' product (rounded up) bounds it."""
+    rows_x, rows_g = position_rows(x, g)
+    sq = tf.square(rows_x[:, 0] * rows_g[:, 0]) * (1.0 + gamma(4, tf.float64))
+    return sq, rows_x, rows_g
 
 
 def factored_norm_bounds(x, g):
@@ -275,24 +457,36 @@ def factored_norm_bounds(x, g):
 
     Returns:
         (sq, rows_x, rows_g), float64: `sq` [B] >= ||sum_s x_s g_s^T||_F^2
-        (exact arithmetic on x and g as the float64 cast reads them), and
-        [B, S] upper bounds of the true row norms |x_s| and |g_s|
-        (`row_norm_bounds`), which bound every rounding that depends on the
-        positions' sizes (`mass_of`, `summation_rounding`, `dot_rounding`).
+        (exact arithmetic on x and g as the Gram matrices read them), and
+        [B, S] upper bounds of the true row norms |x_s| and |g_s|, which
+        bound every rounding that depends on the positions' sizes
+        (`mass_of`, `summation_rounding`, `dot_rounding`).
 
-    The squared norm is sum_{s,t} (x_s . x_t)(g_s . g_t), computed from
-    float64 Gram matrices; its rounding is at most
-    gamma(K + O + 2S + 4) * mass^2 (each Gram entry within gamma(K) |x_s||x_t|
-    or gamma(O) |g_s||g_t|, one rounding per product, S^2 products summed
-    over t then s), which is added.
+    The squared norm is sum_{s,t} (x_s . x_t)(g_s . g_t) (|x||g| for one
+    position, `_rank_one`). Its Gram matrices are float32 products
+    (`float32_gram`; `float32_gram_error` bounds what they round and flush)
+    where float32 matmuls round as float32 (no setting allows less and the
+    precision probe passed: `gram_precision.gram_rounds_as_float32`), the
+    canaries computed by the same matmuls came out exact
+    (`gram_precision.checked_gram`) and every entry of the batch's Gram
+    matrices is finite (an overflow in any product or partial sum leaves an
+    inf or a NaN in its entry); otherwise float64 products (exact) with
+    gamma64(K + O + 2S + 4) mass^2 added. Either bound is added, so `sq`
+    holds for any record, a cancelling one included.
     """
-    positions, fan_in, fan_out = x.shape[1], x.shape[2], g.shape[2]
-    x_gram, g_gram = _gram64(x), _gram64(g)
-    estimate = tf.reduce_sum(tf.reduce_sum(x_gram * g_gram, 2), 1)
-    rows_x = row_norm_bounds(tf.linalg.diag_part(x_gram), fan_in)
-    rows_g = row_norm_bounds(tf.linalg.diag_part(g_gram), fan_out)
-    terms = fan_in + fan_out + 2 * positions + 4
-    sq = estimate + gamma(terms, tf.float64) * tf.square(mass_of(rows_x, rows_g))
+    from tfdp.per_example import gram_precision  # it probes float32_gram (circular)
+
+    if x.shape[1] == 1:
+        sq, rows_x, rows_g = _rank_one(x, g)
+    elif gram_precision.gram_rounds_as_float32(x.shape, g.shape):
+        x_gram, x_exact = gram_precision.checked_gram(x)
+        g_gram, g_exact = gram_precision.checked_gram(g)
+        usable = tf.reduce_all(tf.stack([x_exact, g_exact, tf.reduce_all(tf.math.is_finite(x_gram)),
+                                         tf.reduce_all(tf.math.is_finite(g_gram))]))
+        sq, rows_x, rows_g = tf.cond(usable, lambda: _float32_factored(x, g, x_gram, g_gram),
+                                     lambda: _float64_factored(x, g))
+    else:
+        sq, rows_x, rows_g = _float64_factored(x, g)
     return tf.maximum(sq, 0.0), rows_x, rows_g
 
 
