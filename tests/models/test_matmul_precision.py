@@ -32,3 +32,18 @@ def test_a_dp_fit_refuses_grapplers_mixed_precision_rewrite(option):
     assert model.privacy.steps == 0
     model.fit(x, y, batch_size=8, epochs=1, verbose=0)  # negative control: switched off
     assert model.privacy.steps > 0
+
+
+def test_the_sensitivity_search_refuses_it_as_fit_does():
+    """The search's neighbour step traces the model's train step outside fit:
+    under the rewrite it measured a crafted record at 1.56 times the bound
+    (review of the float32 Gram norms), a breach of the rewrite, not of the step."""
+    model = small_model()
+    x, y = np.ones((16, 4), "float32"), np.zeros(16, "int32")
+    option = "auto_mixed_precision_onednn_bfloat16"
+    tf.config.optimizer.set_experimental_options({option: True})
+    try:
+        with pytest.raises(ValueError, match=f"automatic mixed precision.*{option}=True"):
+            tfdp.auditing.sensitivity_search(model, x, y, search_steps=1)
+    finally:
+        tf.config.optimizer.set_experimental_options({option: False})

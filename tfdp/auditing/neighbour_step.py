@@ -132,7 +132,9 @@ class NeighbourStep:
     def __init__(self, model, data, records, batch_size, physical_batch_size,
                  examples_per_user=None):
         from tfdp.models import chunked_step
+        from tfdp.models.matmul_precision import refuse_rewritten_matmuls
 
+        refuse_rewritten_matmuls(model)  # as fit does: it would measure bfloat16 matmuls
         self.model = model
         self.records = records
         self.batch_size = float(batch_size)
