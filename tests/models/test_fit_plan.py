@@ -65,6 +65,14 @@ def test_a_target_epsilon_sets_sigma_for_the_planned_steps_and_leaves_it_open():
     assert "noise_multiplier" not in model.optimizer.__dict__["_assigned_settings"]
 
 
+def test_an_uncompiled_model_is_refused_first_with_the_message():
+    # Keras gives an uncompiled model no `optimizer` attribute: fit raised
+    # AttributeError ("no attribute 'optimizer'") instead of saying to compile.
+    model = tfdp.DPSequential([keras.Input((3,)), keras.layers.Dense(2)])
+    with pytest.raises(ValueError, match="Compile the model with a tfdp optimizer before"):
+        model.fit(*data(40), batch_size=0)  # the batch size would be refused later
+
+
 @pytest.mark.parametrize("arguments, message", [
     # The validation split is checked before the batch size, the batch size
     # before its chunking: the first refusal in the plan's order is the one raised.

@@ -174,7 +174,9 @@ def plan_fit(model, x=None, y=None, *, batch_size=None, epochs=1, verbose="auto"
 def _refuse_unsupported_model(model):
     """Compiled with a tfdp optimizer, nothing that would see records outside
     tfdp's bounds, tfdp's own train step, and every layer still supported."""
-    if model.optimizer is None or model._per_example_loss is None:  # pylint: disable=protected-access
+    # An uncompiled Keras model has no `optimizer` attribute at all.
+    # pylint: disable-next=protected-access
+    if getattr(model, "optimizer", None) is None or model._per_example_loss is None:
         raise ValueError("Compile the model with a tfdp optimizer before calling fit().")
     refuse_op_callbacks(model)  # TensorFlow's debug dumping: before any op sees a record
     refuse_rewritten_matmuls(model)  # Grappler's float16/bfloat16 matmuls: outside the bounds
