@@ -9,11 +9,32 @@ import pytest
 import _launch
 
 
+# The single-device references are seeded, so every process computes the
+# same numbers (measured: bit for bit): they run once, in the R = 2 process,
+# and the other runs' results name them as if they had computed them.
+_WORKER_REFERENCES = {
+    "exact_dpsgd_single": "exact_dpsgd_1", "steps_single": "steps_dpsgd_1",
+    "epsilon_single": "epsilon_dpsgd_1", "bandmf_fixed_single": "bandmf_fixed_1",
+    "bandmf_amplified_single": "bandmf_amplified_1",
+}
+SHARED_REFERENCES = {
+    "mirrored_3": {key: key for key in (
+        "exact_dpsgd_1", "steps_dpsgd_1", "epsilon_dpsgd_1", "logs_dpsgd_1", "noise_1")},
+    "worker_0": _WORKER_REFERENCES,
+    "worker_1": _WORKER_REFERENCES,
+}
+
+
 @pytest.fixture(scope="session")
 def scenario_runs(tmp_path_factory):
     """Results of `scenarios.py`: mirrored_2, mirrored_3, worker_0, worker_1."""
     jobs = {**_launch.mirrored_jobs((2, 3)), **_launch.worker_jobs(2)}
-    return _launch.run_all(jobs, tmp_path_factory.mktemp("scenarios"))
+    runs = _launch.run_all(jobs, tmp_path_factory.mktemp("scenarios"))
+    for name, keys in SHARED_REFERENCES.items():
+        for key, reference in keys.items():
+            assert key not in runs[name], f"{name} computed {key} itself"
+            runs[name][key] = runs["mirrored_2"][reference]
+    return runs
 
 
 # pytest-timeout's limit for the tests that start the scenarios: a backstop

@@ -5,10 +5,12 @@ import contextlib
 import os
 import shutil
 
+import keras
 import numpy as np
 import pytest
 import tensorflow as tf
 
+import tfdp
 from tfdp.mechanisms import dpsgd, gaussian, native_noise
 from tfdp.mechanisms.native import build
 
@@ -187,6 +189,28 @@ def test_a_python_constant_divisor_gives_the_same_bits_in_tf_function(library, d
     assert_same_bits(reference, kernel)
 
 
+def test_a_stddev_computed_in_the_step_gives_the_same_bits(library):
+    """A stddev that is a product in the step (adaptive clipping's sigma * C_t,
+    DPIS's sigma_G * C_e): Grappler's constant push-down rewrote the graph
+    generator's sqrt(2) * (sigma * C_t) to C_t * (sqrt(2) * sigma), an ulp
+    apart for about one C_t in four, and the kernel's factor not."""
+    sums = [tf.constant(np.random.default_rng(0).normal(size=[8, 4]), tf.float32),
+            tf.zeros([4])]
+    seed = tf.constant([9, 9], tf.int64)
+    clip = tf.Variable(2.0)
+    sigma = 1.2810252304406972  # adaptive clipping's for z = 1, sigma_b = 0.8
+
+    def make():
+        step = tf.function(lambda: dpsgd.noisy_mean(sums, sigma * clip, 16.0, seed))
+        noised = []
+        for value in np.random.default_rng(1).uniform(1.0, 3.0, 24):
+            clip.assign(value)
+            noised.extend(step())
+        return noised
+
+    assert_same_bits(*both_paths(make))
+
+
 def test_forced_fallback_is_taken_and_named(library, monkeypatch):
     monkeypatch.setenv(build.ENV_SWITCH, "graph")
     assert native_noise.library_here([tf.float32]) is None
@@ -243,13 +267,12 @@ class _ZeroNoiseOffCheck:
         return self.library.tfdp_gaussian_noise(shape, seed, self._factor(seed, factor),
                                                 dtype=dtype)
 
-    def tfdp_gaussian_noise_add(self, total, seed, factor, divisor):
-        return self.library.tfdp_gaussian_noise_add(total, seed, self._factor(seed, factor),
-                                                    divisor)
+    def tfdp_gaussian_noise_add(self, total, seed, factor):
+        return self.library.tfdp_gaussian_noise_add(total, seed, self._factor(seed, factor))
 
-    def tfdp_gaussian_noise_add_group(self, totals, seed, factor, divisor):
+    def tfdp_gaussian_noise_add_group(self, totals, seed, factor):
         return self.library.tfdp_gaussian_noise_add_group(totals, seed,
-                                                          self._factor(seed, factor), divisor)
+                                                          self._factor(seed, factor))
 
 
 def test_the_self_check_draws_unpredictable_seeds_sizes_and_stddev():
@@ -300,6 +323,19 @@ def test_a_cache_writable_by_others_is_refused_with_the_path(library, monkeypatc
     assert native_noise.noise_path() == f"graph generator ({refused.reason})"
 
 
+def test_a_changed_source_builds_into_a_new_cache_folder(monkeypatch, tmp_path):
+    """The cache folder is keyed by the op's source bytes, so a library built
+    from an older source (other inputs: the fused ops once took a divisor) is
+    never loaded for a newer one."""
+    source = tmp_path / build.SOURCE.name
+    shutil.copyfile(build.SOURCE, source)
+    monkeypatch.setattr(build, "SOURCE", source)
+    key = build._cache_key("g++ 1.0")
+    assert build._cache_key("g++ 1.0") == key  # negative control: the same source, the same key
+    source.write_bytes(source.read_bytes() + b"\n")
+    assert build._cache_key("g++ 1.0") != key
+
+
 def test_a_cache_owned_by_another_user_is_refused(library, monkeypatch, tmp_path):
     monkeypatch.setenv("TFDP_CACHE_DIR", str(tmp_path / "cache"))
     (tmp_path / "cache").mkdir(mode=0o700)
@@ -314,3 +350,31 @@ def test_xla_takes_the_graph_generator(library):
         return gaussian.standard_normal([5], tf.constant([1, 2], tf.int64))
 
     assert draw().shape == (5,)
+
+
+# -- a real fit: the same weights on both paths -------------------------------------------
+
+
+def _adaptive_fit_weights():
+    """The weights after a seeded 3-step fit with adaptive clipping, its
+    train step traced on the current path."""
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(64, 8)).astype(np.float32)
+    y = rng.normal(size=(64, 4)).astype(np.float32)
+    keras.utils.set_random_seed(0)
+    model = tfdp.DPSequential([keras.Input((8,)), keras.layers.Dense(4)])
+    model.compile(optimizer=tfdp.optimizers.DPSGD(
+        0.1, l2_norm_clip=2.0, noise_multiplier=1.1, seed=5, target_unclipped_quantile=0.5),
+        loss="mse")
+    model.fit(x, y, batch_size=16, epochs=1, steps_per_epoch=3, verbose=0)
+    return [tf.constant(w) for w in model.get_weights()]
+
+
+def test_a_seeded_fit_with_adaptive_clipping_trains_the_same_bits_on_both_paths(library):
+    """Grappler optimizes each path's compiled train step as a whole, so a
+    rewrite can reach the graph generator's arithmetic and not the op's
+    inputs: these weights were ulps apart at step 3 (the noise factor of
+    the test above)."""
+    with graph_generator():
+        reference = _adaptive_fit_weights()
+    assert_same_bits(reference, _adaptive_fit_weights())

@@ -76,11 +76,25 @@ DP_SGD = {
 }
 
 
+def replayed_entries(first, second):
+    """How many update entries of each step are equal in both branches.
+
+    Fresh noise can still round to the same float32 update now and then:
+    with Adam an entry's update is a bounded function of its noise and
+    sits near 0.05, where float32 steps by about 4e-9, so about one run in
+    a thousand sees one equal entry among 12,288 by chance (the old test,
+    which allowed none, failed once so). A replayed step repeats all 4,096
+    of its entries; fewer than 1% of a step's entries equal is never a
+    replay and never a chance outcome (expected count 1e-3).
+    """
+    return np.isclose(first, second, rtol=0, atol=1e-9).reshape(len(first), -1).sum(axis=1)
+
+
 @pytest.mark.parametrize("name", sorted(DP_SGD))
 def test_dp_sgd_after_load_weights_draws_fresh_noise(tmp_path, name):
     first, second = branches(noise_model(DP_SGD[name](None)), fit_arrays, tmp_path)
     assert np.all(np.abs(first) > 0)
-    assert not np.any(np.isclose(first, second, rtol=0, atol=1e-9))
+    assert np.all(replayed_entries(first, second) < 0.01 * DIM * DIM)
 
 
 def test_without_the_fit_nonce_the_rollback_replays(tmp_path, monkeypatch):
@@ -90,6 +104,7 @@ def test_without_the_fit_nonce_the_rollback_replays(tmp_path, monkeypatch):
                         lambda self, model, shared=None: None)
     first, second = branches(noise_model(DP_SGD["DPSGD"](None)), fit_arrays, tmp_path)
     np.testing.assert_array_equal(first, second)
+    assert np.all(replayed_entries(first, second) == DIM * DIM)
 
 
 def test_a_seeded_run_replays_after_a_rollback_by_design(tmp_path):
@@ -130,7 +145,7 @@ def test_dp_bandmf_after_load_weights_draws_fresh_noise_on_the_released_history(
     model.load_weights(tmp_path / "earlier.weights.h5")
     second = updates(model, fit_fixed_order)  # resumes the history at step 8 (.prev)
     assert model.privacy.steps == 16
-    assert not np.any(np.isclose(first, second, rtol=0, atol=1e-9))
+    assert np.all(replayed_entries(first, second) < 0.01 * DIM * DIM)
     # The history is the one released: the z_t of the second branch, rebuilt
     # from its w_t and the common steps' w, are N(0, 1) and independent of
     # the first branch's.

@@ -197,7 +197,21 @@ class AssertsOnValues(keras.layers.Layer):
             return tf.identity(x)
 
 
+@tfdp.per_example.declare_per_example
+class AbortsOnValues(keras.layers.Layer):
+    """Ends the process when a record is large (review 7, F6): `Abort` is
+    declared stateless, so only the never list keeps it out."""
+
+    def call(self, x, training=None):
+        def end():
+            with tf.control_dependencies([tf.raw_ops.Abort(error_msg="drawn")]):
+                return tf.zeros_like(x)
+
+        return x + tf.cond(tf.reduce_max(x) > 1000.0, end, lambda: tf.zeros_like(x))
+
+
 @pytest.mark.parametrize("make, match", [
+    (AbortsOnValues, r"Layer 'keeper' \(AbortsOnValues\).*\(Abort\)"),
     (DebugDump, r"Layer 'keeper' \(DebugDump\) writes a tensor out of its DP step"
                 r".*DebugIdentityV2"),
     (RecordFile, r"Layer 'keeper' \(RecordFile\) writes a tensor out of its DP step"
@@ -306,3 +320,24 @@ def test_the_compiled_noise_ops_are_allowed_and_only_they():
     assert registered and registered == set(step_ops.NATIVE)
     assert all(step_ops.allowed(op) for op in registered)
     assert not step_ops.allowed("TfdpSomethingElse")  # the list, not a prefix
+
+
+def test_a_layer_that_writes_the_optimizers_iterations_is_refused_with_a_message():
+    """Review 7, F11: the refusal read `variable.path`, which the optimizer's
+    `iterations` lacks, and stopped with an AttributeError instead."""
+    optimizers = []
+
+    @tfdp.per_example.declare_per_example
+    class CountsLargeRecords(keras.layers.Layer):
+        def call(self, x, training=None):
+            if training and optimizers:
+                iterations = optimizers[0].iterations
+                iterations.assign_add(tf.cast(tf.reduce_max(x) > 1000.0, iterations.dtype))
+            return x
+
+    model = dp_model(CountsLargeRecords(name="keeper"))
+    optimizers.append(model.optimizer)
+    x, y = crafted_records()
+    with pytest.raises(ValueError, match=r"writes .*iteration"):
+        model.fit(x, y, batch_size=8, epochs=1, verbose=0)
+    assert model.privacy.steps == 0

@@ -133,12 +133,26 @@ def _counts(sorted_out, sorted_in, thresholds, direction):
     return fp, fn
 
 
+def _sorted_quantiles(values, count):
+    """`np.quantile(values, np.linspace(0, 1, count))` for sorted `values`:
+    the same numbers (numpy's default linear method, its rounding too), read
+    from the sorted array instead of partitioning it again for every one of
+    the `count` quantiles (seconds at an audit's 50,000 candidates)."""
+    positions = (values.size - 1) * np.linspace(0.0, 1.0, count)
+    below = np.floor(positions).astype(np.int64)
+    above = np.minimum(below + 1, values.size - 1)
+    fraction = positions - below
+    low, high = values[below], values[above]
+    step = high - low
+    return np.where(fraction >= 0.5, high - step * (1.0 - fraction), low + step * fraction)
+
+
 def _select_threshold(out, inn, delta, confidence):
     """Threshold and direction maximizing the bound on the selection trials."""
     out, inn = np.sort(out), np.sort(inn)
     pooled = np.unique(np.concatenate([out, inn]))
     if pooled.size > _MAX_CANDIDATES:
-        pooled = np.quantile(pooled, np.linspace(0.0, 1.0, _MAX_CANDIDATES))
+        pooled = _sorted_quantiles(pooled, _MAX_CANDIDATES)
     middles = (pooled[:-1] + pooled[1:]) / 2.0
     thresholds = np.concatenate([[pooled[0] - 1.0], middles, [pooled[-1] + 1.0]])
     best = (-1.0, 0.0, "greater")

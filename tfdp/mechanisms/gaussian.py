@@ -204,8 +204,17 @@ def _plan(shapes, dtypes):
 
 
 def _radius_factor(stddev, work):
-    """sqrt(2) stddev in the draw's working precision (radius = sqrt(E) * this)."""
-    return math.sqrt(2.0) * tf.cast(stddev, work)
+    """sqrt(2) stddev in the draw's working precision (radius = sqrt(E) * this).
+
+    One MulNoNan op, the plain product here (its second operand, sqrt(2), is
+    never 0): Grappler reassociates chains of Mul ops, never a MulNoNan. A
+    Mul would join the caller's product: adaptive clipping's stddev
+    sigma * C_t became sqrt(2) * (sigma * C_t), which Grappler's constant
+    push-down rewrote to C_t * (sqrt(2) * sigma) on the graph generator's
+    path only (there sigma * C_t has one consumer; the kernel's path also
+    hands it to the deep-tail fallback), an ulp apart for some C_t.
+    """
+    return tf.math.multiply_no_nan(tf.cast(stddev, work), tf.constant(math.sqrt(2.0), work))
 
 
 def _graph_draws(plan, seeds, stddev):

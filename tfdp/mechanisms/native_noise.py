@@ -150,18 +150,17 @@ def draw(library, shape, seed, dtype, factor):
 
 
 def add(library, tensor, seed, factor):
-    """(`tensor` + its noise, deep flag) from the fused op."""
-    divisor = tf.ones([], tensor.dtype)  # unused: the division stays a TensorFlow op
+    """(`tensor` + its noise, deep flag) from the fused op (a division after
+    it stays a TensorFlow op: `gaussian.add_normals`)."""
     return library.tfdp_gaussian_noise_add(tensor, tf.cast(seed, tf.int64),
-                                           tf.cast(factor, tf.float64), divisor)
+                                           tf.cast(factor, tf.float64))
 
 
 def add_group(library, tensors, seed, factor):
     """([each tensor + its piece of one draw of their total size], deep flag)
     from the grouped op."""
-    divisor = tf.ones([], tensors[0].dtype)  # unused, as in `add`
     noised, deep = library.tfdp_gaussian_noise_add_group(
-        tensors, tf.cast(seed, tf.int64), tf.cast(factor, tf.float64), divisor)
+        tensors, tf.cast(seed, tf.int64), tf.cast(factor, tf.float64))
     return list(noised), deep
 
 

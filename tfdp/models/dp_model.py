@@ -38,6 +38,7 @@ from tfdp.models.jit import resolve_jit_compile
 from tfdp.models.losses import check_one_output, per_example_loss
 from tfdp.models.restore import LedgerGuard, naming_the_file
 from tfdp.models.sequence_loss import token_weighted_loss
+from tfdp.models.step_errors import without_record_values
 from tfdp.models.task_inputs import check_graph_arguments, check_no_text, text_as_tensors
 from tfdp.models.tied_layers import retie, tied_layers
 from tfdp.models.training_state import (
@@ -367,6 +368,19 @@ class DPTrainingMixin:
             loss = tf.where(count > 0, tf.math.divide_no_nan(total, count), float("nan"))
             logs.update(loss=loss, nonfinite_examples=nonfinite)
         return distribute.logs_for_keras(logs)
+
+    def make_train_function(self, force=False):
+        """Keras's train function, its op errors withheld (`step_errors`)."""
+        super().make_train_function(force)
+        self.train_function = without_record_values(self.train_function)
+        return self.train_function
+
+    def make_test_function(self, force=False):
+        """Keras's test function (validation data may be private), its op
+        errors withheld (`step_errors`)."""
+        super().make_test_function(force)
+        self.test_function = without_record_values(self.test_function)
+        return self.test_function
 
     def train_on_batch(self, x=None, y=None, sample_weight=None, class_weight=None,
                        return_dict=False):

@@ -809,7 +809,7 @@ def _unknown_message(model, op, path=""):
 
 def _message(model, op, variable, path="", scope=_PASS):
     if scope == _METRICS:
-        target = f"variable '{variable.path}'" if variable is not None else "a resource"
+        target = f"variable '{_path(variable)}'" if variable is not None else "a resource"
         holder = _holder(model, path)
         if holder.startswith("A compiled metric"):  # the metric holding the variable
             metric = _metric_holding(model, variable)
@@ -842,8 +842,14 @@ def _message(model, op, variable, path="", scope=_PASS):
                 "that the data does not decide)")
     return (
         f"{holder} writes its variable '{variable.name}'{seed} {why} Received: a write "
-        f"({op.type}) to variable '{variable.path}'"
+        f"({op.type}) to variable '{_path(variable)}'"
     )
+
+
+def _path(variable):
+    """A Keras variable's path; a tf.Variable's name (the optimizer's
+    `iterations` under some Keras versions has no path)."""
+    return getattr(variable, "path", None) or variable.name
 
 
 def _is_seed(model, variable):

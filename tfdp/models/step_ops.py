@@ -19,7 +19,7 @@ this module does not allow. What is allowed:
 Everything else is refused: an op that writes out of the step (a file, a
 summary, a checkpoint, a print, `DebugIdentityV2` and the other debug-dump
 ops, `DatasetToTFRecord`), runs Python (`EagerPyFunc`, `PyFunc`,
-`PyFuncStateless`), aborts on values (`Assert`, `CheckNumerics`), reads a
+`PyFuncStateless`), aborts on values (`Assert`, `CheckNumerics`, `Abort`), reads a
 dataset or a queue, or a stateful op tfdp does not know (a custom op, a
 stateful random generator), so that an op this list misses is refused, not
 released. The list was built from the ops the test suite's models run
@@ -30,8 +30,8 @@ Example:
 
 >>> allowed("MatMul"), allowed("AssignVariableOp"), allowed("DebugIdentityV2")
 (True, True, False)
->>> allowed("PyFuncStateless"), allowed("Assert")
-(False, False)
+>>> allowed("PyFuncStateless"), allowed("Assert"), allowed("Abort")
+(False, False, False)
 """
 
 import tensorflow as tf
@@ -56,8 +56,9 @@ _PURE_LIBRARIES = frozenset({
 # queues too).
 _COMPUTATIONS_ELSEWHERE = frozenset({"DynamicStitch", "ParallelDynamicStitch", "DynamicPartition"})
 # Stateless by declaration but not a computation: identities tfdbg (v1)
-# watches and dumps.
-_NEVER = frozenset({"DebugGradientIdentity", "DebugGradientRefIdentity"})
+# watches and dumps, and `Abort`, which ends the process (a bit of the batch
+# per step under a condition on it, as an assert would be).
+_NEVER = frozenset({"DebugGradientIdentity", "DebugGradientRefIdentity", "Abort"})
 
 # Stateful ops whose effect stays in the step, or is a resource write that
 # state_writes checks by its target.

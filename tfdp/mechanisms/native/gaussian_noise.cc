@@ -309,14 +309,10 @@ TFDP_INLINE void Radius64Loop(const uint32_t* w0, int64_t n, double factor, doub
   *zero_seen |= zero;
 }
 
-// Float32 results out: `values`, or `sum` + `values`, divided by `divisor`
-// where `divide` (`sum` may be `out`).
-TFDP_INLINE void Store32Loop(const float* values, int64_t n, const float* sum, bool divide,
-                             float divisor, float* out) {
+// Float32 results out: `values`, or `sum` + `values` (`sum` may be `out`).
+TFDP_INLINE void Store32Loop(const float* values, int64_t n, const float* sum, float* out) {
   if (sum == nullptr) {
     std::memcpy(out, values, sizeof(float) * n);
-  } else if (divide) {
-    for (int64_t i = 0; i < n; ++i) out[i] = (sum[i] + values[i]) / divisor;
   } else {
     for (int64_t i = 0; i < n; ++i) out[i] = sum[i] + values[i];
   }
@@ -330,7 +326,7 @@ struct Isa {
   void (*radius_angle32)(const uint32_t*, const uint32_t*, int64_t, float, float*, float*,
                          uint32_t*);
   void (*radius64)(const uint32_t*, int64_t, double, double*, uint32_t*);
-  void (*store32)(const float*, int64_t, const float*, bool, float, float*);
+  void (*store32)(const float*, int64_t, const float*, float*);
 };
 
 #define TFDP_LOOPS(SUFFIX, ATTRIBUTE)                                                         \
@@ -343,8 +339,8 @@ struct Isa {
     Radius64Loop(w0, n, factor, radius, zero);                                               \
   }                                                                                          \
   ATTRIBUTE void Store32##SUFFIX(const float* values, int64_t n, const float* sum,           \
-                                 bool divide, float divisor, float* out) {                   \
-    Store32Loop(values, n, sum, divide, divisor, out);                                       \
+                                 float* out) {                                               \
+    Store32Loop(values, n, sum, out);                                                        \
   }
 
 void PhiloxWordsPortable(const PhiloxKey& key, uint64_t first, int groups, uint32_t* out) {
@@ -392,16 +388,12 @@ struct Draw {
   int64_t log_scalar_from;   // pairs from here take the C library's log (Eigen's tail)
   int64_t trig_scalar_from;  // ... and its sin and cos (float32 work only)
   double factor;
-  bool divide;     // the fused op: (sum + noise) / divisor
-  double divisor;  // a value of the output's dtype
 };
 
-// sum + value, or (sum + value) / divisor, each rounded to T as TensorFlow's
-// element-wise ops round it.
+// sum + value, rounded to T as TensorFlow's element-wise add rounds it.
 template <typename T>
-TFDP_INLINE T Noised(const Draw& d, T sum, T value) {
-  const T total = T(sum + value);
-  return d.divide ? T(total / T(d.divisor)) : total;
+TFDP_INLINE T Noised(T sum, T value) {
+  return T(sum + value);
 }
 
 // The words of pairs [p, p + n) (n <= kChunk, p % 4 == 0): w0 and w1.
@@ -445,19 +437,17 @@ void RunPairs32(const Draw& d, int64_t begin, int64_t end, const T* sum, T* out,
     }
     const int64_t sin_end = std::min(n, d.count - d.half - p);  // the last sin may be cut
     if constexpr (std::is_same<T, float>::value) {
-      const float divisor = float(d.divisor);
-      d.isa->store32(rc, n, kAdd ? sum + p : nullptr, d.divide, divisor, out + p);
-      d.isa->store32(rs, sin_end, kAdd ? sum + d.half + p : nullptr, d.divide, divisor,
-                     out + d.half + p);
+      d.isa->store32(rc, n, kAdd ? sum + p : nullptr, out + p);
+      d.isa->store32(rs, sin_end, kAdd ? sum + d.half + p : nullptr, out + d.half + p);
     } else {
       for (int64_t k = 0; k < n; ++k) {
         const T v = static_cast<T>(rc[k]);
-        out[p + k] = kAdd ? Noised(d, sum[p + k], v) : v;
+        out[p + k] = kAdd ? Noised(sum[p + k], v) : v;
       }
       for (int64_t k = 0; k < sin_end; ++k) {
         const T v = static_cast<T>(rs[k]);
         const int64_t j = d.half + p + k;
-        out[j] = kAdd ? Noised(d, sum[j], v) : v;
+        out[j] = kAdd ? Noised(sum[j], v) : v;
       }
     }
   }
@@ -482,10 +472,10 @@ void RunPairs64(const Draw& d, int64_t begin, int64_t end, const double* sum, do
       const int64_t i = p + k;
       const double angle = (double(w1[k]) + 0.5) * kAnglePerWord;
       const double c = radius[k] * std::cos(angle);
-      out[i] = kAdd ? Noised(d, sum[i], c) : c;
+      out[i] = kAdd ? Noised(sum[i], c) : c;
       if (k < sin_end) {
         const double s = radius[k] * std::sin(angle);
-        out[d.half + i] = kAdd ? Noised(d, sum[d.half + i], s) : s;
+        out[d.half + i] = kAdd ? Noised(sum[d.half + i], s) : s;
       }
     }
   }
@@ -522,21 +512,18 @@ REGISTER_OP("TfdpGaussianNoiseAdd")
     .Input("sum: dtype")
     .Input("seed: int64")
     .Input("factor: float64")
-    .Input("divisor: dtype")
     .Output("noised: dtype")
     .Output("deep: bool")
     .Attr("dtype: {half, bfloat16, float, double}")
-    .Attr("divide: bool = false")
     .Attr("isa: {'auto', 'avx512f', 'avx2', 'portable'} = 'auto'")
     .SetShapeFn([](InferenceContext* c) {
       c->set_output(0, c->input(0));
       c->set_output(1, c->Scalar());
       return absl::OkStatus();
     })
-    .Doc("`sum` plus TfdpGaussianNoise of its shape, divided by `divisor` if "
-         "`divide`, in one pass.");
+    .Doc("`sum` plus TfdpGaussianNoise of its shape, in one pass.");
 
-// The draw `d` into `data` (plus `sum`, divided, for kAdd), sharded over the
+// The draw `d` into `data` (plus `sum` for kAdd), sharded over the
 // CPU threads in whole chunks (each starts at a multiple of 4 pairs).
 // Returns whether some radius word was 0.
 template <typename T, bool kAdd>
@@ -581,19 +568,6 @@ Status MakeDraw(const tfdp_noise::Isa* isa, const Tensor& seed, const Tensor& fa
   d->log_scalar_from = d->half - d->half % 4;
   d->trig_scalar_from = d->half - d->half % 8;
   d->factor = factor.scalar<double>()();
-  d->divide = false;
-  d->divisor = 1.0;
-  return absl::OkStatus();
-}
-
-template <typename T>
-Status ReadDivisor(const Tensor& divisor, bool divide, tfdp_noise::Draw* d) {
-  if (divisor.dims() != 0) {
-    return errors::InvalidArgument("divisor must be a scalar, got shape ",
-                                   divisor.shape().DebugString());
-  }
-  d->divide = divide;
-  d->divisor = static_cast<double>(divisor.scalar<T>()());
   return absl::OkStatus();
 }
 
@@ -612,28 +586,25 @@ REGISTER_OP("TfdpGaussianNoiseAddGroup")
     .Input("sums: N * dtype")
     .Input("seed: int64")
     .Input("factor: float64")
-    .Input("divisor: dtype")
     .Output("noised: N * dtype")
     .Output("deep: bool")
     .Attr("N: int >= 1")
     .Attr("dtype: {half, bfloat16, float, double}")
-    .Attr("divide: bool = false")
     .Attr("isa: {'auto', 'avx512f', 'avx2', 'portable'} = 'auto'")
     .SetShapeFn([](InferenceContext* c) {
-      const int n = c->num_inputs() - 3;
+      const int n = c->num_inputs() - 2;
       for (int k = 0; k < n; ++k) c->set_output(k, c->input(k));
       c->set_output(n, c->Scalar());
       return absl::OkStatus();
     })
     .Doc("Each of `sums` plus its piece of one TfdpGaussianNoise draw of their total "
-         "size (cut in order), divided by `divisor` if `divide`.");
+         "size (cut in order).");
 
 template <typename T, bool kAdd>
 class GaussianNoiseOp : public OpKernel {
  public:
   explicit GaussianNoiseOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
     OP_REQUIRES_OK(ctx, IsaAttr(ctx, &isa_));
-    if (kAdd) OP_REQUIRES_OK(ctx, ctx->GetAttr("divide", &divide_));
   }
 
   void Compute(OpKernelContext* ctx) override {
@@ -646,7 +617,6 @@ class GaussianNoiseOp : public OpKernel {
     }
     tfdp_noise::Draw d;
     OP_REQUIRES_OK(ctx, MakeDraw(isa_, ctx->input(1), ctx->input(2), shape.num_elements(), &d));
-    if (kAdd) OP_REQUIRES_OK(ctx, ReadDivisor<T>(ctx->input(3), divide_, &d));
     Tensor* out = nullptr;
     if (kAdd) {  // in place where TensorFlow lets the sum go: one buffer, one pass
       OP_REQUIRES_OK(ctx, ctx->forward_input_or_allocate_output({0}, 0, shape, &out));
@@ -661,7 +631,6 @@ class GaussianNoiseOp : public OpKernel {
 
  private:
   const tfdp_noise::Isa* isa_ = nullptr;
-  bool divide_ = false;
 };
 
 // Small tensors sharing one draw (the graph's grouping): the draw of their
@@ -671,7 +640,6 @@ class GaussianNoiseAddGroupOp : public OpKernel {
  public:
   explicit GaussianNoiseAddGroupOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
     OP_REQUIRES_OK(ctx, IsaAttr(ctx, &isa_));
-    OP_REQUIRES_OK(ctx, ctx->GetAttr("divide", &divide_));
   }
 
   void Compute(OpKernelContext* ctx) override {
@@ -682,7 +650,6 @@ class GaussianNoiseAddGroupOp : public OpKernel {
     tfdp_noise::Draw d;
     OP_REQUIRES_OK(ctx, MakeDraw(isa_, ctx->input(sums.size()), ctx->input(sums.size() + 1),
                                  total, &d));
-    OP_REQUIRES_OK(ctx, ReadDivisor<T>(ctx->input(sums.size() + 2), divide_, &d));
     Tensor noise;
     OP_REQUIRES_OK(ctx, ctx->allocate_temp(DataTypeToEnum<T>::value, TensorShape({total}),
                                            &noise));
@@ -697,7 +664,7 @@ class GaussianNoiseAddGroupOp : public OpKernel {
       const T* sum = sums[k].flat<T>().data();
       T* data = out->flat<T>().data();
       for (int64_t i = 0; i < sums[k].NumElements(); ++i) {
-        data[i] = tfdp_noise::Noised(d, sum[i], drawn[offset + i]);
+        data[i] = tfdp_noise::Noised(sum[i], drawn[offset + i]);
       }
       offset += sums[k].NumElements();
     }
@@ -705,7 +672,6 @@ class GaussianNoiseAddGroupOp : public OpKernel {
 
  private:
   const tfdp_noise::Isa* isa_ = nullptr;
-  bool divide_ = false;
 };
 
 #define TFDP_REGISTER(T)                                                                  \

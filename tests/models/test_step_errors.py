@@ -1,0 +1,85 @@
+"""An op that fails on a private record's value does not quote it (review 7, F5).
+
+`tf.strings.to_number` on a crafted record's field raises an
+InvalidArgumentError whose message holds the field; a DP model's train
+function re-raises it naming the node only, not chained to the original.
+"""
+
+import traceback
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tfdp
+from tfdp.models import step_errors
+
+CANARY = "SECRET-ID-4711"
+
+
+class ToNumber(keras.layers.Layer):
+    def call(self, words):
+        return tf.strings.to_number(words, tf.float32)
+
+    def compute_output_shape(self, shape):
+        return shape
+
+
+def parsing_model():
+    keras.utils.set_random_seed(0)
+    words = keras.Input((1,), dtype="string")
+    lookup = keras.layers.StringLookup(vocabulary=["1.5"], output_mode="one_hot", name="lookup")
+    tfdp.preprocessing.declare_public(lookup, source="a constant vocabulary")
+    features = keras.layers.concatenate([lookup(words), ToNumber(name="to_number")(words)])
+    model = tfdp.DPModel(words, keras.layers.Dense(3)(features))
+    model.compile(optimizer=tfdp.optimizers.DPSGD(0.1, noise_multiplier=1.0, l2_norm_clip=1.0,
+                                                  seed=1),
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    return model
+
+
+RECORDS = np.array([["1.5"]] * 15 + [[CANARY]])
+LABELS = np.zeros(16, "int64")
+
+
+def test_a_failing_step_names_the_node_and_not_the_record(capfd):
+    model = parsing_model()
+    with pytest.raises(tf.errors.InvalidArgumentError) as raised:
+        model.fit(RECORDS, LABELS, batch_size=16, epochs=1, verbose=0)
+    error = raised.value
+    shown = "".join(traceback.format_exception(error)) + repr(error.args)
+    assert CANARY not in shown and CANARY not in str(error.message)
+    assert error.__cause__ is None and error.__context__ is None
+    assert "to_number" in str(error) and "TFDP_SHOW_STEP_ERRORS" in str(error)
+    out, err = capfd.readouterr()
+    assert CANARY not in out + err
+
+
+def test_the_end_of_the_data_passes_unchanged():
+    def ends():
+        raise tf.errors.OutOfRangeError(None, None, "End of sequence")
+
+    with pytest.raises(tf.errors.OutOfRangeError, match="End of sequence"):
+        step_errors.without_record_values(ends)()
+
+
+def test_with_the_escape_hatch_the_message_quotes_the_record(monkeypatch):
+    """Negative control: TensorFlow's own message, which the default
+    withholds, holds the canary (the variable is read when fit makes the
+    train function)."""
+    monkeypatch.setenv(step_errors.SHOW_ENV, "1")
+    with pytest.raises(tf.errors.InvalidArgumentError, match=CANARY):
+        parsing_model().fit(RECORDS, LABELS, batch_size=16, epochs=1, verbose=0)
+
+
+def test_the_input_pipelines_own_errors_pass_unchanged():
+    """tfdp's data sources name a bad record by position; their error, raised
+    at IteratorGetNext, keeps its message."""
+    def reads():
+        raise tf.errors.InvalidArgumentError(
+            None, None, "Record 23 has a label outside [0, 2]\n\t [[{{node PyFuncStateless}}]]"
+                        "\n\t [[IteratorGetNext]] [Op:__inference_multi_step_on_iterator_1]")
+
+    with pytest.raises(tf.errors.InvalidArgumentError, match="Record 23"):
+        step_errors.without_record_values(reads)()

@@ -1,0 +1,102 @@
+"""Errors of the private train step keep the records' values out of their text.
+
+An op that fails on a value (`tf.strings.to_number` on a word, a gather
+with an id out of range, `DecodeCSV` on a malformed line) raises an
+`InvalidArgumentError` whose message quotes that value: a private record's
+raw field in a traceback, a log or a notebook's output, which no epsilon
+covers (a review of this round found a record's id so). A DP model's train
+and test functions therefore re-raise TensorFlow's op errors as the same
+error class naming the failing node (the layer and op, which the model
+fixes, not the data) and withhold TensorFlow's message. The original error
+is not chained (`__cause__` and `__context__` are empty), so no handler or
+logger prints it. `tf.errors.OutOfRangeError`, the end of the data Keras
+waits for, passes unchanged, and so does an error of the input pipeline
+(raised at `IteratorGetNext`, before the step): tfdp's data sources word
+theirs by record position, never value ("Record 23 has a label outside
+[0, 2]"), and a `tf.data` pipeline of your own is your code, outside the
+step.
+
+To read the full message while debugging on data that is not private, set
+the environment variable `TFDP_SHOW_STEP_ERRORS=1`: the message then
+prints record values. TensorFlow's C++ log also prints a failing op's
+message as a warning unless `TF_CPP_MIN_LOG_LEVEL=2` (or higher) is set
+before TensorFlow is imported (docs/guides/faq.md, quieting TensorFlow).
+
+Example:
+
+>>> import tensorflow as tf
+>>> def step(words):
+...     return tf.strings.to_number(words)
+>>> private = without_record_values(step)
+>>> try:
+...     private(tf.constant(["1.5", "patient-4711"]))
+... except tf.errors.InvalidArgumentError as error:
+...     print("patient-4711" in str(error), error.__context__ is None)
+False True
+"""
+
+import functools
+import os
+import re
+
+import tensorflow as tf
+
+SHOW_ENV = "TFDP_SHOW_STEP_ERRORS"
+_NODE = re.compile(r"\{\{node ([^}]+)\}\}")
+_INPUT_PIPELINE = re.compile(r"\[\[(\{\{node )?IteratorGetNext")
+
+
+def withheld_message(error):
+    """The text that replaces `error`'s message: the node that failed and
+    why the rest is withheld."""
+    nodes = list(dict.fromkeys(_NODE.findall(error.message or "")))
+    where = f"in node {nodes[-1]!r}" if nodes else "in an op of the step"
+    return (
+        f"The private train step failed {where} ({type(error).__name__}). TensorFlow's "
+        "message is withheld because it can quote values of the batch's private records. "
+        "Check the inputs this layer reads (their dtype, range and format) on data that is "
+        f"not private, or set {SHOW_ENV}=1 to see the full message (it prints record values)."
+    )
+
+
+def _same_class(error, message):
+    """An error of `error`'s class with `message` (UnknownError for a bare
+    OpError, whose constructor also needs a code)."""
+    try:
+        return type(error)(None, None, message)
+    except TypeError:
+        return tf.errors.UnknownError(None, None, message)
+
+
+def without_record_values(function):
+    """`function` whose TensorFlow op errors no longer quote record values.
+
+    Args:
+        function: a callable, e.g. Keras's `train_function`; None passes.
+
+    Returns:
+        A callable raising, for a `tf.errors.OpError` of the step (not
+        `OutOfRangeError`, not the input pipeline's), the same error class
+        with `withheld_message`,
+        not chained to the original. `function` itself when it is None,
+        already wrapped, or when `TFDP_SHOW_STEP_ERRORS=1`.
+    """
+    if function is None or getattr(function, "_tfdp_without_record_values", False):
+        return function
+    if os.environ.get(SHOW_ENV) == "1":
+        return function
+
+    @functools.wraps(function)
+    def run(*args, **kwargs):
+        try:
+            return function(*args, **kwargs)
+        except tf.errors.OutOfRangeError:
+            raise
+        except tf.errors.OpError as error:
+            if _INPUT_PIPELINE.search(error.message or ""):
+                raise
+            replacement = _same_class(error, withheld_message(error))
+        raise replacement  # outside the handler: nothing chains the original
+
+    run._tfdp_without_record_values = True
+    return run
