@@ -21,12 +21,10 @@ import tensorflow as tf
 from keras.src.models import cloning
 from keras.src.models.functional import Functional
 from keras.src.saving import object_registration
-from keras.src.utils import io_utils
 from keras.src.utils.tracking import no_automatic_dependency_tracking
 
 from tfdp import distribute, preprocessing
 from tfdp.accounting import PrivacyLedger
-from tfdp.accounting.calibration import steps_per_epoch as default_steps_per_epoch
 from tfdp.data import interrupts, sources
 from tfdp.data.fixed_order import FixedOrderData
 from tfdp.models import (
@@ -34,15 +32,11 @@ from tfdp.models import (
     weight_ledgers,
 )
 from tfdp.models.atomic_save import atomic_write, is_local_path
-from tfdp.models.augmentation import check_augmentation
 from tfdp.models.augmentation import step_key as augmentation_key
-from tfdp.models.chosen_checkpoint import keep_chosen_checkpoints_charged, note_save
-from tfdp.models.debug_dumping import refuse_op_callbacks
-from tfdp.models.executions import whole_executions
+from tfdp.models.chosen_checkpoint import note_save
 from tfdp.models.functional_class import make_functional, wants_functional
 from tfdp.models.jit import resolve_jit_compile
-from tfdp.models.matmul_precision import refuse_rewritten_matmuls
-from tfdp.models.restore import LedgerGuard, naming_the_file, restore_backups
+from tfdp.models.restore import LedgerGuard, naming_the_file
 from tfdp.models.step_errors import without_record_values
 from tfdp.models.task_inputs import check_graph_arguments, check_no_text, text_as_tensors
 from tfdp.models.tied_layers import retie, tied_layers
@@ -475,111 +469,27 @@ class DPTrainingMixin:
         With user_ids the unit is the user with every copy of each of their
         records, and `physical_batch_size` counts units, not copies.
         """
-        if self.optimizer is None or self._per_example_loss is None:
-            raise ValueError("Compile the model with a tfdp optimizer before calling fit().")
-        refuse_op_callbacks(self)  # TensorFlow's debug dumping: before any op sees a record
-        refuse_rewritten_matmuls(self)  # Grappler's float16/bfloat16 matmuls: outside the bounds
-        _check_train_step(self)
-        check_per_example_support(self)  # a layer changed since compile
-        if isinstance(x, tf.data.Dataset) and getattr(self.optimizer, "trains_on_datasets", False):
-            x = self.optimizer.fixed_order_data(  # a pipeline in a fixed order (DP-BandMF)
-                x, y, batch_size, sample_weight, class_weight, validation_split,
-                steps_per_epoch, epochs, initial_epoch)
-            y = sample_weight = class_weight = steps_per_epoch = None
-            validation_split, batch_size = 0.0, x.batch_size
-        elif hasattr(self.optimizer, "plan_epochs"):  # DP-BandMF's amplified mode
-            self.optimizer.plan_epochs(epochs, initial_epoch)
-        x, y, sample_weight = self._check_training_arrays(x, y, sample_weight, class_weight)
-        input_checks.check_validation_data(validation_data)
-        if validation_split and isinstance(x, sources.RecordSource):
-            raise ValueError(
-                "validation_split cannot split a RecordSource; pass validation_data. "
-                f"Received: validation_split={validation_split}"
-            )
-        split_at = None  # where validation_split cut x: the validation records' first index
-        if validation_split and validation_data is None:
-            x, y, sample_weight, validation_data = _split_validation(
-                x, y, sample_weight, validation_split
-            )
-            split_at = _first_dim(x)
-        num_examples = _first_dim(x)
-        users = user_level.check_user_level(
-            self, user_ids, examples_per_user, num_examples, validation_split)
-        if users is not None:
-            num_examples = users.num_users  # what is sampled and counted: people
-        per_user = None if users is None else int(examples_per_user)
-        if per_user != self._examples_per_user:
-            self._examples_per_user = per_user
-            self.train_function = None  # retrace the step with the new grouping
-        batch_size = 32 if batch_size is None else batch_size
-        if isinstance(batch_size, bool) or not isinstance(batch_size, (int, np.integer)) or batch_size < 1:
-            raise ValueError(f"Expected `batch_size` to be an int >= 1. Received: batch_size={batch_size!r}")
-        if batch_size > num_examples:
-            raise ValueError(
-                f"Expected `batch_size` <= the number of training "
-                f"{'examples' if users is None else 'users (distinct user_ids)'} "
-                f"({num_examples}). Received: batch_size={batch_size}"
-            )
-        physical_batch_size = chunked_step.check_physical_batch_size(
-            self.optimizer, physical_batch_size, num_examples, batch_size
+        # Every check in order, and what each decides (units, batch, chunking,
+        # augmentation, validation, noise): a plan, which then runs.
+        from tfdp.models.fit_plan import plan_fit  # (fit_plan imports this module)
+
+        plan = plan_fit(
+            self, x, y, batch_size=batch_size, epochs=epochs, verbose=verbose,
+            callbacks=callbacks, validation_split=validation_split,
+            validation_data=validation_data, class_weight=class_weight,
+            sample_weight=sample_weight, initial_epoch=initial_epoch,
+            steps_per_epoch=steps_per_epoch, physical_batch_size=physical_batch_size,
+            user_ids=user_ids, examples_per_user=examples_per_user, augment=augment,
+            augmentations=augmentations,
         )
-        if physical_batch_size != self._physical_batch_size:
-            self._physical_batch_size = physical_batch_size
-            self.train_function = None  # retrace the step with the new chunking
-        arrays = (x, y) if sample_weight is None else (x, y, sample_weight)
-        if isinstance(x, (sources.RecordSource, FixedOrderData)):
-            arrays = x
-        # Workers agree (settings checked, sampling seed shared) before any of
-        # them builds variables: differing optimizers would break that.
-        self.optimizer.agree_with_workers(self, num_examples, batch_size, steps_per_epoch)
-        sample = self._build_for(arrays)
-        # A layer that writes a variable in training would keep records' data (issue 43).
-        state_writes.check_dp_model(self, sample)
-        # Preprocessing state (vocabularies, means, bins) needs a provenance (issue 52).
-        preprocessing.check_model(self, users=users, augment=augment)
-        weight_ledgers.mark_trained(self)  # charges what held weights carry; they carry this
-        input_checks.check_input_names(self)  # before any array meets an input
-        augmentation = check_augmentation(augment, augmentations, sample[0], self.optimizer,
-                                          rows=(physical_batch_size or batch_size) * (per_user or 1))
-        if augmentation != self._augmentation:
-            self._augmentation = augmentation
-            self.train_function = None  # retrace the step with the new copies
-        # Outputs are known once built (a model without keras.Input has none before).
-        units = multi_output.label_units(self)  # per output name for several outputs
-        if isinstance(x, sources.RecordSource):
-            arrays = input_checks.check_record_source(x, units)
-        elif not isinstance(x, FixedOrderData):  # a pipeline's labels arrive as it runs
-            input_checks.check_label_values(y, units)
-            input_checks.check_embedding_ids(self, x)
-        validation_data = text_as_tensors(input_checks.check_validation_data_fits(
-            self, validation_data, units, split_at))  # Keras evaluates text as tensors
-        if not self.trainable_variables:
-            raise ValueError(
-                f"Model '{self.name}' has no trainable weights, so there is nothing to "
-                "train privately (are all its layers frozen with trainable=False?). "
-                "Received: 0 trainable variables"
-            )
-        # Keras would restore a backup (weights, ledger) after the releases below.
-        callbacks = restore_backups(self, list(callbacks or []))
-        callbacks.append(preprocessing.provenance.ProvenanceWatch())  # re-adapted mid-fit: refused
-        # A file kept by save_best_only is rewritten with the ledger of each check.
-        callbacks = keep_chosen_checkpoints_charged(callbacks)
-        if not isinstance(x, FixedOrderData):  # a target epsilon sets sigma now
-            steps_per_epoch = whole_executions(self, num_examples, batch_size, steps_per_epoch)
-            # After the restore: its ledger and epoch are what this fit continues.
-            first_epoch = getattr(self, "_initial_epoch", None) or initial_epoch
-            planned = (steps_per_epoch or default_steps_per_epoch(num_examples, batch_size)) * max(
-                0, epochs - first_epoch)
-            self.optimizer.plan_noise(
-                self, num_examples, batch_size, planned, "records" if users is None else "people",
-                say=io_utils.print_msg if verbose != 0 else lambda message: None)
         # Reads of records stop at Ctrl-C and when training ends (interrupts).
         with interrupts.reading_scope() as reads:
             try:
                 return self._fit_in_scope(
-                    reads, arrays, num_examples, batch_size, callbacks, epochs, verbose,
-                    validation_data, initial_epoch, steps_per_epoch, validation_steps,
-                    validation_batch_size, validation_freq, users,
+                    reads, plan.arrays, plan.num_examples, plan.batch_size,
+                    list(plan.callbacks), epochs, verbose, plan.validation_data,
+                    initial_epoch, plan.steps_per_epoch, validation_steps,
+                    validation_batch_size, validation_freq, plan.users,
                 )
             except Exception as error:
                 # SIGINT stopped the step's reads: the step failed for it (TF
