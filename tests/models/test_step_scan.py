@@ -306,3 +306,52 @@ def test_the_compiled_noise_ops_are_allowed_and_only_they():
     assert registered and registered == set(step_ops.NATIVE)
     assert all(step_ops.allowed(op) for op in registered)
     assert not step_ops.allowed("TfdpSomethingElse")  # the list, not a prefix
+
+
+@tfdp.per_example.declare_per_example
+class AssertsOnValueShape(keras.layers.Layer):
+    """Asserts on the shape of a tensor whose rows the values select: the
+    step stops exactly when a large record is drawn (passed as a check of
+    shapes on main, and the step failed on the crafted record)."""
+
+    def __init__(self, select="boolean_mask", **kwargs):
+        super().__init__(**kwargs)
+        self.select = select
+
+    def call(self, x, training=None):
+        if self.select == "boolean_mask":
+            rows = tf.shape(tf.boolean_mask(x, x > 1000.0))[0]
+        elif self.select == "unique_of_reshape":  # through an op of fixed shape after it
+            rows = tf.size(tf.reshape(tf.unique(tf.reshape(x, [-1]))[0], [-1, 1]))
+        elif self.select == "in_a_branch":  # the assert in a tf.cond, given the masked tensor
+            big = tf.boolean_mask(x, x > 1000.0)
+
+            def check():
+                with tf.control_dependencies([tf.debugging.assert_less(tf.shape(big)[0], 1)]):
+                    return tf.identity(x)
+            return tf.cond(tf.reduce_all(tf.shape(x) > 0), check, lambda: x)
+        else:  # "batch": shapes the input's shape fixes (negative control)
+            flat = tf.reshape(x, [tf.shape(x)[0], -1])
+            rows = tf.shape(tf.zeros(tf.shape(flat)[0] * 2))[0] - tf.shape(x)[0] - 1
+        with tf.control_dependencies([tf.debugging.assert_less(rows, tf.shape(x)[0] + 1)]):
+            return tf.identity(x)
+
+
+@pytest.mark.parametrize("select, op", [("boolean_mask", "Where"), ("unique_of_reshape", "Unique"),
+                                        ("in_a_branch", "Where")])
+def test_an_assert_on_a_shape_the_values_decide_is_refused_naming_the_op(select, op):
+    model = dp_model(AssertsOnValueShape(select, name="counter"))
+    x, y = crafted_records()
+    with pytest.raises(ValueError, match=r"Layer 'counter' \(AssertsOnValueShape\) asserts on a "
+                                         rf"shape that the values decide.*\({op}\)") as error:
+        model.fit(x, y, batch_size=8, epochs=1, verbose=0)
+    assert "98765" not in str(error.value)
+    assert model.privacy.steps == 0
+
+
+def test_an_assert_on_shapes_the_input_shapes_fix_trains():
+    """Negative control: shape arithmetic on the batch passes."""
+    model = dp_model(AssertsOnValueShape("batch", name="counter"))
+    x, y = crafted_records()
+    model.fit(x, y, batch_size=8, epochs=1, verbose=0)
+    assert model.privacy.steps == 2

@@ -72,7 +72,10 @@ Ops that stop the step on a value are refused too: an assertion on values
 (`tf.debugging.assert_*`, `tf.Assert`, `tf.debugging.check_numerics`) fails
 on one record only, and whether training stopped, and the error, which may
 print the value, tell that record; an assertion on shapes alone (TensorFlow's
-own check of sparse labels against logits) passes. What the scan cannot see
+own check of sparse labels against logits) passes, unless one of those
+shapes is decided by values (the rows `tf.boolean_mask`, `tf.where` or
+`tf.unique` keep: `tfdp.models.value_shapes` asks TensorFlow's shape
+functions which). What the scan cannot see
 is an op that fails on some values by itself (a `tf.gather` whose index is
 computed from the input, out of range on CPU): such an abort on one record is
 a side channel the epsilon does not cover (docs/guides/your-model.md).
@@ -104,7 +107,7 @@ import re
 import keras
 import tensorflow as tf
 
-from tfdp.models import step_ops
+from tfdp.models import step_ops, value_shapes
 from tfdp.per_example import compute_per_example_gradients
 from tfdp.per_example.inference_mode import BatchNormalizationInTraining
 from tfdp.preprocessing import provenance
@@ -333,13 +336,18 @@ def _refuse_writes(model, graph, operations, scope=_PASS):
     tables = _lookup_tables(model)
     # Metrics name no scope of their own: their ops are marked as theirs.
     walked = list(_walk(graph, operations, path=_METRICS_PATH if scope == _METRICS else ""))
-    for op, _, path, _, _ in walked:  # the ops that release or stop first, by name
+    for op, owner, path, _, chain in walked:  # the ops that release or stop first, by name
         if op.type in _PYTHON_OPS:
             raise ValueError(_python_message(model, op, path))
         if op.type in _OUTPUT_OPS or op.type.startswith(_OUTPUT_PREFIXES):
             raise ValueError(_output_message(model, op, path))
         if op.type in _ABORT_OPS and (op.type != "Assert" or reads_values(op, False)):
             raise ValueError(_abort_message(model, op, path))
+        if op.type == "Assert":
+            source = value_shapes.value_shaped(value_shapes.shapes_read(op), owner, chain,
+                                               _sources)
+            if source is not None:
+                raise ValueError(_value_shape_message(model, op, source, path))
     for op, owner, path, controls, chain in walked:
         if op.type in step_ops.COLLECTIVES:
             if scope != _PASS:
@@ -779,6 +787,19 @@ def _abort_message(model, op, path=""):
         "value) tells that record, a release no noise covers. Drop the assertion, or "
         "make the computation valid for every input (clip or replace the value). "
         f"{_received(op, path)}"
+    )
+
+
+def _value_shape_message(model, op, source, path=""):
+    return (
+        f"{_holder(model, path)} asserts on a shape that the values decide in its DP step: "
+        f"the shape of the output of op '{source.name}' ({source.type}) depends on the "
+        "values of its input, not only on its shape (tf.boolean_mask, tf.where, tf.unique, "
+        "tf.dynamic_partition keep as many rows as the data selects), so a check of it "
+        "fails on some records only, and whether training stopped tells that record, a "
+        "release no noise covers. Drop the assertion, or assert on shapes that the "
+        "inputs' shapes fix (compute a count as a value: tf.reduce_sum(tf.cast(mask, "
+        f"tf.int32)), and do not stop on it). {_received(op, path)}"
     )
 
 
