@@ -218,7 +218,10 @@ def checked_train_step(model):
     variable of the model, its optimizer or its metrics: the whole compiled
     step (the per-example pass, the loss, the metrics, tfdp's noise and
     counters, the optimizer's update), checked as it is traced, before it
-    has ever run. `DPModel.train_step` runs in it; the per-example pass and
+    has ever run. Preprocessing state is checked against its provenance as
+    the trace starts (`tfdp.preprocessing.provenance.check_released`): the
+    step keeps the lookup tables and tensors it captures then for every
+    step it runs. `DPModel.train_step` runs in it; the per-example pass and
     the metrics' updates inside it are checked by their own, stricter rules
     (`checked_per_example_pass`, `checked_metric_updates`).
 
@@ -269,6 +272,9 @@ def _scanned(model, scope):
     if tf.executing_eagerly():
         yield
         return
+    if scope == _STEP and hasattr(model, "privacy"):  # the step keeps what it captures now
+        with tf.init_scope():  # eager: the layers' state as it is
+            provenance.check_released(model, provenance.step_layers(model)[0])
     graph = tf.compat.v1.get_default_graph()
     start = len(graph.get_operations())
     yield
