@@ -133,7 +133,7 @@ def test_a_metric_that_writes_a_model_weight_is_refused_and_the_label_reaches_no
     y = np.zeros((16, 1), "float32")
     y[0] = SECRET
     with pytest.raises(ValueError, match=r"Metric 'leaky' \(LabelIntoBias\) writes variable "
-                                         r"'[\w/]*head/bias', which is not a metric's variable"):
+                                         r"'[\w/]*head/bias', which is not its own"):
         model.fit(x, y, batch_size=16, epochs=1, verbose=0)
     assert model.privacy.steps == 0
     for weight in model.weights:
@@ -354,4 +354,63 @@ def test_an_assert_on_shapes_the_input_shapes_fix_trains():
     model = dp_model(AssertsOnValueShape("batch", name="counter"))
     x, y = crafted_records()
     model.fit(x, y, batch_size=8, epochs=1, verbose=0)
+    assert model.privacy.steps == 2
+
+
+class IntoOtherMetric(keras.metrics.Metric):
+    """Writes the batch's largest label into another metric's variable."""
+
+    def __init__(self, other, **kwargs):
+        super().__init__(**kwargs)
+        self.other = other
+        self.count = self.add_variable(shape=(), initializer="zeros", name="count")
+
+    def update_state(self, y_true, y_pred, sample_weight=None):
+        self.other.total.assign(tf.reduce_max(tf.cast(y_true, tf.float32)))
+        self.count.assign_add(1.0)
+
+    def result(self):
+        return self.count
+
+
+class HoldsMetric(OwnTotal):
+    """Negative control: a metric holding another, writing that one's variables."""
+
+    def __init__(self, **kwargs):
+        super().__init__(None, **kwargs)
+        self.inner = keras.metrics.Mean(name="inner_mean")
+
+    def update_state(self, y_true, y_pred, sample_weight=None):
+        self.inner.update_state(y_true)
+        self.total.assign_add(1.0)
+
+
+def metrics_model(metrics):
+    keras.utils.set_random_seed(0)
+    model = tfdp.DPSequential([keras.Input((4,)), keras.layers.Dense(1, name="head")])
+    model.compile(optimizer=tfdp.optimizers.DPSGD(0.0, noise_multiplier=1.0, l2_norm_clip=1.0,
+                                                  seed=1),
+                  loss=keras.losses.MeanSquaredError(), metrics=metrics)
+    return model
+
+
+def test_a_metric_that_writes_another_metrics_variable_is_refused_naming_both():
+    """On main any metric's variable could be written by any metric."""
+    victim = OwnTotal(None, name="victim")
+    model = metrics_model([victim, IntoOtherMetric(victim, name="writer")])
+    x, y = np.zeros((16, 4), "float32"), np.zeros((16, 1), "float32")
+    y[0] = SECRET
+    with pytest.raises(ValueError, match=r"Metric 'writer' \(IntoOtherMetric\) writes variable "
+                                         r"'victim/total', a variable of metric 'victim', which is not "
+                                         r"its own") as error:
+        model.fit(x, y, batch_size=16, epochs=1, verbose=0)
+    assert "98765" not in str(error.value)
+    assert model.privacy.steps == 0
+    assert victim.total.numpy() != SECRET
+
+
+def test_a_metric_that_writes_the_variables_of_a_metric_it_holds_trains():
+    model = metrics_model([HoldsMetric(name="holder"), keras.metrics.MeanAbsoluteError()])
+    model.fit(np.zeros((16, 4), "float32"), np.ones((16, 1), "float32"), batch_size=8,
+              epochs=1, verbose=0)
     assert model.privacy.steps == 2

@@ -35,8 +35,15 @@ what it may run is allowed, not denied:
   (`tfdp.preprocessing`): a custom layer's `tf.lookup` table keyed by
   training records' ids would be saved with the model unchecked.
 - `checked_metric_updates`: the step updates its compiled metrics in it; a
-  metric may write only its own variables (`add_variable`), not a model
-  weight (a bias set to a label), an optimizer's state or a seed.
+  metric may write only its own variables (`add_variable`, and those of
+  the metrics it holds), not a model weight (a bias set to a label), an
+  optimizer's state, a seed or another metric's variables. Keras saves no
+  metric variable in a model file, a weights file, a checkpoint or a
+  backup, and tfdp's statement names training metrics, logged from the
+  private batches without noise, as outside the epsilon
+  (docs/mechanisms/guarantee.md); the rule keeps each metric's value its
+  own computation, so no metric passes a record into another's log or into
+  what a callback decides by it.
 - `check_dp_model`, fit's early check: it traces the same pass
   (`tfdp.per_example.compute_per_example_gradients`, on the model's path)
   before any step, for a clear error before training starts.
@@ -263,8 +270,51 @@ def checked_metric_updates(model):
     ...
     ValueError: A compiled metric of model '...' writes variable '...bias', which is not ...
     """
-    with _scanned(model, _METRICS):
+    with _scanned(model, _METRICS), _each_metric_marked(model):
         yield
+
+
+# A metric's update_state runs in a name scope that says which metric it is
+# (Keras names none): the writes made there may reach only variables that
+# metric holds and no other compiled metric does (`_metric_holding`): a
+# metric it keeps inside is its own, a metric compiled beside it is not.
+_METRIC_MARK = "tfdp_metric_"
+_MARKED = re.compile(rf"{_METRIC_MARK}(\d+)(?:_\d+)?/")
+
+
+@contextlib.contextmanager
+def _each_metric_marked(model):
+    """Runs each metric's `update_state` (traced in the block) in a name
+    scope naming it by its index in `_all_metrics(model)`."""
+    if tf.executing_eagerly():
+        yield
+        return
+    metrics, replaced = _all_metrics(model), []
+    for index, metric in enumerate(metrics):
+        replaced.append(metric.__dict__.get("update_state"))
+        metric.__dict__["update_state"] = _marked(metric.update_state, index)
+    try:
+        yield
+    finally:
+        for metric, earlier in zip(metrics, replaced):
+            del metric.__dict__["update_state"]
+            if earlier is not None:
+                metric.__dict__["update_state"] = earlier
+
+
+def _marked(update_state, index):
+    def marked_update_state(*args, **kwargs):
+        with tf.name_scope(f"{_METRIC_MARK}{index}"):
+            return update_state(*args, **kwargs)
+    return marked_update_state
+
+
+def _writing_metric(model, path):
+    """The metric whose `update_state` made the op at `path` (the innermost
+    marked), or None outside any."""
+    found = _MARKED.findall(path)
+    metrics = _all_metrics(model)
+    return metrics[int(found[-1])] if found and int(found[-1]) < len(metrics) else None
 
 
 @contextlib.contextmanager
@@ -365,8 +415,15 @@ def _refuse_writes(model, graph, operations, scope=_PASS):
             raise ValueError(_table_message(model, op, path))
         if _writes_outside(op):
             variable = _resolve(op.inputs[0], owner, known, chain) if op.inputs else None
-            if not _may_write(scope, op, owner, chain, variable, controls, seeds,
-                              metric_variables, variables):
+            if scope == _METRICS:
+                writer = _writing_metric(model, path)
+                if not _may_write(scope, op, owner, chain, variable, controls, seeds,
+                                  metric_variables, variables) or (
+                                      writer is not None
+                                      and _metric_holding(model, variable) is not writer):
+                    raise ValueError(_metric_message(model, op, variable, path, writer))
+            elif not _may_write(scope, op, owner, chain, variable, controls, seeds,
+                                metric_variables, variables):
                 raise ValueError(_message(model, op, variable, path, scope))
         elif not step_ops.allowed(op.type):
             raise ValueError(_unknown_message(model, op, path))
@@ -834,21 +891,28 @@ def _unknown_message(model, op, path=""):
     )
 
 
+def _metric_message(model, op, variable, path, writer):
+    target = f"variable '{variable.path}'" if variable is not None else "a resource"
+    if writer is not None:
+        holder = f"Metric '{writer.name}' ({type(writer).__name__})"
+    else:  # the metric holding the variable
+        metric = _metric_holding(model, variable)
+        holder = (f"Metric '{metric.name}' ({type(metric).__name__})" if metric is not None
+                  else _holder(model, path))
+    other = _metric_holding(model, variable) if variable is not None else None
+    whose = (f", a variable of metric '{other.name}'" if other is not None and other is not writer
+             else "")
+    return (
+        f"{holder} writes {target}{whose}, which is not its own, in update_state: a metric "
+        "updated on the batch would put training records into the model, the optimizer "
+        "or another metric outside the clipping and the noise. A metric may write only "
+        "its own variables (self.add_variable) and those of metrics it keeps inside, not "
+        "those of a metric compiled beside it. "
+        f"{_received(op, path)}"
+    )
+
+
 def _message(model, op, variable, path="", scope=_PASS):
-    if scope == _METRICS:
-        target = f"variable '{variable.path}'" if variable is not None else "a resource"
-        holder = _holder(model, path)
-        if holder.startswith("A compiled metric"):  # the metric holding the variable
-            metric = _metric_holding(model, variable)
-            holder = (f"Metric '{metric.name}' ({type(metric).__name__})" if metric is not None
-                      else f"A compiled metric of model '{model.name}'")
-        return (
-            f"{holder} writes {target}, which is not a metric's variable, "
-            "in update_state: a metric updated on the batch would put training records "
-            "into the model (or the optimizer) outside the clipping and the noise. A "
-            "metric may write only its own variables (self.add_variable). "
-            f"{_received(op, path)}"
-        )
     why = (
         "during the DP step: after one step it holds a function of training "
         "records, outside the clipping and the noise, and it is saved and "

@@ -90,6 +90,7 @@ def value_shaped(tensors, graph, chain, sources, _seen=None):
     definition = graph_util_impl.extract_sub_graph(
         graph.as_graph_def(), sorted({t.op.name for t in tensors}))
     for node in definition.node:
+        _read_as_input(node, graph)
         if node.op != "Placeholder":
             continue
         placeholder = graph.get_operation_by_name(node.name).outputs[0]
@@ -114,6 +115,22 @@ def value_shaped(tensors, graph, chain, sources, _seen=None):
     while _unknown(op.inputs):
         op = next(t for t in op.inputs if _unknown([t])).op
     return graph.get_operation_by_name(op.name)
+
+
+def _read_as_input(node, graph):
+    """Makes a read of a resource (a variable's value) an input of the shape
+    it has in `graph`: a GraphDef drops what a handle knows of its
+    variable's shape, and a variable's shape is fixed."""
+    op = graph.get_operation_by_name(node.name)
+    if (len(op.outputs) != 1 or not op.outputs[0].shape.is_fully_defined()
+            or not any(t.dtype == tf.resource for t in op.inputs)):
+        return
+    output = op.outputs[0]
+    node.op = "Placeholder"
+    del node.input[:]
+    node.attr.clear()
+    node.attr["dtype"].type = output.dtype.as_datatype_enum
+    node.attr["shape"].shape.CopyFrom(output.shape.as_proto())
 
 
 def _unknown(tensors):
