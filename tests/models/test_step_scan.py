@@ -7,6 +7,7 @@ value reaches no weight and no file."""
 import os
 import pathlib
 import re
+import zipfile
 
 import keras
 import numpy as np
@@ -414,3 +415,25 @@ def test_a_metric_that_writes_the_variables_of_a_metric_it_holds_trains():
     model.fit(np.zeros((16, 4), "float32"), np.ones((16, 1), "float32"), batch_size=8,
               epochs=1, verbose=0)
     assert model.privacy.steps == 2
+
+
+def test_a_metric_holding_a_crafted_label_is_in_no_saved_file(tmp_path):
+    """Training metrics are logs, outside the epsilon (docs: what is not
+    protected); Keras saves none of their variables with the model."""
+    model = metrics_model([OwnTotal(None, name="labels")])
+    x, y = np.zeros((16, 4), "float32"), np.zeros((16, 1), "float32")
+    y[0] = SECRET
+    model.fit(x, y, batch_size=16, epochs=1, verbose=0, callbacks=[
+        keras.callbacks.ModelCheckpoint(str(tmp_path / "ck.keras")),
+        keras.callbacks.BackupAndRestore(str(tmp_path / "backup"), delete_checkpoint=False)])
+    assert model.get_metrics_result()["labels"] == SECRET  # the metric holds it
+    model.save(tmp_path / "m.keras")
+    model.save_weights(tmp_path / "m.weights.h5")
+    secret = np.float32(SECRET).tobytes()
+    for path in tmp_path.rglob("*"):
+        if path.is_file():
+            blobs = [path.read_bytes()]
+            if zipfile.is_zipfile(path):
+                with zipfile.ZipFile(path) as archive:
+                    blobs += [archive.read(name) for name in archive.namelist()]
+            assert not any(secret in blob for blob in blobs), path

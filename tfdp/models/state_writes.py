@@ -392,6 +392,7 @@ def _refuse_writes(model, graph, operations, scope=_PASS):
     tables = _lookup_tables(model)
     # Metrics name no scope of their own: their ops are marked as theirs.
     walked = list(_walk(graph, operations, path=_METRICS_PATH if scope == _METRICS else ""))
+    definitions = {}  # graphs serialized to infer shapes again (value_shapes)
     for op, owner, path, _, chain in walked:  # the ops that release or stop first, by name
         if op.type in _PYTHON_OPS:
             raise ValueError(_python_message(model, op, path))
@@ -401,7 +402,7 @@ def _refuse_writes(model, graph, operations, scope=_PASS):
             raise ValueError(_abort_message(model, op, path))
         if op.type == "Assert":
             source = value_shapes.value_shaped(value_shapes.shapes_read(op), owner, chain,
-                                               _sources)
+                                               _sources, definitions)
             if source is not None:
                 raise ValueError(_value_shape_message(model, op, source, path))
     for op, owner, path, controls, chain in walked:

@@ -63,7 +63,7 @@ def shapes_read(op):
     return read
 
 
-def value_shaped(tensors, graph, chain, sources, _seen=None):
+def value_shaped(tensors, graph, chain, sources, definitions=None, _seen=None):
     """The op that makes the shape of one of `tensors` depend on values, or
     None if their shapes follow from the shapes of the step's inputs.
 
@@ -75,11 +75,14 @@ def value_shaped(tensors, graph, chain, sources, _seen=None):
         sources: callable(tensor, graph, chain) -> [(tensor, graph, chain)]:
             where a function's input comes from in its callers ([] for the
             step's own inputs; graph None for an eager tensor).
+        definitions: {id of a graph: its GraphDef}, filled as graphs are
+            serialized: one dict for one scan serializes each graph once.
 
     Returns:
         A `tf.Operation` (of `graph`, or of a graph that called it), or None.
     """
     seen = set() if _seen is None else _seen
+    definitions = {} if definitions is None else definitions
     tensors = [t for t in tensors if not t.shape.is_fully_defined() and t.dtype not in _HANDLES]
     if not tensors:
         return None
@@ -87,8 +90,10 @@ def value_shaped(tensors, graph, chain, sources, _seen=None):
     if key in seen:
         return None  # a loop's variable met again: its other sources are checked
     seen.add(key)
+    if id(graph) not in definitions:  # a step's graph is large: serialized once
+        definitions[id(graph)] = graph.as_graph_def()
     definition = graph_util_impl.extract_sub_graph(
-        graph.as_graph_def(), sorted({t.op.name for t in tensors}))
+        definitions[id(graph)], sorted({t.op.name for t in tensors}))
     for node in definition.node:
         _read_as_input(node, graph)
         if node.op != "Placeholder":
@@ -96,7 +101,7 @@ def value_shaped(tensors, graph, chain, sources, _seen=None):
         placeholder = graph.get_operation_by_name(node.name).outputs[0]
         for outer, where, calls in sources(placeholder, graph, chain):
             if where is not None:
-                found = value_shaped([outer], where, calls, sources, seen)
+                found = value_shaped([outer], where, calls, sources, definitions, seen)
                 if found is not None:
                     return found
         for dim in node.attr["shape"].shape.dim:
