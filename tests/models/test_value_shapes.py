@@ -13,7 +13,6 @@ DECIDED_BY_VALUES = {
     "Unique": lambda x: tf.unique(tf.reshape(x, [-1]))[0],
     "DynamicPartition": lambda x: tf.dynamic_partition(x, tf.cast(x[:, 0] > 1.0, tf.int32), 2)[0],
     "NonMaxSuppressionV3": lambda x: tf.image.non_max_suppression(x, x[:, 0], 3),
-    "Range": lambda x: tf.range(tf.cast(tf.reduce_max(x), tf.int32)),  # a size from values
 }
 FIXED_BY_SHAPES = {
     "reshape": lambda x: tf.reshape(x, [tf.shape(x)[0], -1, 2]),
@@ -21,6 +20,8 @@ FIXED_BY_SHAPES = {
     "tile": lambda x: tf.tile(x, [2, 1]),
     "a variable's value": lambda x: tf.matmul(x[:, :3], VARIABLE) + tf.gather(VARIABLE, [0, 1]),
     "a dropout mask": lambda x: tf.random.stateless_uniform(tf.shape(x), seed=[1, 2]) * x,
+    # Computed, not selected, by values (a chunk's rows): passes, as documented.
+    "a computed size": lambda x: tf.range(tf.cast(tf.reduce_max(x), tf.int32)),
 }
 
 

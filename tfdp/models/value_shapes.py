@@ -17,8 +17,14 @@ function's input is followed to what its caller passes), and TensorFlow
 infers every shape again, evaluating shape arithmetic (`tf.shape`,
 `tf.reshape(x, [tf.shape(x)[0], -1])`, `tf.zeros(n)` of a computed `n`) as
 constants. A shape still unknown then is one that the values decide: the
-first op whose output shape is unknown while its inputs' shapes are known
-(`Where`, `Unique`, `DynamicPartition`, ...) is the one named.
+op named is one whose output shape stays unknown even when its inputs'
+values are known (`Where`, `Unique`, `DynamicPartition`,
+`NonMaxSuppression`): it selects rows by values. An op whose shape the
+values compute (`tf.range(n)`, a slice, a reshape) is not refused: the
+chunks of a physical batch are sized by the loop counter and the number of
+rows drawn, which the scan cannot tell from a value of the data, so a size
+computed from a record's value (`tf.range(tf.reduce_max(x))`) passes too
+(docs/guides/your-model.md).
 
 Example:
 
@@ -112,14 +118,38 @@ def value_shaped(tensors, graph, chain, sources, definitions=None, _seen=None):
             tf.graph_util.import_graph_def(definition, name="")
         except (ValueError, tf.errors.OpError):
             return tensors[0].op  # shapes that cannot be inferred: not shown to be fixed
-    unknown = [inferred.get_tensor_by_name(t.name) for t in tensors]
-    unknown = [t for t in unknown if _unknown([t])]
-    if not unknown:
+    if not _unknown(inferred.get_tensor_by_name(t.name) for t in tensors):
         return None
-    op = unknown[0].op  # up to the first op whose inputs' shapes are known
-    while _unknown(op.inputs):
-        op = next(t for t in op.inputs if _unknown([t])).op
-    return graph.get_operation_by_name(op.name)
+    for op in inferred.get_operations():
+        if _unknown(op.outputs) and _selects_rows(op):
+            return graph.get_operation_by_name(op.name)
+    return None
+
+
+def _selects_rows(op):
+    """Whether `op`'s output shape stays unknown even when all its inputs'
+    values are known (constants of their shapes): `Where`, `Unique`,
+    `DynamicPartition`, `NonMaxSuppression` select rows by the values; an op
+    whose shape the values compute (`Range`, `Reshape`, `Fill`, a slice: a
+    chunk of a physical batch) is not one of them."""
+    if any(t.dtype in _HANDLES for t in op.inputs):
+        return False  # a list's or a handle's shape says nothing of its elements
+    with tf.Graph().as_default() as probe:
+        constants = [tf.zeros([d if d is not None else 2 for d in t.shape.as_list()], t.dtype)
+                     if t.shape.rank is not None else tf.zeros([], t.dtype) for t in op.inputs]
+    definition = probe.as_graph_def()
+    node = definition.node.add()
+    node.CopyFrom(op.node_def)
+    node.name = "probed"
+    del node.input[:]
+    node.input.extend(c.op.name for c in constants)
+    node.ClearField("device")
+    with tf.Graph().as_default() as probed:
+        try:
+            tf.graph_util.import_graph_def(definition, name="")
+        except (ValueError, tf.errors.OpError):
+            return False  # the shape function read the values: they fix the shape
+        return _unknown(probed.get_operation_by_name("probed").outputs)
 
 
 def _read_as_input(node, graph):
