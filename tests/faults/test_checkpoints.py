@@ -1,16 +1,14 @@
 """Resumed runs draw fresh noise; corrupted or mismatched checkpoints are refused."""
 
-import json
 import shutil
-import zipfile
 
-import h5py
 import keras
 import numpy as np
 import pytest
 
 import tfdp
-from tfdp.accounting.integrity import seal
+from tests.faults.ledger_files import (read_ledger, resealed, rewrite_ledger,
+                                       rewrite_ledger_in_archive)
 
 LOSS = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
 
@@ -190,20 +188,6 @@ def test_corrupted_files_are_refused(checkpoint, tmp_path):
         model.load_weights(tmp_path / "truncated.weights.h5")
 
 
-def rewrite_ledger(path, transform):
-    with h5py.File(path, "r+") as file:
-        text = bytes(np.asarray(file["vars/privacy_ledger"]))
-        del file["vars/privacy_ledger"]
-        file["vars/privacy_ledger"] = np.frombuffer(transform(text), dtype=np.uint8)
-
-
-def resealed(text, **changes):
-    """The ledger JSON with `changes`, sealed again (a well-formed record)."""
-    data = json.loads(text)
-    del data["sha256"]
-    return json.dumps(seal(dict(data, **changes))).encode("utf-8")
-
-
 @pytest.mark.parametrize(
     "transform, message",
     [
@@ -228,16 +212,8 @@ def test_a_corrupted_ledger_inside_a_keras_file_is_refused_by_tfdp(checkpoint, t
     """A .keras archive whose zip is intact (valid CRCs) but whose ledger is cut:
     keras loads the archive and tfdp's own check refuses the ledger."""
     folder, _ = checkpoint
-    inner = tmp_path / "model.weights.h5"
-    with zipfile.ZipFile(folder / "model.keras") as source, \
-            zipfile.ZipFile(tmp_path / "bad.keras", "w") as target:
-        for item in source.infolist():
-            content = source.read(item)
-            if item.filename == "model.weights.h5":
-                inner.write_bytes(content)
-                rewrite_ledger(inner, lambda t: t[: len(t) // 2])
-                content = inner.read_bytes()
-            target.writestr(item, content)
+    rewrite_ledger_in_archive(folder / "model.keras", tmp_path / "bad.keras",
+                              lambda t: t[: len(t) // 2], tmp_path / "model.weights.h5")
     with pytest.raises(ValueError, match="Corrupt privacy ledger: invalid JSON"):
         keras.models.load_model(tmp_path / "bad.keras")
 
@@ -250,8 +226,7 @@ def test_weights_and_ledger_from_two_checkpoints_are_refused(checkpoint, tmp_pat
     model.save_weights(tmp_path / "newer.weights.h5")
     path = tmp_path / "mixed.weights.h5"
     shutil.copy(folder / "model.weights.h5", path)
-    with h5py.File(tmp_path / "newer.weights.h5", "r") as newer:
-        newer_ledger = bytes(np.asarray(newer["vars/privacy_ledger"]))
+    newer_ledger = read_ledger(tmp_path / "newer.weights.h5")
     rewrite_ledger(path, lambda _: newer_ledger)
     fresh = build()
     fresh.build((None, 4))

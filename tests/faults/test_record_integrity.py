@@ -11,7 +11,6 @@ HDF5 structure, OSError) or reads back the very same record.
 import json
 import os
 
-import h5py
 import keras
 import numpy as np
 import pytest
@@ -19,6 +18,7 @@ import pytest
 import tfdp
 from tfdp.accounting import PrivacyLedger, dpsgd_event, event_to_dict
 from tfdp.accounting.integrity import UncheckedRecordWarning
+from tests.faults.ledger_files import read_ledger, rewrite_ledger, rewrite_ledger_in_archive
 
 EVENT = dpsgd_event(1.1, 0.01)
 
@@ -184,12 +184,10 @@ def test_an_edited_ledger_inside_a_weights_file_is_refused(weights_file, tmp_pat
     path, _ = weights_file
     damaged = tmp_path / "edited.weights.h5"
     damaged.write_bytes(path.read_bytes())
-    with h5py.File(damaged, "r+") as file:
-        text = bytes(np.asarray(file["vars/privacy_ledger"]))
-        del file["vars/privacy_ledger"]
-        smaller = text.replace(b'"sampling_probability": 0.5', b'"sampling_probability": 0.4')
-        assert smaller != text
-        file["vars/privacy_ledger"] = np.frombuffer(smaller, dtype=np.uint8)
+    before = read_ledger(damaged)
+    rewrite_ledger(damaged, lambda t: t.replace(b'"sampling_probability": 0.5',
+                                                b'"sampling_probability": 0.4'))
+    assert read_ledger(damaged) != before
     model = build()
     model.build((None, 3))
     with pytest.raises(ValueError, match=f"(?s){os.path.basename(damaged)}.*checksum does not match"):
@@ -197,25 +195,12 @@ def test_an_edited_ledger_inside_a_weights_file_is_refused(weights_file, tmp_pat
 
 
 def test_an_edited_ledger_inside_a_keras_file_is_refused_naming_it(weights_file, tmp_path):
-    import zipfile
-
     path, _ = weights_file
     model = build()
     model.load_weights(path)
     model.save(tmp_path / "model.keras")
-    inner = tmp_path / "model.weights.h5"
-    with zipfile.ZipFile(tmp_path / "model.keras") as source, \
-            zipfile.ZipFile(tmp_path / "edited.keras", "w") as target:
-        for item in source.infolist():
-            content = source.read(item)
-            if item.filename == "model.weights.h5":
-                inner.write_bytes(content)
-                with h5py.File(inner, "r+") as file:
-                    text = bytes(np.asarray(file["vars/privacy_ledger"]))
-                    del file["vars/privacy_ledger"]
-                    file["vars/privacy_ledger"] = np.frombuffer(
-                        text.replace(b'"steps": 3', b'"steps": 2'), dtype=np.uint8)
-                content = inner.read_bytes()
-            target.writestr(item, content)
+    rewrite_ledger_in_archive(tmp_path / "model.keras", tmp_path / "edited.keras",
+                              lambda t: t.replace(b'"steps": 3', b'"steps": 2'),
+                              tmp_path / "model.weights.h5")
     with pytest.raises(ValueError, match=r"(?s)edited\.keras.*checksum does not match"):
         tfdp.load_model(tmp_path / "edited.keras")

@@ -7,6 +7,7 @@ value reaches no weight and no file."""
 import os
 import pathlib
 import re
+import zipfile
 
 import keras
 import numpy as np
@@ -133,7 +134,7 @@ def test_a_metric_that_writes_a_model_weight_is_refused_and_the_label_reaches_no
     y = np.zeros((16, 1), "float32")
     y[0] = SECRET
     with pytest.raises(ValueError, match=r"Metric 'leaky' \(LabelIntoBias\) writes variable "
-                                         r"'[\w/]*head/bias', which is not a metric's variable"):
+                                         r"'[\w/]*head/bias', which is not its own"):
         model.fit(x, y, batch_size=16, epochs=1, verbose=0)
     assert model.privacy.steps == 0
     for weight in model.weights:
@@ -341,3 +342,133 @@ def test_a_layer_that_writes_the_optimizers_iterations_is_refused_with_a_message
     with pytest.raises(ValueError, match=r"writes .*iteration"):
         model.fit(x, y, batch_size=8, epochs=1, verbose=0)
     assert model.privacy.steps == 0
+
+
+@tfdp.per_example.declare_per_example
+class AssertsOnValueShape(keras.layers.Layer):
+    """Asserts on the shape of a tensor whose rows the values select: the
+    step stops exactly when a large record is drawn (passed as a check of
+    shapes on main, and the step failed on the crafted record)."""
+
+    def __init__(self, select="boolean_mask", **kwargs):
+        super().__init__(**kwargs)
+        self.select = select
+
+    def call(self, x, training=None):
+        if self.select == "boolean_mask":
+            rows = tf.shape(tf.boolean_mask(x, x > 1000.0))[0]
+        elif self.select == "unique_of_reshape":  # through an op of fixed shape after it
+            rows = tf.size(tf.reshape(tf.unique(tf.reshape(x, [-1]))[0], [-1, 1]))
+        elif self.select == "in_a_branch":  # the assert in a tf.cond, given the masked tensor
+            big = tf.boolean_mask(x, x > 1000.0)
+
+            def check():
+                with tf.control_dependencies([tf.debugging.assert_less(tf.shape(big)[0], 1)]):
+                    return tf.identity(x)
+            return tf.cond(tf.reduce_all(tf.shape(x) > 0), check, lambda: x)
+        else:  # "batch": shapes the input's shape fixes (negative control)
+            flat = tf.reshape(x, [tf.shape(x)[0], -1])
+            rows = tf.shape(tf.zeros(tf.shape(flat)[0] * 2))[0] - tf.shape(x)[0] - 1
+        with tf.control_dependencies([tf.debugging.assert_less(rows, tf.shape(x)[0] + 1)]):
+            return tf.identity(x)
+
+
+@pytest.mark.parametrize("select, op", [("boolean_mask", "Where"), ("unique_of_reshape", "Unique"),
+                                        ("in_a_branch", "Where")])
+def test_an_assert_on_a_shape_the_values_decide_is_refused_naming_the_op(select, op):
+    model = dp_model(AssertsOnValueShape(select, name="counter"))
+    x, y = crafted_records()
+    with pytest.raises(ValueError, match=r"Layer 'counter' \(AssertsOnValueShape\) asserts on a "
+                                         rf"shape that the values decide.*\({op}\)") as error:
+        model.fit(x, y, batch_size=8, epochs=1, verbose=0)
+    assert "98765" not in str(error.value)
+    assert model.privacy.steps == 0
+
+
+def test_an_assert_on_shapes_the_input_shapes_fix_trains():
+    """Negative control: shape arithmetic on the batch passes."""
+    model = dp_model(AssertsOnValueShape("batch", name="counter"))
+    x, y = crafted_records()
+    model.fit(x, y, batch_size=8, epochs=1, verbose=0)
+    assert model.privacy.steps == 2
+
+
+class IntoOtherMetric(keras.metrics.Metric):
+    """Writes the batch's largest label into another metric's variable."""
+
+    def __init__(self, other, **kwargs):
+        super().__init__(**kwargs)
+        self.other = other
+        self.count = self.add_variable(shape=(), initializer="zeros", name="count")
+
+    def update_state(self, y_true, y_pred, sample_weight=None):
+        self.other.total.assign(tf.reduce_max(tf.cast(y_true, tf.float32)))
+        self.count.assign_add(1.0)
+
+    def result(self):
+        return self.count
+
+
+class HoldsMetric(OwnTotal):
+    """Negative control: a metric holding another, writing that one's variables."""
+
+    def __init__(self, **kwargs):
+        super().__init__(None, **kwargs)
+        self.inner = keras.metrics.Mean(name="inner_mean")
+
+    def update_state(self, y_true, y_pred, sample_weight=None):
+        self.inner.update_state(y_true)
+        self.total.assign_add(1.0)
+
+
+def metrics_model(metrics):
+    keras.utils.set_random_seed(0)
+    model = tfdp.DPSequential([keras.Input((4,)), keras.layers.Dense(1, name="head")])
+    model.compile(optimizer=tfdp.optimizers.DPSGD(0.0, noise_multiplier=1.0, l2_norm_clip=1.0,
+                                                  seed=1),
+                  loss=keras.losses.MeanSquaredError(), metrics=metrics)
+    return model
+
+
+def test_a_metric_that_writes_another_metrics_variable_is_refused_naming_both():
+    """On main any metric's variable could be written by any metric."""
+    victim = OwnTotal(None, name="victim")
+    model = metrics_model([victim, IntoOtherMetric(victim, name="writer")])
+    x, y = np.zeros((16, 4), "float32"), np.zeros((16, 1), "float32")
+    y[0] = SECRET
+    with pytest.raises(ValueError, match=r"Metric 'writer' \(IntoOtherMetric\) writes variable "
+                                         r"'victim/total', a variable of metric 'victim', which is not "
+                                         r"its own") as error:
+        model.fit(x, y, batch_size=16, epochs=1, verbose=0)
+    assert "98765" not in str(error.value)
+    assert model.privacy.steps == 0
+    assert victim.total.numpy() != SECRET
+
+
+def test_a_metric_that_writes_the_variables_of_a_metric_it_holds_trains():
+    model = metrics_model([HoldsMetric(name="holder"), keras.metrics.MeanAbsoluteError()])
+    model.fit(np.zeros((16, 4), "float32"), np.ones((16, 1), "float32"), batch_size=8,
+              epochs=1, verbose=0)
+    assert model.privacy.steps == 2
+
+
+def test_a_metric_holding_a_crafted_label_is_in_no_saved_file(tmp_path):
+    """Training metrics are logs, outside the epsilon (docs: what is not
+    protected); Keras saves none of their variables with the model."""
+    model = metrics_model([OwnTotal(None, name="labels")])
+    x, y = np.zeros((16, 4), "float32"), np.zeros((16, 1), "float32")
+    y[0] = SECRET
+    model.fit(x, y, batch_size=16, epochs=1, verbose=0, callbacks=[
+        keras.callbacks.ModelCheckpoint(str(tmp_path / "ck.keras")),
+        keras.callbacks.BackupAndRestore(str(tmp_path / "backup"), delete_checkpoint=False)])
+    assert model.get_metrics_result()["labels"] == SECRET  # the metric holds it
+    model.save(tmp_path / "m.keras")
+    model.save_weights(tmp_path / "m.weights.h5")
+    secret = np.float32(SECRET).tobytes()
+    for path in tmp_path.rglob("*"):
+        if path.is_file():
+            blobs = [path.read_bytes()]
+            if zipfile.is_zipfile(path):
+                with zipfile.ZipFile(path) as archive:
+                    blobs += [archive.read(name) for name in archive.namelist()]
+            assert not any(secret in blob for blob in blobs), path

@@ -145,3 +145,86 @@ def test_a_clone_whose_lookup_lost_its_vocabulary_is_refused_before_any_step():
         fit(clone)
     assert "adapt_privately" in str(caught.value) and "declare_public" in str(caught.value)
     assert clone.privacy.steps == 0
+
+
+class ReadaptForOneBatch(keras.callbacks.Callback):
+    """Adapts the lookup on the raw private ids (the unique id back in its
+    vocabulary) as batch `at` begins and restores the private vocabulary as
+    it ends: every check at an epoch's start, a save or a statement sees the
+    private state, and on main the compiled step, traced at the first batch,
+    looked values up in the plain vocabulary for the whole fit."""
+
+    def __init__(self, lookup, at):
+        super().__init__()
+        self.lookup, self.at = lookup, at
+        self.private = lookup.get_vocabulary(include_special_tokens=False)
+
+    def on_train_batch_begin(self, batch, logs=None):
+        if batch == self.at:
+            self.lookup.adapt(private_ids())
+
+    def on_train_batch_end(self, batch, logs=None):
+        if batch == self.at:
+            self.lookup.set_vocabulary(self.private)
+
+
+@pytest.mark.parametrize("at", [0, 3])
+def test_a_callback_readapting_the_lookup_for_one_batch_is_refused_before_that_step(at, tmp_path):
+    lookup = private_lookup()
+    model = lookup_model(lookup)
+    checkpoint = keras.callbacks.ModelCheckpoint(str(tmp_path / "ck.keras"))
+    with pytest.raises(ValueError) as caught:
+        fit(model, callbacks=[ReadaptForOneBatch(lookup, at), checkpoint])
+    refused_as_stale(caught)
+    assert model.privacy.steps == at  # no step ran through the plain vocabulary
+    assert files_holding(str(tmp_path), str(UNIQUE).encode()) == []
+
+
+class Centre(keras.layers.Layer):
+    """An adaptable layer of one's own whose state is a variable the step
+    reads as it runs: a change needs no retrace to reach the steps."""
+
+    def build(self, shape):
+        self.centre = self.add_weight(shape=shape[1:], initializer="zeros", trainable=False,
+                                      name="centre")
+
+    def adapt(self, data):
+        self.build(data.shape)
+        self.centre.assign(np.mean(data, 0))
+
+    def call(self, x):
+        return x - self.centre
+
+
+class ShiftForOneBatch(keras.callbacks.Callback):
+    """Sets the centre to the crafted id for batch `at` and restores it."""
+
+    def __init__(self, layer, at):
+        super().__init__()
+        self.layer, self.at = layer, at
+        self.saved = layer.centre.numpy()
+
+    def on_train_batch_begin(self, batch, logs=None):
+        if batch == self.at:
+            self.layer.centre.assign(np.full(self.saved.shape, float(UNIQUE), "float32"))
+
+    def on_train_batch_end(self, batch, logs=None):
+        if batch == self.at:
+            self.layer.centre.assign(self.saved)
+
+
+def test_a_callback_changing_a_variable_state_for_one_batch_is_refused_before_that_step():
+    centre = Centre(name="centre")
+    centre.adapt(np.ones((4, 1), "float32"))
+    preprocessing.declare_public(centre, source="a public sample")
+    inputs = keras.Input((1,))
+    model = tfdp.DPModel(inputs, keras.layers.Dense(2)(centre(inputs)))
+    model.compile(
+        optimizer=tfdp.optimizers.DPSGD(0.1, l2_norm_clip=1.0, noise_multiplier=1.0, seed=0),
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    ids = private_ids().astype("float32")
+    with pytest.raises(ValueError, match=r"'centre' \(Centre\).*changed after") as caught:
+        model.fit(ids[:, None], (ids % 2).astype("int32"), batch_size=30, epochs=1, verbose=0,
+                  callbacks=[ShiftForOneBatch(centre, 3)])
+    assert str(UNIQUE) not in str(caught.value)
+    assert model.privacy.steps == 3

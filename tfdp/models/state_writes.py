@@ -35,8 +35,15 @@ what it may run is allowed, not denied:
   (`tfdp.preprocessing`): a custom layer's `tf.lookup` table keyed by
   training records' ids would be saved with the model unchecked.
 - `checked_metric_updates`: the step updates its compiled metrics in it; a
-  metric may write only its own variables (`add_variable`), not a model
-  weight (a bias set to a label), an optimizer's state or a seed.
+  metric may write only its own variables (`add_variable`, and those of
+  the metrics it holds), not a model weight (a bias set to a label), an
+  optimizer's state, a seed or another metric's variables. Keras saves no
+  metric variable in a model file, a weights file, a checkpoint or a
+  backup, and tfdp's statement names training metrics, logged from the
+  private batches without noise, as outside the epsilon
+  (docs/mechanisms/guarantee.md); the rule keeps each metric's value its
+  own computation, so no metric passes a record into another's log or into
+  what a callback decides by it.
 - `check_dp_model`, fit's early check: it traces the same pass
   (`tfdp.per_example.compute_per_example_gradients`, on the model's path)
   before any step, for a clear error before training starts.
@@ -72,7 +79,10 @@ Ops that stop the step on a value are refused too: an assertion on values
 (`tf.debugging.assert_*`, `tf.Assert`, `tf.debugging.check_numerics`) fails
 on one record only, and whether training stopped, and the error, which may
 print the value, tell that record; an assertion on shapes alone (TensorFlow's
-own check of sparse labels against logits) passes. What the scan cannot see
+own check of sparse labels against logits) passes, unless one of those
+shapes is decided by values (the rows `tf.boolean_mask`, `tf.where` or
+`tf.unique` keep: `tfdp.models.value_shapes` asks TensorFlow's shape
+functions which). What the scan cannot see
 is an op that fails on some values by itself (a `tf.gather` whose index is
 computed from the input, out of range on CPU): such an abort on one record is
 a side channel the epsilon does not cover (docs/guides/your-model.md).
@@ -104,7 +114,7 @@ import re
 import keras
 import tensorflow as tf
 
-from tfdp.models import step_ops
+from tfdp.models import step_ops, value_shapes
 from tfdp.per_example import compute_per_example_gradients
 from tfdp.per_example.inference_mode import BatchNormalizationInTraining
 from tfdp.preprocessing import provenance
@@ -217,7 +227,10 @@ def checked_train_step(model):
     variable of the model, its optimizer or its metrics: the whole compiled
     step (the per-example pass, the loss, the metrics, tfdp's noise and
     counters, the optimizer's update), checked as it is traced, before it
-    has ever run. `DPModel.train_step` runs in it; the per-example pass and
+    has ever run. Preprocessing state is checked against its provenance as
+    the trace starts (`tfdp.preprocessing.provenance.check_released`): the
+    step keeps the lookup tables and tensors it captures then for every
+    step it runs. `DPModel.train_step` runs in it; the per-example pass and
     the metrics' updates inside it are checked by their own, stricter rules
     (`checked_per_example_pass`, `checked_metric_updates`).
 
@@ -259,8 +272,51 @@ def checked_metric_updates(model):
     ...
     ValueError: A compiled metric of model '...' writes variable '...bias', which is not ...
     """
-    with _scanned(model, _METRICS):
+    with _scanned(model, _METRICS), _each_metric_marked(model):
         yield
+
+
+# A metric's update_state runs in a name scope that says which metric it is
+# (Keras names none): the writes made there may reach only variables that
+# metric holds and no other compiled metric does (`_metric_holding`): a
+# metric it keeps inside is its own, a metric compiled beside it is not.
+_METRIC_MARK = "tfdp_metric_"
+_MARKED = re.compile(rf"{_METRIC_MARK}(\d+)(?:_\d+)?/")
+
+
+@contextlib.contextmanager
+def _each_metric_marked(model):
+    """Runs each metric's `update_state` (traced in the block) in a name
+    scope naming it by its index in `_all_metrics(model)`."""
+    if tf.executing_eagerly():
+        yield
+        return
+    metrics, replaced = _all_metrics(model), []
+    for index, metric in enumerate(metrics):
+        replaced.append(metric.__dict__.get("update_state"))
+        metric.__dict__["update_state"] = _marked(metric.update_state, index)
+    try:
+        yield
+    finally:
+        for metric, earlier in zip(metrics, replaced):
+            del metric.__dict__["update_state"]
+            if earlier is not None:
+                metric.__dict__["update_state"] = earlier
+
+
+def _marked(update_state, index):
+    def marked_update_state(*args, **kwargs):
+        with tf.name_scope(f"{_METRIC_MARK}{index}"):
+            return update_state(*args, **kwargs)
+    return marked_update_state
+
+
+def _writing_metric(model, path):
+    """The metric whose `update_state` made the op at `path` (the innermost
+    marked), or None outside any."""
+    found = _MARKED.findall(path)
+    metrics = _all_metrics(model)
+    return metrics[int(found[-1])] if found and int(found[-1]) < len(metrics) else None
 
 
 @contextlib.contextmanager
@@ -268,6 +324,9 @@ def _scanned(model, scope):
     if tf.executing_eagerly():
         yield
         return
+    if scope == _STEP and hasattr(model, "privacy"):  # the step keeps what it captures now
+        with tf.init_scope():  # eager: the layers' state as it is
+            provenance.check_released(model, provenance.step_layers(model)[0])
     graph = tf.compat.v1.get_default_graph()
     start = len(graph.get_operations())
     yield
@@ -335,13 +394,19 @@ def _refuse_writes(model, graph, operations, scope=_PASS):
     tables = _lookup_tables(model)
     # Metrics name no scope of their own: their ops are marked as theirs.
     walked = list(_walk(graph, operations, path=_METRICS_PATH if scope == _METRICS else ""))
-    for op, _, path, _, _ in walked:  # the ops that release or stop first, by name
+    definitions = {}  # graphs serialized to infer shapes again (value_shapes)
+    for op, owner, path, _, chain in walked:  # the ops that release or stop first, by name
         if op.type in _PYTHON_OPS:
             raise ValueError(_python_message(model, op, path))
         if op.type in _OUTPUT_OPS or op.type.startswith(_OUTPUT_PREFIXES):
             raise ValueError(_output_message(model, op, path))
         if op.type in _ABORT_OPS and (op.type != "Assert" or reads_values(op, False)):
             raise ValueError(_abort_message(model, op, path))
+        if op.type == "Assert":
+            source = value_shapes.value_shaped(value_shapes.shapes_read(op), owner, chain,
+                                               _sources, definitions)
+            if source is not None:
+                raise ValueError(_value_shape_message(model, op, source, path))
     for op, owner, path, controls, chain in walked:
         if op.type in step_ops.COLLECTIVES:
             if scope != _PASS:
@@ -353,8 +418,15 @@ def _refuse_writes(model, graph, operations, scope=_PASS):
             raise ValueError(_table_message(model, op, path))
         if _writes_outside(op):
             variable = _resolve(op.inputs[0], owner, known, chain) if op.inputs else None
-            if not _may_write(scope, op, owner, chain, variable, controls, seeds,
-                              metric_variables, variables):
+            if scope == _METRICS:
+                writer = _writing_metric(model, path)
+                if not _may_write(scope, op, owner, chain, variable, controls, seeds,
+                                  metric_variables, variables) or (
+                                      writer is not None
+                                      and _metric_holding(model, variable) is not writer):
+                    raise ValueError(_metric_message(model, op, variable, path, writer))
+            elif not _may_write(scope, op, owner, chain, variable, controls, seeds,
+                                metric_variables, variables):
                 raise ValueError(_message(model, op, variable, path, scope))
         elif not step_ops.allowed(op.type):
             raise ValueError(_unknown_message(model, op, path))
@@ -784,6 +856,19 @@ def _abort_message(model, op, path=""):
     )
 
 
+def _value_shape_message(model, op, source, path=""):
+    return (
+        f"{_holder(model, path)} asserts on a shape that the values decide in its DP step: "
+        f"the shape of the output of op '{source.name}' ({source.type}) depends on the "
+        "values of its input, not only on its shape (tf.boolean_mask, tf.where, tf.unique, "
+        "tf.dynamic_partition keep as many rows as the data selects), so a check of it "
+        "fails on some records only, and whether training stopped tells that record, a "
+        "release no noise covers. Drop the assertion, or assert on shapes that the "
+        "inputs' shapes fix (compute a count as a value: tf.reduce_sum(tf.cast(mask, "
+        f"tf.int32)), and do not stop on it). {_received(op, path)}"
+    )
+
+
 def _table_message(model, op, path=""):
     return (
         f"{_holder(model, path)} reads a lookup table in its DP step that no Keras "
@@ -809,21 +894,28 @@ def _unknown_message(model, op, path=""):
     )
 
 
+def _metric_message(model, op, variable, path, writer):
+    target = f"variable '{_path(variable)}'" if variable is not None else "a resource"
+    if writer is not None:
+        holder = f"Metric '{writer.name}' ({type(writer).__name__})"
+    else:  # the metric holding the variable
+        metric = _metric_holding(model, variable)
+        holder = (f"Metric '{metric.name}' ({type(metric).__name__})" if metric is not None
+                  else _holder(model, path))
+    other = _metric_holding(model, variable) if variable is not None else None
+    whose = (f", a variable of metric '{other.name}'" if other is not None and other is not writer
+             else "")
+    return (
+        f"{holder} writes {target}{whose}, which is not its own, in update_state: a metric "
+        "updated on the batch would put training records into the model, the optimizer "
+        "or another metric outside the clipping and the noise. A metric may write only "
+        "its own variables (self.add_variable) and those of metrics it keeps inside, not "
+        "those of a metric compiled beside it. "
+        f"{_received(op, path)}"
+    )
+
+
 def _message(model, op, variable, path="", scope=_PASS):
-    if scope == _METRICS:
-        target = f"variable '{_path(variable)}'" if variable is not None else "a resource"
-        holder = _holder(model, path)
-        if holder.startswith("A compiled metric"):  # the metric holding the variable
-            metric = _metric_holding(model, variable)
-            holder = (f"Metric '{metric.name}' ({type(metric).__name__})" if metric is not None
-                      else f"A compiled metric of model '{model.name}'")
-        return (
-            f"{holder} writes {target}, which is not a metric's variable, "
-            "in update_state: a metric updated on the batch would put training records "
-            "into the model (or the optimizer) outside the clipping and the noise. A "
-            "metric may write only its own variables (self.add_variable). "
-            f"{_received(op, path)}"
-        )
     why = (
         "during the DP step: after one step it holds a function of training "
         "records, outside the clipping and the noise, and it is saved and "

@@ -47,6 +47,8 @@ import dp_accounting
 import keras
 import numpy as np
 
+from tfdp.preprocessing import run_time_state
+
 # Provenances not yet charged to a model's ledger: layer -> (entry, event,
 # the ledger the event was already recorded in, or None).
 _PENDING = weakref.WeakKeyDictionary()
@@ -457,22 +459,28 @@ def check_model(model, users=None, augment=None):
         raise _refusal(layer, what, stale=layer in _PENDING)
 
 
-def check_released(model):
+def check_released(model, extra=()):
     """Refuses a layer whose state no longer matches the provenance it had.
 
     `fit` checks provenance before its first step; a layer adapted or set
     again afterwards (after `fit`, or by a callback during it) would carry
     state the statement says is covered. `DPModel` calls this before it
     writes a file (`save`, `save_weights`, checkpoints), before `export`, at
-    each epoch's start during `fit`, and when the statement is produced
-    (`tfdp.load_model` of a file whose state does not match its ledger too).
-    A layer that never had a provenance is `fit`'s to refuse.
+    each epoch's start during `fit`, when its train step is traced (the
+    step keeps the tables and tensors it captured then), before a step whose
+    run-time state changed (`ProvenanceWatch`), and when the statement is
+    produced (`tfdp.load_model` of a file whose state does not match its
+    ledger too). A layer that never had a provenance is `fit`'s to refuse.
+
+    Args:
+        model: a `tfdp.DPModel`.
+        extra: other layers the step runs (`fit(augment=fn)`'s).
 
     Raises:
         ValueError: naming the layer and both fixes.
     """
     entries = model.privacy.preprocessing
-    for layer, what, state in _data_layers(model):
+    for layer, what, state in _data_layers(model, extra):
         digest = fingerprint(state)
         if _pending_for(layer, digest) is not None:
             continue
@@ -490,12 +498,40 @@ def check_released_if_alive(model_ref):
         check_released(model)
 
 
+def step_layers(model):
+    """(the layers `model`'s `fit(augment=fn)` function names, every layer the
+    DP step runs that may hold data-derived state: the adaptable ones),
+    found without reading their state."""
+    augmentation = getattr(model, "_augmentation", None)
+    extra = augment_layers(getattr(augmentation, "augment", None))
+    flat = list(model._flatten_layers(include_self=False))  # pylint: disable=protected-access
+    for root in extra:
+        flat += root._flatten_layers(include_self=True)  # pylint: disable=protected-access
+    adaptable = [layer for layer in flat if callable(getattr(layer, "adapt", None))]
+    return extra, adaptable
+
+
 class ProvenanceWatch(keras.callbacks.Callback):
-    """`fit`'s callback: each epoch starts only if every layer's state still
-    matches its provenance (`check_released`)."""
+    """`fit`'s callback, after the user's: each epoch starts only if every
+    layer's state still matches its provenance (`check_released`), and so
+    does each step whose run-time state (`run_time_state.token`: the
+    variables a step reads, the lookup tables held) changed since the last
+    check: a callback that adapts a layer on the raw data for a few steps
+    and restores it before the epoch ends is refused before those steps."""
+
+    def on_train_begin(self, logs=None):
+        self._extra, self._layers = step_layers(self.model)
+        self._checked = None
 
     def on_epoch_begin(self, epoch, logs=None):
-        check_released(self.model)
+        check_released(self.model, self._extra)
+        self._checked = run_time_state.token(self._layers)
+
+    def on_train_batch_begin(self, batch, logs=None):
+        now = run_time_state.token(self._layers)
+        if self._checked is None or not run_time_state.same(self._checked, now):
+            check_released(self.model, self._extra)
+            self._checked = now
 
 
 def _check_vocabularies(model):
