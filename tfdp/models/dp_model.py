@@ -157,12 +157,13 @@ class DPTrainingMixin:
         weight_ledgers.charge_held(self)  # what weights trained by another model carry
         # A statement never says "covered" for state changed since its provenance.
         self._privacy_ledger.before_statement = functools.partial(
-            preprocessing.provenance.check_released_if_alive, weakref.ref(self))
+            preprocessing.provenance.before_release_if_alive, weakref.ref(self))
         return self._privacy_ledger
 
     def export(self, filepath, *args, **kwargs):
-        """Keras `export`, refused for preprocessing state changed since its provenance."""
-        preprocessing.provenance.check_released(self)
+        """Keras `export`, refused for preprocessing state changed since its provenance
+        (and with every adaptation the model holds charged)."""
+        preprocessing.provenance.before_release(self)
         return super().export(filepath, *args, **kwargs)
 
     # -- compile -------------------------------------------------------------

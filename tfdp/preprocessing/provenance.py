@@ -56,6 +56,10 @@ _PENDING = weakref.WeakKeyDictionary()
 _EARLIER = weakref.WeakKeyDictionary()
 # Ids of the private entries charged to some ledger (not carried again).
 _CHARGED_IDS = set()
+# Models that released a layer (fit checked it, a file was saved or loaded with
+# it): layer -> their WeakSet. A new provenance of the layer is charged to them
+# the moment it is set, so every epsilon they report afterwards includes it.
+_HOLDERS = weakref.WeakKeyDictionary()
 
 _VOCABULARY_LAYERS = (
     keras.layers.StringLookup, keras.layers.IntegerLookup, keras.layers.TextVectorization)
@@ -181,7 +185,22 @@ def register_private(layer, source, unit, event, additive_delta, charged=None, p
     if partition is not None:
         entry["partition"] = partition
     _replace_pending(layer, (entry, event, charged))
+    _charge_holders(layer)
     return dict(entry)
+
+
+def _hold(layer, model):
+    _HOLDERS.setdefault(layer, weakref.WeakSet()).add(model)
+
+
+def _charge_holders(layer):
+    """Charges `layer`'s new provenance at once to each model that released the
+    layer (its own or `fit(augment=...)`'s): an adaptation during or after
+    `fit` is in the model from now on, so its logs, budget, statement and
+    exports count it."""
+    what = data_state(layer)[0]
+    for model in list(_HOLDERS.get(layer, ())):
+        _charge(model.privacy, layer, what, _PENDING[layer])
 
 
 # How many private search builds (`tfdp.tuning`) are running now.
@@ -309,6 +328,7 @@ def declare_public(layer, source):
     what, state = found
     entry = _entry(layer, what, state, "public", source.strip(), "")
     _replace_pending(layer, (entry, None, None))
+    _charge_holders(layer)
     return dict(entry)
 
 
@@ -383,11 +403,14 @@ def _charge(ledger, layer, what, pending):
 def charge_pending(model):
     """Charges every provenance waiting on `model`'s layers to its ledger, refusing nothing.
 
-    `DPModel` calls it before writing its ledger into a saved file, so that
-    a model saved before its first `fit` carries its adaptations' charge
-    (and its declarations); `check_model` refuses what has none at `fit`.
+    `DPModel` calls it before writing its ledger into a saved file, before
+    `export` and before a statement, so that a model released before its
+    first `fit` carries its adaptations' charge (and its declarations);
+    `check_model` refuses what has none at `fit`. The model then holds its
+    layers: a later provenance of one is charged to it at once.
     """
     for layer, what, state in _data_layers(model):
+        _hold(layer, model)
         pending = _pending_for(layer, fingerprint(state))
         if pending is not None:
             _charge(model.privacy, layer, what, pending)
@@ -448,6 +471,7 @@ def check_model(model, users=None, augment=None):
         if pending is not None:
             _check_unit(layer, pending[0], partition)
             _charge(ledger, layer, what, pending)
+            _hold(layer, model)
             continue
         known = [e for e in ledger.preprocessing
                  if e["state"] == digest and e["layer"] == layer.name]
@@ -483,11 +507,18 @@ def check_released(model):
             raise _refusal(layer, what, stale=True)
 
 
-def check_released_if_alive(model_ref):
-    """`check_released` of the model `model_ref` (a weak reference) still refers to."""
+def before_release(model):
+    """`check_released`, then `charge_pending`: what `model` is about to release
+    (an export, a statement) is covered, and every adaptation it holds charged."""
+    check_released(model)
+    charge_pending(model)
+
+
+def before_release_if_alive(model_ref):
+    """`before_release` of the model `model_ref` (a weak reference) still refers to."""
     model = model_ref()
     if model is not None:
-        check_released(model)
+        before_release(model)
 
 
 class ProvenanceWatch(keras.callbacks.Callback):
@@ -534,5 +565,7 @@ def travel_with_layers(model, entries):
     """
     by_name = {entry["layer"]: entry for entry in entries}
     for layer in model._flatten_layers(include_self=False):  # pylint: disable=protected-access
-        if layer.name in by_name and layer not in _PENDING:
-            _PENDING[layer] = (dict(by_name[layer.name], additive_delta=0.0), None, None)
+        if layer.name in by_name:
+            _hold(layer, model)
+            if layer not in _PENDING:
+                _PENDING[layer] = (dict(by_name[layer.name], additive_delta=0.0), None, None)
