@@ -101,18 +101,27 @@ def _units(num_records, user_ids):
 
 
 def _record_tokens(layer, data):
-    """Each record's tokens, as a list of lists of strings (or ints)."""
-    if isinstance(layer, keras.layers.TextVectorization):
-        texts = np.asarray(data, dtype=object).reshape(-1)
-        tokens = layer._preprocess(texts)  # pylint: disable=protected-access  # Keras's own split
-        rows = tokens.to_list() if hasattr(tokens, "to_list") else np.asarray(tokens).tolist()
-        rows = [row if isinstance(row, list) else [row] for row in rows]
-        return [[_text(t) for t in _flatten(row)] for row in rows]
-    array = np.asarray(data)
-    if array.ndim == 0:
+    """Each record's tokens, as a list of lists of strings (or ints).
+
+    A record is a row of `data`: all its values (or the tokens of all its
+    texts, a title and a body) are pooled before the k-bound, so one record
+    is one unit whatever its shape.
+    """
+    array = np.asarray(data, dtype=object if isinstance(
+        layer, keras.layers.TextVectorization) else None)
+    if array.ndim == 0 or not len(array):
         raise ValueError(
             f"Expected `data` to hold one row per record (shape (N,) or (N, values)). "
             f"Received: data of shape {array.shape}")
+    if isinstance(layer, keras.layers.TextVectorization):
+        texts = array.reshape(len(array), -1)  # (records, texts of a record)
+        tokens = layer._preprocess(texts.reshape(-1))  # pylint: disable=protected-access  # Keras's split
+        rows = tokens.to_list() if hasattr(tokens, "to_list") else np.asarray(tokens).tolist()
+        rows = [row if isinstance(row, list) else [row] for row in rows]
+        per_text = [[_text(t) for t in _flatten(row)] for row in rows]
+        width = texts.shape[1]
+        return [[t for text in per_text[i * width:(i + 1) * width] for t in text]
+                for i in range(len(texts))]
     rows = array.reshape(len(array), -1).tolist()
     if isinstance(layer, keras.layers.StringLookup):
         return [[_text(v) for v in row] for row in rows]
@@ -314,9 +323,10 @@ def adapt_privately(layer, data, epsilon, delta, max_tokens_per_record=None, val
     Args:
         layer: a `StringLookup`, `IntegerLookup`, `TextVectorization`,
             `Normalization` or `Discretization` layer.
-        data: the private records: texts (N,) for `TextVectorization`;
-            values (N,) or (N, values) for the lookups; numbers (N,) or
-            (N, features) otherwise.
+        data: the private records, one row per record: texts (N,) or
+            (N, texts) for `TextVectorization` (a record's texts, a title
+            and a body, pooled into one unit); values (N,) or (N, values)
+            for the lookups; numbers (N,) or (N, features) otherwise.
         epsilon: the adaptation's epsilon, a finite number > 0.
         delta: its delta, in (0, 1).
         max_tokens_per_record: k, for vocabularies: the most distinct
