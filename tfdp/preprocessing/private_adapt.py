@@ -32,7 +32,7 @@ Example:
 >>> import keras, numpy as np
 >>> ids = np.repeat(np.arange(20), 50)            # 20 common ids, 50 records each
 >>> lookup = keras.layers.IntegerLookup(name="item")
->>> entry = adapt_privately(lookup, np.append(ids, 99950), epsilon=1.0, delta=1e-6, seed=0)
+>>> entry = adapt_privately(lookup, np.append(ids, 99950), epsilon=1.0, delta=1e-6)
 >>> 99950 in lookup.get_vocabulary(), len(lookup.get_vocabulary())
 (False, 21)
 """
@@ -343,8 +343,11 @@ def adapt_privately(layer, data, epsilon, delta, max_tokens_per_record=None, val
             without user_ids accepts it, since a person-level guarantee
             protects each record too).
         bins: `Discretization`'s histogram resolution (default 256).
-        seed: optional int for the noise (default: fresh randomness; a
-            seed makes the noise reproducible, so keep it secret).
+        seed: optional int for the noise, for tests and reproductions
+            only (default: fresh randomness). A known seed makes the noise
+            known: the released state then gives the exact counts back and
+            reveals membership, whatever epsilon. The statement names a
+            seeded adaptation.
 
     Returns:
         The provenance entry (a dict) that `fit` writes in the ledger.
@@ -358,7 +361,7 @@ def adapt_privately(layer, data, epsilon, delta, max_tokens_per_record=None, val
     >>> import keras, numpy as np
     >>> age = keras.layers.Normalization(name="age")
     >>> ages = np.random.default_rng(0).uniform(20, 60, size=(1000, 1))
-    >>> entry = adapt_privately(age, ages, epsilon=1.0, delta=1e-6, value_range=(0, 100), seed=0)
+    >>> entry = adapt_privately(age, ages, epsilon=1.0, delta=1e-6, value_range=(0, 100))
     >>> bool(abs(age.adapt_mean.numpy()[0] - 40) < 2)
     True
     """
@@ -382,6 +385,9 @@ def adapt_privately(layer, data, epsilon, delta, max_tokens_per_record=None, val
             f"{type(layer).__name__} (declare its state public with "
             "tfdp.preprocessing.declare_public if it came from public data)")
     source += f"; epsilon {epsilon:g}, delta {delta:g} for this adaptation alone"
+    if seed is not None:  # the statement says so: the guarantee holds only if it stays secret
+        source += (". Seeded (seed= given): reproducible, its noise known to anyone who knows "
+                   "the seed, so private only while the seed stays secret")
     partition = None if user_ids is None else provenance.partition_digest(UserRecords(user_ids))
     return provenance.register_private(
         layer, source, unit, dp_accounting.GaussianDpEvent(sigma), additive,
