@@ -169,8 +169,11 @@ def _vocabulary(layer, data, epsilon, delta, max_tokens_per_record, user_ids, rn
     sigma = _noise_multiplier(epsilon - additive_delta.shift(delta_threshold), delta / 2)
     noise_std = sigma * math.sqrt(k)
     cut = partition_selection.threshold(noise_std, k, delta_threshold)
-    # Each unit's k-sample from its own stream (keyed by the unit's code), the noise from
-    # another: removing one unit leaves the others' samples and the noise draws alone.
+    # Each unit's k-sample from its own stream, keyed by the fresh secret key and the unit's
+    # code (a record's: its position in `data`, not a stable id, so removing record 0 moves
+    # every later key; a person's: its id), the noise from another stream. The law is the
+    # same either way: under a fresh key each unit's sample is uniform and independent of
+    # the others', whichever code it gets (docs/guides/private-preprocessing.md).
     sample_key = int(rng.integers(2**63))
     noise_rng = np.random.default_rng(rng.integers(2**63))
     codes = _unit_codes(len(records), user_ids)

@@ -124,13 +124,16 @@ def data_state(layer):
 
 
 def _composite_state(layer):
-    """All of an adaptable layer's state: its weights and each sublayer's own
-    `data_state` (a lookup's vocabulary is a table, not a weight)."""
+    """All of an adaptable layer's state: its weights and each descendant's own
+    `data_state` (a lookup's vocabulary is a table, not a weight), at every
+    depth: `_data_layers` looks no further into the layer. Descendants
+    without such state are left out (building adds an `InputLayer`)."""
     flatten = layer._flatten_layers  # pylint: disable=protected-access
     sublayers = []
-    for sublayer in flatten(include_self=False, recursive=False):
+    for sublayer in flatten(include_self=False, recursive=True):
         found = data_state(sublayer)
-        sublayers.append(None if found is None else found[1])
+        if found is not None:
+            sublayers.append([sublayer.name, found[1]])
     return {"weights": [_floats(w) for w in layer.get_weights()], "sublayers": sublayers}
 
 
