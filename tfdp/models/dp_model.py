@@ -166,6 +166,12 @@ class DPTrainingMixin:
         preprocessing.provenance.before_release(self)
         return super().export(filepath, *args, **kwargs)
 
+    def _trackable_children(self, save_type="checkpoint", **kwargs):
+        # tf.saved_model.save and keras.export.ExportArchive reach the model here.
+        if save_type == "savedmodel":
+            preprocessing.provenance.before_release(self)
+        return super()._trackable_children(save_type, **kwargs)
+
     # -- compile -------------------------------------------------------------
 
     def __setattr__(self, name, value):

@@ -490,7 +490,8 @@ def check_released(model):
     `fit` checks provenance before its first step; a layer adapted or set
     again afterwards (after `fit`, or by a callback during it) would carry
     state the statement says is covered. `DPModel` calls this before it
-    writes a file (`save`, `save_weights`, checkpoints), before `export`, at
+    writes a file (`save`, `save_weights`, checkpoints), before `export`
+    (and a SavedModel written by `tf.saved_model.save` or `ExportArchive`), at
     each epoch's start during `fit`, and when the statement is produced
     (`tfdp.load_model` of a file whose state does not match its ledger too).
     A layer that never had a provenance is `fit`'s to refuse.
