@@ -155,7 +155,8 @@ class DPTrainingMixin:
         Example: `model.privacy.epsilon(delta=1e-5)`.
         """
         weight_ledgers.charge_held(self)  # what weights trained by another model carry
-        # A statement never says "covered" for state changed since its provenance.
+        # A statement never says "covered" for state changed since its provenance,
+        # and counts every adaptation the model holds.
         self._privacy_ledger.before_statement = functools.partial(
             preprocessing.provenance.before_release_if_alive, weakref.ref(self))
         return self._privacy_ledger
