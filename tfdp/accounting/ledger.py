@@ -157,7 +157,8 @@ class PrivacyLedger:
         self._lineage = [(_new_id(), 0, 0)]
         self._resumed = None
         self._version = 0  # bumped on every change other than the step count
-        # Called before a statement: its model refuses state changed since its provenance.
+        # Called before a statement: its model refuses state changed since its
+        # provenance and charges the adaptations it holds.
         self.before_statement = None
         self._high_water = 0  # the largest step count seen: counters never go back
         self._cache = {}
@@ -802,7 +803,7 @@ class PrivacyLedger:
             A few sentences: the guarantee, what it means, what it covers
             and what it does not (see `privacy_statement`).
         """
-        if self.before_statement is not None and self._preprocessing:
+        if self.before_statement is not None:
             self.before_statement()
         epsilon = self.epsilon(delta, accountant)
         now = self.steps

@@ -149,15 +149,23 @@ class DPTrainingMixin:
         Example: `model.privacy.epsilon(delta=1e-5)`.
         """
         weight_ledgers.charge_held(self)  # what weights trained by another model carry
-        # A statement never says "covered" for state changed since its provenance.
+        # A statement never says "covered" for state changed since its provenance,
+        # and counts every adaptation the model holds.
         self._privacy_ledger.before_statement = functools.partial(
-            preprocessing.provenance.check_released_if_alive, weakref.ref(self))
+            preprocessing.provenance.before_release_if_alive, weakref.ref(self))
         return self._privacy_ledger
 
     def export(self, filepath, *args, **kwargs):
-        """Keras `export`, refused for preprocessing state changed since its provenance."""
-        preprocessing.provenance.check_released(self)
+        """Keras `export`, refused for preprocessing state changed since its provenance
+        (and with every adaptation the model holds charged)."""
+        preprocessing.provenance.before_release(self)
         return super().export(filepath, *args, **kwargs)
+
+    def _trackable_children(self, save_type="checkpoint", **kwargs):
+        # tf.saved_model.save and keras.export.ExportArchive reach the model here.
+        if save_type == "savedmodel":
+            preprocessing.provenance.before_release(self)
+        return super()._trackable_children(save_type, **kwargs)
 
     # -- compile -------------------------------------------------------------
 

@@ -14,7 +14,16 @@ passes with probability p = P(1 + N(0, s^2) > T). The unit's at most k such
 tokens are noised independently, so one of them passes with probability
 1 - (1 - p)^k; T is the smallest threshold that keeps this at most
 `delta_threshold`: p = 1 - (1 - delta_threshold)^(1/k) and
-T = 1 + s * Phi^-1(1 - p). The Gaussian part (counts of tokens the other
+T = 1 + s * Phi^-1(1 - p + 2^-32). The 2^-32 is the generator's
+(`tfdp.mechanisms.gaussian.numpy_normal`): its radius takes E = -ln V at
+the bottom of V's 2^-32 cell, so P(E >= x) <= e^-x + 2^-32, which adds at
+most 2^-33 to a count's tail over the half of the angles that point up,
+and its angle is the midpoint of one of 2^32 cells: the midpoint rule on
+the smooth periodic exp(-z^2 / (2 cos^2)), whose error is the function's
+Fourier coefficients at multiples of 2^32, decaying like
+exp(-(z^2 2^64)^(1/3)): far below 2^-33 for any z = (T - 1) / s above
+1e-6 (every delta_threshold below 0.49). So the generator's tail is at
+most the Gaussian tail plus 2^-32. The Gaussian part (counts of tokens the other
 units also hold) is `GaussianDpEvent(sigma)` in the ledger; the threshold's
 delta is accounted on top (`tfdp.accounting.additive_delta` derives the
 bound: epsilon at delta - delta_threshold, plus -log(1 - delta_threshold)).
@@ -23,7 +32,7 @@ Example:
 
 >>> t = threshold(noise_std=2.0, max_tokens=1, delta_threshold=1e-6)
 >>> round(t, 4)
-10.5068
+10.5069
 >>> import numpy as np
 >>> kept = select({"a": 500, "b": 1}, noise_std=2.0, threshold=t, rng=np.random.default_rng(0))
 >>> sorted(kept)
@@ -38,6 +47,9 @@ import numpy as np
 from tfdp.mechanisms.gaussian import numpy_normal
 
 _NORMAL = statistics.NormalDist()
+# How much more often `numpy_normal`'s draw passes a threshold than an exact
+# Gaussian's, at most (module docstring).
+GENERATOR_TAIL_EXCESS = 2.0**-32
 
 
 def pass_probability(max_tokens, delta_threshold):
@@ -58,10 +70,24 @@ def threshold(noise_std, max_tokens, delta_threshold):
             unit alone passes.
 
     Returns:
-        T = 1 + s * Phi^-1(1 - p) with p = `pass_probability(k, delta)`.
+        T = 1 + s * Phi^-1(1 - p + 2^-32) with p = `pass_probability(k,
+        delta)`: the noise generator's tail is at most the Gaussian's plus
+        2^-32 (`GENERATOR_TAIL_EXCESS`).
+
+    Raises:
+        ValueError: if p <= 2^-32 (delta_threshold below about k 2^-32):
+            no threshold keeps the generator's pass probability below it.
     """
     p = pass_probability(max_tokens, delta_threshold)
-    return 1.0 - noise_std * _NORMAL.inv_cdf(p)  # Phi^-1(1 - p) = -Phi^-1(p), exact in the tail
+    gaussian_p = p - GENERATOR_TAIL_EXCESS
+    if gaussian_p <= 0:
+        raise ValueError(
+            f"The threshold's delta is too small for the noise generator: a token of one unit "
+            f"alone would pass with probability {p:.3g}, below the 2^-32 = "
+            f"{GENERATOR_TAIL_EXCESS:.3g} that the generator's rounding may add. Use a delta "
+            f"of at least {4 * max_tokens * GENERATOR_TAIL_EXCESS:.2g} for this adaptation "
+            f"(k={max_tokens}). Received: delta_threshold={delta_threshold:g}")
+    return 1.0 - noise_std * _NORMAL.inv_cdf(gaussian_p)  # -Phi^-1(p): exact in the tail
 
 
 def bounded_counts(units, max_tokens, key):

@@ -32,7 +32,7 @@ Example:
 >>> import keras, numpy as np
 >>> ids = np.repeat(np.arange(20), 50)            # 20 common ids, 50 records each
 >>> lookup = keras.layers.IntegerLookup(name="item")
->>> entry = adapt_privately(lookup, np.append(ids, 99950), epsilon=1.0, delta=1e-6, seed=0)
+>>> entry = adapt_privately(lookup, np.append(ids, 99950), epsilon=1.0, delta=1e-6)
 >>> 99950 in lookup.get_vocabulary(), len(lookup.get_vocabulary())
 (False, 21)
 """
@@ -101,18 +101,27 @@ def _units(num_records, user_ids):
 
 
 def _record_tokens(layer, data):
-    """Each record's tokens, as a list of lists of strings (or ints)."""
-    if isinstance(layer, keras.layers.TextVectorization):
-        texts = np.asarray(data, dtype=object).reshape(-1)
-        tokens = layer._preprocess(texts)  # pylint: disable=protected-access  # Keras's own split
-        rows = tokens.to_list() if hasattr(tokens, "to_list") else np.asarray(tokens).tolist()
-        rows = [row if isinstance(row, list) else [row] for row in rows]
-        return [[_text(t) for t in _flatten(row)] for row in rows]
-    array = np.asarray(data)
-    if array.ndim == 0:
+    """Each record's tokens, as a list of lists of strings (or ints).
+
+    A record is a row of `data`: all its values (or the tokens of all its
+    texts, a title and a body) are pooled before the k-bound, so one record
+    is one unit whatever its shape.
+    """
+    array = np.asarray(data, dtype=object if isinstance(
+        layer, keras.layers.TextVectorization) else None)
+    if array.ndim == 0 or not len(array):
         raise ValueError(
             f"Expected `data` to hold one row per record (shape (N,) or (N, values)). "
             f"Received: data of shape {array.shape}")
+    if isinstance(layer, keras.layers.TextVectorization):
+        texts = array.reshape(len(array), -1)  # (records, texts of a record)
+        tokens = layer._preprocess(texts.reshape(-1))  # pylint: disable=protected-access  # Keras's split
+        rows = tokens.to_list() if hasattr(tokens, "to_list") else np.asarray(tokens).tolist()
+        rows = [row if isinstance(row, list) else [row] for row in rows]
+        per_text = [[_text(t) for t in _flatten(row)] for row in rows]
+        width = texts.shape[1]
+        return [[t for text in per_text[i * width:(i + 1) * width] for t in text]
+                for i in range(len(texts))]
     rows = array.reshape(len(array), -1).tolist()
     if isinstance(layer, keras.layers.StringLookup):
         return [[_text(v) for v in row] for row in rows]
@@ -160,8 +169,11 @@ def _vocabulary(layer, data, epsilon, delta, max_tokens_per_record, user_ids, rn
     sigma = _noise_multiplier(epsilon - additive_delta.shift(delta_threshold), delta / 2)
     noise_std = sigma * math.sqrt(k)
     cut = partition_selection.threshold(noise_std, k, delta_threshold)
-    # Each unit's k-sample from its own stream (keyed by the unit's code), the noise from
-    # another: removing one unit leaves the others' samples and the noise draws alone.
+    # Each unit's k-sample from its own stream, keyed by the fresh secret key and the unit's
+    # code (a record's: its position in `data`, not a stable id, so removing record 0 moves
+    # every later key; a person's: its id), the noise from another stream. The law is the
+    # same either way: under a fresh key each unit's sample is uniform and independent of
+    # the others', whichever code it gets (docs/guides/private-preprocessing.md).
     sample_key = int(rng.integers(2**63))
     noise_rng = np.random.default_rng(rng.integers(2**63))
     codes = _unit_codes(len(records), user_ids)
@@ -314,9 +326,10 @@ def adapt_privately(layer, data, epsilon, delta, max_tokens_per_record=None, val
     Args:
         layer: a `StringLookup`, `IntegerLookup`, `TextVectorization`,
             `Normalization` or `Discretization` layer.
-        data: the private records: texts (N,) for `TextVectorization`;
-            values (N,) or (N, values) for the lookups; numbers (N,) or
-            (N, features) otherwise.
+        data: the private records, one row per record: texts (N,) or
+            (N, texts) for `TextVectorization` (a record's texts, a title
+            and a body, pooled into one unit); values (N,) or (N, values)
+            for the lookups; numbers (N,) or (N, features) otherwise.
         epsilon: the adaptation's epsilon, a finite number > 0.
         delta: its delta, in (0, 1).
         max_tokens_per_record: k, for vocabularies: the most distinct
@@ -333,8 +346,11 @@ def adapt_privately(layer, data, epsilon, delta, max_tokens_per_record=None, val
             without user_ids accepts it, since a person-level guarantee
             protects each record too).
         bins: `Discretization`'s histogram resolution (default 256).
-        seed: optional int for the noise (default: fresh randomness; a
-            seed makes the noise reproducible, so keep it secret).
+        seed: optional int for the noise, for tests and reproductions
+            only (default: fresh randomness). A known seed makes the noise
+            known: the released state then gives the exact counts back and
+            reveals membership, whatever epsilon. The statement names a
+            seeded adaptation.
 
     Returns:
         The provenance entry (a dict) that `fit` writes in the ledger.
@@ -348,7 +364,7 @@ def adapt_privately(layer, data, epsilon, delta, max_tokens_per_record=None, val
     >>> import keras, numpy as np
     >>> age = keras.layers.Normalization(name="age")
     >>> ages = np.random.default_rng(0).uniform(20, 60, size=(1000, 1))
-    >>> entry = adapt_privately(age, ages, epsilon=1.0, delta=1e-6, value_range=(0, 100), seed=0)
+    >>> entry = adapt_privately(age, ages, epsilon=1.0, delta=1e-6, value_range=(0, 100))
     >>> bool(abs(age.adapt_mean.numpy()[0] - 40) < 2)
     True
     """
@@ -372,6 +388,9 @@ def adapt_privately(layer, data, epsilon, delta, max_tokens_per_record=None, val
             f"{type(layer).__name__} (declare its state public with "
             "tfdp.preprocessing.declare_public if it came from public data)")
     source += f"; epsilon {epsilon:g}, delta {delta:g} for this adaptation alone"
+    if seed is not None:  # the statement says so: the guarantee holds only if it stays secret
+        source += (". Seeded (seed= given): reproducible, its noise known to anyone who knows "
+                   "the seed, so private only while the seed stays secret")
     partition = None if user_ids is None else provenance.partition_digest(UserRecords(user_ids))
     return provenance.register_private(
         layer, source, unit, dp_accounting.GaussianDpEvent(sigma), additive,

@@ -58,6 +58,10 @@ _PENDING = weakref.WeakKeyDictionary()
 _EARLIER = weakref.WeakKeyDictionary()
 # Ids of the private entries charged to some ledger (not carried again).
 _CHARGED_IDS = set()
+# Models that released a layer (fit checked it, a file was saved or loaded with
+# it): layer -> their WeakSet. A new provenance of the layer is charged to them
+# the moment it is set, so every epsilon they report afterwards includes it.
+_HOLDERS = weakref.WeakKeyDictionary()
 
 _VOCABULARY_LAYERS = (
     keras.layers.StringLookup, keras.layers.IntegerLookup, keras.layers.TextVectorization)
@@ -122,13 +126,16 @@ def data_state(layer):
 
 
 def _composite_state(layer):
-    """All of an adaptable layer's state: its weights and each sublayer's own
-    `data_state` (a lookup's vocabulary is a table, not a weight)."""
+    """All of an adaptable layer's state: its weights and each descendant's own
+    `data_state` (a lookup's vocabulary is a table, not a weight), at every
+    depth: `_data_layers` looks no further into the layer. Descendants
+    without such state are left out (building adds an `InputLayer`)."""
     flatten = layer._flatten_layers  # pylint: disable=protected-access
     sublayers = []
-    for sublayer in flatten(include_self=False, recursive=False):
+    for sublayer in flatten(include_self=False, recursive=True):
         found = data_state(sublayer)
-        sublayers.append(None if found is None else found[1])
+        if found is not None:
+            sublayers.append([sublayer.name, found[1]])
     return {"weights": [_floats(w) for w in layer.get_weights()], "sublayers": sublayers}
 
 
@@ -183,7 +190,22 @@ def register_private(layer, source, unit, event, additive_delta, charged=None, p
     if partition is not None:
         entry["partition"] = partition
     _replace_pending(layer, (entry, event, charged))
+    _charge_holders(layer)
     return dict(entry)
+
+
+def _hold(layer, model):
+    _HOLDERS.setdefault(layer, weakref.WeakSet()).add(model)
+
+
+def _charge_holders(layer):
+    """Charges `layer`'s new provenance at once to each model that released the
+    layer (its own or `fit(augment=...)`'s): an adaptation during or after
+    `fit` is in the model from now on, so its logs, budget, statement and
+    exports count it."""
+    what = data_state(layer)[0]
+    for model in list(_HOLDERS.get(layer, ())):
+        _charge(model.privacy, layer, what, _PENDING[layer])
 
 
 # How many private search builds (`tfdp.tuning`) are running now.
@@ -311,6 +333,7 @@ def declare_public(layer, source):
     what, state = found
     entry = _entry(layer, what, state, "public", source.strip(), "")
     _replace_pending(layer, (entry, None, None))
+    _charge_holders(layer)
     return dict(entry)
 
 
@@ -385,11 +408,14 @@ def _charge(ledger, layer, what, pending):
 def charge_pending(model):
     """Charges every provenance waiting on `model`'s layers to its ledger, refusing nothing.
 
-    `DPModel` calls it before writing its ledger into a saved file, so that
-    a model saved before its first `fit` carries its adaptations' charge
-    (and its declarations); `check_model` refuses what has none at `fit`.
+    `DPModel` calls it before writing its ledger into a saved file, before
+    `export` and before a statement, so that a model released before its
+    first `fit` carries its adaptations' charge (and its declarations);
+    `check_model` refuses what has none at `fit`. The model then holds its
+    layers: a later provenance of one is charged to it at once.
     """
     for layer, what, state in _data_layers(model):
+        _hold(layer, model)
         pending = _pending_for(layer, fingerprint(state))
         if pending is not None:
             _charge(model.privacy, layer, what, pending)
@@ -450,6 +476,7 @@ def check_model(model, users=None, augment=None):
         if pending is not None:
             _check_unit(layer, pending[0], partition)
             _charge(ledger, layer, what, pending)
+            _hold(layer, model)
             continue
         known = [e for e in ledger.preprocessing
                  if e["state"] == digest and e["layer"] == layer.name]
@@ -465,7 +492,8 @@ def check_released(model, extra=()):
     `fit` checks provenance before its first step; a layer adapted or set
     again afterwards (after `fit`, or by a callback during it) would carry
     state the statement says is covered. `DPModel` calls this before it
-    writes a file (`save`, `save_weights`, checkpoints), before `export`, at
+    writes a file (`save`, `save_weights`, checkpoints), before `export`
+    (and a SavedModel written by `tf.saved_model.save` or `ExportArchive`), at
     each epoch's start during `fit`, when its train step is traced (the
     step keeps the tables and tensors it captured then), before a step whose
     run-time state changed (`ProvenanceWatch`), and when the statement is
@@ -491,11 +519,18 @@ def check_released(model, extra=()):
             raise _refusal(layer, what, stale=True)
 
 
-def check_released_if_alive(model_ref):
-    """`check_released` of the model `model_ref` (a weak reference) still refers to."""
+def before_release(model):
+    """`check_released`, then `charge_pending`: what `model` is about to release
+    (an export, a statement) is covered, and every adaptation it holds charged."""
+    check_released(model)
+    charge_pending(model)
+
+
+def before_release_if_alive(model_ref):
+    """`before_release` of the model `model_ref` (a weak reference) still refers to."""
     model = model_ref()
     if model is not None:
-        check_released(model)
+        before_release(model)
 
 
 def step_layers(model):
@@ -570,5 +605,7 @@ def travel_with_layers(model, entries):
     """
     by_name = {entry["layer"]: entry for entry in entries}
     for layer in model._flatten_layers(include_self=False):  # pylint: disable=protected-access
-        if layer.name in by_name and layer not in _PENDING:
-            _PENDING[layer] = (dict(by_name[layer.name], additive_delta=0.0), None, None)
+        if layer.name in by_name:
+            _hold(layer, model)
+            if layer not in _PENDING:
+                _PENDING[layer] = (dict(by_name[layer.name], additive_delta=0.0), None, None)
