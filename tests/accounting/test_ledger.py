@@ -353,31 +353,33 @@ def _tamper(edit):
     return json.dumps(data)
 
 
-@pytest.mark.parametrize(
-    "text, message",
-    [
-        ("{not json", "invalid JSON"),
-        ("[1, 2]", "expected the ledger to be an object"),
-        (b"\xff\xfe", "not UTF-8"),
-        (_tamper(lambda d: d.update(format="something.else")), "expected format"),
-        (_tamper(lambda d: d.update(version=99)), "unsupported version 99"),
-        (_tamper(lambda d: d.pop("segments")), "has no 'segments'"),
-        (_tamper(lambda d: d.update(steps=-4)), r"the ledger.steps to be an integer >= 0, got -4"),
-        (_tamper(lambda d: d.update(steps="many")), "the ledger.steps to be an integer"),
-        (_tamper(lambda d: d.update(steps=10)), "10 steps, but the open segment starts at step 600"),
-        (_tamper(lambda d: d["segments"][1].update(start=250)), r"segments\[1\] covers steps \[250, 600\)"),
-        (_tamper(lambda d: d["segments"][0].update(end=0)), r"segments\[0\] covers steps \[0, 0\)"),
-        (_tamper(lambda d: d["open"].update(start=700)), "open segment starts at step 700, expected 600"),
-        (_tamper(lambda d: d.update(open=None)), "closed segments but no open segment"),
-        (_tamper(lambda d: d["records"][0].update(count=0)), r"records\[0\].count to be an integer >= 1"),
-        (_tamper(lambda d: d["records"][0]["event"].update(type="Evil")), r"bad event at records\[0\].event: Unknown"),
-        (
-            _tamper(lambda d: d["segments"][0]["event"].update(sampling_probability=3)),
-            r"bad event at segments\[0\].event.*sampling_probability in",
-        ),
-        (_tamper(lambda d: d["open"].pop("event")), "open has no 'event'"),
-    ],
-)
+CORRUPT = [
+    ("{not json", "invalid JSON"),
+    ("[1, 2]", "expected the ledger to be an object"),
+    (b"\xff\xfe", "not UTF-8"),
+    (_tamper(lambda d: d.update(format="something.else")), "expected format"),
+    (_tamper(lambda d: d.update(version=99)), "unsupported version 99"),
+    (_tamper(lambda d: d.pop("segments")), "has no 'segments'"),
+    (_tamper(lambda d: d.update(steps=-4)), r"the ledger.steps to be an integer >= 0, got -4"),
+    (_tamper(lambda d: d.update(steps="many")), "the ledger.steps to be an integer"),
+    (_tamper(lambda d: d.update(steps=10)), "10 steps, but the open segment starts at step 600"),
+    (_tamper(lambda d: d["segments"][1].update(start=250)), r"segments\[1\] covers steps \[250, 600\)"),
+    (_tamper(lambda d: d["segments"][0].update(end=0)), r"segments\[0\] covers steps \[0, 0\)"),
+    (_tamper(lambda d: d["open"].update(start=700)), "open segment starts at step 700, expected 600"),
+    (_tamper(lambda d: d.update(open=None)), "closed segments but no open segment"),
+    (_tamper(lambda d: d["records"][0].update(count=0)), r"records\[0\].count to be an integer >= 1"),
+    (_tamper(lambda d: d["records"][0]["event"].update(type="Evil")), r"bad event at records\[0\].event: Unknown"),
+    (
+        _tamper(lambda d: d["segments"][0]["event"].update(sampling_probability=3)),
+        r"bad event at segments\[0\].event.*sampling_probability in",
+    ),
+    (_tamper(lambda d: d["open"].pop("event")), "open has no 'event'"),
+]
+
+
+# Ids by position: a ledger's text holds its random lineage id, and xdist's
+# workers must collect the same names.
+@pytest.mark.parametrize("text, message", CORRUPT, ids=[f"case{i}" for i in range(len(CORRUPT))])
 def test_corrupt_json_is_refused_with_a_clear_message(text, message):
     with pytest.raises(ValueError, match="Corrupt privacy ledger: .*" + message):
         PrivacyLedger.from_json(text)
