@@ -83,3 +83,11 @@ def test_the_input_pipelines_own_errors_pass_unchanged():
 
     with pytest.raises(tf.errors.InvalidArgumentError, match="Record 23"):
         step_errors.without_record_values(reads)()
+
+
+def test_predict_on_a_private_record_does_not_quote_it():
+    """Review 8, G10: predict's function was not wrapped."""
+    model = parsing_model()
+    with pytest.raises(tf.errors.InvalidArgumentError, match="failed in node") as raised:
+        model.predict(tf.constant(RECORDS), batch_size=16, verbose=0)
+    assert CANARY not in "".join(traceback.format_exception(raised.value))

@@ -92,6 +92,19 @@ def test_xla_flags_that_split_or_relax_dots_keep_float64_grams(monkeypatch):
         "XLA_FLAGS --xla_gpu_enable_bf16_3way_gemm"]
 
 
+@pytest.mark.parametrize("flags, on", [
+    ("--xla_cpu_enable_fast_math", True),        # a bare boolean flag is true (review 8, G6)
+    ("--xla_cpu_enable_fast_math=t", True),
+    ("--xla_cpu_enable_fast_math=yes", True),
+    ("--xla_cpu_enable_fast_math=false", False),  # negative controls
+    ("--xla_cpu_enable_fast_math=0 --xla_dump_to=/tmp", False),
+])
+def test_xla_flags_are_read_one_flag_at_a_time(monkeypatch, flags, on):
+    monkeypatch.setenv("XLA_FLAGS", flags)
+    assert gram_precision.reduced_precision_settings() == (
+        ["XLA_FLAGS --xla_cpu_enable_fast_math"] if on else [])
+
+
 def test_grappler_mixed_precision_never_takes_float32_grams():
     """Grappler's bfloat16 rewrite ran the float32 Gram matmul in bfloat16
     (the review: true/bound 11.3). `fit` refuses it; the norms never trust

@@ -385,6 +385,13 @@ class DPTrainingMixin:
         self.train_function = without_record_values(self.train_function)
         return self.train_function
 
+    def make_predict_function(self, force=False):
+        """Keras's predict function (its inputs may be private records), its
+        op errors withheld (`step_errors`)."""
+        super().make_predict_function(force)
+        self.predict_function = without_record_values(self.predict_function)
+        return self.predict_function
+
     def make_test_function(self, force=False):
         """Keras's test function (validation data may be private), its op
         errors withheld (`step_errors`)."""

@@ -5,7 +5,7 @@ with an id out of range, `DecodeCSV` on a malformed line) raises an
 `InvalidArgumentError` whose message quotes that value: a private record's
 raw field in a traceback, a log or a notebook's output, which no epsilon
 covers (a review of this round found a record's id so). A DP model's train
-and test functions therefore re-raise TensorFlow's op errors as the same
+test and predict functions therefore re-raise TensorFlow's op errors as the same
 error class naming the failing node (the layer and op, which the model
 fixes, not the data) and withhold TensorFlow's message. The original error
 is not chained (`__cause__` and `__context__` are empty), so no handler or

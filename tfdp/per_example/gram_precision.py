@@ -78,6 +78,17 @@ _probes = {}  # (shape, configuration) -> None (float32 held) or the reason it d
 _logged = set()  # the settings lines logged
 
 
+def _xla_flags_on(xla_flags):
+    """The flags of an `XLA_FLAGS` value that are on: `--name` alone or with
+    a value other than false/0/no (XLA reads a bare boolean flag as true)."""
+    on = set()
+    for token in xla_flags.split():
+        name, _, value = token.lstrip("-").partition("=")
+        if value.strip().lower() not in ("false", "0", "no", "f", "n"):
+            on.add(name.lower())
+    return on
+
+
 def reduced_precision_settings():
     """The settings in force that allow a float32 matmul to round to fewer
     bits than float32, as "NAME=value" strings (empty: none).
@@ -89,9 +100,8 @@ def reduced_precision_settings():
     """
     found = [f"{name}={os.environ[name]}" for name in FPMATH_ENV
              if os.environ.get(name, "").strip().upper() not in _STRICT_VALUES]
-    xla_flags = os.environ.get("XLA_FLAGS", "")
-    found += [f"XLA_FLAGS --{flag}" for flag in _XLA_FLAGS
-              if f"{flag}=true" in xla_flags.lower() or f"{flag}=1" in xla_flags.lower()]
+    switched_on = _xla_flags_on(os.environ.get("XLA_FLAGS", ""))
+    found += [f"XLA_FLAGS --{flag}" for flag in _XLA_FLAGS if flag in switched_on]
     found += [f"{name}=True" for name, value in
               sorted(tf.config.optimizer.get_experimental_options().items())
               if name.startswith("auto_mixed_precision") and value]
