@@ -20,7 +20,12 @@ Keras loads such a file, the loaded model's variables carry those trainings
 (`weight_ledgers.note_file_ledger`), so a DP model built on them charges
 them. A damaged ledger is refused, as in a DP model's file. Sharded and
 `.npz` weights have no place for it: saving carried weights in them is
-refused, naming the formats that keep the ledger.
+refused, naming the formats that keep the ledger. Nor has Keras's legacy
+HDF5 format (a `.h5` / `.hdf5` name for `save` or
+`keras.saving.save_model`, written by `legacy_h5_format.save_model_to_hdf5`,
+not `_save_state`): such a save of weights that carry a training, and of
+any DP model (no loader reads a DP model from it), is refused before the
+file is opened (`refuse_legacy_h5`).
 
 Not covered: `tf.train.Checkpoint` (and any copy as arrays: `set_weights`,
 `assign`) writes values only; the docs list it with them.
@@ -47,6 +52,7 @@ import functools
 import inspect
 
 import numpy as np
+from keras.src.legacy.saving import legacy_h5_format
 from keras.src.saving import saving_lib
 
 from tfdp.accounting import PrivacyLedger
@@ -85,6 +91,35 @@ def write(model, weights_store):
     weights_store.h5_file.create_dataset(DATASET, data=np.frombuffer(text, dtype=np.uint8))
 
 
+def refuse_legacy_h5(model, filepath):
+    """Before Keras writes `model` in its legacy HDF5 format to `filepath`.
+
+    Raises:
+        ValueError: if `model` is a DP model, or its variables carry a
+            training (the format has no place for a ledger).
+    """
+    if _is_dp_model(model):  # no path named: DPModel.save writes to a temporary name
+        raise ValueError(
+            f"DP model {model.name!r} cannot be saved in Keras's legacy HDF5 format (a file "
+            "name ending in .h5 or .hdf5): "
+            "that file has no place for its privacy ledger, and neither tfdp.load_model nor "
+            "keras.models.load_model reads a DP model back from it. Save it as .keras "
+            "(`DPModel.save('model.keras')`) or its weights as .weights.h5 "
+            "(`DPModel.save_weights('model.weights.h5')`).")
+    if not hasattr(model, "_flatten_layers"):
+        return
+    ledger = weight_ledgers.carrier_ledger(model)
+    if ledger is not None:
+        name = getattr(filepath, "filename", filepath)  # a path or an open h5py.File
+        labels = ", ".join(c.label for c in ledger.carried.values())
+        raise ValueError(
+            f"The weights of {model.name!r} were trained with differential privacy (by "
+            f"{labels}), and Keras's legacy HDF5 format ({name}) has no place for their "
+            "privacy ledger, so a model built on them would not charge that training. "
+            "Save them as .keras or .weights.h5 (the ledger travels in the file), or save "
+            "the DP model itself (`DPModel.save`).")
+
+
 def read(model, weights_store):
     """After Keras loaded `model`'s variables from `weights_store`: they
     carry the trainings the file's ledger carries."""
@@ -110,10 +145,12 @@ def _root(function, *args, **kwargs):
 
 def install():
     """Wraps Keras's `_save_state` and `_load_state` (every save and load
-    of `.keras` and `.weights.h5` goes through them); once."""
+    of `.keras` and `.weights.h5` goes through them), and its legacy
+    `save_model_to_hdf5` (every `.h5` model save); once."""
     if getattr(saving_lib._save_state, "_tfdp_ledgers", False):  # pylint: disable=protected-access
         return
     save_state, load_state = saving_lib._save_state, saving_lib._load_state  # pylint: disable=protected-access
+    save_legacy_h5 = legacy_h5_format.save_model_to_hdf5
 
     @functools.wraps(save_state)
     def saving(*args, **kwargs):
@@ -130,8 +167,14 @@ def install():
             read(*root)
         return result
 
+    @functools.wraps(save_legacy_h5)
+    def saving_legacy_h5(model, filepath, *args, **kwargs):
+        refuse_legacy_h5(model, filepath)
+        return save_legacy_h5(model, filepath, *args, **kwargs)
+
     saving._tfdp_ledgers = loading._tfdp_ledgers = True  # pylint: disable=protected-access
     saving_lib._save_state, saving_lib._load_state = saving, loading  # pylint: disable=protected-access
+    legacy_h5_format.save_model_to_hdf5 = saving_legacy_h5
 
 
 install()
