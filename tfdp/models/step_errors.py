@@ -4,7 +4,7 @@ An op that fails on a value (`tf.strings.to_number` on a word, a gather
 with an id out of range, `DecodeCSV` on a malformed line) raises an
 `InvalidArgumentError` whose message quotes that value: a private record's
 raw field in a traceback, a log or a notebook's output, which no epsilon
-covers (a review of this round found a record's id so). A DP model's train
+covers (a review of this round found a record's id so). A DP model's train,
 test and predict functions therefore re-raise TensorFlow's op errors as the same
 error class naming the failing node (the layer and op, which the model
 fixes, not the data) and withhold TensorFlow's message. The original error
