@@ -20,7 +20,7 @@ To read the full message while debugging on data that is not private, set
 the environment variable `TFDP_SHOW_STEP_ERRORS=1`: the message then
 prints record values. TensorFlow's C++ log also prints a failing op's
 message as a warning unless `TF_CPP_MIN_LOG_LEVEL=2` (or higher) is set
-before TensorFlow is imported (docs/guides/faq.md, quieting TensorFlow).
+before TensorFlow is imported (docs/faq.md, quieting TensorFlow).
 
 Example:
 
