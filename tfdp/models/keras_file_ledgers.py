@@ -79,14 +79,9 @@ def write(model, weights_store):
     if ledger is None:
         return
     if type(weights_store) is not saving_lib.H5IOStore:  # pylint: disable=unidiomatic-typecheck
-        labels = ", ".join(c.label for c in ledger.carried.values())
-        raise ValueError(
-            f"The weights of {model.name!r} were trained with differential privacy (by "
-            f"{labels}), and this file format ({type(weights_store).__name__}: sharded or "
-            ".npz weights) has no place for their privacy ledger, so a model built on them "
-            "would not charge that training. Save them unsharded, as .keras or "
-            ".weights.h5 (the ledger travels in the file), or save the DP model itself "
-            "(`DPModel.save`).")
+        raise _no_place_for_ledger(
+            model, ledger, f"this file format ({type(weights_store).__name__}: sharded or "
+            ".npz weights)", "Save them unsharded, as .keras or .weights.h5")
     text = ledger.to_json().encode("utf-8")
     weights_store.h5_file.create_dataset(DATASET, data=np.frombuffer(text, dtype=np.uint8))
 
@@ -111,13 +106,18 @@ def refuse_legacy_h5(model, filepath):
     ledger = weight_ledgers.carrier_ledger(model)
     if ledger is not None:
         name = getattr(filepath, "filename", filepath)  # a path or an open h5py.File
-        labels = ", ".join(c.label for c in ledger.carried.values())
-        raise ValueError(
-            f"The weights of {model.name!r} were trained with differential privacy (by "
-            f"{labels}), and Keras's legacy HDF5 format ({name}) has no place for their "
-            "privacy ledger, so a model built on them would not charge that training. "
-            "Save them as .keras or .weights.h5 (the ledger travels in the file), or save "
-            "the DP model itself (`DPModel.save`).")
+        raise _no_place_for_ledger(model, ledger, f"Keras's legacy HDF5 format ({name})",
+                                   "Save them as .keras or .weights.h5")
+
+
+def _no_place_for_ledger(model, ledger, file_format, save_as):
+    """The refusal of a save whose `file_format` cannot hold the carried `ledger`."""
+    labels = ", ".join(c.label for c in ledger.carried.values())
+    return ValueError(
+        f"The weights of {model.name!r} were trained with differential privacy (by "
+        f"{labels}), and {file_format} has no place for their privacy ledger, so a model "
+        f"built on them would not charge that training. {save_as} (the ledger travels in "
+        "the file), or save the DP model itself (`DPModel.save`).")
 
 
 def read(model, weights_store):
