@@ -73,16 +73,34 @@ def test_with_the_escape_hatch_the_message_quotes_the_record(monkeypatch):
         parsing_model().fit(RECORDS, LABELS, batch_size=16, epochs=1, verbose=0)
 
 
-def test_the_input_pipelines_own_errors_pass_unchanged():
+@pytest.mark.parametrize("iterator_node", [
+    "IteratorGetNext", "{{node IteratorGetNext}}", "IteratorGetNextAsOptional",
+    # steps_per_execution > 1: the read runs inside Keras's while loop (CI, stop 57)
+    "while/body/_1/while/cond_1/then/_114/while/cond_1/IteratorGetNextAsOptional"])
+def test_the_input_pipelines_own_errors_pass_unchanged(iterator_node):
     """tfdp's data sources name a bad record by position; their error, raised
-    at IteratorGetNext, keeps its message."""
+    at IteratorGetNext (or its optional form, at any depth of the step's
+    loop), keeps its message."""
     def reads():
         raise tf.errors.InvalidArgumentError(
             None, None, "Record 23 has a label outside [0, 2]\n\t [[{{node PyFuncStateless}}]]"
-                        "\n\t [[IteratorGetNext]] [Op:__inference_multi_step_on_iterator_1]")
+                        f"\n\t [[{iterator_node}]] [Op:__inference_multi_step_on_iterator_1]")
 
     with pytest.raises(tf.errors.InvalidArgumentError, match="Record 23"):
         step_errors.without_record_values(reads)()
+
+
+def test_a_node_only_named_like_the_iterator_is_withheld():
+    """Negative control: a step node whose name merely contains the
+    iterator's (a layer called `my_IteratorGetNext_copy`) is the step's."""
+    def fails():
+        raise tf.errors.InvalidArgumentError(
+            None, None, "StringToNumberOp could not correctly convert string: SECRET\n\t "
+                        "[[{{node model/my_IteratorGetNext_copy/StringToNumber}}]]")
+
+    with pytest.raises(tf.errors.InvalidArgumentError, match="failed in node") as raised:
+        step_errors.without_record_values(fails)()
+    assert "SECRET" not in str(raised.value)
 
 
 def test_predict_on_a_private_record_does_not_quote_it():

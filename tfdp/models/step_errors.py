@@ -43,7 +43,9 @@ import tensorflow as tf
 
 SHOW_ENV = "TFDP_SHOW_STEP_ERRORS"
 _NODE = re.compile(r"\{\{node ([^}]+)\}\}")
-_INPUT_PIPELINE = re.compile(r"\[\[(\{\{node )?IteratorGetNext")
+# The iterator's node, last in its path: `IteratorGetNext`, or with
+# steps_per_execution > 1 `IteratorGetNextAsOptional` inside Keras's loop.
+_INPUT_PIPELINE = re.compile(r"\[\[(\{\{node )?([^\]\s{}]*/)?IteratorGetNext(AsOptional)?(\]\]|\}\})")
 
 
 def withheld_message(error):
