@@ -48,6 +48,12 @@ _NODE = re.compile(r"\{\{node ([^}]+)\}\}")
 _INPUT_PIPELINE = re.compile(r"\[\[(\{\{node )?([^\]\s{}]*/)?IteratorGetNext(AsOptional)?(\]\]|\}\})")
 
 
+def record_values_shown():
+    """Whether errors may quote record values: `TFDP_SHOW_STEP_ERRORS=1`
+    (also read by `tfdp.data.sources` for its reading errors)."""
+    return os.environ.get(SHOW_ENV) == "1"
+
+
 def withheld_message(error):
     """The text that replaces `error`'s message: the node that failed and
     why the rest is withheld."""
@@ -85,7 +91,7 @@ def without_record_values(function):
     """
     if function is None or getattr(function, "_tfdp_without_record_values", False):
         return function
-    if os.environ.get(SHOW_ENV) == "1":
+    if record_values_shown():
         return function
 
     @functools.wraps(function)
