@@ -41,7 +41,8 @@ from tfdp.accounting.calibration import steps_per_epoch as default_steps_per_epo
 from tfdp.data import sources
 from tfdp.data.fixed_order import FixedOrderData
 from tfdp.models import (
-    chunked_step, input_checks, multi_output, state_writes, user_level, weight_ledgers,
+    chunked_step, input_checks, keras_file_ledgers, multi_output, state_writes, user_level,
+    weight_ledgers,
 )
 from tfdp.models.augmentation import check_augmentation
 from tfdp.models.chosen_checkpoint import keep_chosen_checkpoints_charged
@@ -282,8 +283,10 @@ def _refuse_nothing_to_train(model):
 
 def _fit_callbacks(model, callbacks):
     """The user's callbacks, any backup restored, with the watches fit adds."""
+    callbacks = list(callbacks or [])
+    keras_file_ledgers.refuse_legacy_h5_checkpoints(model, callbacks)  # else refused at its save
     # Keras would restore a backup (weights, ledger) after the releases below.
-    callbacks = restore_backups(model, list(callbacks or []))
+    callbacks = restore_backups(model, callbacks)
     callbacks.append(preprocessing.provenance.ProvenanceWatch())  # re-adapted mid-fit: refused
     # A file kept by save_best_only is rewritten with the ledger of each check.
     return keep_chosen_checkpoints_charged(callbacks)

@@ -25,7 +25,9 @@ HDF5 format (a `.h5` / `.hdf5` name for `save` or
 `keras.saving.save_model`, written by `legacy_h5_format.save_model_to_hdf5`,
 not `_save_state`): such a save of weights that carry a training, and of
 any DP model (no loader reads a DP model from it), is refused before the
-file is opened (`refuse_legacy_h5`).
+file is opened (`refuse_legacy_h5`); a `keras.callbacks.ModelCheckpoint`
+that would save a DP model so, before fit's first step
+(`refuse_legacy_h5_checkpoints`).
 
 Not covered: `tf.train.Checkpoint` (and any copy as arrays: `set_weights`,
 `assign`) writes values only; the docs list it with them.
@@ -51,6 +53,7 @@ Example:
 import functools
 import inspect
 
+import keras
 import numpy as np
 from keras.src.legacy.saving import legacy_h5_format
 from keras.src.saving import saving_lib
@@ -108,6 +111,28 @@ def refuse_legacy_h5(model, filepath):
         name = getattr(filepath, "filename", filepath)  # a path or an open h5py.File
         raise _no_place_for_ledger(model, ledger, f"Keras's legacy HDF5 format ({name})",
                                    "Save them as .keras or .weights.h5")
+
+
+def refuse_legacy_h5_checkpoints(model, callbacks):
+    """Before `fit`'s first step: a `keras.callbacks.ModelCheckpoint` that
+    would save DP model `model` in the legacy HDF5 format (a `.h5` / `.hdf5`
+    name, not weights only) is refused with the message of that save, which
+    would otherwise come at its first checkpoint, after an epoch's steps.
+
+    Raises:
+        ValueError: naming the checkpoint's filepath and the formats to use.
+    """
+    for callback in callbacks:
+        if (isinstance(callback, keras.callbacks.ModelCheckpoint)
+                and not callback.save_weights_only
+                and str(callback.filepath).endswith((".h5", ".hdf5"))):
+            try:
+                refuse_legacy_h5(model, callback.filepath)
+            except ValueError as error:
+                raise ValueError(
+                    f"keras.callbacks.ModelCheckpoint(filepath={callback.filepath!r}) would "
+                    f"save the model at each checkpoint, and {error} Pass a .keras filepath, "
+                    "or save_weights_only=True with a .weights.h5 one.") from None
 
 
 def _no_place_for_ledger(model, ledger, file_format, save_as):
