@@ -51,6 +51,7 @@ from tfdp.models.dp_model import _check_train_step, _first_dim, _split_validatio
 from tfdp.models.executions import whole_executions
 from tfdp.models.matmul_precision import refuse_rewritten_matmuls
 from tfdp.models.restore import restore_backups
+from tfdp.models.step_errors import warn_if_tf_logs_op_errors
 from tfdp.models.task_inputs import text_as_tensors
 from tfdp.per_example import check_per_example_support
 
@@ -182,6 +183,7 @@ def _refuse_unsupported_model(model):
     if getattr(model, "optimizer", None) is None or model._per_example_loss is None:
         raise ValueError("Compile the model with a tfdp optimizer before calling fit().")
     refuse_op_callbacks(model)  # TensorFlow's debug dumping: before any op sees a record
+    warn_if_tf_logs_op_errors()  # TensorFlow's C++ log would print a failing op's message
     refuse_rewritten_matmuls(model)  # Grappler's float16/bfloat16 matmuls: outside the bounds
     _check_train_step(model)
     check_per_example_support(model)  # a layer changed since compile
