@@ -18,7 +18,12 @@ zip), sealed with its SHA-256 (`tfdp.accounting.integrity`). Keras reads
 only the groups of the layers, so plain Keras still loads the file. When
 Keras loads such a file, the loaded model's variables carry those trainings
 (`weight_ledgers.note_file_ledger`), so a DP model built on them charges
-them. A damaged ledger is refused, as in a DP model's file. Sharded and
+them. A damaged ledger is refused, as in a DP model's file. Keras's own
+groups of such a file (the root and each layer's, not the `vars` groups
+Keras reads) get the attribute "tfdp_ledger" (`mark`), which a tool that
+copies groups copies with them: a file whose ledger dataset is missing while
+a group is marked (deleted with h5py, or the groups copied into a new file)
+is refused at load instead of read as never trained. Sharded and
 `.npz` weights have no place for it: saving carried weights in them is
 refused, naming the formats that keep the ledger. Nor has Keras's legacy
 HDF5 format (a `.h5` / `.hdf5` name for `save` or
@@ -53,6 +58,7 @@ Example:
 import functools
 import inspect
 
+import h5py
 import keras
 import numpy as np
 from keras.src.legacy.saving import legacy_h5_format
@@ -62,6 +68,9 @@ from tfdp.accounting import PrivacyLedger
 from tfdp.models import weight_ledgers
 
 DATASET = "tfdp_carried_ledger"
+MARK = "tfdp_ledger"
+_MARK_TEXT = (f"these weights carry a differentially private training; its privacy ledger is "
+              f"the dataset /{DATASET} of this file")
 
 
 def _is_dp_model(model):
@@ -87,6 +96,23 @@ def write(model, weights_store):
             ".npz weights)", "Save them unsharded, as .keras or .weights.h5")
     text = ledger.to_json().encode("utf-8")
     weights_store.h5_file.create_dataset(DATASET, data=np.frombuffer(text, dtype=np.uint8))
+
+
+def mark(weights_store):
+    """After Keras wrote a file to which `write` added a ledger: marks the
+    root and each group but the `vars` ones (which Keras reads)."""
+    if not isinstance(weights_store, saving_lib.H5IOStore) or DATASET not in weights_store.h5_file:
+        return
+    for group in _groups(weights_store.h5_file):
+        if group.name.rsplit("/", 1)[-1] != "vars":
+            group.attrs[MARK] = _MARK_TEXT
+
+
+def _groups(file):
+    """The root and every group of an HDF5 file."""
+    groups = [file]
+    file.visititems(lambda _, item: groups.append(item) if isinstance(item, h5py.Group) else None)
+    return groups
 
 
 def refuse_legacy_h5(model, filepath):
@@ -148,8 +174,17 @@ def _no_place_for_ledger(model, ledger, file_format, save_as):
 def read(model, weights_store):
     """After Keras loaded `model`'s variables from `weights_store`: they
     carry the trainings the file's ledger carries."""
-    if (not isinstance(weights_store, saving_lib.H5IOStore)
-            or not hasattr(model, "_flatten_layers") or DATASET not in weights_store.h5_file):
+    if not isinstance(weights_store, saving_lib.H5IOStore) or not hasattr(model, "_flatten_layers"):
+        return
+    if DATASET not in weights_store.h5_file:
+        if any(MARK in group.attrs for group in _groups(weights_store.h5_file)):
+            raise ValueError(
+                "These weights were saved by tfdp with the privacy ledger of the differentially "
+                f"private training they carry (Keras's groups are marked {MARK!r}), but the "
+                f"ledger (the dataset /{DATASET}) is missing: it was deleted, or the groups "
+                "were copied into another file without it. A model built on them could not "
+                "charge that training. Load the file tfdp wrote, or copy the dataset "
+                f"/{DATASET} with the groups.")
         return
     data = bytes(np.asarray(weights_store.h5_file[DATASET][()], dtype=np.uint8))
     try:
@@ -182,7 +217,10 @@ def install():
         root = _root(save_state, *args, **kwargs)
         if root is not None:
             write(*root)
-        return save_state(*args, **kwargs)
+        result = save_state(*args, **kwargs)
+        if root is not None:
+            mark(root[1])
+        return result
 
     @functools.wraps(load_state)
     def loading(*args, **kwargs):
