@@ -157,6 +157,9 @@ def test_a_floor_without_identities_is_charged_with_the_rolled_back_branches():
     # total, the floor's 20 were others (a rollback the old file cannot
     # show): not "the same" because the counts add up.
     assert charged_steps(((step, 10, "a@0"), (step, 10, "b@10")), ((step, 20),)) >= 30
+    # The other way round (the floors of two trainings combined in either
+    # order, tfdp.models.weight_ledgers._charges): the same charge.
+    assert charged_steps(((step, 20),), ((step, 10, "a@0"), (step, 30, "b@10"))) >= 50
 
 
 def test_a_floor_kept_after_such_a_charge_does_not_charge_the_branches_twice():
@@ -175,3 +178,4 @@ def test_a_floor_without_identities_equal_to_one_unbranched_history_is_charged_o
     once."""
     step, other = dpsgd_event(Z, BATCH / N), dpsgd_event(2 * Z, BATCH / N)
     assert charged_steps(((step, 20, "a@0"), (other, 5, "a@20")), ((step, 20), (other, 5))) == 25
+    assert charged_steps(((step, 20), (other, 5)), ((step, 20, "a@0"), (other, 5, "a@20"))) == 25
