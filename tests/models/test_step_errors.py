@@ -124,7 +124,7 @@ def tiny_fit():
               steps_per_epoch=1, verbose=0)
 
 
-@pytest.mark.parametrize("level", [None, "0", "1"])
+@pytest.mark.parametrize("level", [None, "1"])
 def test_fit_warns_once_when_tensorflows_log_would_print_the_message(monkeypatch, level):
     monkeypatch.setattr(step_errors, "_warned", False, raising=False)
     if level is None:
@@ -135,8 +135,8 @@ def test_fit_warns_once_when_tensorflows_log_would_print_the_message(monkeypatch
         tiny_fit()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        tiny_fit()  # once per process
-    assert not [w for w in caught if "TF_CPP_MIN_LOG_LEVEL" in str(w.message)]
+        step_errors.warn_if_tf_logs_op_errors()  # once per process: fit's call again
+    assert not caught
     withheld = step_errors.withheld_message(tf.errors.InvalidArgumentError(None, None, "x"))
     assert "TF_CPP_MIN_LOG_LEVEL=2" in withheld
 
