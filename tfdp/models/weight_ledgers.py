@@ -211,7 +211,17 @@ def carrier_ledger(model):
         ValueError: if they hold both user-level and record-level trainings
             (`PrivacyLedger.carry`).
     """
-    held = _with_carried([t for v in _holdings(model) for t in _trainers_of(v)])
+    return carrier_ledger_of(_holdings(model))
+
+
+def carrier_ledger_of(objects):
+    """`carrier_ledger` of the trainings `objects` (variables, layers: what a
+    SavedModel holds, `tfdp.models.saved_model_ledgers`) carry; None if none.
+
+    Raises:
+        ValueError: as `carrier_ledger`.
+    """
+    held = _with_carried([t for o in objects for t in _trainers_of(o)])
     if not held:
         return None
     floors = _charges(held)
@@ -226,8 +236,21 @@ def note_file_ledger(model, ledger):
     """After plain Keras loaded into `model` weights whose file holds
     `ledger` (`carrier_ledger`): its variables and layers carry the
     trainings that ledger carries, as saved."""
+    note_ledger_of(_holdings(model), ledger)
+
+
+def note_ledger_of(objects, ledger):
+    """`objects` (variables, layers, a loaded SavedModel) read from a file
+    that holds `ledger` carry the trainings it carries, as saved."""
     for source_id, carried in ledger.carried.items():
-        _register(_holdings(model), _saved_training(source_id, carried))
+        _register(objects, _saved_training(source_id, carried))
+
+
+def carry_as(source, objects):
+    """`objects` carry every training `source` carries (a layer that wraps
+    a loaded SavedModel's variables in variables of its own)."""
+    for training in list(_trainers_of(source)):
+        _register(objects, training)
 
 
 def _saved_training(source_id, carried):
