@@ -27,7 +27,8 @@ The registry holds the variables weakly. Weights copied as arrays
 another variable with `tf.Variable.assign`, or restoring a
 `tf.train.Checkpoint`) are not the same variables, so they cannot be
 traced; a plain Keras `.keras` or `.weights.h5` file of traced variables
-holds what they carry (`tfdp.models.keras_file_ledgers`). Only DP fits
+holds what they carry (`tfdp.models.keras_file_ledgers`), and so does a
+SavedModel of them (`tfdp.models.saved_model_ledgers`). Only DP fits
 are traced (a plain Keras model training a DP model's layer is not
 noticed): the docs say so next to `load_weights`'s refusal of a weights
 file without a ledger.
