@@ -28,8 +28,9 @@ trainable or not. A damaged ledger is refused before the SavedModel loads.
 
 Not covered, as for a `.weights.h5` file whose ledger dataset is removed: a
 SavedModel whose ledger file is deleted (or copied without `assets.extra`)
-loads as never trained; so does a loaded SavedModel that a layer holds as
-an attribute, not as its weights (Keras does not see its variables).
+loads as never trained. A loaded SavedModel that a DP model uses other
+than as a `TFSMLayer` (a custom layer's attribute, a `Lambda` calling it)
+is not among its weights, so the model cannot see what it carries.
 
 Example:
 
@@ -71,7 +72,7 @@ _saving = threading.local()  # .dirs: the export directories of the saves in pro
 
 def ledger_path(export_dir):
     """Where the SavedModel in `export_dir` keeps the ledger its weights carry."""
-    return os.path.join(os.fspath(export_dir), DIRECTORY, FILENAME)
+    return os.path.join(os.fsdecode(export_dir), DIRECTORY, FILENAME)
 
 
 def write(export_dir, saved_objects):
@@ -109,7 +110,7 @@ def read(export_dir):
         return PrivacyLedger.from_json(text)
     except ValueError as error:
         raise ValueError(
-            f"The privacy ledger of the SavedModel at {os.fspath(export_dir)!r} ({path}) is "
+            f"The privacy ledger of the SavedModel at {os.fsdecode(export_dir)!r} ({path}) is "
             f"refused: {error} Export the model again from its DP-trained weights.") from None
 
 
