@@ -128,7 +128,8 @@ def install():
     `TFSMLayer.__init__`; once."""
     if getattr(tf_save.save_and_return_nodes, "_tfdp_ledgers", False):
         return
-    save_nodes, build_meta_graph = tf_save.save_and_return_nodes, tf_save._build_meta_graph  # pylint: disable=protected-access
+    save_nodes = tf_save.save_and_return_nodes
+    build_meta_graph = tf_save._build_meta_graph  # pylint: disable=protected-access
     load_partial, tfsm_init = tf_load.load_partial, tfsm_layer.TFSMLayer.__init__
 
     @functools.wraps(save_nodes)
@@ -146,7 +147,7 @@ def install():
         dirs = _saving.__dict__.get("dirs")
         if dirs and dirs[-1] is not None:
             write(dirs[-1], result[4])  # (..., saved_nodes, node_paths)
-            dirs[-1] = None
+            dirs[-1] = None  # written: once per save
         return result
 
     @functools.wraps(load_partial)
