@@ -24,10 +24,10 @@ sys.path.insert(0, {root!r})
 from tfdp import parent_death
 child_code = ("import sys, time; sys.path.insert(0, {root!r}); from tfdp import parent_death; "
               + ("parent_death.watch(sys.argv[1]); " if {watch} else "")
-              + "open(sys.argv[1] + '/chosen.keras', 'w').close(); time.sleep(120)")
+              + "open(sys.argv[1] + '/chosen.keras', 'w').close(); time.sleep(900)")
 child, pipe = parent_death.popen([sys.executable, "-c", child_code, {folder!r}])
 print(child.pid, flush=True)
-time.sleep(120)
+time.sleep(900)
 """
 
 
@@ -39,25 +39,30 @@ def alive(pid):
         return False
 
 
-def kill_parent(tmp_path, sig, watch=True, patience=200, group=False):
+def wait_until(condition, seconds):
+    """Polls `condition` until it holds or `seconds` pass (a generous bound:
+    a loaded machine delays a process's start and exit by many seconds, and
+    a test that waits on a condition ends as soon as it holds)."""
+    deadline = time.monotonic() + seconds
+    while not condition() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return condition()
+
+
+def kill_parent(tmp_path, sig, watch=True, patience=300, group=False):
     """Kills the parent (with `group`, its whole process group: the parent
-    leads its own) once the child wrote its file."""
+    leads its own) once the child wrote its file, then waits up to
+    `patience` seconds for the child to end."""
     folder = tmp_path / "tfdp-search-x"
     folder.mkdir()
     parent = subprocess.Popen(
         [sys.executable, "-c", PARENT.format(root=ROOT, folder=str(folder), watch=watch)],
         stdout=subprocess.PIPE, text=True, start_new_session=group)
     child = int(parent.stdout.readline())
-    for _ in range(600):  # the child is running and wrote its file
-        if (folder / "chosen.keras").exists():
-            break
-        time.sleep(0.05)
+    assert wait_until((folder / "chosen.keras").exists, 300), "the child never wrote its file"
     (os.killpg if group else os.kill)(parent.pid, sig)
-    parent.wait(timeout=60)
-    for _ in range(patience):
-        if not alive(child):
-            break
-        time.sleep(0.05)
+    parent.wait(timeout=300)
+    wait_until(lambda: not alive(child) and not folder.exists(), patience)
     return child, folder
 
 
@@ -99,7 +104,7 @@ def test_the_child_deletes_the_pickled_trials_before_it_imports_tensorflow(tmp_p
 
 @pytest.mark.skipif(not os.path.isdir("/proc"), reason="reads /proc")
 def test_negative_control_a_child_that_does_not_watch_outlives_its_parent(tmp_path):
-    child, folder = kill_parent(tmp_path, signal.SIGKILL, watch=False, patience=20)
+    child, folder = kill_parent(tmp_path, signal.SIGKILL, watch=False, patience=1)
     try:
         assert alive(child) and (folder / "chosen.keras").exists()
     finally:

@@ -2,6 +2,7 @@
 
 from tfdp.models.dp_model import DPModel, DPSequential
 from tfdp.models import keras_file_ledgers  # noqa: F401  (plain Keras files keep their ledger)
+from tfdp.models import saved_model_ledgers  # noqa: F401  (so do SavedModels, exports)
 
 
 def load_model(filepath, **kwargs):

@@ -27,7 +27,8 @@ The registry holds the variables weakly. Weights copied as arrays
 another variable with `tf.Variable.assign`, or restoring a
 `tf.train.Checkpoint`) are not the same variables, so they cannot be
 traced; a plain Keras `.keras` or `.weights.h5` file of traced variables
-holds what they carry (`tfdp.models.keras_file_ledgers`). Only DP fits
+holds what they carry (`tfdp.models.keras_file_ledgers`), and so does a
+SavedModel of them (`tfdp.models.saved_model_ledgers`). Only DP fits
 are traced (a plain Keras model training a DP model's layer is not
 noticed): the docs say so next to `load_weights`'s refusal of a weights
 file without a ledger.
@@ -211,7 +212,17 @@ def carrier_ledger(model):
         ValueError: if they hold both user-level and record-level trainings
             (`PrivacyLedger.carry`).
     """
-    held = _with_carried([t for v in _holdings(model) for t in _trainers_of(v)])
+    return carrier_ledger_of(_holdings(model))
+
+
+def carrier_ledger_of(objects):
+    """`carrier_ledger` of the trainings `objects` (variables, layers: what a
+    SavedModel holds, `tfdp.models.saved_model_ledgers`) carry; None if none.
+
+    Raises:
+        ValueError: as `carrier_ledger`.
+    """
+    held = _with_carried([t for o in objects for t in _trainers_of(o)])
     if not held:
         return None
     floors = _charges(held)
@@ -226,8 +237,21 @@ def note_file_ledger(model, ledger):
     """After plain Keras loaded into `model` weights whose file holds
     `ledger` (`carrier_ledger`): its variables and layers carry the
     trainings that ledger carries, as saved."""
+    note_ledger_of(_holdings(model), ledger)
+
+
+def note_ledger_of(objects, ledger):
+    """`objects` (variables, layers, a loaded SavedModel) read from a file
+    that holds `ledger` carry the trainings it carries, as saved."""
     for source_id, carried in ledger.carried.items():
-        _register(_holdings(model), _saved_training(source_id, carried))
+        _register(objects, _saved_training(source_id, carried))
+
+
+def carry_as(source, objects):
+    """`objects` carry every training `source` carries (a layer that wraps
+    a loaded SavedModel's variables in variables of its own)."""
+    for training in list(_trainers_of(source)):
+        _register(objects, training)
 
 
 def _saved_training(source_id, carried):
