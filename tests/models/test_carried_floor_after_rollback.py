@@ -136,3 +136,46 @@ def test_a_malformed_lineage_is_refused(lineage, message):
     data["lineage"] = lineage
     with pytest.raises(ValueError, match="Corrupt privacy ledger: .*" + message):
         PrivacyLedger.from_json(json.dumps(data))
+
+
+# -- a floor without identities (saved by an earlier tfdp) met by identified releases
+# (review 8, G9): the two cannot be matched, so both are charged unless they are equal.
+
+def charged_steps(parts, floor):
+    from tfdp.accounting.carried_floor import at_least
+    return sum(count for _, count, _ in at_least(parts, floor))
+
+
+def test_a_floor_without_identities_is_charged_with_the_rolled_back_branches():
+    """The reviewer's numbers: A ran 20 steps (the floor, from an earlier
+    tfdp's file), rolled back to 10 and ran 30: 50 steps happened. The
+    (event, count) rule took (event, 40) for "the floor's 20 ran on" and
+    charged 40."""
+    step = dpsgd_event(Z, BATCH / N)
+    assert charged_steps(((step, 10, "a@0"), (step, 30, "b@10")), ((step, 20),)) >= 50
+    # A resumed from an earlier tfdp's 10-step file, 10 more steps: 20 in
+    # total, the floor's 20 were others (a rollback the old file cannot
+    # show): not "the same" because the counts add up.
+    assert charged_steps(((step, 10, "a@0"), (step, 10, "b@10")), ((step, 20),)) >= 30
+    # The other way round (the floors of two trainings combined in either
+    # order, tfdp.models.weight_ledgers._charges): the same charge.
+    assert charged_steps(((step, 20),), ((step, 10, "a@0"), (step, 30, "b@10"))) >= 50
+
+
+def test_a_floor_kept_after_such_a_charge_does_not_charge_the_branches_twice():
+    """The charge above, frozen as the next floor (its releases partly
+    identified), then A runs 5 more steps: 20 + 10 + 35, not the 40 A's
+    releases held before counted again."""
+    from tfdp.accounting.carried_floor import at_least
+    step = dpsgd_event(Z, BATCH / N)
+    floor = at_least(((step, 10, "a@0"), (step, 30, "b@10")), ((step, 20),))
+    assert charged_steps(((step, 10, "a@0"), (step, 35, "b@10")), floor) == 20 + 10 + 35
+
+
+def test_a_floor_without_identities_equal_to_one_unbranched_history_is_charged_once():
+    """Negative control: the training the floor froze, loaded from that
+    file and not trained since (one branch, the same releases), is charged
+    once."""
+    step, other = dpsgd_event(Z, BATCH / N), dpsgd_event(2 * Z, BATCH / N)
+    assert charged_steps(((step, 20, "a@0"), (other, 5, "a@20")), ((step, 20), (other, 5))) == 25
+    assert charged_steps(((step, 20), (other, 5)), ((step, 20, "a@0"), (other, 5, "a@20"))) == 25

@@ -100,3 +100,23 @@ def test_an_untrained_plain_encoder_still_saves_as_legacy_h5(tmp_path):
     loaded = keras.models.load_model(path)
     for saved, read in zip(plain.get_weights(), loaded.get_weights()):
         np.testing.assert_array_equal(saved, read)
+
+
+@pytest.mark.parametrize("name", ["ckpt.h5", "ckpt-{epoch:02d}.hdf5"])
+def test_a_legacy_h5_model_checkpoint_is_refused_before_the_first_step(tmp_path, name):
+    """Before: `keras.callbacks.ModelCheckpoint('x.h5')` was refused only at
+    its first save, after the epoch's steps were taken and charged."""
+    model = compiled(model_on(encoder(), "ckpt"))
+    checkpoint = keras.callbacks.ModelCheckpoint(str(tmp_path / "ckpt.keras"))
+    checkpoint.filepath = str(tmp_path / name)  # (its constructor takes .keras and .h5 only)
+    x, y = np.ones((16, 4), "float32"), np.zeros(16, "int32")
+    with pytest.raises(ValueError, match="legacy HDF5") as refusal:
+        model.fit(x, y, batch_size=8, epochs=1, verbose=0, callbacks=[checkpoint])
+    assert model.privacy.steps == 0 and int(model.optimizer.iterations.numpy()) == 0
+    message = str(refusal.value)
+    assert "ModelCheckpoint" in message and ".keras" in message and "DPModel.save" in message
+    assert list(tmp_path.iterdir()) == []
+    # Negative control: a weights-only checkpoint keeps its ledger and runs.
+    weights = keras.callbacks.ModelCheckpoint(str(tmp_path / "w.weights.h5"), save_weights_only=True)
+    model.fit(x, y, batch_size=8, epochs=1, verbose=0, callbacks=[weights])
+    assert model.privacy.steps > 0 and (tmp_path / "w.weights.h5").exists()

@@ -108,3 +108,59 @@ def test_sharded_weights_that_carry_a_training_are_refused(trained, tmp_path):
     refusal = "trained with differential privacy.*model 'A'.*DPModel.save"
     with pytest.raises(ValueError, match=refusal):
         a.get_layer("enc").save_weights(tmp_path / "enc.weights.json", max_shard_size=1)
+
+
+# -- a file whose ledger dataset is gone (review 8, G2): Keras's own groups are
+# marked, so a load refuses it instead of reading it as never trained.
+
+
+def _without_ledger(source, target=None):
+    """Deletes the ledger dataset in place (h5py), or copies every other
+    group and the root's attributes into `target` (a rewriting tool)."""
+    if target is None:
+        with h5py.File(source, "r+") as file:
+            del file[keras_file_ledgers.DATASET]
+        return source
+    with h5py.File(source, "r") as src, h5py.File(target, "w") as dst:
+        for key in src:
+            if key != keras_file_ledgers.DATASET:
+                src.copy(key, dst)
+        for key, value in src.attrs.items():
+            dst.attrs[key] = value
+    return target
+
+
+@pytest.mark.parametrize("route", ["dataset_deleted", "groups_copied", "layer_group_copied"])
+def test_a_file_whose_ledger_was_removed_is_refused(trained, tmp_path, route):
+    a, _ = trained
+    path = tmp_path / "enc.weights.h5"
+    a.get_layer("enc").save_weights(path)
+    if route == "dataset_deleted":
+        stripped = _without_ledger(path)
+    elif route == "groups_copied":
+        stripped = _without_ledger(path, tmp_path / "copy.weights.h5")
+    else:  # only the Dense layer's group, nothing at the root
+        stripped = tmp_path / "layer.weights.h5"
+        with h5py.File(path, "r") as src, h5py.File(stripped, "w") as dst:
+            dst.create_group("layers")
+            src.copy("layers/dense", dst["layers"])
+    loaded = encoder()
+    with pytest.raises(ValueError, match="privacy ledger.*is missing.*tfdp_carried_ledger"):
+        loaded.load_weights(stripped)
+
+
+def test_a_file_without_ledger_or_mark_still_loads(tmp_path):
+    """Negative control: a plain file (no training, no mark) loads as before."""
+    path = tmp_path / "fresh.weights.h5"
+    encoder("fresh").save_weights(path)
+    with h5py.File(path, "r") as file:
+        marked = [name for name, group in _groups(file) if "tfdp_ledger" in group.attrs]
+    assert marked == []
+    encoder().load_weights(path)
+
+
+def _groups(file):
+    found = [("/", file)]
+    file.visititems(lambda name, item: found.append((name, item)) if isinstance(
+        item, h5py.Group) else None)
+    return found

@@ -6,6 +6,7 @@ function re-raises it naming the node only, not chained to the original.
 """
 
 import traceback
+import warnings
 
 import keras
 import numpy as np
@@ -109,3 +110,44 @@ def test_predict_on_a_private_record_does_not_quote_it():
     with pytest.raises(tf.errors.InvalidArgumentError, match="failed in node") as raised:
         model.predict(tf.constant(RECORDS), batch_size=16, verbose=0)
     assert CANARY not in "".join(traceback.format_exception(raised.value))
+
+
+# -- TensorFlow's C++ log prints the op's message unless TF_CPP_MIN_LOG_LEVEL >= 2 (review 8, G3)
+
+
+def tiny_fit():
+    inputs = keras.Input((2,))
+    model = tfdp.DPModel(inputs, keras.layers.Dense(1)(inputs))
+    model.compile(optimizer=tfdp.optimizers.DPSGD(0.1, noise_multiplier=1.0, l2_norm_clip=1.0,
+                                                  seed=0), loss="mse")
+    model.fit(np.ones((8, 2), "float32"), np.zeros(8, "float32"), batch_size=4,
+              steps_per_epoch=1, verbose=0)
+
+
+@pytest.mark.parametrize("level", [None, "1"])
+def test_fit_warns_once_when_tensorflows_log_would_print_the_message(monkeypatch, level):
+    monkeypatch.setattr(step_errors, "_warned", False, raising=False)
+    if level is None:
+        monkeypatch.delenv("TF_CPP_MIN_LOG_LEVEL", raising=False)
+    else:
+        monkeypatch.setenv("TF_CPP_MIN_LOG_LEVEL", level)
+    with pytest.warns(UserWarning, match=r"TF_CPP_MIN_LOG_LEVEL=2 before TensorFlow is imported"):
+        tiny_fit()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        step_errors.warn_if_tf_logs_op_errors()  # once per process: fit's call again
+    assert not caught
+    withheld = step_errors.withheld_message(tf.errors.InvalidArgumentError(None, None, "x"))
+    assert "TF_CPP_MIN_LOG_LEVEL=2" in withheld
+
+
+def test_fit_does_not_warn_when_the_log_is_quiet(monkeypatch):
+    """Negative control: level 2 (the tests' own), the error text says nothing of it."""
+    monkeypatch.setattr(step_errors, "_warned", False, raising=False)
+    monkeypatch.setenv("TF_CPP_MIN_LOG_LEVEL", "2")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        tiny_fit()
+    assert not [w for w in caught if "TF_CPP_MIN_LOG_LEVEL" in str(w.message)]
+    assert "TF_CPP" not in step_errors.withheld_message(
+        tf.errors.InvalidArgumentError(None, None, "x"))

@@ -19,7 +19,14 @@ against a floor of (event, 20), of which only 10 are shared) for "the same
 segment went on", and charged 40 of the 50 releases.
 
 Releases without an identity (given by hand, or saved by an earlier tfdp)
-are compared by (event, count), as before.
+are compared by (event, count), as before, when neither side has one. A
+floor without identities met by identified releases (an earlier tfdp's
+file carrying a training that now runs in this version) cannot be matched
+to them (nor the reverse): a rollback shared with that file would again
+look like "the same segment ran on". Both are then charged (an over-charge, never an under-
+charge), unless the releases are that floor exactly: one unbranched history
+(loaded from that file, not trained since) with the floor's (event, count).
+What the floor holds with identities is matched by identity as usual.
 
 Example:
 
@@ -32,6 +39,8 @@ Example:
 [9, 30]
 >>> [count for _, count, _ in at_least(((step, 3),), floor=((step, 9),))]  # no identity
 [9]
+>>> [count for _, count, _ in at_least(rolled_back, floor=((step, 9),))]  # cannot be matched
+[5, 30, 9]
 """
 
 
@@ -51,14 +60,44 @@ def at_least(parts, floor):
     Returns:
         (event, count, identity) triples, a tuple: with identities, each
         identity once, at the largest count either holds (`parts`' order,
-        then what only the floor holds); else `parts` when it extends
-        `floor`, or `floor` followed by what `parts` released after the two
-        went separate ways (identity None).
+        then what only the floor holds); when one side lacks some,
+        the union of the identified releases followed by the others
+        (identity None), or the identified side alone when it is one
+        unbranched history equal to the other;
+        else `parts` when it extends `floor`, or `floor` followed by what
+        `parts` released after the two went separate ways (identity None).
     """
     now, held = tagged(parts), tagged(floor)
     if all(item[2] is not None for item in now + held):
         return _union(now, held)
+    if all(item[2] is not None for item in now) or all(item[2] is not None for item in held):
+        return _with_unmatched(now, held)
     return tuple((event, count, None) for event, count in _by_count(now, held))
+
+
+def _with_unmatched(now, held):
+    """`at_least` when one side is identified and the other lacks some
+    identities: the union by identity, then what has none (`now`'s, then
+    `held`'s); only the identified side when the two are one history."""
+    named = _union(tuple(item for item in now if item[2] is not None),
+                   tuple(item for item in held if item[2] is not None))
+    if _one_history(now, held) or _one_history(held, now):
+        return named
+    return named + tuple(item for item in now + held if item[2] is None)
+
+
+def _one_history(named, unnamed):
+    """Whether `named` is one unbranched identified history and `unnamed`
+    the same (event, count)s without identities: the training a floor froze,
+    loaded from that earlier file and not trained since."""
+    return (all(item[2] is not None for item in named) and all(item[2] is None for item in unnamed)
+            and len({_branch(identity) for _, _, identity in named}) == 1
+            and _merged(named) == _merged(unnamed))
+
+
+def _branch(identity):
+    """The branch that names a release ("branch@step", "branch#index")."""
+    return identity.replace("#", "@").split("@")[0]
 
 
 def _union(now, held):

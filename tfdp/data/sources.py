@@ -30,6 +30,7 @@ model.fit(source, batch_size=256, epochs=10)
 """
 
 import mmap
+import operator
 import os
 import random
 
@@ -136,23 +137,55 @@ def _name(function):
     return getattr(function, "__name__", None) or repr(function)
 
 
-def _failed(error, message):
-    """An error saying `message`, for the caller to raise `from error`.
+def _failed(error, what):
+    """The error to raise, outside the handler, for `error` raised while
+    `what` ("Reading record 3 of list"): it names the record's position and
+    `error`'s type, not its text, which can quote the record (Python's own
+    `float("patient-4711")` does) and would reach `fit`'s error through the
+    input pipeline (`tfdp.models.step_errors` passes those unchanged). With
+    `TFDP_SHOW_STEP_ERRORS=1` it adds the text and keeps `error` as its
+    `__cause__`, with its traceback.
 
     Of `error`'s class when that class can be made from the message alone
     and shows it (OSError, ValueError, KeyError, most user classes), else a
     RuntimeError: a UnicodeDecodeError or JSONDecodeError needs other
     arguments, and rebuilding one from a message alone would fail with a
-    TypeError that hides both the message and the record. The original stays
-    attached as `__cause__`, with its traceback.
+    TypeError that hides both the message and the record.
     """
+    from tfdp.models.step_errors import SHOW_ENV, record_values_shown  # (tfdp.models imports this)
+
+    shown = record_values_shown()
+    message = (f"{what} failed: {error}" if shown else
+               f"{what} failed ({type(error).__name__}). Its message is withheld because it "
+               f"can quote the record's values: set {SHOW_ENV}=1 to see it, on data that is "
+               "not private.")
     try:
         wrapped = type(error)(message)
     except Exception:  # any constructor that needs more than a message
         wrapped = None
     if wrapped is None or message not in str(wrapped):
         wrapped = RuntimeError(message)
+    wrapped.__cause__ = error if shown else None
     return wrapped
+
+
+def _named(what, function, *args):
+    """`function(*args)`; its error, if any, re-raised as `_failed(error, what)`
+    (raised outside the handler: nothing chains the original unless shown)."""
+    try:
+        return function(*args)
+    except Exception as error:  # pylint: disable=broad-except
+        failure = _failed(error, what)
+    raise failure
+
+
+def _outline(structure):
+    """`structure`'s nesting with each leaf shown as ".": no values."""
+    if isinstance(structure, dict):
+        return "{" + ", ".join(f"{key!r}: {_outline(value)}" for key, value in structure.items()) + "}"
+    if isinstance(structure, (list, tuple)):
+        return "(" + ", ".join(_outline(value) for value in structure) + ")"
+    return "."
 
 
 def _batch_leaves(example, count, what):
@@ -172,7 +205,7 @@ def _batch_leaves(example, count, what):
                 f"Expected {what} to return one array per input, label and weight, each "
                 f"with one row per item: {problem}. Return arrays of len(items) rows (a "
                 "Python list is read as several inputs: np.asarray or np.stack it). "
-                f"Received: {path}={leaf!r:.60}"
+                f"Received: {path} of type {type(leaf).__name__}"
             )
         leaves.append(array)
     return leaves
@@ -334,11 +367,8 @@ class RecordSource(_Source):
         return f"RecordSource({type(self.records).__name__}, num_records={self._length})"
 
     def _read_item(self, index):
-        try:
-            return self.records[int(index)]
-        except Exception as error:
-            raise _failed(error, f"Reading record {index} of {type(self.records).__name__} "
-                          f"failed: {error}") from error
+        return _named(f"Reading record {index} of {type(self.records).__name__}",
+                      operator.getitem, self.records, int(index))
 
     def _read_items(self, indices, stop=None):
         """The items at `indices`: one batch read if the records offer one
@@ -348,11 +378,8 @@ class RecordSource(_Source):
             return list(self._pool_map(self._read_item, indices, stop))
         interrupts.check(stop)
         name = f"{type(self.records).__name__}.__getitems__"
-        try:
-            items = list(self.records.__getitems__([int(i) for i in indices]))
-        except Exception as error:
-            raise _failed(error, f"Reading records {_shown(indices)} with {name} failed: "
-                          f"{error}") from error
+        items = _named(f"Reading records {_shown(indices)} with {name}",
+                       lambda: list(self.records.__getitems__([int(i) for i in indices])))
         if len(items) != len(indices):
             raise ValueError(
                 f"{name} returned {len(items)} items for the {len(indices)} records "
@@ -362,19 +389,23 @@ class RecordSource(_Source):
         return items
 
     def _example(self, index):
-        item = self._read_item(index)
-        try:
-            if self.transform is not None:
-                item = self.transform(item)
-            elif self.batch_transform is not None:
-                name = _name(self.batch_transform)
-                example = _as_example(self.batch_transform([item]), f"the batch_transform {name} of one record")
-                leaves = _batch_leaves(example, 1, f"the batch_transform {name} of record {index}")
-                item = tf.nest.pack_sequence_as(example, [leaf[0] for leaf in leaves])
-        except Exception as error:
-            raise _failed(error, f"Reading record {index} of {type(self.records).__name__} "
-                          f"failed: {error}") from error
-        return _as_example(item, index)
+        return _as_example(self._transformed_one(self._read_item(index), index), index)
+
+    def _transformed_one(self, item, index):
+        """`item` (record `index`) through `transform` or `batch_transform`."""
+        what = f"Reading record {index} of {type(self.records).__name__}"
+        if self.transform is not None:
+            return _named(what, self.transform, item)
+        if self.batch_transform is None:
+            return item
+        name = _name(self.batch_transform)
+        example = _named(what, self.batch_transform, [item])
+        try:  # tfdp's own checks: their messages hold no value
+            example = _as_example(example, f"the batch_transform {name} of one record")
+            leaves = _batch_leaves(example, 1, f"the batch_transform {name} of record {index}")
+        except ValueError as error:
+            raise ValueError(f"{what} failed: {error}") from None
+        return tf.nest.pack_sequence_as(example, [leaf[0] for leaf in leaves])
 
     def __getitem__(self, index):
         """Record `index` as a tuple of NumPy arrays, checked against record 0."""
@@ -385,10 +416,8 @@ class RecordSource(_Source):
         if item is None:
             example = self._example(index)
         else:
-            try:
-                item = item if self.transform is None else self.transform(item)
-            except Exception as error:
-                raise _failed(error, f"Transforming record {index} failed: {error}") from error
+            if self.transform is not None:
+                item = _named(f"Transforming record {index}", self.transform, item)
             example = _as_example(item, index)
         if self._flat and len(example) == len(self._paths) and not any(
             isinstance(part, (tuple, list, dict)) for part in example
@@ -398,9 +427,10 @@ class RecordSource(_Source):
             try:
                 tf.nest.assert_same_structure(example, self.element_spec)
                 leaves = tf.nest.flatten(example)
-            except (ValueError, TypeError) as error:
+            except (ValueError, TypeError):
                 raise ValueError(
-                    f"Record {index} does not have the structure of record 0: {error}"
+                    f"Record {index} does not have the structure of record 0: it is "
+                    f"{_outline(example)}, record 0 is {_outline(self.element_spec)}"
                 ) from None
         arrays = []
         for path, leaf, (shape, dtype) in zip(self._paths, leaves, self._rows):
@@ -442,16 +472,14 @@ class RecordSource(_Source):
         """`batch_transform(items)` as flat arrays checked against record 0."""
         name = _name(self.batch_transform)
         where = f"records {_shown(indices)}"
-        try:
-            example = self.batch_transform(items)
-        except Exception as error:
-            raise _failed(error, f"batch_transform of {where} failed: {error}") from error
+        example = _named(f"batch_transform of {where}", self.batch_transform, items)
         example = _as_example(example, f"the batch_transform of {where}")
         try:
             tf.nest.assert_same_structure(example, self.element_spec)
-        except (ValueError, TypeError) as error:
+        except (ValueError, TypeError):
             raise ValueError(
-                f"The batch_transform of {where} does not have record 0's structure: {error}"
+                f"The batch_transform of {where} does not have record 0's structure: it is "
+                f"{_outline(example)}, record 0 is {_outline(self.element_spec)}"
             ) from None
         leaves = _batch_leaves(example, len(items), f"the batch_transform {name} of {where}")
         for path, leaf, (shape, dtype) in zip(self._paths, leaves, self._rows):

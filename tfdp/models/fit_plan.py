@@ -41,7 +41,8 @@ from tfdp.accounting.calibration import steps_per_epoch as default_steps_per_epo
 from tfdp.data import sources
 from tfdp.data.fixed_order import FixedOrderData
 from tfdp.models import (
-    chunked_step, input_checks, multi_output, state_writes, user_level, weight_ledgers,
+    chunked_step, input_checks, keras_file_ledgers, multi_output, state_writes, user_level,
+    weight_ledgers,
 )
 from tfdp.models.augmentation import check_augmentation
 from tfdp.models.chosen_checkpoint import keep_chosen_checkpoints_charged
@@ -50,6 +51,7 @@ from tfdp.models.dp_model import _check_train_step, _first_dim, _split_validatio
 from tfdp.models.executions import whole_executions
 from tfdp.models.matmul_precision import refuse_rewritten_matmuls
 from tfdp.models.restore import restore_backups
+from tfdp.models.step_errors import warn_if_tf_logs_op_errors
 from tfdp.models.task_inputs import text_as_tensors
 from tfdp.per_example import check_per_example_support
 
@@ -181,6 +183,7 @@ def _refuse_unsupported_model(model):
     if getattr(model, "optimizer", None) is None or model._per_example_loss is None:
         raise ValueError("Compile the model with a tfdp optimizer before calling fit().")
     refuse_op_callbacks(model)  # TensorFlow's debug dumping: before any op sees a record
+    warn_if_tf_logs_op_errors()  # TensorFlow's C++ log would print a failing op's message
     refuse_rewritten_matmuls(model)  # Grappler's float16/bfloat16 matmuls: outside the bounds
     _check_train_step(model)
     check_per_example_support(model)  # a layer changed since compile
@@ -282,8 +285,10 @@ def _refuse_nothing_to_train(model):
 
 def _fit_callbacks(model, callbacks):
     """The user's callbacks, any backup restored, with the watches fit adds."""
+    callbacks = list(callbacks or [])
+    keras_file_ledgers.refuse_legacy_h5_checkpoints(model, callbacks)  # else refused at its save
     # Keras would restore a backup (weights, ledger) after the releases below.
-    callbacks = restore_backups(model, list(callbacks or []))
+    callbacks = restore_backups(model, callbacks)
     callbacks.append(preprocessing.provenance.ProvenanceWatch())  # re-adapted mid-fit: refused
     # A file kept by save_best_only is rewritten with the ledger of each check.
     return keep_chosen_checkpoints_charged(callbacks)

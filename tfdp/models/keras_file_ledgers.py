@@ -18,14 +18,21 @@ zip), sealed with its SHA-256 (`tfdp.accounting.integrity`). Keras reads
 only the groups of the layers, so plain Keras still loads the file. When
 Keras loads such a file, the loaded model's variables carry those trainings
 (`weight_ledgers.note_file_ledger`), so a DP model built on them charges
-them. A damaged ledger is refused, as in a DP model's file. Sharded and
+them. A damaged ledger is refused, as in a DP model's file. Keras's own
+groups of such a file (the root and each layer's, not the `vars` groups
+Keras reads) get the attribute "tfdp_ledger" (`mark`), which a tool that
+copies groups copies with them: a file whose ledger dataset is missing while
+a group is marked (deleted with h5py, or the groups copied into a new file)
+is refused at load instead of read as never trained. Sharded and
 `.npz` weights have no place for it: saving carried weights in them is
 refused, naming the formats that keep the ledger. Nor has Keras's legacy
 HDF5 format (a `.h5` / `.hdf5` name for `save` or
 `keras.saving.save_model`, written by `legacy_h5_format.save_model_to_hdf5`,
 not `_save_state`): such a save of weights that carry a training, and of
 any DP model (no loader reads a DP model from it), is refused before the
-file is opened (`refuse_legacy_h5`).
+file is opened (`refuse_legacy_h5`); a `keras.callbacks.ModelCheckpoint`
+that would save a DP model so, before fit's first step
+(`refuse_legacy_h5_checkpoints`).
 
 Not covered: `tf.train.Checkpoint` (and any copy as arrays: `set_weights`,
 `assign`) writes values only; the docs list it with them.
@@ -51,6 +58,8 @@ Example:
 import functools
 import inspect
 
+import h5py
+import keras
 import numpy as np
 from keras.src.legacy.saving import legacy_h5_format
 from keras.src.saving import saving_lib
@@ -59,6 +68,9 @@ from tfdp.accounting import PrivacyLedger
 from tfdp.models import weight_ledgers
 
 DATASET = "tfdp_carried_ledger"
+MARK = "tfdp_ledger"
+_MARK_TEXT = (f"these weights carry a differentially private training; its privacy ledger is "
+              f"the dataset /{DATASET} of this file")
 
 
 def _is_dp_model(model):
@@ -86,6 +98,23 @@ def write(model, weights_store):
     weights_store.h5_file.create_dataset(DATASET, data=np.frombuffer(text, dtype=np.uint8))
 
 
+def mark(weights_store):
+    """After Keras wrote a file to which `write` added a ledger: marks the
+    root and each group but the `vars` ones (which Keras reads)."""
+    if not isinstance(weights_store, saving_lib.H5IOStore) or DATASET not in weights_store.h5_file:
+        return
+    for group in _groups(weights_store.h5_file):
+        if group.name.rsplit("/", 1)[-1] != "vars":
+            group.attrs[MARK] = _MARK_TEXT
+
+
+def _groups(file):
+    """The root and every group of an HDF5 file."""
+    groups = [file]
+    file.visititems(lambda _, item: groups.append(item) if isinstance(item, h5py.Group) else None)
+    return groups
+
+
 def refuse_legacy_h5(model, filepath):
     """Before Keras writes `model` in its legacy HDF5 format to `filepath`.
 
@@ -110,6 +139,28 @@ def refuse_legacy_h5(model, filepath):
                                    "Save them as .keras or .weights.h5")
 
 
+def refuse_legacy_h5_checkpoints(model, callbacks):
+    """Before `fit`'s first step: a `keras.callbacks.ModelCheckpoint` that
+    would save DP model `model` in the legacy HDF5 format (a `.h5` / `.hdf5`
+    name, not weights only) is refused with the message of that save, which
+    would otherwise come at its first checkpoint, after an epoch's steps.
+
+    Raises:
+        ValueError: naming the checkpoint's filepath and the formats to use.
+    """
+    for callback in callbacks:
+        if (isinstance(callback, keras.callbacks.ModelCheckpoint)
+                and not callback.save_weights_only
+                and str(callback.filepath).endswith((".h5", ".hdf5"))):
+            try:
+                refuse_legacy_h5(model, callback.filepath)
+            except ValueError as error:
+                raise ValueError(
+                    f"keras.callbacks.ModelCheckpoint(filepath={callback.filepath!r}) would "
+                    f"save the model at each checkpoint, and {error} Pass a .keras filepath, "
+                    "or save_weights_only=True with a .weights.h5 one.") from None
+
+
 def _no_place_for_ledger(model, ledger, file_format, save_as):
     """The refusal of a save whose `file_format` cannot hold the carried `ledger`."""
     labels = ", ".join(c.label for c in ledger.carried.values())
@@ -123,8 +174,17 @@ def _no_place_for_ledger(model, ledger, file_format, save_as):
 def read(model, weights_store):
     """After Keras loaded `model`'s variables from `weights_store`: they
     carry the trainings the file's ledger carries."""
-    if (not isinstance(weights_store, saving_lib.H5IOStore)
-            or not hasattr(model, "_flatten_layers") or DATASET not in weights_store.h5_file):
+    if not isinstance(weights_store, saving_lib.H5IOStore) or not hasattr(model, "_flatten_layers"):
+        return
+    if DATASET not in weights_store.h5_file:
+        if any(MARK in group.attrs for group in _groups(weights_store.h5_file)):
+            raise ValueError(
+                "These weights were saved by tfdp with the privacy ledger of the differentially "
+                f"private training they carry (Keras's groups are marked {MARK!r}), but the "
+                f"ledger (the dataset /{DATASET}) is missing: it was deleted, or the groups "
+                "were copied into another file without it. A model built on them could not "
+                "charge that training. Load the file tfdp wrote, or copy the dataset "
+                f"/{DATASET} with the groups.")
         return
     data = bytes(np.asarray(weights_store.h5_file[DATASET][()], dtype=np.uint8))
     try:
@@ -157,7 +217,10 @@ def install():
         root = _root(save_state, *args, **kwargs)
         if root is not None:
             write(*root)
-        return save_state(*args, **kwargs)
+        result = save_state(*args, **kwargs)
+        if root is not None:
+            mark(root[1])
+        return result
 
     @functools.wraps(load_state)
     def loading(*args, **kwargs):

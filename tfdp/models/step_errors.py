@@ -20,7 +20,9 @@ To read the full message while debugging on data that is not private, set
 the environment variable `TFDP_SHOW_STEP_ERRORS=1`: the message then
 prints record values. TensorFlow's C++ log also prints a failing op's
 message as a warning unless `TF_CPP_MIN_LOG_LEVEL=2` (or higher) is set
-before TensorFlow is imported (docs/faq.md, quieting TensorFlow).
+before TensorFlow is imported (docs/faq.md, quieting TensorFlow): a DP
+model's `fit` warns once per process when it is not
+(`warn_if_tf_logs_op_errors`), and the withheld message says so.
 
 Example:
 
@@ -38,14 +40,54 @@ False True
 import functools
 import os
 import re
+import warnings
 
 import tensorflow as tf
 
 SHOW_ENV = "TFDP_SHOW_STEP_ERRORS"
+TF_LOG_ENV = "TF_CPP_MIN_LOG_LEVEL"
+_TF_LOG_NOTE = (
+    f"TensorFlow's C++ log prints a failing op's message, which can quote a record's value, on "
+    f"stderr unless {TF_LOG_ENV}=2 is set before TensorFlow is imported (docs/faq.md)."
+)
+_warned = False  # warn_if_tf_logs_op_errors: once per process
 _NODE = re.compile(r"\{\{node ([^}]+)\}\}")
 # The iterator's node, last in its path: `IteratorGetNext`, or with
 # steps_per_execution > 1 `IteratorGetNextAsOptional` inside Keras's loop.
 _INPUT_PIPELINE = re.compile(r"\[\[(\{\{node )?([^\]\s{}]*/)?IteratorGetNext(AsOptional)?(\]\]|\}\})")
+
+
+def record_values_shown():
+    """Whether errors may quote record values: `TFDP_SHOW_STEP_ERRORS=1`
+    (also read by `tfdp.data.sources` for its reading errors)."""
+    return os.environ.get(SHOW_ENV) == "1"
+
+
+def tf_log_prints_op_errors():
+    """Whether TensorFlow's C++ log prints an op's error message:
+    `TF_CPP_MIN_LOG_LEVEL` unset, below 2, or not a number."""
+    try:
+        return int(os.environ.get(TF_LOG_ENV, "0")) < 2
+    except ValueError:
+        return True
+
+
+def warn_if_tf_logs_op_errors():
+    """At a DP model's `fit`: warns, once per process, that TensorFlow's C++
+    log would print the message of an op that fails on a record's value
+    (which the Python error withholds), unless record values are shown
+    anyway (`TFDP_SHOW_STEP_ERRORS=1`) or the log is quiet. Changes nothing."""
+    global _warned  # pylint: disable=global-statement
+    if _warned or record_values_shown() or not tf_log_prints_op_errors():
+        return
+    _warned = True
+    warnings.warn(
+        f"{TF_LOG_ENV} is {os.environ.get(TF_LOG_ENV, 'unset')}: if an op of the private train "
+        "step fails on a record's value, tfdp withholds TensorFlow's message from the error, "
+        "but TensorFlow's C++ log prints it on stderr, where it can quote the record. Set "
+        f"{TF_LOG_ENV}=2 before TensorFlow is imported (in the shell, or os.environ at the "
+        "top of the script) to quiet it (docs/faq.md).",
+        UserWarning, stacklevel=5)
 
 
 def withheld_message(error):
@@ -58,6 +100,7 @@ def withheld_message(error):
         "message is withheld because it can quote values of the batch's private records. "
         "Check the inputs this layer reads (their dtype, range and format) on data that is "
         f"not private, or set {SHOW_ENV}=1 to see the full message (it prints record values)."
+        + (f" {_TF_LOG_NOTE}" if tf_log_prints_op_errors() else "")
     )
 
 
@@ -85,7 +128,7 @@ def without_record_values(function):
     """
     if function is None or getattr(function, "_tfdp_without_record_values", False):
         return function
-    if os.environ.get(SHOW_ENV) == "1":
+    if record_values_shown():
         return function
 
     @functools.wraps(function)

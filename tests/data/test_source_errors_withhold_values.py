@@ -1,0 +1,86 @@
+"""A RecordSource's reading and transform errors name the record's position
+and the exception's type, never its text (review 8, G4).
+
+Python's own messages quote values: `float("SECRET-ID-4711")` raises
+"could not convert string to float: 'SECRET-ID-4711'". The source re-raised
+it as "Reading record 15 of list failed: <that message>", chained to the
+original, and the step's error wrapper passes input-pipeline errors
+unchanged, so a private record's raw field reached the error of `fit`.
+`TFDP_SHOW_STEP_ERRORS=1` shows the text (and chains the original) for
+debugging on data that is not private.
+"""
+
+import traceback
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tfdp
+from tfdp.data import RecordSource
+from tfdp.models import step_errors
+
+CANARY = "SECRET-ID-4711"
+ROWS = [("1.5", 0)] * 15 + [(CANARY, 0)]
+
+
+def to_float(row):
+    return np.array([float(row[0])], "float32"), np.int64(row[1])
+
+
+def full_text(error):
+    """Everything a handler or a log would print of `error`."""
+    return "".join(traceback.format_exception(error)) + repr(error.args)
+
+
+class SecretBatches(list):
+    """A tfds-like source whose batch read fails quoting a record's bytes."""
+
+    def __getitems__(self, indices):
+        if 15 in indices:
+            raise OSError(f"cannot decode {CANARY!r}")
+        return [self[i] for i in indices]
+
+
+def test_fit_on_a_record_the_transform_rejects_names_it_without_its_value():
+    inputs = keras.Input((1,))
+    model = tfdp.DPModel(inputs, keras.layers.Dense(3)(inputs))
+    model.compile(optimizer=tfdp.optimizers.DPSGD(0.1, noise_multiplier=1.0, l2_norm_clip=1.0,
+                                                  seed=1),
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    with pytest.raises(tf.errors.OpError) as caught:
+        model.fit(RecordSource(ROWS, transform=to_float), batch_size=16, epochs=1, verbose=0)
+    text = full_text(caught.value)
+    assert CANARY not in text and "4711" not in text
+    assert "Reading record 15 of list failed (ValueError" in str(caught.value)
+    assert step_errors.SHOW_ENV in str(caught.value)
+
+
+def batch_read(source):
+    return source.read_batch(np.array([3, 15]), source.empty_batch(2))
+
+
+@pytest.mark.parametrize("read", [
+    lambda: RecordSource(ROWS, transform=to_float)[15],
+    lambda: RecordSource([ROWS[-1]] + ROWS, transform=to_float),  # record 0, read when made
+    lambda: batch_read(RecordSource(SecretBatches(ROWS), transform=to_float)),
+    lambda: RecordSource(SecretBatches(ROWS), transform=to_float)._leaves(15, ROWS[15]),
+    lambda: batch_read(RecordSource(ROWS, batch_transform=lambda items: (
+        np.stack([to_float(i)[0] for i in items]), np.zeros(len(items), "int64")))),
+], ids=["transform", "record_0", "getitems", "transform_of_batch_read", "batch_transform"])
+def test_each_read_withholds_the_exception_text(read):
+    with pytest.raises(Exception) as caught:
+        read()
+    text = full_text(caught.value)
+    assert CANARY not in text and "4711" not in text, text
+    assert caught.value.__cause__ is None and caught.value.__context__ is None
+    assert step_errors.SHOW_ENV in str(caught.value)
+
+
+def test_with_show_step_errors_the_text_and_the_original_are_kept(monkeypatch):
+    monkeypatch.setenv(step_errors.SHOW_ENV, "1")
+    with pytest.raises(ValueError) as caught:
+        RecordSource(ROWS, transform=to_float)[15]
+    assert CANARY in str(caught.value)
+    assert isinstance(caught.value.__cause__, ValueError)
