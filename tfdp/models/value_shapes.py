@@ -49,6 +49,12 @@ from tensorflow.python.framework import graph_util_impl
 _KNOWN_SIZE = 720
 # Tensors whose shape says nothing of what they hold.
 _HANDLES = (tf.resource, tf.variant)
+# Ops that compare a shape with another when they run and fail on a
+# mismatch: like an assert, they stop the step if that shape is the values'.
+SHAPE_CHECKS = {"EnsureShape", "Reshape", "BroadcastTo"}
+# Sizes a dimension the values decide is given to ask the shape functions
+# whether a check holds for every size (a reshape to [-1, 3] fails for 1).
+_COUNTS = (0, 1, 2, 3)
 
 
 def shapes_read(op):
@@ -170,3 +176,89 @@ def _read_as_input(node, graph):
 
 def _unknown(tensors):
     return any(not t.shape.is_fully_defined() for t in tensors if t.dtype not in _HANDLES)
+
+
+def rejected_count(op, graph, chain, sources, definitions=None):
+    """The op that decides by values a shape `op` checks when it runs
+    (`EnsureShape`, `Reshape`, `BroadcastTo`) and rejects for some number of
+    selected rows, or None: the shape is fixed by the step's input shapes, or
+    the check holds for every count (`tf.reshape(tf.boolean_mask(x, m), [-1])`).
+
+    Args: as `value_shaped`, with `op` an op of `graph`.
+
+    Example:
+
+    >>> from tfdp.models.state_writes import _sources
+    >>> @tf.function
+    ... def step(x):
+    ...     rows = tf.boolean_mask(x, x[:, 0] > 1.0)
+    ...     return tf.ensure_shape(rows, [0, 4]), tf.reshape(rows, [-1, 2])
+    >>> graph = step.get_concrete_function(tf.TensorSpec([None, 4])).graph
+    >>> fixed, flat = (t.op for t in graph.outputs[:2])
+    >>> while fixed.type != "EnsureShape": fixed = fixed.inputs[0].op
+    >>> while flat.type != "Reshape": flat = flat.inputs[0].op
+    >>> rejected_count(fixed, graph, (), _sources).type
+    'Where'
+    >>> rejected_count(flat, graph, (), _sources) is None
+    True
+    """
+    definitions = {} if definitions is None else definitions
+    source = value_shaped(list(op.inputs), graph, chain, sources, definitions)
+    if source is None:
+        return None
+    base = graph_util_impl.extract_sub_graph(definitions[id(graph)], [op.name])
+    decided = set()
+    for node in base.node:
+        _read_as_input(node, graph)
+        if node.op == "Placeholder" and any(
+                where is not None and value_shaped([outer], where, calls, sources, definitions)
+                is not None for outer, where, calls in sources(
+                    graph.get_operation_by_name(node.name).outputs[0], graph, chain)):
+            decided.add(node.name)
+    with tf.Graph().as_default() as inferred:
+        try:
+            tf.graph_util.import_graph_def(_sized(base, decided, _KNOWN_SIZE), name="")
+        except (ValueError, tf.errors.OpError):
+            return source  # rejected for the size given to every unknown dimension
+    selecting = [o for o in inferred.get_operations() if _unknown(o.outputs) and _selects_rows(o)]
+    for count in _COUNTS:
+        probe = _sized(base, decided, count, selecting)
+        with tf.Graph().as_default():
+            try:
+                tf.graph_util.import_graph_def(probe, name="")
+            except (ValueError, tf.errors.OpError):
+                return source
+    return None
+
+
+def _sized(definition, decided, count, selecting=()):
+    """A copy of `definition` where unknown dimensions of placeholders are
+    `_KNOWN_SIZE`, but `count` for those in `decided`, and each op of
+    `selecting` is replaced by placeholders of its output shapes, their
+    unknown dimensions `count` (an IdentityN of them, under its name)."""
+    sized = type(definition)()
+    sized.CopyFrom(definition)
+    replaced = {o.name: o for o in selecting}
+    for node in list(sized.node):
+        if node.op == "Placeholder":
+            for dim in node.attr["shape"].shape.dim:
+                if dim.size < 0:
+                    dim.size = count if node.name in decided else _KNOWN_SIZE
+        if node.name not in replaced:
+            continue
+        names = []
+        for index, output in enumerate(replaced[node.name].outputs):
+            held = sized.node.add()
+            held.name = f"{node.name}/count_{index}"
+            held.op = "Placeholder"
+            held.attr["dtype"].type = output.dtype.as_datatype_enum
+            held.attr["shape"].shape.CopyFrom(tf.TensorShape(
+                [count if d is None else d for d in output.shape.as_list()]).as_proto()
+                if output.shape.rank is not None else output.shape.as_proto())
+            names.append(held.name)
+        node.op = "IdentityN"
+        del node.input[:]
+        node.input.extend(names)
+        node.attr.clear()
+        node.attr["T"].list.type.extend(o.dtype.as_datatype_enum for o in replaced[node.name].outputs)
+    return sized
