@@ -82,7 +82,9 @@ print the value, tell that record; an assertion on shapes alone (TensorFlow's
 own check of sparse labels against logits) passes, unless one of those
 shapes is decided by values (the rows `tf.boolean_mask`, `tf.where` or
 `tf.unique` keep: `tfdp.models.value_shapes` asks TensorFlow's shape
-functions which). What the scan cannot see
+functions which), and so is a check of such a shape when an op runs
+(`tf.ensure_shape`, `tf.reshape`, `tf.broadcast_to`) that rejects some
+count of selected rows. What the scan cannot see
 is an op that fails on some values by itself (a `tf.gather` whose index is
 computed from the input, out of range on CPU): such an abort on one record is
 a side channel the epsilon does not cover (docs/guides/your-model.md).

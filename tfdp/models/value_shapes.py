@@ -24,7 +24,11 @@ values compute (`tf.range(n)`, a slice, a reshape) is not refused: the
 chunks of a physical batch are sized by the loop counter and the number of
 rows drawn, which the scan cannot tell from a value of the data, so a size
 computed from a record's value (`tf.range(tf.reduce_max(x))`) passes too
-(docs/guides/your-model.md).
+(docs/guides/your-model.md). An op that checks a shape when it runs
+(`tf.ensure_shape`, `tf.reshape`, `tf.broadcast_to`) stops the step like an
+assertion: `rejected_count` asks the shape functions again with the
+selected rows given a few counts (0 to 3), and names the selecting op if
+one count is rejected.
 
 Example:
 
