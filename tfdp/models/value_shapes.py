@@ -206,6 +206,8 @@ def rejected_count(op, graph, chain, sources, definitions=None):
     >>> rejected_count(flat, graph, (), _sources) is None
     True
     """
+    if not _may_reject(op):
+        return None
     definitions = {} if definitions is None else definitions
     source = value_shaped(list(op.inputs), graph, chain, sources, definitions)
     if source is None:
@@ -233,6 +235,36 @@ def rejected_count(op, graph, chain, sources, definitions=None):
             except (ValueError, tf.errors.OpError):
                 return source
     return None
+
+
+def _may_reject(op):
+    """Whether the traced shapes leave open a size of `op`'s input that its
+    check rejects: an `EnsureShape`; a reshape or broadcast to a fully known
+    shape of an input that is not; a reshape with one unknown output
+    dimension (`-1`) whose known size does not divide that of an input with
+    one unknown dimension. A step's
+    graph holds many reshapes of unknown batch size: the others (an output
+    shape computed from `tf.shape`, two unknown dimensions) are not asked."""
+    if op.type == "EnsureShape":
+        return True
+    given, made = op.inputs[0].shape, op.outputs[0].shape
+    if given.is_fully_defined() or made.rank is None:
+        return False
+    if made.is_fully_defined():
+        return True
+    unknown = [d for d in made.as_list() if d is None]
+    if (op.type != "Reshape" or len(unknown) != 1 or given.rank is None
+            or given.as_list().count(None) != 1):
+        return False  # the input's size is its known size times one count
+    made_size = _known_size(made)
+    return made_size != 0 and _known_size(given) % made_size != 0
+
+
+def _known_size(shape):
+    size = 1
+    for d in shape.as_list():
+        size *= d if d is not None else 1
+    return size
 
 
 def _sized(definition, decided, count, selecting=()):
