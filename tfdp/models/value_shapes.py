@@ -28,7 +28,10 @@ computed from a record's value (`tf.range(tf.reduce_max(x))`) passes too
 (`tf.ensure_shape`, `tf.reshape`, `tf.broadcast_to`) stops the step like an
 assertion: `rejected_count` asks the shape functions again with the
 selected rows given a few counts (0 to 3), and names the selecting op if
-one count is rejected.
+one count is rejected. A step's graph holds hundreds of reshapes of the
+batch: a scan infers each graph's shapes once, and a check whose input's
+shape that inference fixes (nor a caller's values decide) is not asked
+further.
 
 Example:
 
@@ -91,38 +94,54 @@ def value_shaped(tensors, graph, chain, sources, definitions=None, _seen=None):
         sources: callable(tensor, graph, chain) -> [(tensor, graph, chain)]:
             where a function's input comes from in its callers ([] for the
             step's own inputs; graph None for an eager tensor).
-        definitions: {id of a graph: its GraphDef}, filled as graphs are
-            serialized: one dict for one scan serializes each graph once.
+        definitions: a dict one scan shares: each graph is serialized, and
+            its shapes inferred again, once (a step's graph is large).
 
     Returns:
         A `tf.Operation` (of `graph`, or of a graph that called it), or None.
     """
     seen = set() if _seen is None else _seen
     definitions = {} if definitions is None else definitions
-    tensors = [t for t in tensors if not t.shape.is_fully_defined() and t.dtype not in _HANDLES]
+    tensors = _open(tensors)
     if not tensors:
         return None
-    key = (id(graph), tuple(id(g) for _, g in chain), tuple(sorted(t.name for t in tensors)))
+    key = (id(graph), _calls(chain), tuple(sorted(t.name for t in tensors)))
     if key in seen:
         return None  # a loop's variable met again: its other sources are checked
     seen.add(key)
-    if id(graph) not in definitions:  # a step's graph is large: serialized once
-        definitions[id(graph)] = graph.as_graph_def()
+    inferred = _inferred(graph, definitions)
+    if inferred is None:  # the whole graph's shapes cannot be inferred: its part
+        return _value_shaped_part(tensors, graph, chain, sources, definitions, seen)
+    ancestors = _ancestors(tensors, graph, definitions)
+    for op in ancestors:
+        if op.type == "Placeholder":
+            found = _decided_input(op, graph, chain, sources, definitions, seen)
+            if found is not None:
+                return found
+    if not _unknown(inferred.get_tensor_by_name(t.name) for t in tensors):
+        return None
+    for op in ancestors:
+        if _unknown(inferred.get_operation_by_name(op.name).outputs) and _selects_rows(
+                inferred.get_operation_by_name(op.name)):
+            return op
+    return None
+
+
+def _value_shaped_part(tensors, graph, chain, sources, definitions, seen):
+    """`value_shaped` inferring again only the part of `graph` that
+    computes `tensors`: for a graph whose other parts fail with the sizes
+    given (an `EnsureShape` of a fixed batch size)."""
     definition = graph_util_impl.extract_sub_graph(
-        definitions[id(graph)], sorted({t.op.name for t in tensors}))
+        _definition(graph, definitions), sorted({t.op.name for t in tensors}))
     for node in definition.node:
         _read_as_input(node, graph)
         if node.op != "Placeholder":
             continue
-        placeholder = graph.get_operation_by_name(node.name).outputs[0]
-        for outer, where, calls in sources(placeholder, graph, chain):
-            if where is not None:
-                found = value_shaped([outer], where, calls, sources, definitions, seen)
-                if found is not None:
-                    return found
-        for dim in node.attr["shape"].shape.dim:
-            if dim.size < 0:
-                dim.size = _KNOWN_SIZE
+        found = _decided_input(graph.get_operation_by_name(node.name), graph, chain, sources,
+                               definitions, seen)
+        if found is not None:
+            return found
+        _size_unknown(node, _KNOWN_SIZE)
     with tf.Graph().as_default() as inferred:
         try:
             tf.graph_util.import_graph_def(definition, name="")
@@ -134,6 +153,81 @@ def value_shaped(tensors, graph, chain, sources, definitions=None, _seen=None):
         if _unknown(op.outputs) and _selects_rows(op):
             return graph.get_operation_by_name(op.name)
     return None
+
+
+def _decided_input(placeholder, graph, chain, sources, definitions, seen):
+    """The op that decides by values the shape of what a caller passes to
+    the function input `placeholder`, or None."""
+    for outer, where, calls in sources(placeholder.outputs[0], graph, chain):
+        if where is not None:
+            found = value_shaped([outer], where, calls, sources, definitions, seen)
+            if found is not None:
+                return found
+    return None
+
+
+def _open(tensors):
+    """The tensors whose traced shapes leave a dimension open."""
+    return [t for t in tensors if not t.shape.is_fully_defined() and t.dtype not in _HANDLES]
+
+
+def _calls(chain):
+    return tuple((id(g), op.name) for op, g in chain)
+
+
+def _definition(graph, definitions):
+    if id(graph) not in definitions:  # a step's graph is large: serialized once
+        definitions[id(graph)] = graph.as_graph_def()
+    return definitions[id(graph)]
+
+
+def _inferred(graph, definitions):
+    """A copy of `graph` whose shapes TensorFlow inferred again with every
+    unknown dimension of an input `_KNOWN_SIZE` (a variable's read its
+    variable's shape), once a scan; None if some op rejects those sizes."""
+    key = ("inferred", id(graph))
+    if key not in definitions:
+        definition = type(_definition(graph, definitions))()
+        definition.CopyFrom(_definition(graph, definitions))
+        for node in definition.node:
+            _read_as_input(node, graph)
+            if node.op == "Placeholder":
+                _size_unknown(node, _KNOWN_SIZE)
+        with tf.Graph().as_default() as inferred:
+            try:
+                tf.graph_util.import_graph_def(definition, name="")
+            except (ValueError, tf.errors.OpError):
+                inferred = None
+        definitions[key] = inferred
+    return definitions[key]
+
+
+def _ancestors(tensors, graph, definitions):
+    """The ops of `graph` that `tensors` are computed from (data and control
+    inputs), themselves included, in the graph's order."""
+    pending, found = [t.op for t in tensors], {}
+    while pending:
+        op = pending.pop()
+        if op.name in found:
+            continue
+        found[op.name] = op
+        pending.extend(t.op for t in op.inputs)
+        pending.extend(op.control_inputs)
+    order = _order(graph, definitions)
+    return sorted(found.values(), key=lambda op: order[op.name])
+
+
+def _order(graph, definitions):
+    key = ("order", id(graph))
+    if key not in definitions:
+        definitions[key] = {op.name: i for i, op in enumerate(graph.get_operations())}
+    return definitions[key]
+
+
+def _size_unknown(node, size):
+    for dim in node.attr["shape"].shape.dim:
+        if dim.size < 0:
+            dim.size = size
 
 
 def _selects_rows(op):
@@ -206,20 +300,19 @@ def rejected_count(op, graph, chain, sources, definitions=None):
     >>> rejected_count(flat, graph, (), _sources) is None
     True
     """
-    if not _may_reject(op):
-        return None
     definitions = {} if definitions is None else definitions
+    if not _may_be_value_shaped(op.inputs, graph, chain, sources, definitions):
+        return None
     source = value_shaped(list(op.inputs), graph, chain, sources, definitions)
     if source is None:
         return None
-    base = graph_util_impl.extract_sub_graph(definitions[id(graph)], [op.name])
+    base = graph_util_impl.extract_sub_graph(_definition(graph, definitions), [op.name])
     decided = set()
     for node in base.node:
         _read_as_input(node, graph)
-        if node.op == "Placeholder" and any(
-                where is not None and value_shaped([outer], where, calls, sources, definitions)
-                is not None for outer, where, calls in sources(
-                    graph.get_operation_by_name(node.name).outputs[0], graph, chain)):
+        if node.op == "Placeholder" and _decided_input(
+                graph.get_operation_by_name(node.name), graph, chain, sources, definitions,
+                set()) is not None:
             decided.add(node.name)
     with tf.Graph().as_default() as inferred:
         try:
@@ -237,34 +330,41 @@ def rejected_count(op, graph, chain, sources, definitions=None):
     return None
 
 
-def _may_reject(op):
-    """Whether the traced shapes leave open a size of `op`'s input that its
-    check rejects: an `EnsureShape`; a reshape or broadcast to a fully known
-    shape of an input that is not; a reshape with one unknown output
-    dimension (`-1`) whose known size does not divide that of an input with
-    one unknown dimension. A step's
-    graph holds many reshapes of unknown batch size: the others (an output
-    shape computed from `tf.shape`, two unknown dimensions) are not asked."""
-    if op.type == "EnsureShape":
-        return True
-    given, made = op.inputs[0].shape, op.outputs[0].shape
-    if given.is_fully_defined() or made.rank is None:
+def _may_be_value_shaped(tensors, graph, chain, sources, definitions):
+    """Whether the shape of one of `tensors` may be decided by values, as
+    the graph's shapes inferred once tell: one still unknown there, or one
+    computed from a function input whose caller passes such a shape. A
+    step's graph holds many shape checks (reshapes of the batch); this
+    spares them `value_shaped`'s search. Never False where `value_shaped`
+    finds an op."""
+    tensors = _open(tensors)
+    if not tensors:
         return False
-    if made.is_fully_defined():
+    inferred = _inferred(graph, definitions)
+    if inferred is None or _unknown(inferred.get_tensor_by_name(t.name) for t in tensors):
         return True
-    unknown = [d for d in made.as_list() if d is None]
-    if (op.type != "Reshape" or len(unknown) != 1 or given.rank is None
-            or given.as_list().count(None) != 1):
-        return False  # the input's size is its known size times one count
-    made_size = _known_size(made)
-    return made_size != 0 and _known_size(given) % made_size != 0
+    tainted = _from_decided_inputs(graph, chain, sources, definitions)
+    return any(t.op.name in tainted for t in tensors)
 
 
-def _known_size(shape):
-    size = 1
-    for d in shape.as_list():
-        size *= d if d is not None else 1
-    return size
+def _from_decided_inputs(graph, chain, sources, definitions):
+    """The names of the ops of `graph` (called through `chain`) computed
+    from a function input whose shape a caller's values decide, once a
+    scan for each call site."""
+    key = ("tainted", id(graph), _calls(chain))
+    if key not in definitions:
+        pending = [op for op in graph.get_operations() if op.type == "Placeholder" and _decided_input(
+            op, graph, chain, sources, definitions, set()) is not None]
+        tainted = set()
+        while pending:
+            op = pending.pop()
+            if op.name in tainted:
+                continue
+            tainted.add(op.name)
+            pending.extend(c for t in op.outputs for c in t.consumers())
+            pending.extend(op._control_outputs)  # pylint: disable=protected-access
+        definitions[key] = tainted
+    return definitions[key]
 
 
 def _sized(definition, decided, count, selecting=()):
