@@ -121,8 +121,8 @@ def value_shaped(tensors, graph, chain, sources, definitions=None, _seen=None):
     if not _unknown(inferred.get_tensor_by_name(t.name) for t in tensors):
         return None
     for op in ancestors:
-        if _unknown(inferred.get_operation_by_name(op.name).outputs) and _selects_rows(
-                inferred.get_operation_by_name(op.name)):
+        copy = inferred.get_operation_by_name(op.name)
+        if _unknown(copy.outputs) and _selects(copy, definitions):
             return op
     return None
 
@@ -150,7 +150,7 @@ def _value_shaped_part(tensors, graph, chain, sources, definitions, seen):
     if not _unknown(inferred.get_tensor_by_name(t.name) for t in tensors):
         return None
     for op in inferred.get_operations():
-        if _unknown(op.outputs) and _selects_rows(op):
+        if _unknown(op.outputs) and _selects(op, definitions):
             return graph.get_operation_by_name(op.name)
     return None
 
@@ -187,18 +187,26 @@ def _inferred(graph, definitions):
     variable's shape), once a scan; None if some op rejects those sizes."""
     key = ("inferred", id(graph))
     if key not in definitions:
+        with tf.Graph().as_default() as inferred:
+            try:
+                tf.graph_util.import_graph_def(
+                    _sized(_readable(graph, definitions), (), _KNOWN_SIZE), name="")
+            except (ValueError, tf.errors.OpError):
+                inferred = None
+        definitions[key] = inferred
+    return definitions[key]
+
+
+def _readable(graph, definitions):
+    """`graph`'s GraphDef with each read of a variable an input of its
+    shape (`_read_as_input`), once a scan."""
+    key = ("readable", id(graph))
+    if key not in definitions:
         definition = type(_definition(graph, definitions))()
         definition.CopyFrom(_definition(graph, definitions))
         for node in definition.node:
             _read_as_input(node, graph)
-            if node.op == "Placeholder":
-                _size_unknown(node, _KNOWN_SIZE)
-        with tf.Graph().as_default() as inferred:
-            try:
-                tf.graph_util.import_graph_def(definition, name="")
-            except (ValueError, tf.errors.OpError):
-                inferred = None
-        definitions[key] = inferred
+        definitions[key] = definition
     return definitions[key]
 
 
@@ -228,6 +236,17 @@ def _size_unknown(node, size):
     for dim in node.attr["shape"].shape.dim:
         if dim.size < 0:
             dim.size = size
+
+
+def _selects(op, definitions):
+    """`_selects_rows(op)`, asked once a scan for each kind of op (its type,
+    attributes and input shapes): a loop's body repeats the same ops."""
+    key = ("selects", op.type, tuple(sorted(
+        (name, value.SerializeToString()) for name, value in op.node_def.attr.items())),
+        tuple((str(t.shape), t.dtype.name) for t in op.inputs))
+    if key not in definitions:
+        definitions[key] = _selects_rows(op)
+    return definitions[key]
 
 
 def _selects_rows(op):
@@ -304,7 +323,7 @@ def rejected_count(op, graph, chain, sources, definitions=None):
     if not _may_be_value_shaped(op.inputs, graph, chain, sources, definitions):
         return None
     source = value_shaped(list(op.inputs), graph, chain, sources, definitions)
-    if source is None:
+    if source is None or _every_count_holds(graph, chain, sources, definitions):
         return None
     base = graph_util_impl.extract_sub_graph(_definition(graph, definitions), [op.name])
     decided = set()
@@ -319,7 +338,8 @@ def rejected_count(op, graph, chain, sources, definitions=None):
             tf.graph_util.import_graph_def(_sized(base, decided, _KNOWN_SIZE), name="")
         except (ValueError, tf.errors.OpError):
             return source  # rejected for the size given to every unknown dimension
-    selecting = [o for o in inferred.get_operations() if _unknown(o.outputs) and _selects_rows(o)]
+    selecting = [o for o in inferred.get_operations()
+                 if _unknown(o.outputs) and _selects(o, definitions)]
     for count in _COUNTS:
         probe = _sized(base, decided, count, selecting)
         with tf.Graph().as_default():
@@ -353,8 +373,8 @@ def _from_decided_inputs(graph, chain, sources, definitions):
     scan for each call site."""
     key = ("tainted", id(graph), _calls(chain))
     if key not in definitions:
-        pending = [op for op in graph.get_operations() if op.type == "Placeholder" and _decided_input(
-            op, graph, chain, sources, definitions, set()) is not None]
+        pending = [graph.get_operation_by_name(name)
+                   for name in _decided_inputs(graph, chain, sources, definitions)]
         tainted = set()
         while pending:
             op = pending.pop()
@@ -364,6 +384,43 @@ def _from_decided_inputs(graph, chain, sources, definitions):
             pending.extend(c for t in op.outputs for c in t.consumers())
             pending.extend(op._control_outputs)  # pylint: disable=protected-access
         definitions[key] = tainted
+    return definitions[key]
+
+
+def _decided_inputs(graph, chain, sources, definitions):
+    """The names of `graph`'s function inputs whose shape a caller's values
+    decide (called through `chain`), once a scan for each call site."""
+    key = ("decided", id(graph), _calls(chain))
+    if key not in definitions:
+        definitions[key] = {op.name for op in graph.get_operations() if op.type == "Placeholder"
+                            and _decided_input(op, graph, chain, sources, definitions,
+                                               set()) is not None}
+    return definitions[key]
+
+
+def _every_count_holds(graph, chain, sources, definitions):
+    """Whether every shape check of `graph` (called through `chain`) holds
+    when each value-decided size is any of `_COUNTS`: the whole graph asked
+    once a scan for each call site. False leaves each check to be asked
+    alone, to name the one that fails."""
+    key = ("holds", id(graph), _calls(chain))
+    if key not in definitions:
+        inferred = _inferred(graph, definitions)
+        holds = inferred is not None
+        if holds:
+            decided = _decided_inputs(graph, chain, sources, definitions)
+            selecting = [o for o in inferred.get_operations()
+                         if _unknown(o.outputs) and _selects(o, definitions)]
+            for count in _COUNTS:
+                with tf.Graph().as_default():
+                    try:
+                        tf.graph_util.import_graph_def(
+                            _sized(_readable(graph, definitions), decided, count, selecting),
+                            name="")
+                    except (ValueError, tf.errors.OpError):
+                        holds = False
+                        break
+        definitions[key] = holds
     return definitions[key]
 
 
