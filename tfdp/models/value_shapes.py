@@ -29,9 +29,10 @@ computed from a record's value (`tf.range(tf.reduce_max(x))`) passes too
 assertion: `rejected_count` asks the shape functions again with the
 selected rows given a few counts (0 to 3), and names the selecting op if
 one count is rejected. A step's graph holds hundreds of reshapes of the
-batch: a scan infers each graph's shapes once, and a check whose input's
-shape that inference fixes (nor a caller's values decide) is not asked
-further.
+batch: a scan infers each graph's shapes once, a check whose input's
+shape that inference fixes (and no caller's values decide) is not asked
+further, and the others of a graph are asked together for each count,
+each alone only if one fails.
 
 Example:
 
