@@ -14,6 +14,7 @@ import pytest
 import tensorflow as tf
 
 import tfdp
+from tfdp.data import read_failures
 from tfdp.models import step_errors
 
 CANARY = "SECRET-ID-4711"
@@ -74,21 +75,79 @@ def test_with_the_escape_hatch_the_message_quotes_the_record(monkeypatch):
         parsing_model().fit(RECORDS, LABELS, batch_size=16, epochs=1, verbose=0)
 
 
-@pytest.mark.parametrize("iterator_node", [
+ITERATOR_NODES = [
     "IteratorGetNext", "{{node IteratorGetNext}}", "IteratorGetNextAsOptional",
     # steps_per_execution > 1: the read runs inside Keras's while loop (CI, stop 57)
-    "while/body/_1/while/cond_1/then/_114/while/cond_1/IteratorGetNextAsOptional"])
+    "while/body/_1/while/cond_1/then/_114/while/cond_1/IteratorGetNextAsOptional"]
+
+
+def pipeline_error(text, iterator_node):
+    """A function raising TensorFlow's error for `text` raised in the input
+    pipeline (a numpy_function) and annotated with `iterator_node`."""
+    def reads():
+        raise tf.errors.InvalidArgumentError(
+            None, None, f"ValueError: {text}\nTraceback (most recent call last):\n\n"
+                        f"ValueError: {text}\n\t [[{{{{node PyFuncStateless}}}}]]"
+                        f"\n\t [[{iterator_node}]] [Op:__inference_multi_step_on_iterator_1]")
+    return reads
+
+
+def tfdp_read_failure():
+    """The message of a real tfdp record read that failed (kept by
+    `tfdp.data.read_failures`, as the reader keeps it)."""
+    source = tfdp.data.RecordSource([(np.zeros(1, "float32"), 0), (np.zeros(2, "float32"), 0)])
+    with pytest.raises(ValueError) as raised:
+        read_failures.remembering(source.__getitem__)(1)
+    return str(raised.value)
+
+
+@pytest.mark.parametrize("iterator_node", ITERATOR_NODES)
 def test_the_input_pipelines_own_errors_pass_unchanged(iterator_node):
     """tfdp's data sources name a bad record by position; their error, raised
     at IteratorGetNext (or its optional form, at any depth of the step's
     loop), keeps its message."""
-    def reads():
-        raise tf.errors.InvalidArgumentError(
-            None, None, "Record 23 has a label outside [0, 2]\n\t [[{{node PyFuncStateless}}]]"
-                        f"\n\t [[{iterator_node}]] [Op:__inference_multi_step_on_iterator_1]")
+    message = tfdp_read_failure()
+    assert message.startswith("Record 1 does not match record 0")
+    with pytest.raises(tf.errors.InvalidArgumentError) as raised:
+        step_errors.without_record_values(pipeline_error(message, iterator_node))()
+    assert f"ValueError: {message}" in str(raised.value)
 
-    with pytest.raises(tf.errors.InvalidArgumentError, match="Record 23"):
-        step_errors.without_record_values(reads)()
+
+@pytest.mark.parametrize("iterator_node", ITERATOR_NODES)
+def test_a_pipeline_error_that_tfdp_did_not_word_is_withheld(iterator_node):
+    """Review 9, H8: a tf.data pipeline of the user's own (validation_data)
+    fails on a held-out record and its message quotes it."""
+    text = f"StringToNumberOp could not correctly convert string: {CANARY}"
+    with pytest.raises(tf.errors.InvalidArgumentError, match="input pipeline failed") as raised:
+        step_errors.without_record_values(pipeline_error(text, iterator_node))()
+    assert CANARY not in "".join(traceback.format_exception(raised.value))
+    assert step_errors.SHOW_ENV in str(raised.value)
+
+
+def test_a_record_holding_the_iterators_annotation_is_withheld():
+    """Review 9, H1: the record's text "... [[IteratorGetNext]]" comes before
+    TensorFlow's own annotation of the failing node, which decides."""
+    records = np.array([["1.5"]] * 15 + [[CANARY + " [[IteratorGetNext]]"]])
+    with pytest.raises(tf.errors.InvalidArgumentError, match="failed in node") as raised:
+        parsing_model().fit(records, LABELS, batch_size=16, epochs=1, verbose=0)
+    assert CANARY not in "".join(traceback.format_exception(raised.value))
+    assert "to_number" in str(raised.value)
+
+
+def test_a_validation_pipeline_error_does_not_quote_the_held_out_record():
+    """Review 9, H8, end to end: validation_data as a tf.data pipeline of the
+    user's own whose map fails on a held-out record."""
+    inputs = keras.Input((1,))
+    model = tfdp.DPModel(inputs, keras.layers.Dense(3)(inputs))
+    model.compile(optimizer=tfdp.optimizers.DPSGD(0.1, noise_multiplier=1.0, l2_norm_clip=1.0,
+                                                  seed=1),
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    validation = tf.data.Dataset.from_tensor_slices((RECORDS[:, 0], LABELS)).map(
+        lambda text, label: (tf.strings.to_number(text, tf.float32)[None], label)).batch(8)
+    with pytest.raises(tf.errors.InvalidArgumentError, match="input pipeline failed") as raised:
+        model.fit(np.ones((16, 1), "float32"), LABELS, batch_size=8, epochs=1, verbose=0,
+                  validation_data=validation)
+    assert CANARY not in "".join(traceback.format_exception(raised.value))
 
 
 def test_a_node_only_named_like_the_iterator_is_withheld():
@@ -151,3 +210,11 @@ def test_fit_does_not_warn_when_the_log_is_quiet(monkeypatch):
     assert not [w for w in caught if "TF_CPP_MIN_LOG_LEVEL" in str(w.message)]
     assert "TF_CPP" not in step_errors.withheld_message(
         tf.errors.InvalidArgumentError(None, None, "x"))
+
+
+def test_with_the_escape_hatch_a_pipeline_error_quotes_the_record(monkeypatch):
+    """Negative control of H8: the withheld text held the canary."""
+    monkeypatch.setenv(step_errors.SHOW_ENV, "1")
+    text = f"StringToNumberOp could not correctly convert string: {CANARY}"
+    with pytest.raises(tf.errors.InvalidArgumentError, match=CANARY):
+        step_errors.without_record_values(pipeline_error(text, "IteratorGetNext"))()

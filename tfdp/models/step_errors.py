@@ -44,6 +44,8 @@ import warnings
 
 import tensorflow as tf
 
+from tfdp.data import read_failures
+
 SHOW_ENV = "TFDP_SHOW_STEP_ERRORS"
 TF_LOG_ENV = "TF_CPP_MIN_LOG_LEVEL"
 _TF_LOG_NOTE = (
@@ -51,10 +53,21 @@ _TF_LOG_NOTE = (
     f"stderr unless {TF_LOG_ENV}=2 is set before TensorFlow is imported (docs/faq.md)."
 )
 _warned = False  # warn_if_tf_logs_op_errors: once per process
-_NODE = re.compile(r"\{\{node ([^}]+)\}\}")
-# The iterator's node, last in its path: `IteratorGetNext`, or with
-# steps_per_execution > 1 `IteratorGetNextAsOptional` inside Keras's loop.
-_INPUT_PIPELINE = re.compile(r"\[\[(\{\{node )?([^\]\s{}]*/)?IteratorGetNext(AsOptional)?(\]\]|\}\})")
+# TensorFlow appends `[[{{node X}}]]` / `[[X]]` lines after the op's message
+# (which can quote a record, even one holding such a line) and `[Op:...]`.
+_ANNOTATION_AT_END = re.compile(r"\s*\[\[(?:\{\{node )?([^\[\]{}\s]+?)(?:\}\})?\]\]\s*$")
+_OP_AT_END = re.compile(r"\s*\[Op:[^\[\]]*\]\s*$")
+# Keras's iterator node: `IteratorGetNext`, or with steps_per_execution > 1
+# `IteratorGetNextAsOptional` inside Keras's loop (never under a model's scope).
+# What TensorFlow writes before an op's message: where the node was made.
+_DETECTED_AT = (r"(Graph execution error:\s*)?(Detected at node \S+ defined at \(most recent call "
+                r"last\):\s*((File \"[^\"\n]*\", line \d+, in [^\n]*|<stack traces unavailable>)\s*)*)?")
+# tf.data's own messages that hold only counts (a pipeline shorter than its
+# `assert_cardinality`): the whole message, so that no record's text is in it.
+_COUNTS_ONLY = re.compile(_DETECTED_AT + r"Input dataset was expected to contain \d+ elements? "
+                          r"but contained only \d+ elements?\.")
+_ITERATOR = re.compile(r"((while|body|cond|then|else|_\d+|(while|cond)_\d+)/)*"
+                       r"IteratorGetNext(AsOptional)?")
 
 
 def record_values_shown():
@@ -90,18 +103,89 @@ def warn_if_tf_logs_op_errors():
         UserWarning, stacklevel=5)
 
 
+def annotated_nodes(message):
+    """The nodes TensorFlow annotated `message` with, in order: the
+    `[[{{node X}}]]` / `[[X]]` lines at its end. Only the last is surely
+    TensorFlow's: the op's own text before them can quote a record that
+    holds such a line.
+
+    Example:
+
+    >>> annotated_nodes("bad 'x [[IteratorGetNext]]'\\n\\t [[{{node model/ToNumber}}]] [Op:f]")
+    ['IteratorGetNext', 'model/ToNumber']
+    """
+    text = _OP_AT_END.sub("", message or "")
+    nodes = []
+    while (found := _ANNOTATION_AT_END.search(text)) is not None:
+        nodes.insert(0, found.group(1))
+        text = text[:found.start()]
+    return nodes
+
+
+def _without_annotations(message):
+    """`message` less the annotations at its end (`annotated_nodes`)."""
+    text = _OP_AT_END.sub("", message or "")
+    while (found := _ANNOTATION_AT_END.search(text)) is not None:
+        text = text[:found.start()]
+    return text.strip()
+
+
+def failed_node(error):
+    """The node `error` was raised at (its op's name where TensorFlow gives
+    it, else its message's last annotation), or None."""
+    op = getattr(error, "op", None)
+    if getattr(op, "name", None):
+        return op.name
+    nodes = annotated_nodes(error.message)
+    return nodes[-1] if nodes else None
+
+
+def from_input_pipeline(error):
+    """Whether `error` was raised at Keras's iterator node (reading the
+    step's data), not at an op of the step."""
+    node = failed_node(error)
+    return node is not None and _ITERATOR.fullmatch(node) is not None
+
+
 def withheld_message(error):
     """The text that replaces `error`'s message: the node that failed and
     why the rest is withheld."""
-    nodes = list(dict.fromkeys(_NODE.findall(error.message or "")))
-    where = f"in node {nodes[-1]!r}" if nodes else "in an op of the step"
+    node = failed_node(error)
+    where = f"in node {node!r}" if node else "in an op of the step"
     return (
         f"The private train step failed {where} ({type(error).__name__}). TensorFlow's "
         "message is withheld because it can quote values of the batch's private records. "
         "Check the inputs this layer reads (their dtype, range and format) on data that is "
         f"not private, or set {SHOW_ENV}=1 to see the full message (it prints record values)."
-        + (f" {_TF_LOG_NOTE}" if tf_log_prints_op_errors() else "")
+        + _log_note()
     )
+
+
+def pipeline_message(error):
+    """The text that replaces the message of `error`, raised reading the
+    step's data: TensorFlow's when it is one of tf.data's that hold only
+    counts (`assert_cardinality`'s), a tfdp record read's own message
+    (`tfdp.data.read_failures`, which names records by position), else a
+    withheld one naming the iterator node."""
+    node = failed_node(error)
+    if _COUNTS_ONLY.fullmatch(_without_annotations(error.message)):
+        return error.message
+    kept = read_failures.found_in(error.message or "")
+    if kept is not None:
+        named = re.search(r"([A-Za-z_][\w.]*): " + re.escape(kept), error.message)
+        return (f"{named.group(1) + ': ' if named else ''}{kept}\n"
+                f"(raised reading the step's records, at the input pipeline's node {node!r})")
+    return (
+        f"The input pipeline failed at node {node!r} ({type(error).__name__}). TensorFlow's "
+        "message is withheld because it can quote values of the records it read (a tf.data "
+        "pipeline of your own, e.g. validation_data's, is read there). Check the pipeline on "
+        f"data that is not private, or set {SHOW_ENV}=1 to see the full message (it prints "
+        "record values)." + _log_note()
+    )
+
+
+def _log_note():
+    return f" {_TF_LOG_NOTE}" if tf_log_prints_op_errors() else ""
 
 
 def _same_class(error, message):
@@ -120,9 +204,9 @@ def without_record_values(function):
         function: a callable, e.g. Keras's `train_function`; None passes.
 
     Returns:
-        A callable raising, for a `tf.errors.OpError` of the step (not
-        `OutOfRangeError`, not the input pipeline's), the same error class
-        with `withheld_message`,
+        A callable raising, for a `tf.errors.OpError` (not
+        `OutOfRangeError`), the same error class with `withheld_message`
+        (an op of the step) or `pipeline_message` (the input pipeline's),
         not chained to the original. `function` itself when it is None,
         already wrapped, or when `TFDP_SHOW_STEP_ERRORS=1`.
     """
@@ -138,9 +222,9 @@ def without_record_values(function):
         except tf.errors.OutOfRangeError:
             raise
         except tf.errors.OpError as error:
-            if _INPUT_PIPELINE.search(error.message or ""):
-                raise
-            replacement = _same_class(error, withheld_message(error))
+            message = (pipeline_message(error) if from_input_pipeline(error)
+                       else withheld_message(error))
+            replacement = _same_class(error, message)
         raise replacement  # outside the handler: nothing chains the original
 
     run._tfdp_without_record_values = True
