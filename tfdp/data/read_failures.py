@@ -4,7 +4,9 @@ A record read runs in a `tf.numpy_function` of the input pipeline
 (`tfdp.data.reader`); when it raises, TensorFlow re-raises the Python
 error's text, with the op's annotations, from the train step. The step's
 error wrapper (`tfdp.models.step_errors`) withholds that text unless it is
-one tfdp wrote: an exception raised by tfdp's own code (the last frame of
+one known to hold no value (`value_free`: tf.data's count of a pipeline
+shorter than its `assert_cardinality`, a fixed-order pipeline's changed
+order), or one tfdp wrote: an exception raised by tfdp's own code (the last frame of
 its traceback is in the `tfdp` package), whose messages name a record by
 position, never by value ("Reading record 15 of list failed (ValueError)",
 "Record 23 has a label outside [0, 2]"). Those messages are kept here as
@@ -21,7 +23,7 @@ Example:
 ...     remembering(source.__getitem__)(1)
 ... except ValueError as error:
 ...     message = str(error)
->>> found_in(f"ValueError: {message}\n [[IteratorGetNext]]") == message
+>>> found_in(f"ValueError: {message}\\n [[IteratorGetNext]]") == message
 True
 >>> found_in("ValueError: could not convert 'SECRET-ID-4711'") is None
 True
@@ -29,12 +31,38 @@ True
 
 import collections
 import os
+import re
 import threading
 
 _KEPT = 64  # the latest messages; a step's error is raised right after its read
 _messages = collections.deque(maxlen=_KEPT)
 _lock = threading.Lock()
 _PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+# What TensorFlow writes before an op's message: where the node was made.
+_DETECTED_AT = (r"(Graph execution error:\s*)?(Detected at node \S+ defined at \(most recent call "
+                r"last\):\s*((File \"[^\"\n]*\", line \d+, in [^\n]*|<stack traces unavailable>)\s*)*)?"
+                # tf.data's, for an error in a dataset's function
+                r"(Error in user-defined function passed to \w+:\d+ transformation with iterator: "
+                r"[\w:]+: )?")
+_value_free = []
+
+
+def value_free(pattern):
+    """Declares the messages that match `pattern` (a regular expression for
+    the whole message, TensorFlow's annotations removed) free of record
+    values: a pipeline op's own, worded by tfdp or tf.data with counts and
+    positions only."""
+    _value_free.append(re.compile(_DETECTED_AT + pattern))
+
+
+def is_value_free(message):
+    """Whether `message` (annotations removed) is wholly one declared by
+    `value_free`: nothing else, such as a record's text, is in it."""
+    return any(pattern.fullmatch(message) for pattern in _value_free)
+
+
+# tf.data's, for a pipeline shorter than its `assert_cardinality`.
+value_free(r"Input dataset was expected to contain \d+ elements? but contained only \d+ elements?\.")
 
 
 def raised_by_tfdp(error):

@@ -59,13 +59,6 @@ _ANNOTATION_AT_END = re.compile(r"\s*\[\[(?:\{\{node )?([^\[\]{}\s]+?)(?:\}\})?\
 _OP_AT_END = re.compile(r"\s*\[Op:[^\[\]]*\]\s*$")
 # Keras's iterator node: `IteratorGetNext`, or with steps_per_execution > 1
 # `IteratorGetNextAsOptional` inside Keras's loop (never under a model's scope).
-# What TensorFlow writes before an op's message: where the node was made.
-_DETECTED_AT = (r"(Graph execution error:\s*)?(Detected at node \S+ defined at \(most recent call "
-                r"last\):\s*((File \"[^\"\n]*\", line \d+, in [^\n]*|<stack traces unavailable>)\s*)*)?")
-# tf.data's own messages that hold only counts (a pipeline shorter than its
-# `assert_cardinality`): the whole message, so that no record's text is in it.
-_COUNTS_ONLY = re.compile(_DETECTED_AT + r"Input dataset was expected to contain \d+ elements? "
-                          r"but contained only \d+ elements?\.")
 _ITERATOR = re.compile(r"((while|body|cond|then|else|_\d+|(while|cond)_\d+)/)*"
                        r"IteratorGetNext(AsOptional)?")
 
@@ -111,7 +104,7 @@ def annotated_nodes(message):
 
     Example:
 
-    >>> annotated_nodes("bad 'x [[IteratorGetNext]]'\\n\\t [[{{node model/ToNumber}}]] [Op:f]")
+    >>> annotated_nodes("bad: x [[IteratorGetNext]]\\n\\t [[{{node model/ToNumber}}]] [Op:f]")
     ['IteratorGetNext', 'model/ToNumber']
     """
     text = _OP_AT_END.sub("", message or "")
@@ -163,12 +156,12 @@ def withheld_message(error):
 
 def pipeline_message(error):
     """The text that replaces the message of `error`, raised reading the
-    step's data: TensorFlow's when it is one of tf.data's that hold only
-    counts (`assert_cardinality`'s), a tfdp record read's own message
+    step's data: TensorFlow's when it is one known to hold no value
+    (`tfdp.data.read_failures.is_value_free`), a tfdp record read's own message
     (`tfdp.data.read_failures`, which names records by position), else a
     withheld one naming the iterator node."""
     node = failed_node(error)
-    if _COUNTS_ONLY.fullmatch(_without_annotations(error.message)):
+    if read_failures.is_value_free(_without_annotations(error.message)):
         return error.message
     kept = read_failures.found_in(error.message or "")
     if kept is not None:
