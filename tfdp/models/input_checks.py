@@ -63,7 +63,7 @@ def check_label_values(y, units, name="y"):
     if y.dtype.kind not in "biuf":
         raise ValueError(
             "Expected numeric labels (class indices or targets); map strings to "
-            f"class indices first. Received: {name} of dtype {y.dtype}"
+            f"class indices first. Received: {name} of dtype {sources._dtype_name(y.dtype)}"
         )
     is_index_vector = y.ndim == 1 or (y.ndim == 2 and y.shape[1] == 1)
     if not (units and units > 1 and is_index_vector and len(y)):
@@ -177,13 +177,13 @@ def check_validation_data_fits(model, validation_data, units, split_at=None):
     try:
         model(first, training=False)
     except Exception as error:  # whatever the model raises, named with its class
-        failure = _forward_failure(error, tf.nest.map_structure(np.shape, x))
+        failure = _forward_failure(error, model, tf.nest.map_structure(np.shape, x))
     else:
         return validation_data
     raise failure  # outside the handler: nothing chains the original unless shown
 
 
-def _forward_failure(error, shapes):
+def _forward_failure(error, model, shapes):
     """The ValueError for validation data whose first example fails the
     forward pass with `error`: its class and node, not its text, which can
     quote the example (`StringToNumber` on a held-out record's field); the
@@ -194,9 +194,12 @@ def _forward_failure(error, shapes):
     detail = (f"{what}: {error}" if shown else
               f"{what}; its message is withheld because it can quote the example's values: "
               f"set {step_errors.SHOW_ENV}=1 to see it, on data that is not private")
+    inputs = [tuple(tensor.shape) for tensor in getattr(model, "inputs", None) or []]
+    takes = f" (the model's inputs take shapes {inputs})" if inputs else ""
     failure = ValueError(
         "`validation_data` does not fit the model: its first example fails the "
-        f"model's forward pass ({detail}). Received: validation_data x with shape {shapes}"
+        f"model's forward pass ({detail}){takes}. Received: validation_data x with shape "
+        f"{shapes}"
     )
     failure.__cause__ = error if shown else None
     return failure

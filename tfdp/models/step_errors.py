@@ -44,7 +44,10 @@ import warnings
 
 import tensorflow as tf
 
+from tfdp import tf_log_level
 from tfdp.data import read_failures
+
+tf_log_level.note_after_tensorflow_import()
 
 SHOW_ENV = "TFDP_SHOW_STEP_ERRORS"
 TF_LOG_ENV = "TF_CPP_MIN_LOG_LEVEL"
@@ -71,28 +74,31 @@ def record_values_shown():
 
 def tf_log_prints_op_errors():
     """Whether TensorFlow's C++ log prints an op's error message:
-    `TF_CPP_MIN_LOG_LEVEL` unset, below 2, or not a number."""
-    try:
-        return int(os.environ.get(TF_LOG_ENV, "0")) < 2
-    except ValueError:
-        return True
+    `TF_CPP_MIN_LOG_LEVEL` was unset, below 2 or not a number when
+    TensorFlow was imported (`tfdp.tf_log_level`; it reads it then only)."""
+    return any(tf_log_level.prints_op_errors(value) for value in tf_log_level.values_at_import())
 
 
 def warn_if_tf_logs_op_errors():
-    """At a DP model's `fit`: warns, once per process, that TensorFlow's C++
-    log would print the message of an op that fails on a record's value
-    (which the Python error withholds), unless record values are shown
-    anyway (`TFDP_SHOW_STEP_ERRORS=1`) or the log is quiet. Changes nothing."""
+    """At a DP model's `fit`, and when its train, test or predict function
+    is made: warns, once per process, that TensorFlow's C++ log would print
+    the message of an op that fails on a record's value (which the Python
+    error withholds), unless record values are shown anyway
+    (`TFDP_SHOW_STEP_ERRORS=1`) or the log is quiet. Changes nothing."""
     global _warned  # pylint: disable=global-statement
     if _warned or record_values_shown() or not tf_log_prints_op_errors():
         return
     _warned = True
+    then = " or ".join(value or "unset" for value in tf_log_level.values_at_import())
+    now = os.environ.get(TF_LOG_ENV)
+    changed = (f" It is {now} now, but a change after TensorFlow's import has no effect."
+               if not tf_log_level.prints_op_errors(now) else "")
     warnings.warn(
-        f"{TF_LOG_ENV} is {os.environ.get(TF_LOG_ENV, 'unset')}: if an op of the private train "
-        "step fails on a record's value, tfdp withholds TensorFlow's message from the error, "
-        "but TensorFlow's C++ log prints it on stderr, where it can quote the record. Set "
-        f"{TF_LOG_ENV}=2 before TensorFlow is imported (in the shell, or os.environ at the "
-        "top of the script) to quiet it (docs/faq.md).",
+        f"{TF_LOG_ENV} was {then} when TensorFlow was imported: if an op of the private "
+        "train step fails on a record's value, tfdp withholds TensorFlow's message from the "
+        "error, but TensorFlow's C++ log prints it on stderr, where it can quote the record."
+        f"{changed} Set {TF_LOG_ENV}=2 before TensorFlow is imported (in the shell, or "
+        "os.environ at the top of the script, above every import) to quiet it (docs/faq.md).",
         UserWarning, stacklevel=5)
 
 
@@ -205,6 +211,7 @@ def without_record_values(function):
     """
     if function is None or getattr(function, "_tfdp_without_record_values", False):
         return function
+    warn_if_tf_logs_op_errors()  # predict on a DP model that never ran fit, too
     if record_values_shown():
         return function
 
