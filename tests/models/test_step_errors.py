@@ -151,6 +151,16 @@ def test_a_validation_pipeline_error_does_not_quote_the_held_out_record():
     assert CANARY not in "".join(traceback.format_exception(raised.value))
 
 
+@pytest.mark.parametrize("node", ["dp_model_1/to_number_1/IteratorGetNext",
+                                  "compile_loss/loss/IteratorGetNextAsOptional"])
+def test_a_model_op_named_as_the_iterator_is_withheld(node):
+    """Review 9, H1: a user's op named `IteratorGetNext` under the model's
+    (or the loss's) scope, on the batched path, is an op of the step."""
+    with pytest.raises(tf.errors.InvalidArgumentError, match="failed in node") as raised:
+        step_errors.without_record_values(pipeline_error(CANARY, node))()
+    assert CANARY not in "".join(traceback.format_exception(raised.value))
+
+
 def test_a_node_only_named_like_the_iterator_is_withheld():
     """Negative control: a step node whose name merely contains the
     iterator's (a layer called `my_IteratorGetNext_copy`) is the step's."""

@@ -6,9 +6,9 @@ error's text, with the op's annotations, from the train step. The step's
 error wrapper (`tfdp.models.step_errors`) withholds that text unless it is
 one known to hold no value (`value_free`: tf.data's count of a pipeline
 shorter than its `assert_cardinality`, a fixed-order pipeline's changed
-order), or one tfdp wrote: an exception raised by tfdp's own code (the last frame of
-its traceback is in the `tfdp` package), whose messages name a record by
-position, never by value ("Reading record 15 of list failed (ValueError)",
+order), or one tfdp wrote: an exception raised by tfdp's own code (the
+last frame of its traceback is in the `tfdp` package), whose messages
+name a record by position, never by value ("Reading record 15 of list failed (ValueError)",
 "Record 23 has a label outside [0, 2]"). Those messages are kept here as
 they were raised, and the wrapper shows the kept text, never TensorFlow's:
 an error of a `tf.data` pipeline of the user's own (validation data), or

@@ -9,20 +9,34 @@ test and predict functions therefore re-raise TensorFlow's op errors as the same
 error class naming the failing node (the layer and op, which the model
 fixes, not the data) and withhold TensorFlow's message. The original error
 is not chained (`__cause__` and `__context__` are empty), so no handler or
-logger prints it. `tf.errors.OutOfRangeError`, the end of the data Keras
-waits for, passes unchanged, and so does an error of the input pipeline
-(raised at `IteratorGetNext`, before the step): tfdp's data sources word
-theirs by record position, never value ("Record 23 has a label outside
-[0, 2]"), and a `tf.data` pipeline of your own is your code, outside the
-step.
+logger prints it. The failing node is the one TensorFlow's LAST
+annotation names (`annotated_nodes`): TensorFlow appends its `[[...]]`
+lines after the op's message, which can quote a record that holds such a
+line itself ("SECRET [[IteratorGetNext]]").
+
+`tf.errors.OutOfRangeError`, the end of the data Keras waits for, passes
+unchanged. An error of the input pipeline (raised at Keras's iterator
+node, `IteratorGetNext`, or `IteratorGetNextAsOptional` inside Keras's loop
+when steps_per_execution > 1; never a node under the model's scope)
+keeps its text only when that text cannot carry a value: a message of
+tfdp's own record reads (`tfdp.data.read_failures`: "Reading record 15 of
+list failed (ValueError)", "Record 23 has a label outside [0, 2]", which
+name records by position), shown as tfdp wrote it, or one declared
+value-free (tf.data's count for a pipeline shorter than its
+`assert_cardinality`, the fixed-order pipeline's changed order). Any other
+pipeline error, such as a `tf.data` pipeline of your own for
+`validation_data` or `evaluate` failing on a held-out record, is withheld
+naming the iterator node: held-out records are as private as training ones.
 
 To read the full message while debugging on data that is not private, set
 the environment variable `TFDP_SHOW_STEP_ERRORS=1`: the message then
 prints record values. TensorFlow's C++ log also prints a failing op's
 message as a warning unless `TF_CPP_MIN_LOG_LEVEL=2` (or higher) is set
-before TensorFlow is imported (docs/faq.md, quieting TensorFlow): a DP
-model's `fit` warns once per process when it is not
-(`warn_if_tf_logs_op_errors`), and the withheld message says so.
+before TensorFlow is imported (docs/faq.md, quieting TensorFlow); it reads
+the variable then only. A DP model warns once per process when the value
+TensorFlow read (`tfdp.tf_log_level`) was not 2 or higher, including when
+it was set after TensorFlow's import (`warn_if_tf_logs_op_errors`), and the
+withheld message says so.
 
 Example:
 
