@@ -218,8 +218,8 @@ def test_a_level_set_after_tensorflows_import_still_warns(monkeypatch):
     monkeypatch.setattr(step_errors, "_warned", False, raising=False)
     monkeypatch.setattr(tf_log_level, "_values", [None])  # unset when TensorFlow was imported
     monkeypatch.setenv("TF_CPP_MIN_LOG_LEVEL", "2")
-    with pytest.warns(UserWarning, match=r"was unset when TensorFlow was imported.*It is 2 now, "
-                                         r"but a change after TensorFlow's import has no effect"):
+    with pytest.warns(UserWarning, match=r"is 2 now and was unset when TensorFlow was imported, "
+                                         r".*a change after TensorFlow's import has no effect"):
         tiny_fit()
     assert "TF_CPP_MIN_LOG_LEVEL=2" in step_errors.withheld_message(
         tf.errors.InvalidArgumentError(None, None, "x"))

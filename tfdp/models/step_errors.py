@@ -105,14 +105,15 @@ def warn_if_tf_logs_op_errors():
     _warned = True
     then = " or ".join(value or "unset" for value in tf_log_level.values_at_import())
     now = os.environ.get(TF_LOG_ENV)
-    changed = (f" It is {now} now, but a change after TensorFlow's import has no effect."
+    changed = (" (a change after TensorFlow's import has no effect)"
                if not tf_log_level.prints_op_errors(now) else "")
     warnings.warn(
-        f"{TF_LOG_ENV} was {then} when TensorFlow was imported: if an op of the private "
-        "train step fails on a record's value, tfdp withholds TensorFlow's message from the "
-        "error, but TensorFlow's C++ log prints it on stderr, where it can quote the record."
-        f"{changed} Set {TF_LOG_ENV}=2 before TensorFlow is imported (in the shell, or "
-        "os.environ at the top of the script, above every import) to quiet it (docs/faq.md).",
+        f"{TF_LOG_ENV} is {now or 'unset'} now and was {then} when TensorFlow was imported, "
+        f"which is when TensorFlow reads it{changed}: if an op of the private step fails on a "
+        "record's value, tfdp withholds TensorFlow's message from the error, but TensorFlow's "
+        "C++ log prints it on stderr, where it can quote the record. Set "
+        f"{TF_LOG_ENV}=2 before TensorFlow is imported (in the shell, or os.environ at the "
+        "top of the script, above every import) to quiet it (docs/faq.md).",
         UserWarning, stacklevel=5)
 
 
@@ -185,7 +186,8 @@ def pipeline_message(error):
         return error.message
     kept = read_failures.found_in(error.message or "")
     if kept is not None:
-        named = re.search(r"([A-Za-z_][\w.]*): " + re.escape(kept), error.message)
+        named = re.search(r"(?<![\w.])([A-Za-z_][\w.]*(Error|Exception|Stopped)): "
+                          + re.escape(kept), error.message)  # the exception's class
         return (f"{named.group(1) + ': ' if named else ''}{kept}\n"
                 f"(raised reading the step's records, at the input pipeline's node {node!r})")
     return (
