@@ -142,7 +142,8 @@ def _failed(error, what):
     `what` ("Reading record 3 of list"): it names the record's position and
     `error`'s type, not its text, which can quote the record (Python's own
     `float("patient-4711")` does) and would reach `fit`'s error through the
-    input pipeline (`tfdp.models.step_errors` passes those unchanged). With
+    input pipeline (`tfdp.models.step_errors` shows the messages of tfdp's
+    own reads there, `tfdp.data.read_failures`). With
     `TFDP_SHOW_STEP_ERRORS=1` it adds the text and keeps `error` as its
     `__cause__`, with its traceback.
 
