@@ -4,10 +4,13 @@ TensorFlow's C++ log reads the variable once, when TensorFlow is imported:
 setting it later (a notebook's later cell, `os.environ` below the imports)
 changes nothing, so the value at `fit` says nothing of whether the log
 prints a failing op's message. `import tfdp` imports this module first and
-keeps the value then; `tfdp.models.step_errors`, imported after
-TensorFlow, keeps the value at its import too. TensorFlow read one of the
-values in between: unless TensorFlow was imported before tfdp and the
-variable changed between the two imports, which no module of tfdp sees.
+keeps the value then, and whether TensorFlow was imported already;
+`tfdp.models.step_errors`, imported right after TensorFlow (importing
+TensorFlow imports Keras, whose import makes tfdp register its classes,
+`tfdp._keras_registration`, which imports it), keeps the value at its
+import too. TensorFlow read the first when it was imported before tfdp
+(unless the variable changed between the two imports, which no module of
+tfdp sees), else the second (`tfdp train` sets it after `import tfdp`).
 
 Example:
 
@@ -28,10 +31,11 @@ def note_after_tensorflow_import():
     _values.append(os.environ.get(ENV))
 
 
-def values_at_import():
-    """The values the variable had between tfdp's import and TensorFlow's:
-    one of them is the one TensorFlow read (None: unset)."""
-    return list(dict.fromkeys(_values))
+def value_tensorflow_read():
+    """The value TensorFlow read at its import (None: unset)."""
+    if tensorflow_was_imported_first or len(_values) == 1:
+        return _values[0]
+    return _values[1]
 
 
 def prints_op_errors(value):

@@ -90,7 +90,7 @@ def tf_log_prints_op_errors():
     """Whether TensorFlow's C++ log prints an op's error message:
     `TF_CPP_MIN_LOG_LEVEL` was unset, below 2 or not a number when
     TensorFlow was imported (`tfdp.tf_log_level`; it reads it then only)."""
-    return any(tf_log_level.prints_op_errors(value) for value in tf_log_level.values_at_import())
+    return tf_log_level.prints_op_errors(tf_log_level.value_tensorflow_read())
 
 
 def warn_if_tf_logs_op_errors():
@@ -103,7 +103,7 @@ def warn_if_tf_logs_op_errors():
     if _warned or record_values_shown() or not tf_log_prints_op_errors():
         return
     _warned = True
-    then = " or ".join(value or "unset" for value in tf_log_level.values_at_import())
+    then = tf_log_level.value_tensorflow_read() or "unset"
     now = os.environ.get(TF_LOG_ENV)
     changed = (" (a change after TensorFlow's import has no effect)"
                if not tf_log_level.prints_op_errors(now) else "")
