@@ -177,7 +177,8 @@ def test_a_node_only_named_like_the_iterator_is_withheld():
 def test_predict_on_a_private_record_does_not_quote_it():
     """Review 8, G10: predict's function was not wrapped."""
     model = parsing_model()
-    with pytest.raises(tf.errors.InvalidArgumentError, match="failed in node") as raised:
+    with pytest.raises(tf.errors.InvalidArgumentError,
+                       match="The private predict step failed in node") as raised:
         model.predict(tf.constant(RECORDS), batch_size=16, verbose=0)
     assert CANARY not in "".join(traceback.format_exception(raised.value))
 

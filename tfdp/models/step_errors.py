@@ -161,13 +161,14 @@ def from_input_pipeline(error):
     return node is not None and _ITERATOR.fullmatch(node) is not None
 
 
-def withheld_message(error):
-    """The text that replaces `error`'s message: the node that failed and
-    why the rest is withheld."""
+def withheld_message(error, step="train step"):
+    """The text that replaces `error`'s message: the `step` ("train step",
+    "test step", "predict step") and the node that failed, and why the rest
+    is withheld."""
     node = failed_node(error)
     where = f"in node {node!r}" if node else "in an op of the step"
     return (
-        f"The private train step failed {where} ({type(error).__name__}). TensorFlow's "
+        f"The private {step} failed {where} ({type(error).__name__}). TensorFlow's "
         "message is withheld because it can quote values of the batch's private records. "
         "Check the inputs this layer reads (their dtype, range and format) on data that is "
         f"not private, or set {SHOW_ENV}=1 to see the full message (it prints record values)."
@@ -212,11 +213,12 @@ def _same_class(error, message):
         return tf.errors.UnknownError(None, None, message)
 
 
-def without_record_values(function):
+def without_record_values(function, step="train step"):
     """`function` whose TensorFlow op errors no longer quote record values.
 
     Args:
         function: a callable, e.g. Keras's `train_function`; None passes.
+        step: what `function` runs, for the message ("predict step").
 
     Returns:
         A callable raising, for a `tf.errors.OpError` (not
@@ -239,7 +241,7 @@ def without_record_values(function):
             raise
         except tf.errors.OpError as error:
             message = (pipeline_message(error) if from_input_pipeline(error)
-                       else withheld_message(error))
+                       else withheld_message(error, step))
             replacement = _same_class(error, message)
         raise replacement  # outside the handler: nothing chains the original
 
