@@ -128,20 +128,18 @@ def annotated_nodes(message):
     >>> annotated_nodes("bad: x [[IteratorGetNext]]\\n\\t [[{{node model/ToNumber}}]] [Op:f]")
     ['IteratorGetNext', 'model/ToNumber']
     """
+    return _split_annotations(message)[1]
+
+
+def _split_annotations(message):
+    """`(text, nodes)`: `message` less the annotations at its end, and
+    their nodes in order."""
     text = _OP_AT_END.sub("", message or "")
     nodes = []
     while (found := _ANNOTATION_AT_END.search(text)) is not None:
         nodes.insert(0, found.group(1))
         text = text[:found.start()]
-    return nodes
-
-
-def _without_annotations(message):
-    """`message` less the annotations at its end (`annotated_nodes`)."""
-    text = _OP_AT_END.sub("", message or "")
-    while (found := _ANNOTATION_AT_END.search(text)) is not None:
-        text = text[:found.start()]
-    return text.strip()
+    return text.strip(), nodes
 
 
 def failed_node(error):
@@ -183,7 +181,7 @@ def pipeline_message(error):
     (`tfdp.data.read_failures`, which names records by position), else a
     withheld one naming the iterator node."""
     node = failed_node(error)
-    if read_failures.is_value_free(_without_annotations(error.message)):
+    if read_failures.is_value_free(_split_annotations(error.message)[0]):
         return error.message
     kept = read_failures.found_in(error.message or "")
     if kept is not None:
