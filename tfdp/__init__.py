@@ -22,7 +22,8 @@ saves (`tfdp._keras_registration`).
 
 import importlib
 
-from tfdp import _keras_registration
+from tfdp import tf_log_level  # first: TF_CPP_MIN_LOG_LEVEL before TensorFlow's import
+from tfdp import _keras_registration  # noqa: E402
 
 __version__ = "0.1.0"
 

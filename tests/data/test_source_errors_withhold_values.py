@@ -84,3 +84,34 @@ def test_with_show_step_errors_the_text_and_the_original_are_kept(monkeypatch):
         RecordSource(ROWS, transform=to_float)[15]
     assert CANARY in str(caught.value)
     assert isinstance(caught.value.__cause__, ValueError)
+
+
+# -- review 9, H2: the structure outline and the dtype of a record that differs from record 0
+
+
+GOOD = ({"a": np.array([1.0], "float32")}, np.int64(0))
+
+
+def test_a_record_with_other_keys_is_outlined_without_them():
+    """A JSON record whose keys are data: the outline showed every key."""
+    rows = [GOOD] * 3 + [({"a": np.array([1.0], "float32"), CANARY: np.array([1.0], "float32")},
+                          np.int64(0))]
+    with pytest.raises(ValueError, match=r"Record 3 .* it is \(\{'a': \., 1 key not in record 0\}, \.\)") as raised:
+        RecordSource(rows)[3]
+    assert CANARY not in full_text(raised.value)
+
+
+def test_a_text_leaf_is_named_text_not_by_its_length():
+    """NumPy's dtype `<U14` gives the text's length."""
+    rows = [GOOD] * 3 + [({"a": np.array([CANARY])}, np.int64(0))]
+    with pytest.raises(ValueError, match=r"Record 3 does not match record 0.*dtype text$") as raised:
+        RecordSource(rows)[3]
+    assert f"U{len(CANARY)}" not in full_text(raised.value)
+
+
+def test_record_zeros_own_keys_are_outlined():
+    """Control: the keys record 0 has (the data's schema) are named."""
+    rows = [({"a": np.zeros(1, "float32"), "b": np.zeros(1, "float32")}, np.int64(0))] * 3
+    rows.append(({"a": np.zeros(1, "float32")}, np.int64(0)))
+    with pytest.raises(ValueError, match=r"it is \(\{'a': \.\}, \.\), record 0 is \(\{'a': \., 'b': \.\}, \.\)"):
+        RecordSource(rows)[3]

@@ -50,7 +50,7 @@ def test_a_sane_setting_is_still_accepted():
 
 @pytest.mark.parametrize("kwargs, match", [
     (dict(x=[list(row) for row in X[:39]] + [[1.0, 2.0]]), r"`x`.*rows of different lengths"),
-    (dict(y=np.array(["cat", "dog"] * 20)), r"numeric labels.*dtype <U3"),
+    (dict(y=np.array(["cat", "dog"] * 20)), r"numeric labels.*dtype text"),
     (dict(y=(np.arange(40) % 5).astype(np.float32)), r"class indices in \[0, 2\].*16 label\(s\) outside that range"),
     (dict(class_weight={0: 1.0, 1: 2.0}), r"class_weight.*classes \[2\].*keys \[0, 1\]"),
     (dict(sample_weight=np.ones((40, 2))), r"sample_weight.*shape \(40, 2\)"),

@@ -14,6 +14,8 @@ import pytest
 import tensorflow as tf
 
 import tfdp
+from tfdp import tf_log_level
+from tfdp.data import read_failures
 from tfdp.models import step_errors
 
 CANARY = "SECRET-ID-4711"
@@ -74,21 +76,89 @@ def test_with_the_escape_hatch_the_message_quotes_the_record(monkeypatch):
         parsing_model().fit(RECORDS, LABELS, batch_size=16, epochs=1, verbose=0)
 
 
-@pytest.mark.parametrize("iterator_node", [
+ITERATOR_NODES = [
     "IteratorGetNext", "{{node IteratorGetNext}}", "IteratorGetNextAsOptional",
     # steps_per_execution > 1: the read runs inside Keras's while loop (CI, stop 57)
-    "while/body/_1/while/cond_1/then/_114/while/cond_1/IteratorGetNextAsOptional"])
+    "while/body/_1/while/cond_1/then/_114/while/cond_1/IteratorGetNextAsOptional"]
+
+
+def pipeline_error(text, iterator_node):
+    """A function raising TensorFlow's error for `text` raised in the input
+    pipeline (a numpy_function) and annotated with `iterator_node`."""
+    def reads():
+        raise tf.errors.InvalidArgumentError(
+            None, None, f"ValueError: {text}\nTraceback (most recent call last):\n\n"
+                        f"ValueError: {text}\n\t [[{{{{node PyFuncStateless}}}}]]"
+                        f"\n\t [[{iterator_node}]] [Op:__inference_multi_step_on_iterator_1]")
+    return reads
+
+
+def tfdp_read_failure():
+    """The message of a real tfdp record read that failed (kept by
+    `tfdp.data.read_failures`, as the reader keeps it)."""
+    source = tfdp.data.RecordSource([(np.zeros(1, "float32"), 0), (np.zeros(2, "float32"), 0)])
+    with pytest.raises(ValueError) as raised:
+        read_failures.remembering(source.__getitem__)(1)
+    return str(raised.value)
+
+
+@pytest.mark.parametrize("iterator_node", ITERATOR_NODES)
 def test_the_input_pipelines_own_errors_pass_unchanged(iterator_node):
     """tfdp's data sources name a bad record by position; their error, raised
     at IteratorGetNext (or its optional form, at any depth of the step's
     loop), keeps its message."""
-    def reads():
-        raise tf.errors.InvalidArgumentError(
-            None, None, "Record 23 has a label outside [0, 2]\n\t [[{{node PyFuncStateless}}]]"
-                        f"\n\t [[{iterator_node}]] [Op:__inference_multi_step_on_iterator_1]")
+    message = tfdp_read_failure()
+    assert message.startswith("Record 1 does not match record 0")
+    with pytest.raises(tf.errors.InvalidArgumentError) as raised:
+        step_errors.without_record_values(pipeline_error(message, iterator_node))()
+    assert f"ValueError: {message}" in str(raised.value)
 
-    with pytest.raises(tf.errors.InvalidArgumentError, match="Record 23"):
-        step_errors.without_record_values(reads)()
+
+@pytest.mark.parametrize("iterator_node", ITERATOR_NODES)
+def test_a_pipeline_error_that_tfdp_did_not_word_is_withheld(iterator_node):
+    """Review 9, H8: a tf.data pipeline of the user's own (validation_data)
+    fails on a held-out record and its message quotes it."""
+    text = f"StringToNumberOp could not correctly convert string: {CANARY}"
+    with pytest.raises(tf.errors.InvalidArgumentError, match="input pipeline failed") as raised:
+        step_errors.without_record_values(pipeline_error(text, iterator_node))()
+    assert CANARY not in "".join(traceback.format_exception(raised.value))
+    assert step_errors.SHOW_ENV in str(raised.value)
+
+
+def test_a_record_holding_the_iterators_annotation_is_withheld():
+    """Review 9, H1: the record's text "... [[IteratorGetNext]]" comes before
+    TensorFlow's own annotation of the failing node, which decides."""
+    records = np.array([["1.5"]] * 15 + [[CANARY + " [[IteratorGetNext]]"]])
+    with pytest.raises(tf.errors.InvalidArgumentError, match="failed in node") as raised:
+        parsing_model().fit(records, LABELS, batch_size=16, epochs=1, verbose=0)
+    assert CANARY not in "".join(traceback.format_exception(raised.value))
+    assert "to_number" in str(raised.value)
+
+
+def test_a_validation_pipeline_error_does_not_quote_the_held_out_record():
+    """Review 9, H8, end to end: validation_data as a tf.data pipeline of the
+    user's own whose map fails on a held-out record."""
+    inputs = keras.Input((1,))
+    model = tfdp.DPModel(inputs, keras.layers.Dense(3)(inputs))
+    model.compile(optimizer=tfdp.optimizers.DPSGD(0.1, noise_multiplier=1.0, l2_norm_clip=1.0,
+                                                  seed=1),
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    validation = tf.data.Dataset.from_tensor_slices((RECORDS[:, 0], LABELS)).map(
+        lambda text, label: (tf.strings.to_number(text, tf.float32)[None], label)).batch(16)
+    with pytest.raises(tf.errors.InvalidArgumentError, match="input pipeline failed") as raised:
+        model.fit(np.ones((8, 1), "float32"), LABELS[:8], batch_size=8, epochs=1, verbose=0,
+                  validation_data=validation)
+    assert CANARY not in "".join(traceback.format_exception(raised.value))
+
+
+@pytest.mark.parametrize("node", ["dp_model_1/to_number_1/IteratorGetNext",
+                                  "compile_loss/loss/IteratorGetNextAsOptional"])
+def test_a_model_op_named_as_the_iterator_is_withheld(node):
+    """Review 9, H1: a user's op named `IteratorGetNext` under the model's
+    (or the loss's) scope, on the batched path, is an op of the step."""
+    with pytest.raises(tf.errors.InvalidArgumentError, match="failed in node") as raised:
+        step_errors.without_record_values(pipeline_error(CANARY, node))()
+    assert CANARY not in "".join(traceback.format_exception(raised.value))
 
 
 def test_a_node_only_named_like_the_iterator_is_withheld():
@@ -107,7 +177,8 @@ def test_a_node_only_named_like_the_iterator_is_withheld():
 def test_predict_on_a_private_record_does_not_quote_it():
     """Review 8, G10: predict's function was not wrapped."""
     model = parsing_model()
-    with pytest.raises(tf.errors.InvalidArgumentError, match="failed in node") as raised:
+    with pytest.raises(tf.errors.InvalidArgumentError,
+                       match="The private predict step failed in node") as raised:
         model.predict(tf.constant(RECORDS), batch_size=16, verbose=0)
     assert CANARY not in "".join(traceback.format_exception(raised.value))
 
@@ -127,6 +198,7 @@ def tiny_fit():
 @pytest.mark.parametrize("level", [None, "1"])
 def test_fit_warns_once_when_tensorflows_log_would_print_the_message(monkeypatch, level):
     monkeypatch.setattr(step_errors, "_warned", False, raising=False)
+    monkeypatch.setattr(tf_log_level, "_values", [level])  # as TensorFlow read it
     if level is None:
         monkeypatch.delenv("TF_CPP_MIN_LOG_LEVEL", raising=False)
     else:
@@ -141,10 +213,34 @@ def test_fit_warns_once_when_tensorflows_log_would_print_the_message(monkeypatch
     assert "TF_CPP_MIN_LOG_LEVEL=2" in withheld
 
 
-def test_fit_does_not_warn_when_the_log_is_quiet(monkeypatch):
-    """Negative control: level 2 (the tests' own), the error text says nothing of it."""
+def test_a_level_set_after_tensorflows_import_still_warns(monkeypatch):
+    """Review 9, H5: TensorFlow reads the variable at its import only; set
+    later (a notebook's later cell) it silenced the warning, not the log."""
     monkeypatch.setattr(step_errors, "_warned", False, raising=False)
+    monkeypatch.setattr(tf_log_level, "_values", [None])  # unset when TensorFlow was imported
     monkeypatch.setenv("TF_CPP_MIN_LOG_LEVEL", "2")
+    with pytest.warns(UserWarning, match=r"is 2 now and was unset when TensorFlow was imported, "
+                                         r".*a change after TensorFlow's import has no effect"):
+        tiny_fit()
+    assert "TF_CPP_MIN_LOG_LEVEL=2" in step_errors.withheld_message(
+        tf.errors.InvalidArgumentError(None, None, "x"))
+
+
+def test_predict_without_fit_warns_too(monkeypatch):
+    """Review 9, H5: a DP model used to predict on private records, never fit."""
+    monkeypatch.setattr(step_errors, "_warned", False, raising=False)
+    monkeypatch.setattr(tf_log_level, "_values", [None])
+    with pytest.warns(UserWarning, match=r"TF_CPP_MIN_LOG_LEVEL=2 before TensorFlow is imported"):
+        with pytest.raises(tf.errors.InvalidArgumentError):
+            parsing_model().predict(tf.constant(RECORDS), batch_size=16, verbose=0)
+
+
+def test_fit_does_not_warn_when_the_log_is_quiet(monkeypatch):
+    """Negative control: level 2 when TensorFlow was imported (the tests'
+    own), even if lowered since: the error text says nothing of it."""
+    monkeypatch.setattr(step_errors, "_warned", False, raising=False)
+    monkeypatch.setattr(tf_log_level, "_values", ["2"])
+    monkeypatch.setenv("TF_CPP_MIN_LOG_LEVEL", "0")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         tiny_fit()

@@ -161,7 +161,7 @@ def test_an_id_beyond_the_vocabulary_is_refused_before_the_trials_are_drawn(tria
 
     ids = np.arange(N * 3).reshape(N, 3) % 8
     ids[5, 0] = 8
-    _refused_before_the_draw(build, "record 5, which gives it id 8", ids, ids[:, 0] % 2,
+    _refused_before_the_draw(build, "record 5, which gives it an id outside", ids, ids[:, 0] % 2,
                              validation_split=SPLIT)
 
 

@@ -57,9 +57,12 @@ ValueError: ...infinite (repeat())...Received: cardinality=infinite
 """
 
 import hashlib
+import re
 
 import numpy as np
 import tensorflow as tf
+
+from tfdp.data import read_failures
 
 # Python classes of tf.data's transformations, by name (tensorflow/python/
 # data/ops). Private names, read only to refuse what breaks the order; the
@@ -189,6 +192,10 @@ ORDER_CHANGED = (
     "not the pipeline; or, to train on a different pipeline, compile with a new "
     "DPBandMF(..., fresh_noise_history=True)."
 )
+# The pipeline's assertion (`OrderCheck.check`; TensorFlow writes ' as \'):
+# a position, no value.
+read_failures.value_free(r"assertion failed: \[" + re.escape(ORDER_CHANGED).replace("'", r"\\?'")
+                         + r"\] \[Received: batch position\] \[\d+\]")
 
 
 class OrderCheck:

@@ -24,7 +24,7 @@ import os
 import numpy as np
 import tensorflow as tf
 
-from tfdp.data import interrupts
+from tfdp.data import interrupts, read_failures
 
 __all__ = ["read_batches", "read_padded"]
 
@@ -142,7 +142,7 @@ def read_batches(pairs, source, rows=None):
 
     def read(rows, mask):
         flat = tf.numpy_function(
-            lambda r, m: read_padded(source, r, m, stop),
+            read_failures.remembering(lambda r, m: read_padded(source, r, m, stop)),
             [rows, mask],
             [spec.dtype for spec in specs],
             stateful=False,

@@ -82,7 +82,7 @@ def _spec(value, where):
     if array.dtype == object or array.dtype.kind in "USV":
         raise TypeError(
             f"Expected numeric arrays in the training data. Received: {where} "
-            f"with dtype {array.dtype}"
+            f"with dtype {_dtype_name(array.dtype)}"
         )
     return tf.TensorSpec([None, *array.shape], tf.as_dtype(array.dtype))
 
@@ -142,7 +142,8 @@ def _failed(error, what):
     `what` ("Reading record 3 of list"): it names the record's position and
     `error`'s type, not its text, which can quote the record (Python's own
     `float("patient-4711")` does) and would reach `fit`'s error through the
-    input pipeline (`tfdp.models.step_errors` passes those unchanged). With
+    input pipeline (`tfdp.models.step_errors` shows the messages of tfdp's
+    own reads there, `tfdp.data.read_failures`). With
     `TFDP_SHOW_STEP_ERRORS=1` it adds the text and keeps `error` as its
     `__cause__`, with its traceback.
 
@@ -179,13 +180,43 @@ def _named(what, function, *args):
     raise failure
 
 
-def _outline(structure):
-    """`structure`'s nesting with each leaf shown as ".": no values."""
+def _outline(structure, reference=None, first="record 0"):
+    """`structure`'s nesting with each leaf shown as ".": no values. A
+    dict's keys are shown only where `reference` (record 0's structure, or
+    None: `structure` is record 0's) has them too, the others counted (as
+    not in `first`): a key can be data (a JSON record keyed by a person's id).
+
+    Example:
+
+    >>> _outline(({"a": 1, "SECRET-ID-4711": 2}, 3), reference=({"a": 0}, 0))
+    "({'a': ., 1 key not in record 0}, .)"
+    """
     if isinstance(structure, dict):
-        return "{" + ", ".join(f"{key!r}: {_outline(value)}" for key, value in structure.items()) + "}"
+        known = reference if reference is not None else structure
+        known = known if isinstance(known, dict) else {}
+        parts = [f"{key!r}: {_outline(value, None if reference is None else known[key], first)}"
+                 for key, value in structure.items() if key in known]
+        others = sum(1 for key in structure if key not in known)
+        if others:
+            parts.append(f"{others} key{'s' if others > 1 else ''} not in {first}")
+        return "{" + ", ".join(parts) + "}"
     if isinstance(structure, (list, tuple)):
-        return "(" + ", ".join(_outline(value) for value in structure) + ")"
+        if reference is None:
+            references = [None] * len(structure)
+        elif isinstance(reference, (list, tuple)) and len(reference) == len(structure):
+            references = list(reference)
+        else:
+            references = [{}] * len(structure)  # no key below is known from record 0
+        return "(" + ", ".join(_outline(value, ref, first)
+                               for value, ref in zip(structure, references)) + ")"
     return "."
+
+
+def _dtype_name(dtype):
+    """`dtype` for a message: "text" for a string dtype, whose NumPy name
+    (`<U14`) gives the text's length, else its name."""
+    dtype = np.dtype(dtype)
+    return "text" if dtype.kind in "USV" else str(dtype)
 
 
 def _batch_leaves(example, count, what):
@@ -430,7 +461,8 @@ class RecordSource(_Source):
             except (ValueError, TypeError):
                 raise ValueError(
                     f"Record {index} does not have the structure of record 0: it is "
-                    f"{_outline(example)}, record 0 is {_outline(self.element_spec)}"
+                    f"{_outline(example, self.element_spec)}, record 0 is "
+                    f"{_outline(self.element_spec)}"
                 ) from None
         arrays = []
         for path, leaf, (shape, dtype) in zip(self._paths, leaves, self._rows):
@@ -439,7 +471,7 @@ class RecordSource(_Source):
                 raise ValueError(
                     f"Record {index} does not match record 0 at {path}: expected shape "
                     f"{shape} and dtype {dtype}. Received: shape {array.shape} and "
-                    f"dtype {array.dtype}"
+                    f"dtype {_dtype_name(array.dtype)}"
                 )
             arrays.append(array)
         return arrays
@@ -479,7 +511,8 @@ class RecordSource(_Source):
         except (ValueError, TypeError):
             raise ValueError(
                 f"The batch_transform of {where} does not have record 0's structure: it is "
-                f"{_outline(example)}, record 0 is {_outline(self.element_spec)}"
+                f"{_outline(example, self.element_spec)}, record 0 is "
+                f"{_outline(self.element_spec)}"
             ) from None
         leaves = _batch_leaves(example, len(items), f"the batch_transform {name} of {where}")
         for path, leaf, (shape, dtype) in zip(self._paths, leaves, self._rows):
@@ -487,7 +520,7 @@ class RecordSource(_Source):
                 raise ValueError(
                     f"The batch_transform of {where} does not match record 0 at {path}: "
                     f"expected shape {(len(items), *shape)} and dtype {dtype}. "
-                    f"Received: shape {leaf.shape} and dtype {leaf.dtype}"
+                    f"Received: shape {leaf.shape} and dtype {_dtype_name(leaf.dtype)}"
                 )
         return leaves
 

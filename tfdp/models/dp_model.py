@@ -389,14 +389,14 @@ class DPTrainingMixin:
         """Keras's predict function (its inputs may be private records), its
         op errors withheld (`step_errors`)."""
         super().make_predict_function(force)
-        self.predict_function = without_record_values(self.predict_function)
+        self.predict_function = without_record_values(self.predict_function, "predict step")
         return self.predict_function
 
     def make_test_function(self, force=False):
         """Keras's test function (validation data may be private), its op
         errors withheld (`step_errors`)."""
         super().make_test_function(force)
-        self.test_function = without_record_values(self.test_function)
+        self.test_function = without_record_values(self.test_function, "test step")
         return self.test_function
 
     def train_on_batch(self, x=None, y=None, sample_weight=None, class_weight=None,

@@ -1,7 +1,11 @@
 """Checks of `fit`'s arguments that name what is wrong before the first step.
 
-Each function raises a ValueError naming the argument and the value
-received; none of them reads more of the data than the check needs.
+Each function raises a ValueError naming the argument and what was
+received: a record by its position, shape or dtype, never its values
+(which the message would show to whoever reads the error; with
+`TFDP_SHOW_STEP_ERRORS=1` an id or the model's error text is shown, for
+debugging on data that is not private). None of them reads more of the
+data than the check needs.
 
 Example:
 
@@ -17,7 +21,7 @@ import numpy as np
 import tensorflow as tf
 
 from tfdp.data import sources
-from tfdp.models import multi_output
+from tfdp.models import multi_output, step_errors
 
 
 def as_array(name, value):
@@ -59,7 +63,7 @@ def check_label_values(y, units, name="y"):
     if y.dtype.kind not in "biuf":
         raise ValueError(
             "Expected numeric labels (class indices or targets); map strings to "
-            f"class indices first. Received: {name} of dtype {y.dtype}"
+            f"class indices first. Received: {name} of dtype {sources._dtype_name(y.dtype)}"
         )
     is_index_vector = y.ndim == 1 or (y.ndim == 2 and y.shape[1] == 1)
     if not (units and units > 1 and is_index_vector and len(y)):
@@ -173,12 +177,32 @@ def check_validation_data_fits(model, validation_data, units, split_at=None):
     try:
         model(first, training=False)
     except Exception as error:  # whatever the model raises, named with its class
-        shapes = tf.nest.map_structure(lambda a: np.shape(a), x)
-        raise ValueError(
-            "`validation_data` does not fit the model: its first example fails the "
-            f"model's forward pass ({type(error).__name__}: {error}). Received: "
-            f"validation_data x with shape {shapes}"
-        ) from error
+        failure = _forward_failure(error, model, tf.nest.map_structure(np.shape, x))
+    else:
+        return validation_data
+    raise failure  # outside the handler: nothing chains the original unless shown
+
+
+def _forward_failure(error, model, shapes):
+    """The ValueError for validation data whose first example fails the
+    forward pass with `error`: its class and node, not its text, which can
+    quote the example (`StringToNumber` on a held-out record's field); the
+    text, chained, with `TFDP_SHOW_STEP_ERRORS=1`."""
+    shown = step_errors.record_values_shown()
+    node = step_errors.failed_node(error) if isinstance(error, tf.errors.OpError) else None
+    what = type(error).__name__ + (f" in node {node!r}" if node else "")
+    detail = (f"{what}: {error}" if shown else
+              f"{what}; its message is withheld because it can quote the example's values: "
+              f"set {step_errors.SHOW_ENV}=1 to see it, on data that is not private")
+    inputs = [tuple(tensor.shape) for tensor in getattr(model, "inputs", None) or []]
+    takes = f" (the model's inputs take shapes {inputs})" if inputs else ""
+    failure = ValueError(
+        "`validation_data` does not fit the model: its first example fails the "
+        f"model's forward pass ({detail}){takes}. Received: validation_data x with shape "
+        f"{shapes}"
+    )
+    failure.__cause__ = error if shown else None
+    return failure
     return validation_data
 
 
@@ -266,7 +290,8 @@ def check_embedding_ids(model, x, name="x", first_record=0):
     of range on CPU), so whether and when training fails would depend on
     one record: a release no epsilon covers. The ids are checked here, from
     the arrays alone (no layer of the model runs), naming the first record
-    that breaks the range. `fit` checks in-memory arrays and validation
+    that breaks the range by its position (its id only with
+    `TFDP_SHOW_STEP_ERRORS=1`: an id can identify a person). `fit` checks in-memory arrays and validation
     data this way. Not seen: ids read from a RecordSource or a tf.data
     pipeline, ids that `fit(augment=...)` produces, an Embedding behind any
     layer or op (a slice, a Lambda), inside a nested model (which casts
@@ -289,7 +314,7 @@ def check_embedding_ids(model, x, name="x", first_record=0):
     >>> check_embedding_ids(model, np.array([[1, 4], [0, 7]]))
     Traceback (most recent call last):
     ...
-    ValueError: Expected the ids in `x` that feed Embedding 'tokens' to lie in [0, 4] (its input_dim is 5). Received: record 1, which gives it id 7
+    ValueError: Expected the ids in `x` that feed Embedding 'tokens' to lie in [0, 4] (its input_dim is 5). Received: record 1, which gives it an id outside that range (its value is withheld, as an id can identify a person: set TFDP_SHOW_STEP_ERRORS=1 to see it)
     """
     for tensor in getattr(model, "inputs", None) or []:
         layers = list(_embeddings_reading(model, tensor))
@@ -403,8 +428,11 @@ def _check_ids_in_range(ids, layer, name, first_record):
     if wrong.any():
         row = int(np.argmax(wrong.any(axis=1)))
         value = flat[row][wrong[row]][0]
+        given = (f"id {value.item()!r}" if step_errors.record_values_shown() else
+                 f"an id outside that range (its value is withheld, as an id can identify a "
+                 f"person: set {step_errors.SHOW_ENV}=1 to see it)")
         raise ValueError(
             f"Expected the ids in `{name}` that feed Embedding '{layer.name}' to lie in "
             f"[0, {limit - 1}] (its input_dim is {limit}). Received: record "
-            f"{first_record + row}, which gives it id {value.item()!r}"
+            f"{first_record + row}, which gives it {given}"
         )

@@ -85,7 +85,7 @@ def check_no_text(x, model=None):
         else:
             dtype = getattr(leaf, "dtype", None)
             text = dtype is not None and np.dtype(dtype).kind in "USO"
-            dtype = np.dtype(dtype).str if text else dtype
+            dtype = "text" if text and np.dtype(dtype).kind in "US" else dtype  # not <U{length}
         if text:
             raise ValueError(
                 f"The input x{path} holds text (dtype {dtype}); a DPModel computes on "
