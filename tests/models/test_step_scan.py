@@ -393,43 +393,6 @@ def test_an_assert_on_shapes_the_input_shapes_fix_trains():
     assert model.privacy.steps == 2
 
 
-@tfdp.per_example.declare_per_example
-class ChecksValueShape(keras.layers.Layer):
-    """Checks with tf.ensure_shape (an EnsureShape op, no Assert) the shape
-    of the rows a mask keeps: the step failed on the crafted record on main
-    (the eighth review's G5), and trained without it."""
-
-    def __init__(self, select="boolean_mask", **kwargs):
-        super().__init__(**kwargs)
-        self.select = select
-
-    def call(self, x, training=None):
-        if self.select == "boolean_mask":
-            picked = tf.ensure_shape(tf.boolean_mask(x, x > 1000.0), [0])
-        else:  # "batch": a shape the input's shape fixes (negative control)
-            picked = tf.ensure_shape(tf.reshape(x, [-1, 2, 2]), [None, 2, 2])
-        return x + tf.reduce_sum(picked)
-
-
-def test_an_ensure_shape_on_a_shape_the_values_decide_is_refused_naming_the_op():
-    model = dp_model(ChecksValueShape("boolean_mask", name="picker"))
-    x, y = crafted_records()
-    with pytest.raises(ValueError, match=r"Layer 'picker' \(ChecksValueShape\) checks at run "
-                                         r"time .* a shape that the values decide.*\(Where\)"
-                                         r".*\(EnsureShape\)") as error:
-        model.fit(x, y, batch_size=8, epochs=1, verbose=0)
-    assert "98765" not in str(error.value)
-    assert model.privacy.steps == 0
-
-
-def test_an_ensure_shape_on_the_batch_shape_trains():
-    """Negative control: ensure_shape on a shape the input's shape fixes."""
-    model = dp_model(ChecksValueShape("batch", name="picker"))
-    x, y = crafted_records()
-    model.fit(x, y, batch_size=8, epochs=1, verbose=0)
-    assert model.privacy.steps == 2
-
-
 class IntoOtherMetric(keras.metrics.Metric):
     """Writes the batch's largest label into another metric's variable."""
 

@@ -82,9 +82,7 @@ print the value, tell that record; an assertion on shapes alone (TensorFlow's
 own check of sparse labels against logits) passes, unless one of those
 shapes is decided by values (the rows `tf.boolean_mask`, `tf.where` or
 `tf.unique` keep: `tfdp.models.value_shapes` asks TensorFlow's shape
-functions which), and so is a check of such a shape when an op runs
-(`tf.ensure_shape`, `tf.reshape`, `tf.broadcast_to`) that rejects some
-count of selected rows. What the scan cannot see
+functions which). What the scan cannot see
 is an op that fails on some values by itself (a `tf.gather` whose index is
 computed from the input, out of range on CPU): such an abort on one record is
 a side channel the epsilon does not cover (docs/guides/your-model.md).
@@ -404,14 +402,11 @@ def _refuse_writes(model, graph, operations, scope=_PASS):
             raise ValueError(_output_message(model, op, path))
         if op.type in _ABORT_OPS and (op.type != "Assert" or reads_values(op, False)):
             raise ValueError(_abort_message(model, op, path))
-        source = None
         if op.type == "Assert":
             source = value_shapes.value_shaped(value_shapes.shapes_read(op), owner, chain,
                                                _sources, definitions)
-        elif op.type in value_shapes.SHAPE_CHECKS:
-            source = value_shapes.rejected_count(op, owner, chain, _sources, definitions)
-        if source is not None:
-            raise ValueError(_value_shape_message(model, op, source, path))
+            if source is not None:
+                raise ValueError(_value_shape_message(model, op, source, path))
     for op, owner, path, controls, chain in walked:
         if op.type in step_ops.COLLECTIVES:
             if scope != _PASS:
@@ -863,21 +858,15 @@ def _abort_message(model, op, path=""):
 
 def _value_shape_message(model, op, source, path=""):
     return (
-        f"{_holder(model, path)} {_checking(op)} a shape that the values decide in its DP step: "
+        f"{_holder(model, path)} asserts on a shape that the values decide in its DP step: "
         f"the shape of the output of op '{source.name}' ({source.type}) depends on the "
         "values of its input, not only on its shape (tf.boolean_mask, tf.where, tf.unique, "
         "tf.dynamic_partition keep as many rows as the data selects), so a check of it "
         "fails on some records only, and whether training stopped tells that record, a "
-        "release no noise covers. Drop the assertion or shape check, or check shapes that the "
+        "release no noise covers. Drop the assertion, or assert on shapes that the "
         "inputs' shapes fix (compute a count as a value: tf.reduce_sum(tf.cast(mask, "
         f"tf.int32)), and do not stop on it). {_received(op, path)}"
     )
-
-
-def _checking(op):
-    if op.type == "Assert":
-        return "asserts on"
-    return "checks at run time (tf.ensure_shape, tf.reshape, tf.broadcast_to)"
 
 
 def _table_message(model, op, path=""):
