@@ -179,3 +179,37 @@ def test_a_floor_without_identities_equal_to_one_unbranched_history_is_charged_o
     step, other = dpsgd_event(Z, BATCH / N), dpsgd_event(2 * Z, BATCH / N)
     assert charged_steps(((step, 20, "a@0"), (other, 5, "a@20")), ((step, 20), (other, 5))) == 25
     assert charged_steps(((step, 20), (other, 5)), ((step, 20, "a@0"), (other, 5, "a@20"))) == 25
+
+
+# -- both sides mixed (review 9, H6): a charge like the one above, frozen as a
+# floor, holds identified releases after unnamed ones; the carried releases
+# can too. The identified ones are matched by identity, only the unnamed ones
+# by (event, count): an earlier file's 20 unnamed steps shared by both, then
+# branch b (the floor) and, after a rollback to that file, branch c (now).
+
+def _carried_epsilon(now, floor):
+    ledger = PrivacyLedger()
+    ledger.carry("a", "model 'a'", floor)
+    ledger.hold_carried()
+    ledger.carry("a", "model 'a'", now)
+    return ledger.epsilon(DELTA)
+
+
+@pytest.mark.parametrize("now, floor, happened", [
+    (((20,), (30, "c@20")), ((20,), (10, "b@20")), 60),
+    (((20,), (10, "b@20")), ((20,), (30, "c@20")), 60),
+    (((20,), (5, "c@20")), ((20,), (10, "b@20")), 35),
+], ids=["c_longer", "reversed", "b_longer"])
+def test_two_mixed_sides_charge_every_branch(now, floor, happened):
+    step = dpsgd_event(Z, BATCH / N)
+    parts = lambda items: tuple((step,) + item for item in items)  # noqa: E731
+    assert _carried_epsilon(parts(now), parts(floor)) >= independent(happened) * (1 - 1e-9)
+    assert charged_steps(parts(now), parts(floor)) == happened
+
+
+def test_two_mixed_sides_of_one_history_charge_it_once():
+    """Negative control: the same mixed releases on both sides (nothing
+    trained since the floor froze) are charged once."""
+    step = dpsgd_event(Z, BATCH / N)
+    mixed = ((step, 20), (step, 10, "b@20"))
+    assert _carried_epsilon(mixed, mixed) == pytest.approx(independent(30), rel=1e-9)

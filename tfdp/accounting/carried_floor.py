@@ -19,14 +19,16 @@ against a floor of (event, 20), of which only 10 are shared) for "the same
 segment went on", and charged 40 of the 50 releases.
 
 Releases without an identity (given by hand, or saved by an earlier tfdp)
-are compared by (event, count), as before, when neither side has one. A
-floor without identities met by identified releases (an earlier tfdp's
-file carrying a training that now runs in this version) cannot be matched
-to them (nor the reverse): a rollback shared with that file would again
-look like "the same segment ran on". Both are then charged (an over-charge, never an under-
+are compared by (event, count) among themselves, as before; the identified
+ones are matched by identity, never by count, even when both sides hold
+some of each (a charge like the one below, frozen as a floor: an earlier
+file's releases followed by this version's branches). So a floor without
+identities met by identified releases (an earlier tfdp's file carrying a
+training that now runs in this version) is not matched to them (nor the
+reverse): a rollback shared with that file would again look like "the same
+segment ran on". Both are then charged (an over-charge, never an under-
 charge), unless the releases are that floor exactly: one unbranched history
 (loaded from that file, not trained since) with the floor's (event, count).
-What the floor holds with identities is matched by identity as usual.
 
 Example:
 
@@ -41,6 +43,9 @@ Example:
 [9]
 >>> [count for _, count, _ in at_least(rolled_back, floor=((step, 9),))]  # cannot be matched
 [5, 30, 9]
+>>> mixed = ((step, 9), (step, 4, "c@9"))  # an earlier file's 9 steps, then branch c
+>>> [count for _, count, _ in at_least(mixed, floor=((step, 9), (step, 6, "b@9")))]
+[4, 6, 9]
 """
 
 
@@ -58,32 +63,23 @@ def at_least(parts, floor):
         floor: the same: its releases when this model trained.
 
     Returns:
-        (event, count, identity) triples, a tuple: with identities, each
-        identity once, at the largest count either holds (`parts`' order,
-        then what only the floor holds); when one side lacks some,
-        the union of the identified releases followed by the others
-        (identity None), or the identified side alone when it is one
-        unbranched history equal to the other;
-        else `parts` when it extends `floor`, or `floor` followed by what
-        `parts` released after the two went separate ways (identity None).
+        (event, count, identity) triples, a tuple: the identified releases,
+        each identity once at the largest count either holds (`parts`'
+        order, then what only the floor holds), followed by the releases
+        without identity (identity None), compared by (event, count):
+        `parts`' when they extend `floor`'s, else `floor`'s followed by
+        what `parts` released after the two went separate ways. Only the
+        identified side when one side is one unbranched history equal to
+        the other, which has no identities at all.
     """
     now, held = tagged(parts), tagged(floor)
-    if all(item[2] is not None for item in now + held):
-        return _union(now, held)
-    if all(item[2] is not None for item in now) or all(item[2] is not None for item in held):
-        return _with_unmatched(now, held)
-    return tuple((event, count, None) for event, count in _by_count(now, held))
-
-
-def _with_unmatched(now, held):
-    """`at_least` when one side is identified and the other lacks some
-    identities: the union by identity, then what has none (`now`'s, then
-    `held`'s); only the identified side when the two are one history."""
     named = _union(tuple(item for item in now if item[2] is not None),
                    tuple(item for item in held if item[2] is not None))
     if _one_history(now, held) or _one_history(held, now):
         return named
-    return named + tuple(item for item in now + held if item[2] is None)
+    unnamed = _by_count(tuple(item for item in now if item[2] is None),
+                        tuple(item for item in held if item[2] is None))
+    return named + tuple((event, count, None) for event, count in unnamed)
 
 
 def _one_history(named, unnamed):
