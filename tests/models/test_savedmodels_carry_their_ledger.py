@@ -124,6 +124,21 @@ def test_export_archive_and_tf_saved_model_save_and_load(trained, tmp_path):
     assert [c.label for c in ledger.carried.values()] == ["model 'A'"]
 
 
+def test_a_module_of_the_raw_tf_variables_under_keras_variables(trained, tmp_path):
+    """The ninth review's H3: a tf.Module holding `dense.kernel.value` (the
+    tf.Variables inside Keras 3's variables) and a serving function, saved
+    with tf.saved_model.save: B on it charged its own steps only."""
+    a, _ = trained
+    dense = a.get_layer("enc").get_layer("enc_dense")
+    module = tf.Module()
+    module.kernel, module.bias = dense.kernel.value, dense.bias.value
+    module.serve = tf.function(lambda x: tf.tanh(tf.matmul(x, module.kernel) + module.bias),
+                               input_signature=[tf.TensorSpec([None, 4], tf.float32)])
+    tf.saved_model.save(module, str(tmp_path / "module"))
+    _carries_a(model_on(keras.layers.TFSMLayer(tmp_path / "module", call_endpoint="serve"),
+                        "B"), a)
+
+
 def test_an_untrained_export_carries_nothing(tmp_path):
     """Control: a fresh encoder's export has no ledger (and clears one an
     earlier export left in the directory); B on it states its own steps."""

@@ -28,7 +28,9 @@ another variable with `tf.Variable.assign`, or restoring a
 `tf.train.Checkpoint`) are not the same variables, so they cannot be
 traced; a plain Keras `.keras` or `.weights.h5` file of traced variables
 holds what they carry (`tfdp.models.keras_file_ledgers`), and so does a
-SavedModel of them (`tfdp.models.saved_model_ledgers`). Only DP fits
+SavedModel of them (`tfdp.models.saved_model_ledgers`), or of the
+tf.Variables inside them (`dense.kernel.value`: each is registered beside
+the Keras variable that holds it). Only DP fits
 are traced (a plain Keras model training a DP model's layer is not
 noticed): the docs say so next to `load_weights`'s refusal of a weights
 file without a ledger.
@@ -56,6 +58,9 @@ True
 
 import uuid
 import weakref
+
+import keras
+import tensorflow as tf
 
 from tfdp.accounting import PrivacyLedger
 from tfdp.accounting.carried_floor import at_least
@@ -264,8 +269,9 @@ def _saved_training(source_id, carried):
 
 
 def _register(variables, training):
-    """Makes `variables` (or layers) carry `training`."""
-    for variable in variables:
+    """Makes `variables` (or layers) carry `training`, and the tf.Variable
+    inside each Keras variable among them (`_wrapped`)."""
+    for variable in _with_wrapped(variables):
         key = id(variable)
         if not _trainers_of(variable):
             _trainers[key] = (weakref.ref(variable, lambda _, key=key: _forget(key)), [])
@@ -273,6 +279,17 @@ def _register(variables, training):
         if training not in trainers:
             trainers.append(training)
     _registry_version[0] += 1
+
+
+def _with_wrapped(objects):
+    """`objects`, each followed by the tf.Variable a Keras variable among
+    them holds (`variable.value`): a SavedModel of those raw variables (a
+    `tf.Module` holding `dense.kernel.value`) saves the same weights."""
+    for item in objects:
+        yield item
+        inner = getattr(item, "_value", None) if isinstance(item, keras.Variable) else None
+        if isinstance(inner, tf.Variable) and inner is not item:
+            yield inner
 
 
 def note_trained(model):
