@@ -130,7 +130,21 @@ def _without_ledger(source, target=None):
     return target
 
 
-@pytest.mark.parametrize("route", ["dataset_deleted", "groups_copied", "layer_group_copied"])
+def _datasets_copied(source, target):
+    """Copies each weight dataset (with its attributes, as h5py's copy does)
+    into groups made anew: a tool that walks the arrays (review 9, H7)."""
+    with h5py.File(source, "r") as src, h5py.File(target, "w") as dst:
+        names = []
+        src.visititems(lambda name, item: names.append(name) if isinstance(
+            item, h5py.Dataset) and name != keras_file_ledgers.DATASET else None)
+        for name in names:
+            parent, _, leaf = name.rpartition("/")
+            src.copy(src[name], dst.require_group(parent or "/"), leaf)
+    return target
+
+
+@pytest.mark.parametrize("route", ["dataset_deleted", "groups_copied", "layer_group_copied",
+                                   "datasets_copied"])
 def test_a_file_whose_ledger_was_removed_is_refused(trained, tmp_path, route):
     a, _ = trained
     path = tmp_path / "enc.weights.h5"
@@ -139,6 +153,8 @@ def test_a_file_whose_ledger_was_removed_is_refused(trained, tmp_path, route):
         stripped = _without_ledger(path)
     elif route == "groups_copied":
         stripped = _without_ledger(path, tmp_path / "copy.weights.h5")
+    elif route == "datasets_copied":
+        stripped = _datasets_copied(path, tmp_path / "arrays.weights.h5")
     else:  # only the Dense layer's group, nothing at the root
         stripped = tmp_path / "layer.weights.h5"
         with h5py.File(path, "r") as src, h5py.File(stripped, "w") as dst:

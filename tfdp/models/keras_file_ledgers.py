@@ -20,10 +20,15 @@ Keras loads such a file, the loaded model's variables carry those trainings
 (`weight_ledgers.note_file_ledger`), so a DP model built on them charges
 them. A damaged ledger is refused, as in a DP model's file. Keras's own
 groups of such a file (the root and each layer's, not the `vars` groups
-Keras reads) get the attribute "tfdp_ledger" (`mark`), which a tool that
-copies groups copies with them: a file whose ledger dataset is missing while
-a group is marked (deleted with h5py, or the groups copied into a new file)
-is refused at load instead of read as never trained. Sharded and
+Keras reads) and each weight dataset get the attribute "tfdp_ledger"
+(`mark`), which a tool that copies groups or datasets with their attributes
+(h5py's `copy`) copies with them: a file whose ledger dataset is missing
+while a group or weight is marked (deleted with h5py, or the groups or
+weights copied into a new file) is refused at load instead of read as never
+trained. A tool that copies the arrays alone (`create_dataset(name,
+data=item[()])`: a dtype conversion, a merge script) or deletes the marks
+leaves nothing to trace, like a copy as arrays (`set_weights`); the docs'
+save/load page says so. Sharded and
 `.npz` weights have no place for it: saving carried weights in them is
 refused, naming the formats that keep the ledger. Nor has Keras's legacy
 HDF5 format (a `.h5` / `.hdf5` name for `save` or
@@ -100,19 +105,20 @@ def write(model, weights_store):
 
 def mark(weights_store):
     """After Keras wrote a file to which `write` added a ledger: marks the
-    root and each group but the `vars` ones (which Keras reads)."""
+    root, each group but the `vars` ones (which Keras reads: it would take
+    an attribute there for a weight) and each weight dataset."""
     if not isinstance(weights_store, saving_lib.H5IOStore) or DATASET not in weights_store.h5_file:
         return
-    for group in _groups(weights_store.h5_file):
-        if group.name.rsplit("/", 1)[-1] != "vars":
-            group.attrs[MARK] = _MARK_TEXT
+    for item in _items(weights_store.h5_file):
+        if item.name.rsplit("/", 1)[-1] not in ("vars", DATASET):
+            item.attrs[MARK] = _MARK_TEXT
 
 
-def _groups(file):
-    """The root and every group of an HDF5 file."""
-    groups = [file]
-    file.visititems(lambda _, item: groups.append(item) if isinstance(item, h5py.Group) else None)
-    return groups
+def _items(file):
+    """The root and every group and dataset of an HDF5 file."""
+    items = [file]
+    file.visititems(lambda _, item: items.append(item))
+    return items
 
 
 def refuse_legacy_h5(model, filepath):
@@ -177,12 +183,13 @@ def read(model, weights_store):
     if not isinstance(weights_store, saving_lib.H5IOStore) or not hasattr(model, "_flatten_layers"):
         return
     if DATASET not in weights_store.h5_file:
-        if any(MARK in group.attrs for group in _groups(weights_store.h5_file)):
+        if any(MARK in item.attrs for item in _items(weights_store.h5_file)):
             raise ValueError(
                 "These weights were saved by tfdp with the privacy ledger of the differentially "
-                f"private training they carry (Keras's groups are marked {MARK!r}), but the "
-                f"ledger (the dataset /{DATASET}) is missing: it was deleted, or the groups "
-                "were copied into another file without it. A model built on them could not "
+                f"private training they carry (Keras's groups and weights are marked {MARK!r}), "
+                f"but the ledger (the dataset /{DATASET}) is missing: it was deleted, or the "
+                "groups or weights were copied into another file without it. A model built on "
+                "them could not "
                 "charge that training. Load the file tfdp wrote, or copy the dataset "
                 f"/{DATASET} with the groups.")
         return
