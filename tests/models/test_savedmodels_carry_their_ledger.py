@@ -139,6 +139,15 @@ def test_a_module_of_the_raw_tf_variables_under_keras_variables(trained, tmp_pat
                         "B"), a)
 
 
+def test_the_public_alias_of_the_reader_is_hooked_too():
+    """tf_keras's SavedModel loader calls tf.__internal__.saved_model.load_partial
+    (review 9, "not done"): it must be the hooked reader, or the ledger is
+    not read back there."""
+    from tensorflow.python.saved_model import load as tf_load
+    assert tf.__internal__.saved_model.load_partial is tf_load.load_partial
+    assert tf_load.load_partial.__wrapped__ is not tf_load.load_partial
+
+
 def test_an_untrained_export_carries_nothing(tmp_path):
     """Control: a fresh encoder's export has no ledger (and clears one an
     earlier export left in the directory); B on it states its own steps."""

@@ -124,7 +124,8 @@ def install():
     """Wraps TensorFlow's SavedModel writer (`save_and_return_nodes`, which
     `tf.saved_model.save` and Keras's export call, and `_build_meta_graph`,
     which finds the objects saved before any file is written), its reader
-    (`load_partial`, which `tf.saved_model.load` calls) and
+    (`load_partial`, which `tf.saved_model.load` calls, also under its
+    alias `tf.__internal__.saved_model.load_partial`, which tf_keras calls) and
     `TFSMLayer.__init__`; once."""
     if getattr(tf_save.save_and_return_nodes, "_tfdp_ledgers", False):
         return
@@ -170,6 +171,8 @@ def install():
     saving._tfdp_ledgers = True  # pylint: disable=protected-access
     tf_save.save_and_return_nodes, tf_save._build_meta_graph = saving, building  # pylint: disable=protected-access
     tf_load.load_partial, tfsm_layer.TFSMLayer.__init__ = loading, tfsm_layer_init
+    # The same function under its public alias, which other loaders (tf_keras's) bound at import.
+    tf.__internal__.saved_model.load_partial = loading
 
 
 install()
