@@ -17,16 +17,7 @@ import tensorflow as tf
 
 import tfdp
 from tfdp.models import input_checks, step_errors
-
-CANARY = "SECRET-ID-4711"
-
-
-class ToNumber(keras.layers.Layer):
-    def call(self, words):
-        return tf.strings.to_number(words, tf.float32)
-
-    def compute_output_shape(self, shape):
-        return shape
+from tests.record_canary import CANARY, ToNumber
 
 
 @pytest.fixture(scope="module")

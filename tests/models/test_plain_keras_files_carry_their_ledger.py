@@ -15,21 +15,11 @@ import numpy as np
 import pytest
 
 import tfdp
+from tests.carrier_models import encoder, model_on
 from tfdp.models import keras_file_ledgers
 
 DELTA = 1e-5
 CRAFTED = 4711.0625  # a raw feature value of one record: never in a file
-
-
-def encoder(name="enc"):
-    inputs = keras.Input((4,))
-    return keras.Model(inputs, keras.layers.Dense(8, activation="tanh", name="enc_dense")(inputs),
-                       name=name)
-
-
-def model_on(layer, name):
-    inputs = keras.Input((4,))
-    return tfdp.DPModel(inputs, keras.layers.Dense(2, name="head")(layer(inputs)), name=name)
 
 
 @pytest.fixture(scope="module")

@@ -15,6 +15,7 @@ import pytest
 import tensorflow as tf
 
 import tfdp
+from tests.carrier_models import encoder, model_on
 from tfdp.models import saved_model_ledgers
 
 DELTA = 1e-5
@@ -42,17 +43,6 @@ def _independent(steps):
     accountant.compose(dp_accounting.PoissonSampledDpEvent(
         0.25, dp_accounting.GaussianDpEvent(0.8)), steps)
     return accountant.get_epsilon(DELTA)
-
-
-def encoder(name="enc"):
-    inputs = keras.Input((4,))
-    return keras.Model(inputs, keras.layers.Dense(8, activation="tanh", name="enc_dense")(inputs),
-                       name=name)
-
-
-def model_on(layer, name):
-    inputs = keras.Input((4,))
-    return tfdp.DPModel(inputs, keras.layers.Dense(2, name="head")(layer(inputs)), name=name)
 
 
 @pytest.fixture(scope="module")

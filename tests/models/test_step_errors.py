@@ -17,16 +17,7 @@ import tfdp
 from tfdp import tf_log_level
 from tfdp.data import read_failures
 from tfdp.models import step_errors
-
-CANARY = "SECRET-ID-4711"
-
-
-class ToNumber(keras.layers.Layer):
-    def call(self, words):
-        return tf.strings.to_number(words, tf.float32)
-
-    def compute_output_shape(self, shape):
-        return shape
+from tests.record_canary import CANARY, ToNumber
 
 
 def parsing_model():
