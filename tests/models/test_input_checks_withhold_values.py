@@ -13,11 +13,9 @@ import traceback
 import keras
 import numpy as np
 import pytest
-import tensorflow as tf
 
-import tfdp
 from tfdp.models import input_checks, step_errors
-from tests.record_canary import CANARY, ToNumber
+from tests.record_canary import CANARY, ToNumber, dp_parsing_model
 
 
 @pytest.fixture(scope="module")
@@ -76,15 +74,7 @@ def test_with_the_escape_hatch_the_id_is_shown(embedding_model, monkeypatch):
 
 def test_fit_with_the_crafted_first_validation_record_does_not_quote_it():
     """The reproducer's case end to end: a DP model's fit, before its first step."""
-    keras.utils.set_random_seed(0)
-    words = keras.Input((1,), dtype="string")
-    lookup = keras.layers.StringLookup(vocabulary=["1.5"], output_mode="one_hot")
-    tfdp.preprocessing.declare_public(lookup, source="a constant vocabulary")
-    features = keras.layers.concatenate([lookup(words), ToNumber(name="to_number")(words)])
-    model = tfdp.DPModel(words, keras.layers.Dense(3)(features))
-    model.compile(optimizer=tfdp.optimizers.DPSGD(0.1, noise_multiplier=1.0, l2_norm_clip=1.0,
-                                                  seed=1),
-                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    model = dp_parsing_model()
     with pytest.raises(ValueError, match="first example fails") as raised:
         model.fit(np.array([["1.5"]] * 8), np.zeros(8, "int64"), batch_size=8, epochs=1,
                   verbose=0, validation_data=VALIDATION)

@@ -17,20 +17,7 @@ import tfdp
 from tfdp import tf_log_level
 from tfdp.data import read_failures
 from tfdp.models import step_errors
-from tests.record_canary import CANARY, ToNumber
-
-
-def parsing_model():
-    keras.utils.set_random_seed(0)
-    words = keras.Input((1,), dtype="string")
-    lookup = keras.layers.StringLookup(vocabulary=["1.5"], output_mode="one_hot", name="lookup")
-    tfdp.preprocessing.declare_public(lookup, source="a constant vocabulary")
-    features = keras.layers.concatenate([lookup(words), ToNumber(name="to_number")(words)])
-    model = tfdp.DPModel(words, keras.layers.Dense(3)(features))
-    model.compile(optimizer=tfdp.optimizers.DPSGD(0.1, noise_multiplier=1.0, l2_norm_clip=1.0,
-                                                  seed=1),
-                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
-    return model
+from tests.record_canary import CANARY, dp_parsing_model as parsing_model
 
 
 RECORDS = np.array([["1.5"]] * 15 + [[CANARY]])
