@@ -115,3 +115,36 @@ def test_record_zeros_own_keys_are_outlined():
     rows.append(({"a": np.zeros(1, "float32")}, np.int64(0)))
     with pytest.raises(ValueError, match=r"it is \(\{'a': \.\}, \.\), record 0 is \(\{'a': \., 'b': \.\}, \.\)"):
         RecordSource(rows)[3]
+
+
+class RecordError(Exception):
+    """A user's exception class whose text adds context: the record parsed."""
+
+    parsing = ""
+
+    def __str__(self):
+        return f"{self.args[0]} [while parsing {RecordError.parsing}]"
+
+
+def parse_with_context(row):
+    RecordError.parsing = row[0]
+    if row[0] == CANARY:
+        raise RecordError("bad record")
+    return to_float(row)
+
+
+def test_a_user_exception_class_that_adds_the_record_to_its_text_is_not_rebuilt():
+    """Review 10, I3: the error was rebuilt from the user's class, whose
+    `__str__` appended the record, and tfdp's read kept that text."""
+    source = RecordSource(ROWS, transform=parse_with_context)
+    with pytest.raises(RuntimeError, match=r"Reading record 15 of list failed \(RecordError\)") as caught:
+        source[15]
+    assert CANARY not in full_text(caught.value)
+
+
+def test_with_the_escape_hatch_the_user_class_is_kept(monkeypatch):
+    """Negative control: with values shown the user's class and its text stay."""
+    monkeypatch.setenv(step_errors.SHOW_ENV, "1")
+    with pytest.raises(RecordError) as caught:
+        RecordSource(ROWS, transform=parse_with_context)[15]
+    assert CANARY in str(caught.value)

@@ -148,10 +148,12 @@ def _failed(error, what):
     `__cause__`, with its traceback.
 
     Of `error`'s class when that class can be made from the message alone
-    and shows it (OSError, ValueError, KeyError, most user classes), else a
-    RuntimeError: a UnicodeDecodeError or JSONDecodeError needs other
-    arguments, and rebuilding one from a message alone would fail with a
-    TypeError that hides both the message and the record.
+    and shows it (OSError, ValueError, KeyError), else a RuntimeError: a
+    UnicodeDecodeError or JSONDecodeError needs other arguments, and
+    rebuilding one from a message alone would fail with a TypeError that
+    hides both the message and the record. While values are withheld only
+    Python's own classes are rebuilt: a class of the user's own words its
+    text with its `__str__`, which can add the record (review 10, I3).
     """
     from tfdp.models.step_errors import SHOW_ENV, record_values_shown  # (tfdp.models imports this)
 
@@ -160,10 +162,12 @@ def _failed(error, what):
                f"{what} failed ({type(error).__name__}). Its message is withheld because it "
                f"can quote the record's values: set {SHOW_ENV}=1 to see it, on data that is "
                "not private.")
-    try:
-        wrapped = type(error)(message)
-    except Exception:  # any constructor that needs more than a message
-        wrapped = None
+    wrapped = None
+    if shown or type(error).__module__ == "builtins":
+        try:
+            wrapped = type(error)(message)
+        except Exception:  # any constructor that needs more than a message
+            wrapped = None
     if wrapped is None or message not in str(wrapped):
         wrapped = RuntimeError(message)
     wrapped.__cause__ = error if shown else None
