@@ -178,7 +178,9 @@ def test_a_floor_without_identities_equal_to_one_unbranched_history_is_charged_o
     once."""
     step, other = dpsgd_event(Z, BATCH / N), dpsgd_event(2 * Z, BATCH / N)
     assert charged_steps(((step, 20, "a@0"), (other, 5, "a@20")), ((step, 20), (other, 5))) == 25
-    assert charged_steps(((step, 20), (other, 5)), ((step, 20, "a@0"), (other, 5, "a@20"))) == 25
+    # The reverse (an identified floor, an earlier file's unnamed releases)
+    # is another history, charged both (review 10, I2: over-charge, never under).
+    assert charged_steps(((step, 20), (other, 5)), ((step, 20, "a@0"), (other, 5, "a@20"))) == 50
 
 
 # -- both sides mixed (review 9, H6): a charge like the one above, frozen as a
@@ -213,3 +215,13 @@ def test_two_mixed_sides_of_one_history_charge_it_once():
     step = dpsgd_event(Z, BATCH / N)
     mixed = ((step, 20), (step, 10, "b@20"))
     assert _carried_epsilon(mixed, mixed) == pytest.approx(independent(30), rel=1e-9)
+
+
+def test_an_identified_floor_met_by_an_earlier_files_history_of_the_same_count_charges_both():
+    """Review 10, I2: the one-history exemption also ran the other way: a
+    floor of this version (a@0, 20 steps) met by an earlier tfdp file's 20
+    steps without identity (another history) was charged 20 where 40 ran."""
+    step = dpsgd_event(Z, BATCH / N)
+    now, floor = ((step, 20),), ((step, 20, "a@0"),)
+    assert charged_steps(now, floor) == 40
+    assert _carried_epsilon(now, floor) >= independent(40) * (1 - 1e-9)

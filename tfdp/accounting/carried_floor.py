@@ -29,6 +29,8 @@ reverse): a rollback shared with that file would again look like "the same
 segment ran on". Both are then charged (an over-charge, never an under-
 charge), unless the releases are that floor exactly: one unbranched history
 (loaded from that file, not trained since) with the floor's (event, count).
+The reverse (an identified floor, releases without identity) is always
+charged both: an earlier file's releases are not this version's floor.
 
 Example:
 
@@ -69,13 +71,15 @@ def at_least(parts, floor):
         without identity (identity None), compared by (event, count):
         `parts`' when they extend `floor`'s, else `floor`'s followed by
         what `parts` released after the two went separate ways. Only the
-        identified side when one side is one unbranched history equal to
-        the other, which has no identities at all.
+        identified side when `parts` is one unbranched history equal to a
+        floor that has no identities at all (never the reverse: a floor of
+        this version is not the history an earlier file holds; review 10,
+        I2).
     """
     now, held = tagged(parts), tagged(floor)
     named = _union(tuple(item for item in now if item[2] is not None),
                    tuple(item for item in held if item[2] is not None))
-    if _one_history(now, held) or _one_history(held, now):
+    if _one_history(now, held):  # the floor's training, loaded from its earlier file
         return named
     unnamed = _by_count(tuple(item for item in now if item[2] is None),
                         tuple(item for item in held if item[2] is None))
