@@ -15,20 +15,33 @@ import tensorflow as tf
 from tfdp.data.users import UserRecords
 
 
-@pytest.mark.parametrize("ids, bad, position", [
-    (np.array([1, float("nan"), 1, float("nan")], dtype=object), "nan", 1),
-    (np.array([float("nan")] * 6, dtype=object), "nan", 0),
-    ([7, 7, 7.0], "7.0", 2),
-    (np.array([-0.0, 0.0, 1], dtype=object), "-0.0", 0),
-    (np.array([1, True, 1], dtype=object), "True", 1),
-    (np.array(["ann", b"ann"], dtype=object), "b'ann'", 1),
-    ([3, None], "None", 1),
-    (np.array([2, np.float32(2)], dtype=object), "2.0", 1),
+@pytest.mark.parametrize("ids, kind, position", [
+    (np.array([1, float("nan"), 1, float("nan")], dtype=object), "float", 1),
+    (np.array([float("nan")] * 6, dtype=object), "float", 0),
+    ([7, 7, 7.0], "float", 2),
+    (np.array([-0.0, 0.0, 1], dtype=object), "float", 0),
+    (np.array([1, True, 1], dtype=object), "bool", 1),
+    (np.array(["ann", b"ann"], dtype=object), "bytes", 1),
+    ([3, None], "NoneType", 1),
+    (np.array([2, np.float32(2)], dtype=object), "float32", 1),
 ])
-def test_entries_that_are_not_ints_or_strs_are_refused(ids, bad, position):
+def test_entries_that_are_not_ints_or_strs_are_refused(ids, kind, position):
     with pytest.raises(ValueError, match="user_ids") as error:
         UserRecords(ids)
-    assert bad in str(error.value) and f"position {position}" in str(error.value)
+    assert f"type {kind} at position {position}" in str(error.value)
+
+
+@pytest.mark.parametrize("ids", [
+    ["SECRET-ID-4711", 7],                   # one kind
+    ["ann", "SECRET-ID-4711\x00"],          # a NUL
+    ["ann", b"SECRET-ID-4711"],              # bytes
+    [-4711, 2**64 - 1],                      # no one integer type
+])
+def test_a_refused_id_is_named_by_position_not_by_value(ids):
+    """Review 10, I1: an id is a person's; the refusals quoted it."""
+    with pytest.raises(ValueError, match="user_ids") as error:
+        UserRecords(np.array(ids, dtype=object) if isinstance(ids[1], bytes) else ids)
+    assert "4711" not in str(error.value)
 
 
 @pytest.mark.parametrize("ids", [

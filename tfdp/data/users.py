@@ -111,7 +111,7 @@ def _refuse_nul(value, position):
         raise ValueError(
             "Expected `user_ids` without NUL characters: NumPy drops trailing NULs from "
             "strings, which would merge two people's ids into one. Received: "
-            f"{value!r} at position {position}"
+            f"an id with a NUL character at position {position}"
         )
 
 
@@ -130,14 +130,14 @@ def _object_ids(ids):
                 "Expected every entry of `user_ids` to be an int or a str (a float can be "
                 "NaN or -0.0, bytes and str spell one id two ways: either could split one "
                 "person into several). Received: "
-                f"{value!r} of type {type(value).__name__} at position {position}"
+                f"an id of type {type(value).__name__} at position {position}"
             )
     if int in kinds and str in kinds:
         first_int, first_str = kinds.index(int), kinds.index(str)
         raise ValueError(
             "Expected `user_ids` of one kind, all ints or all strs (7 and '7' would be "
-            f"two people, or one). Received: the int {ids[first_int]!r} at position "
-            f"{first_int} and the str {ids[first_str]!r} at position {first_str}"
+            f"two people, or one). Received: an int at position "
+            f"{first_int} and a str at position {first_str}"
         )
     if kinds[0] is str:
         return np.asarray([str(value) for value in ids], dtype=str)
@@ -146,7 +146,8 @@ def _object_ids(ids):
     if low < -(2**63) or high >= 2**64 or (low < 0 and high >= 2**63):
         raise ValueError(
             "Expected integer `user_ids` that fit one NumPy integer type (int64, or uint64 "
-            f"when none is negative). Received: ids from {low} to {high}"
+            "when none is negative). Received: ids from below -2**63 or above 2**64 - 1, or "
+            "negative ids with ids of 2**63 or more"
         )
     return np.asarray(values, dtype=np.uint64 if high >= 2**63 else np.int64)
 
