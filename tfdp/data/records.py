@@ -24,6 +24,7 @@ import numpy as np
 import tensorflow as tf
 
 from tfdp.data.sources import ArraySource, _as_example, _dtype_name, _leaf_names, _outline
+from tfdp.record_values import record_values_shown
 
 __all__ = ["write_records", "read_records"]
 
@@ -118,26 +119,18 @@ def _check_cast(leaf, dtype, number, where):
     if np.any(bad):
         position = tuple(int(i) for i in np.argwhere(np.asarray(bad))[0])
         value, kept = leaf[position].item(), stored[position].item()
-        what = (f"its {leaf.dtype} value {value!r} would be stored as {kept!r}" if _shown() else
+        what = (f"its {leaf.dtype} value {value!r} would be stored as {kept!r}" if record_values_shown() else
                 f"its {leaf.dtype} value at index {position} would change (wrap, round or "
                 f"overflow) when stored")
         raise ValueError(
             f"Element {number} does not fit element 0's dtype at {where}: {what} in the "
             f"{dtype} column element 0 set. Give element 0 a dtype that holds every value "
             f"(e.g. cast in the pipeline). Received: dtype {leaf.dtype}"
-            + (f", value {value!r}" if _shown() else f" ({_HOW_TO_SEE})")
+            + (f", value {value!r}" if record_values_shown() else f" ({_HOW_TO_SEE})")
         )
 
 
 _HOW_TO_SEE = "the value is withheld: set TFDP_SHOW_STEP_ERRORS=1 to see it, on data that is not private"
-
-
-def _shown():
-    """Whether messages may quote values (`TFDP_SHOW_STEP_ERRORS=1`): an
-    element is a private record, and its values reach whoever reads the error."""
-    from tfdp.models.step_errors import record_values_shown  # (tfdp.models imports this)
-
-    return record_values_shown()
 
 
 class _NpyWriter:
@@ -258,7 +251,7 @@ def _check_leaves(leaves, wheres, number, batched):
     for leaf, where in zip(leaves, wheres):
         _numeric(leaf, number, where)
         if batched and leaf.ndim == 0:
-            received = f"{where}={leaf.item()!r}" if _shown() else f"a {leaf.dtype} scalar"
+            received = f"{where}={leaf.item()!r}" if record_values_shown() else f"a {leaf.dtype} scalar"
             raise ValueError(
                 "With batched=True every array of an element is a batch of examples "
                 f"(first dimension the batch), but element {number} at {where} is a "
@@ -271,7 +264,7 @@ def _check_element(example, structure, leaves, writers, wheres, number, batched)
     try:
         tf.nest.assert_same_structure(example, structure)
     except (ValueError, TypeError) as error:
-        detail = f": {error}" if _shown() else ""
+        detail = f": {error}" if record_values_shown() else ""
         raise ValueError(
             f"Element {number} does not have the structure of element 0: it is "
             f"{_outline(example, structure, 'element 0')}, element 0 is {_outline(structure)}"

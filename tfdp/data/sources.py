@@ -39,6 +39,7 @@ import tensorflow as tf
 
 from tfdp.data import interrupts
 from tfdp.data.read_threads import ReadThreads
+from tfdp.record_values import SHOW_ENV, record_values_shown
 
 __all__ = [
     "RecordSource", "ArraySource", "is_memory_mapped", "as_source", "require_in_memory",
@@ -155,8 +156,6 @@ def _failed(error, what):
     Python's own classes are rebuilt: a class of the user's own words its
     text with its `__str__`, which can add the record (review 10, I3).
     """
-    from tfdp.models.step_errors import SHOW_ENV, record_values_shown  # (tfdp.models imports this)
-
     shown = record_values_shown()
     message = (f"{what} failed: {error}" if shown else
                f"{what} failed ({type(error).__name__}). Its message is withheld because it "

@@ -22,6 +22,7 @@ import tensorflow as tf
 
 from tfdp.data import sources
 from tfdp.models import multi_output, step_errors
+from tfdp.record_values import SHOW_ENV, record_values_shown
 
 
 def as_array(name, value):
@@ -188,12 +189,12 @@ def _forward_failure(error, model, shapes):
     forward pass with `error`: its class and node, not its text, which can
     quote the example (`StringToNumber` on a held-out record's field); the
     text, chained, with `TFDP_SHOW_STEP_ERRORS=1`."""
-    shown = step_errors.record_values_shown()
+    shown = record_values_shown()
     node = step_errors.failed_node(error) if isinstance(error, tf.errors.OpError) else None
     what = type(error).__name__ + (f" in node {node!r}" if node else "")
     detail = (f"{what}: {error}" if shown else
               f"{what}; its message is withheld because it can quote the example's values: "
-              f"set {step_errors.SHOW_ENV}=1 to see it, on data that is not private")
+              f"set {SHOW_ENV}=1 to see it, on data that is not private")
     inputs = [tuple(tensor.shape) for tensor in getattr(model, "inputs", None) or []]
     takes = f" (the model's inputs take shapes {inputs})" if inputs else ""
     failure = ValueError(
@@ -203,7 +204,6 @@ def _forward_failure(error, model, shapes):
     )
     failure.__cause__ = error if shown else None
     return failure
-    return validation_data
 
 
 def check_record_source(source, units):
@@ -428,9 +428,9 @@ def _check_ids_in_range(ids, layer, name, first_record):
     if wrong.any():
         row = int(np.argmax(wrong.any(axis=1)))
         value = flat[row][wrong[row]][0]
-        given = (f"id {value.item()!r}" if step_errors.record_values_shown() else
+        given = (f"id {value.item()!r}" if record_values_shown() else
                  f"an id outside that range (its value is withheld, as an id can identify a "
-                 f"person: set {step_errors.SHOW_ENV}=1 to see it)")
+                 f"person: set {SHOW_ENV}=1 to see it)")
         raise ValueError(
             f"Expected the ids in `{name}` that feed Embedding '{layer.name}' to lie in "
             f"[0, {limit - 1}] (its input_dim is {limit}). Received: record "

@@ -60,10 +60,10 @@ import tensorflow as tf
 
 from tfdp import tf_log_level
 from tfdp.data import read_failures
+from tfdp.record_values import SHOW_ENV, record_values_shown
 
 tf_log_level.note_after_tensorflow_import()
 
-SHOW_ENV = "TFDP_SHOW_STEP_ERRORS"
 TF_LOG_ENV = "TF_CPP_MIN_LOG_LEVEL"
 _TF_LOG_NOTE = (
     f"TensorFlow's C++ log prints a failing op's message, which can quote a record's value, on "
@@ -78,12 +78,6 @@ _OP_AT_END = re.compile(r"\s*\[Op:[^\[\]]*\]\s*$")
 # `IteratorGetNextAsOptional` inside Keras's loop (never under a model's scope).
 _ITERATOR = re.compile(r"((while|body|cond|then|else|_\d+|(while|cond)_\d+)/)*"
                        r"IteratorGetNext(AsOptional)?")
-
-
-def record_values_shown():
-    """Whether errors may quote record values: `TFDP_SHOW_STEP_ERRORS=1`
-    (also read by `tfdp.data.sources` for its reading errors)."""
-    return os.environ.get(SHOW_ENV) == "1"
 
 
 def tf_log_prints_op_errors():
