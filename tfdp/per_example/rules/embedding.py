@@ -23,9 +23,36 @@ import keras
 import tensorflow as tf
 
 from tfdp.per_example import rounding
-from tfdp.per_example.grads import SummedAsMeasured, as_float32, joined_rows, masked, norm_of
+from tfdp.per_example.grads import SummedAsMeasured, as_float32, joined_rows, norm_of
 from tfdp.per_example.registry import register_rule
 from tfdp.per_example.rules.common import concat_positions, plain_weights
+
+
+def first_positions(ids):
+    """int32 [B, T]: for each position of `ids` [B, T], the first position in
+    its row holding the same id.
+
+    One hash lookup a position (`tf.unique` of the int64 keys row * 2^32 +
+    id: two int32 ids differ by less than 2^32, so distinct (row, id) pairs
+    are distinct keys), not the T x T comparisons of each row's ids with
+    each other. Every shape is fixed by the input's: the number of distinct
+    ids is never one.
+
+    Example:
+
+    >>> first_positions(tf.constant([[4, 7, 4, 4], [2, 2, 9, -1]])).numpy()
+    array([[0, 1, 0, 0],
+           [0, 0, 2, 3]], dtype=int32)
+    """
+    ids = tf.convert_to_tensor(ids)
+    batch, length = tf.shape(ids)[0], tf.shape(ids)[1]
+    rows = tf.cast(tf.range(batch), tf.int64)[:, None] * 2**32
+    keys = rows + tf.cast(tf.cast(ids, tf.int32), tf.int64)
+    _, key_of = tf.unique(tf.reshape(keys, [-1]), out_idx=tf.int32)
+    size = batch * length  # at least as many as the distinct keys
+    firsts = tf.math.unsorted_segment_min(tf.range(size), key_of, size)
+    first = tf.reshape(tf.gather(firsts, key_of), [batch, length])
+    return first - length * tf.range(batch)[:, None]
 
 
 class EmbeddingGrads(SummedAsMeasured):
@@ -53,8 +80,7 @@ class EmbeddingGrads(SummedAsMeasured):
         """bool [B, T]: True at the first position of each distinct id of an
         example (the rows the example touches, once each; computed once)."""
         if self._first is None:
-            same = tf.equal(self.ids[:, :, None], self.ids[:, None, :])  # [B, T, T]
-            self._first = tf.argmax(tf.cast(same, tf.int8), axis=2, output_type=tf.int32)
+            self._first = first_positions(self.ids)
         return tf.equal(self._first, tf.range(tf.shape(self.ids)[1])[None, :])
 
     def merged_rows(self):
@@ -90,8 +116,8 @@ class EmbeddingGrads(SummedAsMeasured):
                 + rounding.subnormal_reading(self._entries(), magnitude + size))
 
     def weighted_sum(self, weights, accumulate=tf.float32):
-        keep = tf.not_equal(weights, 0.0)
-        g = masked(self.merged_rows(), keep) * weights[:, None, None]
+        # w g, and 0 where w is 0 even for a row that is not finite: one pass.
+        g = tf.math.multiply_no_nan(self.merged_rows(), weights[:, None, None])
         table = tf.scatter_nd(
             tf.reshape(self.ids, [-1, 1]),
             tf.cast(tf.reshape(g, [-1, g.shape[-1]]), accumulate),

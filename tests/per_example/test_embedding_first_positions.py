@@ -1,0 +1,73 @@
+"""An embedding's repeated ids are found by hashing (row, id) pairs: the same
+first positions as comparing every pair of a row's ids, for any int32 id.
+
+The merge of repeated ids is what makes an example's measured norm the norm
+of what it adds to the table: two positions of one id both taken as "first"
+would each be measured alone (|a|^2 + |b|^2) while the table receives a + b.
+The crafted rows below would be under-clipped by such a merge.
+"""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from tfdp.per_example.rules.embedding import EmbeddingGrads, first_positions
+
+INT32 = np.iinfo(np.int32)
+
+
+def pairwise_first(ids):
+    """The reference: each position's first equal id in its row, by comparing all pairs."""
+    ids = np.asarray(ids)
+    return np.argmax(ids[:, :, None] == ids[:, None, :], axis=2).astype(np.int32)
+
+
+@pytest.mark.parametrize("ids", [
+    np.random.default_rng(0).integers(0, 20000, (64, 128)),   # few repeats
+    np.random.default_rng(1).integers(0, 3, (16, 40)),         # mostly repeats
+    np.full((3, 7), 5),                                         # one id a row
+    # Ids whose low or high bits coincide, and int32's extremes: (row, id)
+    # pairs must stay distinct keys.
+    np.array([[INT32.min, INT32.max, -1, 0, -1, INT32.min],
+              [1, 1 << 16, (1 << 16) + 1, 1, INT32.max, -1]]),
+], ids=["random", "few_ids", "constant", "extremes"])
+def test_first_positions_equal_the_pairwise_reference(ids):
+    ids = ids.astype(np.int32)
+    np.testing.assert_array_equal(first_positions(tf.constant(ids)).numpy(), pairwise_first(ids))
+
+
+def test_rows_never_share_keys():
+    # The same id in two rows is two keys: each row's first position of it.
+    ids = tf.constant([[9, 3, 9], [3, 9, 9]])
+    np.testing.assert_array_equal(first_positions(ids).numpy(), [[0, 1, 0], [0, 1, 1]])
+
+
+def test_empty_and_unknown_shapes():
+    assert first_positions(tf.zeros([0, 4], tf.int32)).shape == (0, 4)
+    assert first_positions(tf.zeros([3, 0], tf.int32)).shape == (3, 0)
+    traced = tf.function(first_positions).get_concrete_function(
+        tf.TensorSpec([None, None], tf.int32))
+    out = traced(tf.constant([[2, 2, 1]]))
+    np.testing.assert_array_equal(out.numpy(), [[0, 0, 2]])
+
+
+def test_repeated_ids_are_measured_as_they_are_summed():
+    # Crafted: one id three times with gradients that add up (norm 3 |a|),
+    # a second id once. Measured alone they would give sqrt(3) |a|.
+    table = tf.Variable(tf.zeros([10, 2]))
+    ids = tf.constant([[4, 4, 7, 4]])
+    a = [3.0, 4.0]
+    g = tf.constant([[a, a, [0.0, 1.0], a]])
+    part = EmbeddingGrads(ids, g, table)
+    assert float(part.sq_norms()[0]) >= 9 * 25 + 1
+    summed = part.weighted_sum(tf.constant([1.0]))[0].numpy()
+    np.testing.assert_array_equal(summed[4], [9.0, 12.0])
+    assert float(np.sum(summed**2)) <= float(part.sq_norms()[0])
+
+
+def test_zero_weight_rows_add_nothing_even_when_not_finite():
+    table = tf.Variable(tf.zeros([5, 2]))
+    ids = tf.constant([[1, 2], [1, 3]])
+    g = tf.constant([[[np.nan, np.inf], [1.0, 1.0]], [[2.0, 0.0], [0.0, 2.0]]])
+    summed = EmbeddingGrads(ids, g, table).weighted_sum(tf.constant([0.0, 0.5]))[0].numpy()
+    np.testing.assert_array_equal(summed, [[0, 0], [1, 0], [0, 0], [0, 1], [0, 0]])
