@@ -234,10 +234,55 @@ def row_norm_bounds(squares, width):
     return tf.sqrt(squares) * (1.0 + gamma(width + 2, tf.float64)) + FLOAT32_TINY * math.sqrt(width)
 
 
+# Rows of at most this many entries are measured from float32 squares
+# (`row_bounds`): their float32 bound, gamma(width) relative, stays below
+# 2.5e-4; wider rows (a vocabulary's output gradient) from float64 squares.
+FLOAT32_SQUARES_WIDTH = 4096
+
+
+def row_bounds(rows):
+    """[B, S] float64 upper bounds of the true norms of float32 rows [B, S, C],
+    without Gram matrices.
+
+    The squares and their sum over a row are float32 (half the memory
+    traffic of float64 squares; no cast): the sum of squares is the dot of
+    the row with itself, within gamma(C) |x|^2 + 2 C tau (1 + gamma(C)) of
+    the exact one in any order, flushed or not, without overflow
+    (`float32_dot_error` with one chunk), so |x|^2 <= (A^ + ea) / (1 - ga);
+    then `row_norm_bounds`. An overflow leaves an inf (or a NaN) in its
+    row: where any row of the batch is not finite, every row is measured
+    from float64 squares instead (no overflow there), as are rows wider than
+    `FLOAT32_SQUARES_WIDTH` and every row where a setting lets float32
+    arithmetic round to fewer bits (`gram_precision.reduced_precision_settings`).
+    A finite bound also says that every entry of its row is finite.
+
+    Example:
+
+    >>> float(row_bounds(tf.ones([1, 1, 4]))[0, 0])
+    2.0...
+    >>> rows = tf.constant([[[3.0, 4.0]]]) * 2.0**100   # squares overflow float32
+    >>> float(row_bounds(rows)[0, 0]) / 2.0**100        # float64 squares instead
+    5.0...
+    """
+    from tfdp.per_example import gram_precision  # it probes float32_gram (circular)
+
+    width = rows.shape[-1]
+
+    def from_float64():
+        return row_norm_bounds(_row_squares64(rows), width)
+
+    if not 0 < width <= FLOAT32_SQUARES_WIDTH or gram_precision.reduced_precision_settings():
+        return from_float64()
+    relative, absolute = float32_dot_error(width, chunk=width)
+    squares = tf.cast(tf.reduce_sum(tf.square(rows), -1), tf.float64)
+    return tf.cond(tf.reduce_all(tf.math.is_finite(squares)),
+                   lambda: row_norm_bounds((squares + absolute) / (1.0 - relative), width),
+                   from_float64)
+
+
 def position_rows(x, g):
     """([B, S], [B, S]) float64 upper bounds of the row norms |x_s|, |g_s|
-    of x [B, S, K] and g [B, S, O] (in float64: no overflow), without Gram
-    matrices.
+    of x [B, S, K] and g [B, S, O] (`row_bounds`), without Gram matrices.
 
     Example:
 
@@ -245,8 +290,7 @@ def position_rows(x, g):
     >>> float(rows_x[0, 0]), float(rows_g[0, 1])
     (2.0..., 1.0...)
     """
-    return (row_norm_bounds(_row_squares64(x), x.shape[-1]),
-            row_norm_bounds(_row_squares64(g), g.shape[-1]))
+    return row_bounds(x), row_bounds(g)
 
 
 def mass_of(rows_x, rows_g):
@@ -274,10 +318,12 @@ def _gram64(rows):
 # with its length (gamma(256) = 1.5e-5), and chunks are added in float64.
 FLOAT32_GRAM_CHUNK = 256
 
-def float32_dot_error(width):
+def float32_dot_error(width, chunk=FLOAT32_GRAM_CHUNK):
     """(relative, absolute) Python floats for the dots `float32_gram`
     computes: each entry is within relative * |a| |b| + absolute of the
-    exact dot of its two rows of `width` entries as read.
+    exact dot of its two rows of `width` entries as read (float32 dots of
+    `chunk` columns at most, added in float64; `row_bounds` takes one chunk
+    of the whole width).
 
     A float32 dot of c entries computed in ANY order, with or without fused
     multiply-adds, with results below 2^-126 flushed to zero or not, and
@@ -298,7 +344,7 @@ def float32_dot_error(width):
     >>> relative > gamma(4), absolute > 8 * FLOAT32_TINY * (1 + gamma(4))
     (True, True)
     """
-    chunk = min(width, FLOAT32_GRAM_CHUNK)
+    chunk = min(width, chunk)
     chunks = -(-width // chunk)
     relative = gamma(chunk) + gamma(chunks, tf.float64) * (1.0 + gamma(chunk))
     absolute = 2.0 * width * FLOAT32_TINY * (1.0 + gamma(chunk)) * (1.0 + gamma(chunks, tf.float64))
