@@ -1,0 +1,106 @@
+"""Row norms from float32 squares (`rounding.row_bounds`, issue 53): each term
+of the bound at records built to need it, with the bound less that term as
+the negative control; the float64 routes; and the weighted sum that skips
+masking x where every row bound is finite."""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from tfdp.per_example import grads, rounding
+
+
+def _bounds(rows):
+    """Row bounds as the compiled step computes them (flush-to-zero holds
+    inside tf.function)."""
+    return tf.function(rounding.row_bounds)(tf.constant(rows)).numpy()
+
+
+def _exact(rows):
+    return np.sqrt(np.sum(rows.astype(np.float64) ** 2, -1))
+
+
+def _without(monkeypatch, relative=False, absolute=False):
+    """`float32_dot_error` with its relative and/or absolute term dropped."""
+    original = rounding.float32_dot_error
+
+    def mutant(width, chunk=rounding.FLOAT32_GRAM_CHUNK):
+        rel, abs_ = original(width, chunk)
+        return (0.0 if relative else rel), (0.0 if absolute else abs_)
+
+    monkeypatch.setattr(rounding, "float32_dot_error", mutant)
+
+
+def _rounding_rows():
+    """Rows whose float32 sums of squares round, some of them down."""
+    rng = np.random.default_rng(7)
+    rows = 1.0 + rng.random((64, 1, 777)) * 2.0**-6
+    return (rows * rng.choice([-1.0, 1.0], rows.shape)).astype(np.float32)
+
+
+def test_the_relative_term_covers_float32_rounding(monkeypatch):
+    rows = _rounding_rows()
+    assert np.all(_bounds(rows) >= _exact(rows))
+    _without(monkeypatch, relative=True)
+    assert np.any(_bounds(rows) < _exact(rows))  # some sum rounded down
+
+
+def test_the_absolute_term_covers_flushed_squares(monkeypatch):
+    # Squares of 1e-20 (1e-40) are below 2^-126: flushed to 0 in float32.
+    rows = np.full((2, 1, 300), 1e-20, np.float32)
+    assert np.all(_bounds(rows) >= _exact(rows))
+    _without(monkeypatch, absolute=True)
+    assert np.all(_bounds(rows) < _exact(rows))
+
+
+def test_overflowing_squares_take_float64():
+    # 1e20 squared overflows float32; float64 squares are exact.
+    rows = np.full((3, 2, 5), 1e20, np.float32)
+    rows[0, 0, 0] = 1.0
+    bounds = _bounds(rows)
+    assert np.all(np.isfinite(bounds))
+    np.testing.assert_allclose(bounds, _exact(rows), rtol=1e-6)
+    assert np.all(bounds >= _exact(rows))
+
+
+@pytest.mark.parametrize("route", ["wide", "setting"])
+def test_float64_routes(monkeypatch, route):
+    calls = []
+    original = rounding._row_squares64
+    monkeypatch.setattr(rounding, "_row_squares64", lambda rows: calls.append(1) or original(rows))
+    width = rounding.FLOAT32_SQUARES_WIDTH + 1 if route == "wide" else 8
+    if route == "setting":  # oneDNN allowed to narrow float32 arithmetic
+        monkeypatch.setenv("ONEDNN_DEFAULT_FPMATH_MODE", "BF16")
+    rows = np.random.default_rng(0).normal(size=(2, 1, width)).astype(np.float32)
+    assert np.all(rounding.row_bounds(tf.constant(rows)).numpy() >= _exact(rows))
+    assert calls  # float64 squares
+    calls.clear()
+    monkeypatch.delenv("ONEDNN_DEFAULT_FPMATH_MODE", raising=False)
+    rounding.row_bounds(tf.constant(rows[..., :8]))  # eagerly: only the branch taken runs
+    assert not calls  # the control: float32 squares
+
+
+@pytest.mark.parametrize("bad", [np.inf, np.nan])
+def test_a_zero_weight_row_that_is_not_finite_adds_nothing(bad):
+    x = np.ones((3, 1, 4), np.float32)
+    x[1, 0, 2] = bad  # its bound is not finite: x is masked
+    g = np.ones((3, 1, 2), np.float32)
+    g[1] = bad
+    kernel = tf.Variable(tf.zeros([4, 2]))
+    part = grads.LinearGrads(tf.constant(x), tf.constant(g), kernel)
+    part.sq_norms()
+    summed = part.weighted_sum(tf.constant([0.5, 0.0, 0.25]))[0].numpy()
+    np.testing.assert_array_equal(summed, np.full((4, 2), 0.75, np.float32))
+
+
+def test_finite_rows_at_zero_weight_are_multiplied_by_zero_rows():
+    # Unmasked x (every bound finite): the zero-weight example adds 0.
+    rng = np.random.default_rng(1)
+    x = rng.normal(size=(4, 1, 6)).astype(np.float32) * 1e30
+    g = rng.normal(size=(4, 1, 3)).astype(np.float32)
+    kernel = tf.Variable(tf.zeros([6, 3]))
+    weights = tf.constant([1.0, 0.0, 2.0, 0.0])
+    summed = grads.LinearGrads(tf.constant(x), tf.constant(g), kernel).weighted_sum(weights)[0]
+    kept = grads.LinearGrads(tf.constant(x[[0, 2]]), tf.constant(g[[0, 2]]), kernel)
+    expected = kept.weighted_sum(tf.constant([1.0, 2.0]))[0]
+    np.testing.assert_array_equal(summed.numpy(), expected.numpy())
