@@ -45,12 +45,26 @@ def test_the_relative_term_covers_float32_rounding(monkeypatch):
     assert np.any(_bounds(rows) < _exact(rows))  # some sum rounded down
 
 
-def test_the_absolute_term_covers_flushed_squares(monkeypatch):
-    # Squares of 1e-20 (1e-40) are below 2^-126: flushed to 0 in float32.
-    rows = np.full((2, 1, 300), 1e-20, np.float32)
-    assert np.all(_bounds(rows) >= _exact(rows))
-    _without(monkeypatch, absolute=True)
-    assert np.all(_bounds(rows) < _exact(rows))
+@pytest.mark.parametrize("tiny", [0.0, 1e-20])
+def test_rows_whose_squares_may_have_flushed_take_float64(monkeypatch, tiny):
+    """Squares of 1e-20 (1e-40) are below 2^-126: flushed to 0 in float32. A
+    row whose float32 sum is below the floor takes float64 squares, which
+    measure it (and a zero row as 0: float32's absolute term would make it
+    about 1e-18, times a huge |x| in a rank-one bound). Under the floor
+    float32's absolute term is dominated by its relative one, so no record
+    can show it (the proof keeps it)."""
+    rows = np.ones((2, 1, 300), np.float32)
+    rows[1] = tiny
+    _without(monkeypatch, absolute=True)  # float64 squares need no such term
+    bounds = _bounds(rows)
+    assert np.all(bounds >= _exact(rows))
+    assert bounds[1, 0] < 1e-19 * np.sqrt(300)
+
+
+def test_the_floor_is_what_sends_tiny_rows_to_float64(monkeypatch):
+    rows = np.full((1, 1, 300), 1e-20, np.float32)
+    monkeypatch.setattr(rounding, "FLOAT32_SQUARES_FLOOR", 0.0)  # the control
+    assert _bounds(rows)[0, 0] > 1e-18  # float32's absolute term, sqrt(2 K tau)
 
 
 def test_overflowing_squares_take_float64():

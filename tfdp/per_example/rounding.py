@@ -239,6 +239,12 @@ def row_norm_bounds(squares, width):
 # 2.5e-4; wider rows (a vocabulary's output gradient) from float64 squares.
 FLOAT32_SQUARES_WIDTH = 4096
 
+# A float32 sum of squares below this may have lost all its squares to
+# flushing (entries below 2^-63): the batch then takes float64 squares, which
+# measure a zero row as 0 (float32's absolute term, about sqrt(2 K 2^-126),
+# would multiply the other factor's norm in a rank-one bound |x| |g|).
+FLOAT32_SQUARES_FLOOR = 2.0**-60
+
 
 def row_bounds(rows):
     """[B, S] float64 upper bounds of the true norms of float32 rows [B, S, C],
@@ -250,8 +256,10 @@ def row_bounds(rows):
     the exact one in any order, flushed or not, without overflow
     (`float32_dot_error` with one chunk), so |x|^2 <= (A^ + ea) / (1 - ga);
     then `row_norm_bounds`. An overflow leaves an inf (or a NaN) in its
-    row: where any row of the batch is not finite, every row is measured
-    from float64 squares instead (no overflow there), as are rows wider than
+    row: where any row of the batch is not finite, or below
+    `FLOAT32_SQUARES_FLOOR` (a zero row, or one whose squares flushed), every
+    row is measured from float64 squares instead (exact products, no
+    overflow, a zero row measured 0), as are rows wider than
     `FLOAT32_SQUARES_WIDTH` and every row where a setting lets float32
     arithmetic round to fewer bits (`gram_precision.reduced_precision_settings`).
     A finite bound also says that every entry of its row is finite.
@@ -275,7 +283,8 @@ def row_bounds(rows):
         return from_float64()
     relative, absolute = float32_dot_error(width, chunk=width)
     squares = tf.cast(tf.reduce_sum(tf.square(rows), -1), tf.float64)
-    return tf.cond(tf.reduce_all(tf.math.is_finite(squares)),
+    usable = tf.math.is_finite(squares) & (squares >= FLOAT32_SQUARES_FLOOR)
+    return tf.cond(tf.reduce_all(usable),
                    lambda: row_norm_bounds((squares + absolute) / (1.0 - relative), width),
                    from_float64)
 
