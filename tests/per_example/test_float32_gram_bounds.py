@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from tfdp.per_example import rounding
+from tfdp.per_example import gram_precision, rounding
 
 
 def _exact(x, g):
@@ -33,8 +33,8 @@ def _without(monkeypatch, relative=True, absolute=True, width=None):
     (for rows of `width` only, or all)."""
     original = rounding.float32_dot_error
 
-    def mutant(n):
-        rel, abs_ = original(n)
+    def mutant(n, chunk=rounding.FLOAT32_GRAM_CHUNK):
+        rel, abs_ = original(n, chunk)
         if width is None or n == width:
             return (0.0 if relative else rel), (0.0 if absolute else abs_)
         return rel, abs_
@@ -120,3 +120,25 @@ def test_one_position_is_bounded_by_its_row_norms():
     x = np.array([[[3e38, 1e-45, -2e-38]]], np.float32)
     g = np.array([[[1e-30, 0.0, 4e-39]]], np.float32)
     assert _bound(x, g)[0] >= _exact(x, g)[0]
+
+
+@pytest.mark.parametrize("where,value", [(2, 1e25), (2, np.nan), (0, np.nan)],
+                         ids=["overflowing", "nan", "nan_first_entry"])
+def test_an_example_is_bounded_by_its_own_gram_alone(where, value):
+    """Review 11, C2: one route for the batch let one record's overflowing
+    (or NaN) Gram entries send every example to float64, whose bound is
+    smaller (1.0086 times the allowed update with 1000 clipped examples);
+    and the canaries read the batch's first entry, so a NaN there did the
+    same. Now each example's route is its own."""
+    rng = np.random.default_rng(3)
+    x = rng.normal(size=(3, 2, 256)).astype(np.float32)
+    g = rng.normal(size=(3, 2, 16)).astype(np.float32)
+    if not gram_precision.gram_rounds_as_float32(x.shape, g.shape):
+        pytest.skip(f"no float32 Gram route here: {gram_precision.gram_path()}")
+    alone = _bound(x, g)
+    if where == 0:
+        x[0, 0, 0] = value
+    else:
+        x[where] = value
+    others = [i for i in range(3) if i != where]
+    np.testing.assert_array_equal(_bound(x, g)[others], alone[others])

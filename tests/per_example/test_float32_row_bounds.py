@@ -118,3 +118,38 @@ def test_finite_rows_at_zero_weight_are_multiplied_by_zero_rows():
     kept = grads.LinearGrads(tf.constant(x[[0, 2]]), tf.constant(g[[0, 2]]), kernel)
     expected = kept.weighted_sum(tf.constant([1.0, 2.0]))[0]
     np.testing.assert_array_equal(summed.numpy(), expected.numpy())
+
+
+@pytest.mark.parametrize("other", [2.05e19, np.inf, np.nan], ids=["overflowing", "inf", "nan"])
+def test_a_row_is_bounded_by_its_own_values_alone(other):
+    """Review 11, C1: with one route for the batch, a row whose float32
+    squares overflow sent every row to float64 squares, whose bound is
+    smaller: one record raised every other clipped example's weight (an
+    update moved 1.122 times the bound with 1000 clipped examples)."""
+    rows = np.ones((3, 1, 4096), np.float32)
+    alone = _bounds(rows)
+    rows[2] = other
+    beside = _bounds(rows)
+    np.testing.assert_array_equal(beside[:2], alone[:2])
+
+
+def test_one_overflowing_record_does_not_raise_the_others_weights():
+    """Review 11, C1, through the compiled step (noise 0): 50 clipped
+    records and one whose float32 squares overflow, clipped the same way.
+    With one route for the batch, adding it moved the update 1.0061 times
+    lr C / b."""
+    import keras
+
+    import tfdp
+    from tfdp.auditing.neighbour_step import NeighbourStep
+
+    width, n = 4096, 50
+    model = tfdp.DPSequential([keras.Input((width,)),
+                               keras.layers.Dense(1, use_bias=False, kernel_initializer="zeros")])
+    model.compile(optimizer=tfdp.optimizers.DPSGD(0.1, l2_norm_clip=1.0, noise_multiplier=1.0),
+                  loss="mse")
+    data = (np.ones((n, width), np.float32), np.full((n, 1), -1000.0, np.float32))
+    scale = np.float32(2.05e19 / np.sqrt(width))  # |x| = 2.05e19: float32 squares overflow
+    record = (np.full(width, scale, np.float32), np.full(1, -0.1, np.float32))
+    with NeighbourStep(model, data, records=n, batch_size=n + 1, physical_batch_size=None) as step:
+        assert step.ratio(record, "add") <= 1.0 + 1e-5

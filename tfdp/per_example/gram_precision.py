@@ -155,13 +155,14 @@ def checked_gram(rows):
     same graph, at the same S and C (the same chunking and matmul calls),
     as a batch of 2: joining them to the rows themselves would copy the
     rows, which measured as slow as the Gram matmul. They are made to
-    depend on the rows (plus 0 times one entry), so that no graph optimizer
-    can compute them ahead of the step: a non-finite first entry makes
-    them NaN, and that step takes the float64 route. Static S and C; the
-    second result is a scalar bool tensor."""
+    depend on the rows (plus 0 times one entry, or 0 where that entry is
+    not finite), so that no graph optimizer can compute them ahead of the
+    step, and no record decides the batch's route through them. Static S
+    and C; the second result is a scalar bool tensor."""
     positions, width = rows.shape[1], rows.shape[2]
     canary_rows, expected = canaries(positions, width)
-    zero = 0.0 * tf.reduce_sum(rows[:1, :1, :1])
+    first = tf.reduce_sum(rows[:1, :1, :1])
+    zero = tf.where(tf.math.is_finite(first), 0.0 * first, 0.0)  # 0 whatever the record
     gram = rounding.float32_gram(canary_rows + zero)
     return rounding.float32_gram(rows), tf.reduce_all(tf.equal(gram, expected))
 

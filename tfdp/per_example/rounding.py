@@ -256,10 +256,11 @@ def row_bounds(rows):
     the exact one in any order, flushed or not, without overflow
     (`float32_dot_error` with one chunk), so |x|^2 <= (A^ + ea) / (1 - ga);
     then `row_norm_bounds`. An overflow leaves an inf (or a NaN) in its
-    row: where any row of the batch is not finite, or below
-    `FLOAT32_SQUARES_FLOOR` (a zero row, or one whose squares flushed), every
-    row is measured from float64 squares instead (exact products, no
-    overflow, a zero row measured 0), as are rows wider than
+    row: a row whose float32 sum is not finite, or below
+    `FLOAT32_SQUARES_FLOOR` (a zero row, or one whose squares flushed), is
+    measured from float64 squares instead (exact products, no overflow, a
+    zero row measured 0), each row by its own values alone; so are all rows
+    wider than
     `FLOAT32_SQUARES_WIDTH` and every row where a setting lets float32
     arithmetic round to fewer bits (`gram_precision.reduced_precision_settings`).
     A finite bound also says that every entry of its row is finite.
@@ -284,9 +285,13 @@ def row_bounds(rows):
     relative, absolute = float32_dot_error(width, chunk=width)
     squares = tf.cast(tf.reduce_sum(tf.square(rows), -1), tf.float64)
     usable = tf.math.is_finite(squares) & (squares >= FLOAT32_SQUARES_FLOOR)
-    return tf.cond(tf.reduce_all(usable),
-                   lambda: row_norm_bounds((squares + absolute) / (1.0 - relative), width),
-                   from_float64)
+    bounds = row_norm_bounds((squares + absolute) / (1.0 - relative), width)
+    # Each row's route from that row alone: the two routes bound a row
+    # differently, so a batch-wide choice would let one record move the
+    # bounds (and clipped sums) of the others. The batch's cond only skips
+    # float64 squares where no row needs them.
+    return tf.cond(tf.reduce_all(usable), lambda: bounds,
+                   lambda: tf.where(usable, bounds, from_float64()))
 
 
 def position_rows(x, g):
@@ -536,10 +541,22 @@ def factored_norm_bounds(x, g):
     elif gram_precision.gram_rounds_as_float32(x.shape, g.shape):
         x_gram, x_exact = gram_precision.checked_gram(x)
         g_gram, g_exact = gram_precision.checked_gram(g)
-        usable = tf.reduce_all(tf.stack([x_exact, g_exact, tf.reduce_all(tf.math.is_finite(x_gram)),
-                                         tf.reduce_all(tf.math.is_finite(g_gram))]))
-        sq, rows_x, rows_g = tf.cond(usable, lambda: _float32_factored(x, g, x_gram, g_gram),
-                                     lambda: _float64_factored(x, g))
+        # Each example's route from its own Gram entries (a batch-wide one
+        # would let one record's overflow move the others' bounds); the
+        # canaries, which no record moves, decide for the whole batch.
+        finite = (tf.reduce_all(tf.math.is_finite(x_gram), [1, 2])
+                  & tf.reduce_all(tf.math.is_finite(g_gram), [1, 2]))
+        single = _float32_factored(x, g, x_gram, g_gram)
+
+        def per_example():
+            double = _float64_factored(x, g)
+            return tuple(tf.where(tf.reshape(finite, [-1] + [1] * (a.shape.rank - 1)), a, b)
+                         for a, b in zip(single, double))
+
+        sq, rows_x, rows_g = tf.cond(
+            x_exact & g_exact,
+            lambda: tf.cond(tf.reduce_all(finite), lambda: single, per_example),
+            lambda: _float64_factored(x, g))
     else:
         sq, rows_x, rows_g = _float64_factored(x, g)
     return tf.maximum(sq, 0.0), rows_x, rows_g
