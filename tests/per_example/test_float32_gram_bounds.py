@@ -142,3 +142,20 @@ def test_an_example_is_bounded_by_its_own_gram_alone(where, value):
         x[where] = value
     others = [i for i in range(3) if i != where]
     np.testing.assert_array_equal(_bound(x, g)[others], alone[others])
+
+
+@pytest.mark.parametrize("value", [1e25, np.nan], ids=["overflowing", "nan"])
+def test_an_examples_row_bounds_are_its_own_too(value):
+    """The row bounds (which feed the summation, decay and cross-term
+    errors) are chosen per example with the squared norm (review 12, m1)."""
+    rng = np.random.default_rng(4)
+    x = rng.normal(size=(3, 2, 256)).astype(np.float32)
+    g = rng.normal(size=(3, 2, 16)).astype(np.float32)
+    if not gram_precision.gram_rounds_as_float32(x.shape, g.shape):
+        pytest.skip(f"no float32 Gram route here: {gram_precision.gram_path()}")
+    bounds = tf.function(rounding.factored_norm_bounds)
+    alone = [t.numpy() for t in bounds(tf.constant(x), tf.constant(g))]
+    x[2] = value
+    beside = [t.numpy() for t in bounds(tf.constant(x), tf.constant(g))]
+    for before, after in zip(alone, beside):
+        np.testing.assert_array_equal(after[:2], before[:2])

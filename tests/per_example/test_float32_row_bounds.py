@@ -153,3 +153,29 @@ def test_one_overflowing_record_does_not_raise_the_others_weights():
     record = (np.full(width, scale, np.float32), np.full(1, -0.1, np.float32))
     with NeighbourStep(model, data, records=n, batch_size=n + 1, physical_batch_size=None) as step:
         assert step.ratio(record, "add") <= 1.0 + 1e-5
+
+
+def test_x_is_masked_where_a_setting_lets_the_matmul_read_it_narrower(monkeypatch):
+    """Under a reduced-precision setting a finite 3e38 could be read as inf
+    by the matmul (inf times a zero row of w g adds NaN), so x is masked
+    whatever its bounds (review 12, m2): the zero-weight row never reaches
+    the matmul."""
+    from tfdp.per_example import gram_precision
+
+    monkeypatch.setattr(gram_precision, "reduced_precision_settings", lambda: ["a setting"])
+    seen = []
+    original = tf.matmul
+
+    def recording(a, b, **kwargs):
+        seen.append(a)
+        return original(a, b, **kwargs)
+
+    monkeypatch.setattr(grads.tf, "matmul", recording)
+    x = np.ones((2, 1, 3), np.float32)
+    x[1] = 3e38
+    part = grads.LinearGrads(tf.constant(x), tf.ones([2, 1, 2]), tf.Variable(tf.zeros([3, 2])))
+    part.weighted_sum(tf.constant([1.0, 0.0]))
+    np.testing.assert_array_equal(seen[-1].numpy()[1], 0.0)
+    monkeypatch.setattr(gram_precision, "reduced_precision_settings", lambda: [])  # the control
+    part.weighted_sum(tf.constant([1.0, 0.0]))
+    assert seen[-1].numpy()[1, 0] == np.float32(3e38)

@@ -240,7 +240,7 @@ def row_norm_bounds(squares, width):
 FLOAT32_SQUARES_WIDTH = 4096
 
 # A float32 sum of squares below this may have lost all its squares to
-# flushing (entries below 2^-63): the batch then takes float64 squares, which
+# flushing (entries below 2^-63): that row then takes float64 squares, which
 # measure a zero row as 0 (float32's absolute term, about sqrt(2 K 2^-126),
 # would multiply the other factor's norm in a rank-one bound |x| |g|).
 FLOAT32_SQUARES_FLOOR = 2.0**-60
@@ -528,9 +528,10 @@ def factored_norm_bounds(x, g):
     where float32 matmuls round as float32 (no setting allows less and the
     precision probe passed: `gram_precision.gram_rounds_as_float32`), the
     canaries computed by the same matmuls came out exact
-    (`gram_precision.checked_gram`) and every entry of the batch's Gram
-    matrices is finite (an overflow in any product or partial sum leaves an
-    inf or a NaN in its entry); otherwise float64 products (exact) with
+    (`gram_precision.checked_gram`) and every entry of the example's own
+    Gram matrices is finite (an overflow in any product or partial sum
+    leaves an inf or a NaN in its entry; each example's route is decided by
+    its own entries); otherwise float64 products (exact) with
     gamma64(K + O + 2S + 4) mass^2 added. Either bound is added, so `sq`
     holds for any record, a cancelling one included.
     """
