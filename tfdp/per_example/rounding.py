@@ -260,9 +260,9 @@ def row_bounds(rows):
     `FLOAT32_SQUARES_FLOOR` (a zero row, or one whose squares flushed), is
     measured from float64 squares instead (exact products, no overflow, a
     zero row measured 0), each row by its own values alone; so are all rows
-    wider than
-    `FLOAT32_SQUARES_WIDTH` and every row where a setting lets float32
-    arithmetic round to fewer bits (`gram_precision.reduced_precision_settings`).
+    wider than `FLOAT32_SQUARES_WIDTH` and all rows where a setting lets
+    float32 arithmetic round to fewer bits
+    (`gram_precision.reduced_precision_settings`).
     A finite bound also says that every entry of its row is finite.
 
     Example:

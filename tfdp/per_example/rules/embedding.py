@@ -35,8 +35,8 @@ def first_positions(ids):
     One hash lookup a position (`tf.unique` of the int64 keys row * 2^32 +
     id: two int32 ids differ by less than 2^32, so distinct (row, id) pairs
     are distinct keys), not the T x T comparisons of each row's ids with
-    each other. Every shape is fixed by the input's: the number of distinct
-    ids is never one.
+    each other. No shape here depends on how many ids are distinct (the
+    distinct keys themselves are not used): every result is [B, T].
 
     Example:
 
