@@ -254,8 +254,8 @@ def row_bounds(rows):
     traffic of float64 squares; no cast): the sum of squares is the dot of
     the row with itself, within gamma(C) |x|^2 + 2 C tau (1 + gamma(C)) of
     the exact one in any order, flushed or not, without overflow
-    (`float32_dot_error` with one chunk), so |x|^2 <= (A^ + ea) / (1 - ga);
-    then `row_norm_bounds`. An overflow leaves an inf (or a NaN) in its
+    (`float32_dot_error` with one chunk), so |x|^2 <= (A^ + ea) / (1 - ga)
+    (`float32_row_bounds`). An overflow leaves an inf (or a NaN) in its
     row: a row whose float32 sum is not finite, or below
     `FLOAT32_SQUARES_FLOOR` (a zero row, or one whose squares flushed), is
     measured from float64 squares instead (exact products, no overflow, a
@@ -282,10 +282,9 @@ def row_bounds(rows):
 
     if not 0 < width <= FLOAT32_SQUARES_WIDTH or gram_precision.reduced_precision_settings():
         return from_float64()
-    relative, absolute = float32_dot_error(width, chunk=width)
     squares = tf.cast(tf.reduce_sum(tf.square(rows), -1), tf.float64)
     usable = tf.math.is_finite(squares) & (squares >= FLOAT32_SQUARES_FLOOR)
-    bounds = row_norm_bounds((squares + absolute) / (1.0 - relative), width)
+    bounds = float32_row_bounds(squares, width, chunk=width)
     # Each row's route from that row alone: the two routes bound a row
     # differently, so a batch-wide choice would let one record move the
     # bounds (and clipped sums) of the others. The batch's cond only skips
@@ -457,29 +456,31 @@ def float32_gram_error(x_gram, g_gram, rows_x, rows_g, fan_in, fan_out):
     return (entries + summation) * (1.0 + gamma(2 * positions + 16, tf.float64))
 
 
-def float32_row_bounds(gram, width):
+def float32_row_bounds(squares, width, chunk=FLOAT32_GRAM_CHUNK):
     """[B, S] float64 upper bounds of the true norms of rows of `width`
-    entries from the diagonal of their `float32_gram` (no overflow): the
-    computed A^_ss is at least A_ss (1 - relative) - absolute
-    (`float32_dot_error`), so A_ss <= (A^_ss + absolute) / (1 - relative);
-    then `row_norm_bounds` (the float64 square root's rounding, and entries
-    the matmul read as 0 under denormals-are-zero).
+    entries from their squared norms `squares` [B, S] as float32 dots of
+    `chunk` columns computed them (the diagonal of their `float32_gram`, or
+    `row_bounds`' one-chunk sums; no overflow): the computed A^_ss is at
+    least A_ss (1 - relative) - absolute (`float32_dot_error`), so
+    A_ss <= (A^_ss + absolute) / (1 - relative); then `row_norm_bounds` (the
+    float64 square root's rounding, and entries the matmul read as 0 under
+    denormals-are-zero).
 
     Example:
 
-    >>> float(float32_row_bounds(tf.constant([[[25.0]]], tf.float64), 2)[0, 0])
+    >>> float(float32_row_bounds(tf.constant([[25.0]], tf.float64), 2)[0, 0])
     5.0...
     """
-    relative, absolute = float32_dot_error(width)
-    squares = (tf.linalg.diag_part(gram) + absolute) / (1.0 - relative)
-    return row_norm_bounds(squares, width)
+    relative, absolute = float32_dot_error(width, chunk)
+    return row_norm_bounds((squares + absolute) / (1.0 - relative), width)
 
 
 def _float32_factored(x, g, x_gram, g_gram):
     """(sq, rows_x, rows_g) from finite `float32_gram` matrices: the float64
     double sum of their products plus `float32_gram_error`."""
     fan_in, fan_out = x.shape[2], g.shape[2]
-    rows_x, rows_g = float32_row_bounds(x_gram, fan_in), float32_row_bounds(g_gram, fan_out)
+    rows_x = float32_row_bounds(tf.linalg.diag_part(x_gram), fan_in)
+    rows_g = float32_row_bounds(tf.linalg.diag_part(g_gram), fan_out)
     estimate = tf.reduce_sum(tf.reduce_sum(x_gram * g_gram, 2), 1)
     sq = estimate + float32_gram_error(x_gram, g_gram, rows_x, rows_g, fan_in, fan_out)
     return sq, rows_x, rows_g
