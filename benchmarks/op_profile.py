@@ -2,10 +2,11 @@
 
 For a model of `benchmarks/throughput.py`'s zoo (its batch size, one fixed
 batch, no input pipeline, no XLA), runs the DP `train_step` and Keras's own
-`train_step` as `tf.function`s under TensorFlow's profiler and prints the
-time of each op type (ms a step, summed over the step's ops of that type:
-`--by-name` prints single ops instead), and how many ops each step's graph
-holds (its functions and branches included, run or not). The profiler adds
+`train_step` of `benchmarks/step_breakdown.py` as `tf.function`s under
+TensorFlow's profiler and prints the time of each op type (ms a step,
+summed over the step's ops of that type: `--by-name` prints single ops
+instead), and how many ops each step's graph holds (its functions and
+branches included, run or not). The profiler adds
 its own cost to every op: read the rows against each other, and whole-step
 times from `benchmarks/step_breakdown.py` or `benchmarks/long_fit.py`.
 
@@ -22,33 +23,13 @@ import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
-import keras  # noqa: E402
 import tensorflow as tf  # noqa: E402
+from step_breakdown import stages  # noqa: E402
 from tensorflow.tsl.profiler.protobuf import xplane_pb2  # noqa: E402
-
-import tfdp  # noqa: E402
-from throughput import ZOO, build  # noqa: E402
+from throughput import ZOO  # noqa: E402
 
 # Graph attributes that name a function the op runs (calls, branches, loops).
 _FUNCTION_ATTRS = ("f", "then_branch", "else_branch", "body", "cond")
-
-
-def steps(name):
-    """(DP step, plain step) as `tf.function`s on one batch of zoo model `name`."""
-    inputs, outputs, x, y = build(name)
-    batch = ZOO[name][0]
-    x, y = tf.constant(x[:batch]), tf.constant(y[:batch])
-    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
-    model = tfdp.DPModel(inputs, outputs)
-    model.compile(optimizer=tfdp.optimizers.DPSGD(0.1, l2_norm_clip=1.0, noise_multiplier=1.0),
-                  loss=loss)
-    model.fit(x.numpy(), y.numpy(), batch_size=batch // 2, epochs=1, steps_per_epoch=1, verbose=0)
-    plain = keras.Model(inputs, outputs)  # the same layers and weights
-    plain.compile(optimizer=keras.optimizers.SGD(0.1), loss=loss)
-    plain.fit(x.numpy(), y.numpy(), batch_size=batch, epochs=1, verbose=0)
-    info = {"mask": tf.ones([batch]), "expected_batch_size": tf.constant(float(batch))}
-    return (tf.function(lambda: model.train_step(((x, y), info))),
-            tf.function(lambda: plain.train_step((x, y))))
 
 
 def graph_ops(graph, seen=None):
@@ -110,7 +91,9 @@ def main():
     parser.add_argument("--by-name", action="store_true")
     args = parser.parse_args()
     for name in args.model:
-        for label, step in zip(("DP train_step", "Keras train_step"), steps(name)):
+        steps = dict(stages(name))  # step_breakdown's steps, on one batch of the model
+        for label in ("DP train_step", "Keras train_step"):
+            step = tf.function(steps[label])
             ops = graph_ops(step.get_concrete_function().graph)
             wall, totals = profiled(step, args.repeats, args.by_name)
             print(f"\n{name}, {label}: {sum(ops.values())} graph ops, {wall:.2f} ms a step "
