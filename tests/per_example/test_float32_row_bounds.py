@@ -45,6 +45,55 @@ def test_the_relative_term_covers_float32_rounding(monkeypatch):
     assert np.any(_bounds(rows) < _exact(rows))  # some sum rounded down
 
 
+def _sequential_worst_case(width):
+    """(float32 sum of squares added left to right, exact sum) of a row
+    1, 2^-12, ..., 2^-12: every square 2^-24 is half an ulp of the running
+    1.0 and rounds away (to even), so the sum loses (width - 1) 2^-24 of 1:
+    near gamma(width), the most any order can lose."""
+    squares = np.concatenate([[1.0], np.full(width - 1, 2.0**-24)]).astype(np.float32)
+    computed = np.cumsum(squares, dtype=np.float32)[-1]  # one left-to-right order
+    return float(computed), float(np.sum(squares.astype(np.float64)))
+
+
+@pytest.mark.parametrize("width", [16, 512, 4096])
+def test_the_relative_term_is_gamma_of_the_whole_row(width):
+    """TensorFlow's reductions round far from the worst case, so the bound's
+    relative term is pinned at a legal order that reaches it: the bound holds
+    with gamma(width), and fails with gamma(width / 2) or less."""
+    computed, exact = _sequential_worst_case(width)
+    assert computed == 1.0 and exact - computed > (width - 1.5) * 2.0**-24
+    squares = tf.constant([[computed]], tf.float64)
+    bound = rounding.float32_row_bounds(squares, width, chunk=width).numpy()[0, 0]
+    assert bound >= np.sqrt(exact)
+    halved = rounding.row_norm_bounds(
+        squares / (1.0 - rounding.gamma(width // 2, tf.float64)), width).numpy()[0, 0]
+    assert halved < np.sqrt(exact)  # the control: half the relative term is not enough
+
+
+def test_row_bounds_bound_the_whole_row_as_one_chunk():
+    """`row_bounds` sums a row's squares in one float32 reduction: its bound
+    is `float32_row_bounds` with one chunk of the row's width (a smaller
+    chunk would have a smaller relative term than that reduction needs)."""
+    rows = _rounding_rows()
+    width = rows.shape[-1]
+    squares = tf.cast(tf.reduce_sum(tf.square(tf.constant(rows)), -1), tf.float64)
+    expected = rounding.float32_row_bounds(squares, width, chunk=width).numpy()
+    np.testing.assert_array_equal(rounding.row_bounds(tf.constant(rows)).numpy(), expected)
+    shorter = rounding.float32_row_bounds(squares, width, chunk=width // 2).numpy()
+    assert np.all(shorter < expected)  # the control: the chunk shows in the bound
+
+
+def test_flushed_squares_need_the_absolute_term():
+    """Squares of 2^-64 (2^-128) flush to 0 in float32: a row of them sums
+    to 0, and only the absolute term 2 C tau bounds its norm sqrt(C) 2^-64."""
+    width = 256
+    exact = np.sqrt(width) * 2.0**-64
+    zero = tf.zeros([1, 1], tf.float64)
+    assert rounding.float32_row_bounds(zero, width, chunk=width).numpy()[0, 0] >= exact
+    relative, _ = rounding.float32_dot_error(width, width)
+    assert rounding.row_norm_bounds(zero / (1.0 - relative), width).numpy()[0, 0] < exact
+
+
 @pytest.mark.parametrize("tiny", [0.0, 1e-20])
 def test_rows_whose_squares_may_have_flushed_take_float64(monkeypatch, tiny):
     """Squares of 1e-20 (1e-40) are below 2^-126: flushed to 0 in float32. A
