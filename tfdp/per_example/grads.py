@@ -303,7 +303,17 @@ class LinearGrads(Part):
             kernel = rounding.sum_of_squares(self._per_example_matrix())
         if len(self.variables) == 1:
             return kernel
-        return kernel + rounding.sum_of_squares(self._bias_sums())
+        return kernel + self._bias_sq_bounds()
+
+    def _bias_sq_bounds(self):
+        """float64 [B] upper bounds of the bias gradients' squared norms. With
+        one position the bias gradient is g's row, whose bound the kernel's
+        rank-one bound already holds (squared, and raised by gamma64(2) for
+        that square's rounding); otherwise its float64 sum of squares."""
+        if self.x.shape[1] == 1:
+            rows_g = self._rows()[1][:, 0]
+            return tf.square(rows_g) * (1.0 + rounding.gamma(2, tf.float64))
+        return rounding.sum_of_squares(self._bias_sums())
 
     def summation_errors(self):
         fan_in, fan_out = self.x.shape[2], self.g.shape[2]
@@ -376,6 +386,7 @@ class LinearGrads(Part):
 
     def weighted_sum(self, weights, accumulate=tf.float32):
         keep = tf.not_equal(weights, 0.0)
+        g = None  # w g, where the factored sum forms it
         if self._materialized is not None:
             matrix = tf.tensordot(tf.cast(weights, accumulate),
                                   tf.cast(masked(self._materialized, keep), accumulate), axes=1)
@@ -402,8 +413,13 @@ class LinearGrads(Part):
             )
         sums = [self._to_kernel(matrix, tf.constant([], tf.int32))]
         if len(self.variables) == 2:
-            bias = tf.linalg.matvec(tf.cast(masked(self._bias_sums(), keep), accumulate),
-                                    tf.cast(weights, accumulate), transpose_a=True)
+            if g is not None and self.x.shape[1] == 1 and g.dtype == accumulate:
+                # One position: the bias gradients are g's rows, and w g is
+                # formed (0 where w is 0): summed over examples, no mask.
+                bias = tf.reduce_sum(g[:, 0], 0)
+            else:
+                bias = tf.linalg.matvec(tf.cast(masked(self._bias_sums(), keep), accumulate),
+                                        tf.cast(weights, accumulate), transpose_a=True)
             sums.append(tf.reshape(bias, self.variables[1].shape))
         return sums
 
