@@ -8,9 +8,14 @@ keeps the value then, and whether TensorFlow was imported already;
 `tfdp.models.step_errors`, imported right after TensorFlow (importing
 TensorFlow imports Keras, whose import makes tfdp register its classes,
 `tfdp._keras_registration`, which imports it), keeps the value at its
-import too. TensorFlow read the first when it was imported before tfdp
-(unless the variable changed between the two imports, which no module of
-tfdp sees), else the second (`tfdp train` sets it after `import tfdp`).
+import too. TensorFlow read the second when it was imported after tfdp
+(`tfdp train` sets it after `import tfdp`). When TensorFlow was imported
+first it read a value between the process's start and tfdp's import: the
+value at tfdp's import where the process started with that same value
+(Linux's /proc/self/environ keeps the start's environment, which later
+changes to os.environ do not reach), else `UNKNOWN` (a notebook's cell that
+sets the variable after an earlier cell imported TensorFlow; or no /proc),
+which counts as a log that prints.
 
 Example:
 
@@ -22,8 +27,35 @@ import os
 import sys
 
 ENV = "TF_CPP_MIN_LOG_LEVEL"
+# What TensorFlow read when that cannot be known: taken as a log that prints.
+UNKNOWN = "unknown (not the value the process started with)"
+
+
+def value_at_start(path="/proc/self/environ"):
+    """The variable's value when the process started (None: unset), which
+    changes to os.environ since do not alter; `UNKNOWN` where `path` cannot
+    be read (no /proc).
+
+    Example:
+
+    >>> value_at_start("/nonexistent") == UNKNOWN
+    True
+    """
+    try:
+        with open(path, "rb") as start:
+            entries = start.read().split(b"\0")
+    except OSError:
+        return UNKNOWN
+    prefix = ENV.encode() + b"="
+    for entry in entries:
+        if entry.startswith(prefix):
+            return entry[len(prefix):].decode(errors="replace")
+    return None
+
+
 _values = [os.environ.get(ENV)]  # at tfdp's import, then at step_errors'
 tensorflow_was_imported_first = "tensorflow" in sys.modules
+_at_start = value_at_start() if tensorflow_was_imported_first else None
 
 
 def note_after_tensorflow_import():
@@ -32,8 +64,10 @@ def note_after_tensorflow_import():
 
 
 def value_tensorflow_read():
-    """The value TensorFlow read at its import (None: unset)."""
-    if tensorflow_was_imported_first or len(_values) == 1:
+    """The value TensorFlow read at its import (None: unset; `UNKNOWN`)."""
+    if tensorflow_was_imported_first:
+        return _values[0] if _at_start == _values[0] else UNKNOWN
+    if len(_values) == 1:
         return _values[0]
     return _values[1]
 

@@ -5,6 +5,7 @@ InvalidArgumentError whose message holds the field; a DP model's train
 function re-raises it naming the node only, not chained to the original.
 """
 
+import os
 import traceback
 import warnings
 
@@ -164,6 +165,12 @@ def test_predict_on_a_private_record_does_not_quote_it():
 # -- TensorFlow's C++ log prints the op's message unless TF_CPP_MIN_LOG_LEVEL >= 2 (review 8, G3)
 
 
+def read_by_tensorflow(monkeypatch, level):
+    """TensorFlow imported after tfdp, at `level`: the value it read is known."""
+    monkeypatch.setattr(tf_log_level, "tensorflow_was_imported_first", False)
+    monkeypatch.setattr(tf_log_level, "_values", [level])
+
+
 def tiny_fit():
     inputs = keras.Input((2,))
     model = tfdp.DPModel(inputs, keras.layers.Dense(1)(inputs))
@@ -176,7 +183,7 @@ def tiny_fit():
 @pytest.mark.parametrize("level", [None, "1"])
 def test_fit_warns_once_when_tensorflows_log_would_print_the_message(monkeypatch, level):
     monkeypatch.setattr(step_errors, "_warned", False, raising=False)
-    monkeypatch.setattr(tf_log_level, "_values", [level])  # as TensorFlow read it
+    read_by_tensorflow(monkeypatch, level)
     if level is None:
         monkeypatch.delenv("TF_CPP_MIN_LOG_LEVEL", raising=False)
     else:
@@ -195,7 +202,7 @@ def test_a_level_set_after_tensorflows_import_still_warns(monkeypatch):
     """Review 9, H5: TensorFlow reads the variable at its import only; set
     later (a notebook's later cell) it silenced the warning, not the log."""
     monkeypatch.setattr(step_errors, "_warned", False, raising=False)
-    monkeypatch.setattr(tf_log_level, "_values", [None])  # unset when TensorFlow was imported
+    read_by_tensorflow(monkeypatch, None)  # unset when TensorFlow was imported
     monkeypatch.setenv("TF_CPP_MIN_LOG_LEVEL", "2")
     with pytest.warns(UserWarning, match=r"is 2 now and was unset when TensorFlow was imported, "
                                          r".*a change after TensorFlow's import has no effect"):
@@ -204,10 +211,47 @@ def test_a_level_set_after_tensorflows_import_still_warns(monkeypatch):
         tf.errors.InvalidArgumentError(None, None, "x"))
 
 
+@pytest.mark.parametrize("at_start", [None, "0"])
+def test_a_level_set_between_tensorflows_import_and_tfdps_warns(monkeypatch, at_start):
+    """Review 10, I5: TensorFlow imported, then the level set to 2, then
+    tfdp imported (a notebook's later cell): the value at tfdp's import was
+    taken as TensorFlow's, and the log printed a record with no warning."""
+    monkeypatch.setattr(step_errors, "_warned", False, raising=False)
+    monkeypatch.setattr(tf_log_level, "tensorflow_was_imported_first", True)
+    monkeypatch.setattr(tf_log_level, "_values", ["2", "2"])
+    monkeypatch.setattr(tf_log_level, "_at_start", at_start, raising=False)  # the process's start
+    monkeypatch.setenv("TF_CPP_MIN_LOG_LEVEL", "2")
+    with pytest.warns(UserWarning, match=r"is 2 now and was unknown \(not the value the process "
+                                         r"started with\) when TensorFlow was imported"):
+        step_errors.warn_if_tf_logs_op_errors()
+
+
+def test_a_level_the_process_started_with_is_what_tensorflow_read(monkeypatch):
+    """The control: set in the shell, the same at the start and at tfdp's import."""
+    monkeypatch.setattr(step_errors, "_warned", False, raising=False)
+    monkeypatch.setattr(tf_log_level, "tensorflow_was_imported_first", True)
+    monkeypatch.setattr(tf_log_level, "_values", ["2", "2"])
+    monkeypatch.setattr(tf_log_level, "_at_start", "2", raising=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        step_errors.warn_if_tf_logs_op_errors()
+
+
+def test_the_start_value_is_read_from_the_start_environment(monkeypatch, tmp_path):
+    start = tmp_path / "environ"
+    start.write_bytes(b"HOME=/root\0TF_CPP_MIN_LOG_LEVEL=3\0PATH=/bin\0")
+    assert tf_log_level.value_at_start(str(start)) == "3"
+    start.write_bytes(b"HOME=/root\0")
+    assert tf_log_level.value_at_start(str(start)) is None
+    if os.path.exists("/proc/self/environ"):  # Linux: later changes do not reach it
+        monkeypatch.setenv("TF_CPP_MIN_LOG_LEVEL", "set-after-start-4711")
+        assert tf_log_level.value_at_start() != "set-after-start-4711"
+
+
 def test_predict_without_fit_warns_too(monkeypatch):
     """Review 9, H5: a DP model used to predict on private records, never fit."""
     monkeypatch.setattr(step_errors, "_warned", False, raising=False)
-    monkeypatch.setattr(tf_log_level, "_values", [None])
+    read_by_tensorflow(monkeypatch, None)
     with pytest.warns(UserWarning, match=r"TF_CPP_MIN_LOG_LEVEL=2 before TensorFlow is imported"):
         with pytest.raises(tf.errors.InvalidArgumentError):
             parsing_model().predict(tf.constant(RECORDS), batch_size=16, verbose=0)
@@ -217,7 +261,7 @@ def test_fit_does_not_warn_when_the_log_is_quiet(monkeypatch):
     """Negative control: level 2 when TensorFlow was imported (the tests'
     own), even if lowered since: the error text says nothing of it."""
     monkeypatch.setattr(step_errors, "_warned", False, raising=False)
-    monkeypatch.setattr(tf_log_level, "_values", ["2"])
+    read_by_tensorflow(monkeypatch, "2")
     monkeypatch.setenv("TF_CPP_MIN_LOG_LEVEL", "0")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
