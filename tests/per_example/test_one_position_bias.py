@@ -39,6 +39,21 @@ def test_the_bias_bound_holds_the_rows_of_g():
     assert np.all(tf.function(kernel_only.sq_norm_bounds)().numpy() < exact)  # the control
 
 
+def test_the_bias_bound_rounds_the_square_of_the_row_bound_up():
+    """q^2 in float64 rounds to nearest, below the exact square of the row
+    bound q for about half the rows: gamma64(2) raises it above."""
+    from fractions import Fraction
+
+    rng = np.random.default_rng(5)
+    g = rng.normal(size=(64, 1, 33)).astype(np.float32)
+    part = _part(np.ones((64, 1, 2), np.float32), g)
+    rows_g = part._rows()[1][:, 0].numpy()  # pylint: disable=protected-access
+    bound = part._bias_sq_bounds().numpy()  # pylint: disable=protected-access
+    exact = [Fraction(float(q)) ** 2 for q in rows_g]
+    assert all(Fraction(float(b)) >= e for b, e in zip(bound, exact))
+    assert any(Fraction(float(q) * float(q)) < e for q, e in zip(rows_g, exact))  # the control
+
+
 @pytest.mark.parametrize("bad", [np.inf, np.nan])
 def test_a_zero_weight_bias_row_that_is_not_finite_adds_nothing(bad):
     x = np.ones((3, 1, 4), np.float32)

@@ -291,7 +291,8 @@ class LinearGrads(Part):
 
     def _bias_sums(self):
         """[B, O] bias gradients (G summed over positions), computed once, so
-        that the norm and the weighted sum read the same values."""
+        that the norm and the weighted sum read the same values (at one
+        position the norm reads g's row bound and the sum w g instead)."""
         if self._bias_rows is None:
             self._bias_rows = tf.reduce_sum(self.g, 1)
         return self._bias_rows
