@@ -12,7 +12,11 @@ second, with the bare draw of the largest table (`gaussian.normals`), and
 `tf.random.stateless_uniform` alone for it (the random bits every exact
 method needs). Interleaved rounds of 20 calls; the best round's
 milliseconds per step, wall-clock and process CPU time (the CPU time is
-steadier on a shared machine). The CPU is named from `lscpu`.
+steadier on a shared machine). Each call pays a `tf.function` call's fixed
+cost, which the small draws feel: the last table draws a model's noise
+`CHAIN` times inside one graph (each draw added to the last one's result,
+as a step adds it to its clipped sums), so a draw's time is the graph's
+over `CHAIN`. The CPU is named from `lscpu`.
 
     python benchmarks/noise_generation.py [--rounds 4]
 """
@@ -63,6 +67,19 @@ def stateless_normal(sums, stddev, b, seed):
         stream = tf.random.experimental.stateless_fold_in(seed, index)
         out.append((tensor + tf.random.stateless_normal(tensor.shape, stream) * stddev) / b)
     return out
+
+
+# Draws a graph of the in-graph table holds.
+CHAIN = 50
+
+
+def chained_noisy_mean(sums, stddev, b, seed):
+    """`noisy_mean` CHAIN times in one graph, each on the last one's result
+    with a seed of its own (one seed throughout would let the graph draw the
+    graph generator's noise once: it depends on the seed alone)."""
+    for step in range(CHAIN):
+        sums = dpsgd.noisy_mean(sums, stddev, b, seed + tf.constant([0, step], tf.int64))
+    return sums
 
 
 def cpu_name():
@@ -152,6 +169,22 @@ def main():
                            for ms in (kernel, graph))
         ratios = f"{graph[0] / kernel[0]:.2f}x / {graph[1] / kernel[1]:.2f}x"
         print(f"| {name} | {entries:,} | {cells} | {ratios} |")
+    chained = {path: on_path(key, chained_noisy_mean)
+               for path, key in (("compiled kernel", "kernel"), ("graph generator", "graph"))}
+    print(f"\nmillion normals a second inside one graph ({CHAIN} draws of a model's noise a "
+          "call, each on the last one's sums), wall-clock / process CPU time, best of "
+          f"{args.rounds} interleaved rounds\n")
+    print("| model | entries | " + " | ".join(paths) + " | kernel / graph |")
+    print("|---|---|---|---|---|")
+    for name, shapes in SHAPES.items():
+        sums = [tf.random.normal(shape) for shape in shapes]
+        times = milliseconds(chained, (sums, 1.3, 1.0, seed), args.rounds, calls=2)
+        entries = sum(t.shape.num_elements() for t in sums) * CHAIN
+        cells = " | ".join(f"{entries / times[path][0] / 1e3:.0f} / "
+                           f"{entries / times[path][1] / 1e3:.0f}" for path in paths)
+        kernel, graph = (times[path] for path in paths)
+        print(f"| {name} | {entries // CHAIN:,} | {cells} | {graph[0] / kernel[0]:.2f}x / "
+              f"{graph[1] / kernel[1]:.2f}x |")
     uniform = tf.function(lambda seed: tf.random.stateless_uniform([count], seed))
     ms = milliseconds({"uniform": uniform}, (seed,), args.rounds)["uniform"][0]
     print(f"\ntf.random.stateless_uniform of {count:,} floats: {ms:.2f} ms "
