@@ -71,3 +71,45 @@ def test_zero_weight_rows_add_nothing_even_when_not_finite():
     g = tf.constant([[[np.nan, np.inf], [1.0, 1.0]], [[2.0, 0.0], [0.0, 2.0]]])
     summed = EmbeddingGrads(ids, g, table).weighted_sum(tf.constant([0.0, 0.5]))[0].numpy()
     np.testing.assert_array_equal(summed, [[0, 0], [1, 0], [0, 0], [0, 1], [0, 0]])
+
+
+def _crafted_rows(shape, seed):
+    """Row gradients with a -0.0 row, a NaN row, a row of subnormal entries
+    and a row near float32's range."""
+    g = np.random.default_rng(seed).normal(size=shape).astype(np.float32)
+    g[0, 0] = -0.0
+    g[1, 3] = np.nan
+    g[2, :, 0] = 1e-40
+    g[3] *= 1e30
+    return g
+
+
+@pytest.mark.parametrize("vocab", [3, 50, 500])
+@pytest.mark.parametrize("compiled", [True, False], ids=["tf.function", "eager"])
+def test_merging_the_repeated_rows_is_the_scatter_of_every_row(vocab, compiled):
+    """`merge_rows` adds only the repeated positions' rows, in the scatter's
+    order: the scatter's values, but for entries its 0 + x reads otherwise
+    (a -0.0, or a subnormal under flush-to-zero): zeros or subnormals both."""
+    from tfdp.per_example.rules.embedding import merge_rows, scatter_merge
+
+    rng = np.random.default_rng(vocab)
+    ids = tf.constant(rng.integers(0, vocab, (8, 40)), tf.int32)
+    g = tf.constant(_crafted_rows((8, 40, 16), vocab))
+    first = first_positions(ids)
+    run = tf.function if compiled else (lambda f: f)
+    merged, scattered = run(merge_rows)(g, first).numpy(), run(scatter_merge)(g, first).numpy()
+    same = merged.view(np.uint32) == scattered.view(np.uint32)
+    tiny = 2.0**-126
+    assert np.all(same | ((np.abs(merged) < tiny) & (np.abs(scattered) < tiny)))
+    assert np.mean(same) > 0.99
+    repeated = first.numpy() != np.arange(40)[None, :]
+    assert repeated.any()  # the control: rows were merged, not only copied
+
+
+def test_the_merge_under_xla_scatters_every_row():
+    """XLA needs shapes that do not depend on how many ids repeat."""
+    ids = tf.constant([[1, 2, 1, 1]])
+    g = tf.constant([[[1.0], [2.0], [4.0], [8.0]]])
+    table = tf.Variable(tf.zeros([3, 1]))
+    merged = tf.function(lambda: EmbeddingGrads(ids, g, table).merged_rows(), jit_compile=True)()
+    np.testing.assert_array_equal(merged.numpy()[0, :, 0], [13.0, 2.0, 0.0, 0.0])
