@@ -106,10 +106,20 @@ def test_merging_the_repeated_rows_is_the_scatter_of_every_row(vocab, compiled):
     assert repeated.any()  # the control: rows were merged, not only copied
 
 
-def test_the_merge_under_xla_scatters_every_row():
-    """XLA needs shapes that do not depend on how many ids repeat."""
+@pytest.mark.parametrize("xla", [True, False])
+def test_the_merge_scatters_every_row_under_xla_only(monkeypatch, xla):
+    """Outside XLA the step merges only the repeated rows (the speed-up);
+    under XLA it keeps the scatter of every row it was reviewed with."""
+    from tfdp.per_example.rules import embedding
+
+    called = []
+    for name in ("merge_rows", "scatter_merge"):
+        original = getattr(embedding, name)
+        monkeypatch.setattr(embedding, name, lambda *a, _n=name, _f=original: (
+            called.append(_n), _f(*a))[1])
     ids = tf.constant([[1, 2, 1, 1]])
     g = tf.constant([[[1.0], [2.0], [4.0], [8.0]]])
     table = tf.Variable(tf.zeros([3, 1]))
-    merged = tf.function(lambda: EmbeddingGrads(ids, g, table).merged_rows(), jit_compile=True)()
+    merged = tf.function(lambda: EmbeddingGrads(ids, g, table).merged_rows(), jit_compile=xla)()
     np.testing.assert_array_equal(merged.numpy()[0, :, 0], [13.0, 2.0, 0.0, 0.0])
+    assert called == ["scatter_merge" if xla else "merge_rows"]

@@ -327,3 +327,26 @@ def test_products_flushed_in_every_partial_sum_are_covered():
     assert product < TINY
     lost = math.sqrt(64) * 2 * product
     assert _factored(x, g) >= lost
+
+
+def _all_subnormal_parts():
+    """A [1, 16, 16] gradient of subnormal entries: an Embedding's 16 rows
+    (distinct ids: its merged rows are the rows) and a materialized one."""
+    from tfdp.per_example.rules.embedding import EmbeddingGrads
+
+    g = tf.constant(np.full((1, 16, 16), SUBNORMAL, np.float32))
+    ids = tf.constant([list(range(16))])
+    return [EmbeddingGrads(ids, g, tf.Variable(tf.zeros([16, 16]))),
+            MaterializedGrads([tf.Variable(tf.zeros([16, 16]))], [g])]
+
+
+@pytest.mark.parametrize("index", [0, 1], ids=["embedding", "materialized"])
+def test_summed_as_measured_counts_every_entry(index):
+    """Review 14, m2: a part that sums what it measured can have each of its
+    T D entries read as 0 by the norm and as subnormal by the sum, or
+    flushed in w g: sqrt(T D) SUBNORMAL in norm. The terms counted the
+    rounding's T + D + 1 instead (sqrt(33) against 16 here)."""
+    part = _all_subnormal_parts()[index]
+    moved = 16.0 * float(SUBNORMAL)  # sqrt(256) entries of SUBNORMAL
+    assert float(part.summation_errors().numpy()[0]) >= moved
+    assert float(part.absolute_errors().numpy()[0]) >= moved

@@ -436,6 +436,22 @@ class LinearGrads(Part):
         return grads
 
 
+def entries_per_example(tensor):
+    """How many entries each example has in `tensor` [B, ...]: a Python int,
+    or an int tensor when a length is known only at run time (each entry
+    may be subnormal, or flushed in w * g: `SummedAsMeasured`).
+
+    Example:
+
+    >>> entries_per_example(tf.zeros([2, 3, 4]))
+    12
+    """
+    inner = tensor.shape[1:]
+    if inner.is_fully_defined():
+        return inner.num_elements()
+    return tf.reduce_prod(tf.shape(tensor)[1:])
+
+
 class SummedAsMeasured(Part):
     """Base of parts whose weighted sum adds w times exactly the float32
     entries their norm measured (`_entries()` of them per example): only a
@@ -470,7 +486,7 @@ class MaterializedGrads(SummedAsMeasured):
         return tf.add_n([rounding.sum_of_squares(g) for g in self.grads])
 
     def _entries(self):
-        return tf.add_n([tf.cast(rounding.terms_per_example(g), tf.float64) for g in self.grads])
+        return sum(entries_per_example(g) for g in self.grads)
 
     def dots(self, vectors):
         return tf.add_n([

@@ -24,7 +24,13 @@ import tensorflow as tf
 from tensorflow.python.ops import control_flow_util
 
 from tfdp.per_example import rounding
-from tfdp.per_example.grads import SummedAsMeasured, as_float32, joined_rows, norm_of
+from tfdp.per_example.grads import (
+    SummedAsMeasured,
+    as_float32,
+    entries_per_example,
+    joined_rows,
+    norm_of,
+)
 from tfdp.per_example.registry import register_rule
 from tfdp.per_example.rules.common import concat_positions, plain_weights
 
@@ -137,8 +143,9 @@ class EmbeddingGrads(SummedAsMeasured):
         the sum of that id's row gradients, elsewhere zero (computed once).
 
         `merge_rows` adds only the repeated positions' rows to the first
-        rows; under XLA, whose shapes cannot depend on how many ids repeat,
-        `scatter_merge` scatters every row. Either way the norms and the
+        rows; under XLA `scatter_merge` scatters every row (the form the XLA
+        step was measured and reviewed with; `merge_rows` compiles there too
+        on the CPU, untried on accelerators). Either way the norms and the
         weighted sum read these same rows, each example's from its own rows
         alone."""
         if self._merged is None:
@@ -153,7 +160,7 @@ class EmbeddingGrads(SummedAsMeasured):
         return rounding.sum_of_squares(self.merged_rows())
 
     def _entries(self):
-        return rounding.terms_per_example(self.g)
+        return entries_per_example(self.g)
 
     def dots(self, vectors):
         rows = tf.gather(tf.cast(vectors[0], tf.float64), self.ids)  # [B, T, D]
@@ -163,7 +170,7 @@ class EmbeddingGrads(SummedAsMeasured):
         # sum_t |V[id_t]| |merged_t| <= |V|_F |merged| (merged rows are zero
         # at repeated ids, so each table row is met once).
         magnitude, size = tf.sqrt(self.sq_norm_bounds()), norm_of(vectors)
-        return (rounding.dot_rounding(self._entries(), magnitude, size)
+        return (rounding.dot_rounding(rounding.terms_per_example(self.g), magnitude, size)
                 + rounding.subnormal_reading(self._entries(), magnitude + size))
 
     def weighted_sum(self, weights, accumulate=tf.float32):
