@@ -446,7 +446,7 @@ def entries_per_example(tensor):
     >>> entries_per_example(tf.zeros([2, 3, 4]))
     12
     """
-    inner = tensor.shape[1:]
+    inner = tf.TensorShape(tensor.shape[1:])  # a NumPy array's shape too
     if inner.is_fully_defined():
         return inner.num_elements()
     return tf.reduce_prod(tf.shape(tensor)[1:])
