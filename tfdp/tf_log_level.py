@@ -33,7 +33,7 @@ UNKNOWN = "unknown (not the value the process started with)"
 
 def value_at_start(path="/proc/self/environ"):
     """The variable's value when the process started (None: unset), which
-    changes to os.environ since do not alter; `UNKNOWN` where `path` cannot
+    later changes to os.environ do not alter; `UNKNOWN` where `path` cannot
     be read (no /proc).
 
     Example:

@@ -80,7 +80,7 @@ def scatter_merge(g, first):
     """
     batch, length, width = tf.shape(g)[0], tf.shape(g)[1], g.shape[-1]
     # scatter_nd sums duplicates; measured 1.5x faster than
-    # unsorted_segment_sum for 32k rows of 128 on 2 CPU cores (AMD EPYC).
+    # unsorted_segment_sum for 32k rows of 128 on 2 CPU cores.
     merged = tf.scatter_nd(tf.reshape(_flat_targets(first), [-1, 1]),
                            tf.reshape(g, [-1, width]), tf.stack([batch * length, width]))
     return tf.reshape(merged, tf.shape(g))
