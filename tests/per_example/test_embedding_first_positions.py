@@ -113,10 +113,15 @@ def test_the_merge_scatters_every_row_under_xla_only(monkeypatch, xla):
     from tfdp.per_example.rules import embedding
 
     called = []
+
+    def recorded(name, function):
+        def call(*args):
+            called.append(name)
+            return function(*args)
+        return call
+
     for name in ("merge_rows", "scatter_merge"):
-        original = getattr(embedding, name)
-        monkeypatch.setattr(embedding, name, lambda *a, _n=name, _f=original: (
-            called.append(_n), _f(*a))[1])
+        monkeypatch.setattr(embedding, name, recorded(name, getattr(embedding, name)))
     ids = tf.constant([[1, 2, 1, 1]])
     g = tf.constant([[[1.0], [2.0], [4.0], [8.0]]])
     table = tf.Variable(tf.zeros([3, 1]))
