@@ -436,22 +436,6 @@ class LinearGrads(Part):
         return grads
 
 
-def entries_per_example(tensor):
-    """How many entries each example has in `tensor` [B, ...]: a Python int,
-    or an int tensor when a length is known only at run time (each entry
-    may be subnormal, or flushed in w * g: `SummedAsMeasured`).
-
-    Example:
-
-    >>> entries_per_example(tf.zeros([2, 3, 4]))
-    12
-    """
-    inner = tf.TensorShape(tensor.shape[1:])  # a NumPy array's shape too
-    if inner.is_fully_defined():
-        return inner.num_elements()
-    return tf.reduce_prod(tf.shape(tensor)[1:])
-
-
 class SummedAsMeasured(Part):
     """Base of parts whose weighted sum adds w times exactly the float32
     entries their norm measured (`_entries()` of them per example): only a
@@ -486,7 +470,7 @@ class MaterializedGrads(SummedAsMeasured):
         return tf.add_n([rounding.sum_of_squares(g) for g in self.grads])
 
     def _entries(self):
-        return sum(entries_per_example(g) for g in self.grads)
+        return sum(rounding.entries_per_example(g) for g in self.grads)
 
     def dots(self, vectors):
         return tf.add_n([

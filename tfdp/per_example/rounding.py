@@ -122,6 +122,22 @@ def terms_per_example(tensor):
     return sum(static) + 1 + (tf.add_n(dynamic) if dynamic else 0)
 
 
+def entries_per_example(tensor):
+    """How many entries each example has in `tensor` [B, ...]: a Python int,
+    or an int tensor when a length is known only at run time (each may be
+    subnormal, or flushed in w * g: `subnormal_reading`, `flushed_products`).
+
+    Example:
+
+    >>> entries_per_example(tf.zeros([2, 3, 4]))
+    12
+    """
+    inner = tf.TensorShape(tensor.shape[1:])  # a NumPy array's shape too
+    if inner.is_fully_defined():
+        return inner.num_elements()
+    return tf.reduce_prod(tf.shape(tensor)[1:])
+
+
 def sum_of_squares(tensor):
     """Upper bound, float64 [B], of each example's sum of squared entries.
 

@@ -24,13 +24,7 @@ import tensorflow as tf
 from tensorflow.python.ops import control_flow_util
 
 from tfdp.per_example import rounding
-from tfdp.per_example.grads import (
-    SummedAsMeasured,
-    as_float32,
-    entries_per_example,
-    joined_rows,
-    norm_of,
-)
+from tfdp.per_example.grads import SummedAsMeasured, as_float32, joined_rows, norm_of
 from tfdp.per_example.registry import register_rule
 from tfdp.per_example.rules.common import concat_positions, plain_weights
 
@@ -160,7 +154,7 @@ class EmbeddingGrads(SummedAsMeasured):
         return rounding.sum_of_squares(self.merged_rows())
 
     def _entries(self):
-        return entries_per_example(self.g)
+        return rounding.entries_per_example(self.g)
 
     def dots(self, vectors):
         rows = tf.gather(tf.cast(vectors[0], tf.float64), self.ids)  # [B, T, D]
