@@ -1,5 +1,6 @@
-"""An embedding's repeated ids are found by hashing (row, id) pairs: the same
-first positions as comparing every pair of a row's ids, for any int32 id.
+"""An embedding's repeated ids are found by hashing (row, id) pairs, or
+under XLA by sorting them: the same first positions as comparing every pair
+of a row's ids, for any int32 id.
 
 The merge of repeated ids is what makes an example's measured norm the norm
 of what it adds to the table: two positions of one id both taken as "first"
@@ -11,7 +12,8 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from tfdp.per_example.rules.embedding import EmbeddingGrads, first_positions
+from tfdp.per_example.rules.embedding import (EmbeddingGrads, first_positions,
+                                              first_positions_by_sort)
 
 INT32 = np.iinfo(np.int32)
 
@@ -30,25 +32,64 @@ def pairwise_first(ids):
     # pairs must stay distinct keys.
     np.array([[INT32.min, INT32.max, -1, 0, -1, INT32.min],
               [1, 1 << 16, (1 << 16) + 1, 1, INT32.max, -1]]),
-], ids=["random", "few_ids", "constant", "extremes"])
-def test_first_positions_equal_the_pairwise_reference(ids):
+    # Each row's ids in falling order, and a row's ids equal to the next
+    # row's: the sort's runs must break at rows and keep position order.
+    np.array([[9, 7, 7, 5, 3, 3, 1, 1], [9, 7, 7, 5, 3, 3, 1, 1], [1, 3, 1, 3, 1, 3, 1, 3]]),
+    np.array([[INT32.max] * 4 + [INT32.min] * 4]),
+    np.array([[6]]),
+], ids=["random", "few_ids", "constant", "extremes", "falling", "two_extremes", "one"])
+@pytest.mark.parametrize("function, xla", [(first_positions, False),
+                                           (first_positions_by_sort, False),
+                                           (first_positions_by_sort, True)],
+                         ids=["hash", "sort", "sort_xla"])
+def test_first_positions_equal_the_pairwise_reference(ids, function, xla):
     ids = ids.astype(np.int32)
-    np.testing.assert_array_equal(first_positions(tf.constant(ids)).numpy(), pairwise_first(ids))
+    found = tf.function(function, jit_compile=xla)(tf.constant(ids)) if xla else function(ids)
+    np.testing.assert_array_equal(found.numpy(), pairwise_first(ids))
 
 
-def test_rows_never_share_keys():
+@pytest.mark.parametrize("function", [first_positions, first_positions_by_sort])
+def test_rows_never_share_keys(function):
     # The same id in two rows is two keys: each row's first position of it.
     ids = tf.constant([[9, 3, 9], [3, 9, 9]])
-    np.testing.assert_array_equal(first_positions(ids).numpy(), [[0, 1, 0], [0, 1, 1]])
+    np.testing.assert_array_equal(function(ids).numpy(), [[0, 1, 0], [0, 1, 1]])
 
 
-def test_empty_and_unknown_shapes():
-    assert first_positions(tf.zeros([0, 4], tf.int32)).shape == (0, 4)
-    assert first_positions(tf.zeros([3, 0], tf.int32)).shape == (3, 0)
-    traced = tf.function(first_positions).get_concrete_function(
+@pytest.mark.parametrize("function", [first_positions, first_positions_by_sort])
+def test_empty_and_unknown_shapes(function):
+    assert function(tf.zeros([0, 4], tf.int32)).shape == (0, 4)
+    assert function(tf.zeros([3, 0], tf.int32)).shape == (3, 0)
+    traced = tf.function(function).get_concrete_function(
         tf.TensorSpec([None, None], tf.int32))
     out = traced(tf.constant([[2, 2, 1]]))
     np.testing.assert_array_equal(out.numpy(), [[0, 0, 2]])
+
+
+@pytest.mark.parametrize("xla, accelerator, sorts", [(True, True, True), (True, False, False),
+                                                     (False, True, False)])
+def test_xla_on_accelerators_finds_repeated_ids_without_unique(monkeypatch, xla, accelerator,
+                                                               sorts):
+    """XLA's `tf.unique` is a loop of one iteration an id (0.6 s a step for
+    32k ids on an H200): under XLA with a GPU or TPU the step sorts instead;
+    elsewhere it hashes (the controls: the graph's Unique op is seen where
+    it is)."""
+    from tfdp.per_example.rules import embedding
+
+    devices = [tf.config.LogicalDevice("/device:CPU:0", "CPU")]
+    if accelerator:
+        devices.append(tf.config.LogicalDevice("/device:GPU:0", "GPU"))
+    monkeypatch.setattr(embedding.tf.config, "list_logical_devices", lambda *a: devices)
+    table = tf.Variable(tf.zeros([10, 2]))
+    ids = tf.constant([[4, 4, 7, 4]])
+    g = tf.ones([1, 4, 2])
+
+    def norms():
+        return EmbeddingGrads(ids, g, table).sq_norms()
+
+    traced = tf.function(norms, jit_compile=xla).get_concrete_function()
+    kinds = {op.type for op in traced.graph.get_operations()}
+    assert ("Unique" in kinds) == (not sorts)
+    assert float(traced()[0]) >= 3 * 3 * 2 + 2  # the three 4s merged, measured as summed
 
 
 def test_repeated_ids_are_measured_as_they_are_summed():
