@@ -17,10 +17,12 @@ as full fine-tuning. tfdp runs twice: on the whole Poisson batch at once
 the last drawn row are skipped and each chunk's logits are dropped with
 it). For each config, one child
 process builds the model once as `keras.Model` and twice as
-`tfdp.DPModel` (the same layers and weights) and fits each for one epoch
-of `steps` steps, alternating for `--rounds` rounds after a warm-up round;
-examples/s is the median over rounds, timed inside `fit` from the end of
-the 3rd step to the end of the last. Peak memory: separate child processes
+`tfdp.DPModel` (the same layers and weights; plain Keras compiles with
+the DP models' `jit_compile="auto"` choice, XLA on a GPU and not on a
+CPU) and fits each for one epoch of `steps` steps, alternating for
+`--rounds` rounds after a warm-up round; examples/s is the median over
+rounds, timed inside `fit` from the end of the 3rd step to the end of the
+last. Peak memory: separate child processes
 (one per config and kind), the resident set's high-water mark during the
 first `fit` (tracing included) above the resident set before it
 (`/proc/self/clear_refs` resets the mark). "path" counts the per-example
@@ -107,7 +109,9 @@ def make_models(name):
     inputs, outputs, x, y = build(name)
     plain = keras.Model(inputs, outputs)
     loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
-    plain.compile(optimizer=keras.optimizers.SGD(0.01), loss=loss, jit_compile=False)
+    # The DP models' "auto" choice (XLA on a GPU, not on the CPU), like for like.
+    plain.compile(optimizer=keras.optimizers.SGD(0.01), loss=loss,
+                  jit_compile=tfdp.models.jit.resolve_jit_compile("auto", model=plain))
     private = {}
     for kind in DP_KINDS:
         model = tfdp.DPModel(inputs, outputs)
