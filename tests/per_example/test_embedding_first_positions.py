@@ -36,8 +36,12 @@ def pairwise_first(ids):
     # row's: the sort's runs must break at rows and keep position order.
     np.array([[9, 7, 7, 5, 3, 3, 1, 1], [9, 7, 7, 5, 3, 3, 1, 1], [1, 3, 1, 3, 1, 3, 1, 3]]),
     np.array([[INT32.max] * 4 + [INT32.min] * 4]),
+    # Row 1's ids are row 0's less 2^32 - 1, 2^16, 2^24 and 2^31 + 1: with
+    # any of those as the row offset (not 2^32), two rows' keys would meet.
+    np.array([[INT32.max, 7, 7, 7], [INT32.min, 7 - 2**16, 7 - 2**24, 7 - 2**31 - 1]]),
     np.array([[6]]),
-], ids=["random", "few_ids", "constant", "extremes", "falling", "two_extremes", "one"])
+], ids=["random", "few_ids", "constant", "extremes", "falling", "two_extremes", "row_offsets",
+        "one"])
 @pytest.mark.parametrize("function, xla", [(first_positions, False),
                                            (first_positions_by_sort, False),
                                            (first_positions_by_sort, True)],
@@ -169,3 +173,45 @@ def test_the_merge_scatters_every_row_under_xla_only(monkeypatch, xla):
     merged = tf.function(lambda: EmbeddingGrads(ids, g, table).merged_rows(), jit_compile=xla)()
     np.testing.assert_array_equal(merged.numpy()[0, :, 0], [13.0, 2.0, 0.0, 0.0])
     assert called == ["scatter_merge" if xla else "merge_rows"]
+
+
+def test_the_compiled_step_trains_the_same_weights_with_the_sort(monkeypatch):
+    """A DP step under XLA with the sort (an accelerator present) and with the
+    hash (CPUs only): the same weights bit for bit, on records whose ids
+    repeat (one seed: the same batches and noise on both)."""
+    import keras
+
+    import tfdp
+    from tfdp.per_example.rules import embedding
+
+    sorted_calls = []
+    original = embedding.first_positions_by_sort
+
+    def counted(ids):
+        sorted_calls.append(ids)
+        return original(ids)
+
+    monkeypatch.setattr(embedding, "first_positions_by_sort", counted)
+    ids = np.array([[3, 3, 3, 1], [2, 5, 2, 5], [4, 4, 4, 4], [0, 1, 2, 3]] * 4, np.int32)
+    targets = np.random.default_rng(0).normal(size=(16, 2)).astype(np.float32)
+
+    def trained(accelerator):
+        devices = [tf.config.LogicalDevice("/device:CPU:0", "CPU")]
+        if accelerator:
+            devices.append(tf.config.LogicalDevice("/device:GPU:0", "GPU"))
+        monkeypatch.setattr(embedding.tf.config, "list_logical_devices", lambda *a: devices)
+        keras.utils.set_random_seed(1)
+        model = tfdp.DPSequential([keras.Input((4,), dtype="int32"), keras.layers.Embedding(8, 2),
+                                   keras.layers.GlobalAveragePooling1D()])
+        model.compile(optimizer=tfdp.optimizers.DPSGD(0.5, l2_norm_clip=0.1, noise_multiplier=1.0,
+                                                      seed=3),
+                      loss="mse", jit_compile=True)
+        model.fit(ids, targets, batch_size=8, epochs=1, verbose=0)
+        return model.layers[0].embeddings.numpy()
+
+    with_sort = trained(accelerator=True)
+    assert sorted_calls  # the control: the sort ran in the compiled step
+    del sorted_calls[:]
+    with_hash = trained(accelerator=False)
+    assert not sorted_calls
+    np.testing.assert_array_equal(with_sort.view(np.uint32), with_hash.view(np.uint32))
