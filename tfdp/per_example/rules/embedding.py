@@ -34,8 +34,7 @@ def first_positions(ids):
     its row holding the same id.
 
     One hash lookup a position (`tf.unique` of the int64 keys row * 2^32 +
-    id: two int32 ids differ by less than 2^32, so distinct (row, id) pairs
-    are distinct keys), not the T x T comparisons of each row's ids with
+    id, `_row_keys`), not the T x T comparisons of each row's ids with
     each other. No shape here depends on how many ids are distinct (the
     distinct keys themselves are not used): every result is [B, T].
 
@@ -45,19 +44,29 @@ def first_positions(ids):
     array([[0, 1, 0, 0],
            [0, 0, 2, 3]], dtype=int32)
     """
-    ids = tf.convert_to_tensor(ids)
-    batch, length = tf.shape(ids)[0], tf.shape(ids)[1]
-    rows = tf.cast(tf.range(batch), tf.int64)[:, None] * 2**32
-    keys = rows + tf.cast(tf.cast(ids, tf.int32), tf.int64)
-    _, key_of = tf.unique(tf.reshape(keys, [-1]), out_idx=tf.int32)
-    size = batch * length  # at least as many as the distinct keys
+    keys = _row_keys(ids)
+    _, key_of = tf.unique(keys, out_idx=tf.int32)
+    size = tf.size(keys)  # at least as many as the distinct keys
     firsts = tf.math.unsorted_segment_min(tf.range(size), key_of, size)
-    first = tf.reshape(tf.gather(firsts, key_of), [batch, length])
-    return first - length * tf.range(batch)[:, None]
+    return _in_rows(tf.gather(firsts, key_of), ids)
+
+
+def _row_keys(ids):
+    """int64 [B T]: the keys row * 2^32 + id of `ids` [B, T] (two int32 ids
+    differ by less than 2^32, so distinct (row, id) pairs are distinct keys)."""
+    ids = tf.convert_to_tensor(ids)
+    rows = tf.cast(tf.range(tf.shape(ids)[0]), tf.int64)[:, None] * 2**32
+    return tf.reshape(rows + tf.cast(tf.cast(ids, tf.int32), tf.int64), [-1])
+
+
+def _in_rows(first, ids):
+    """Flat first positions [B T] as positions in their rows, [B, T]."""
+    batch, length = tf.shape(ids)[0], tf.shape(ids)[1]
+    return tf.reshape(first, [batch, length]) - length * tf.range(batch)[:, None]
 
 
 def first_positions_by_sort(ids):
-    """`first_positions(ids)` from one stable sort of the keys, for XLA on
+    """`first_positions(ids)` from one sort of the keys, for XLA on
     accelerators.
 
     XLA lowers `tf.unique` to a loop with one iteration an element: a text
@@ -77,10 +86,7 @@ def first_positions_by_sort(ids):
     array([[0, 1, 0, 0],
            [0, 0, 2, 3]], dtype=int32)
     """
-    ids = tf.convert_to_tensor(ids)
-    batch, length = tf.shape(ids)[0], tf.shape(ids)[1]
-    rows = tf.cast(tf.range(batch), tf.int64)[:, None] * 2**32
-    keys = tf.reshape(rows + tf.cast(tf.cast(ids, tf.int32), tf.int64), [-1])
+    keys = _row_keys(ids)
     size = tf.size(keys)
     order = tf.argsort(keys)  # sorted index -> flat position
     ordered = tf.gather(keys, order)
@@ -90,7 +96,7 @@ def first_positions_by_sort(ids):
     first_of_run = tf.math.unsorted_segment_min(order, run, size)
     first = tf.scatter_nd(order[:, None], tf.gather(first_of_run, run),
                           tf.shape(keys))  # back to positions
-    return tf.reshape(first, [batch, length]) - length * tf.range(batch)[:, None]
+    return _in_rows(first, ids)
 
 
 def _flat_targets(first):
