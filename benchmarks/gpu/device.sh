@@ -14,11 +14,10 @@
 #   cuDNN 9 keep their names); then a GEMM, a convolution, an XLA function
 #   and a Keras fit on the GPU, or it stops with TensorFlow's log.
 # bench: the long-fit zoo under XLA (what jit_compile="auto" picks on a GPU;
-#   the slowest models last)
-#   and the KerasHub LoRA sizes, the two side by side (the device time
-#   allows no more; each process has its own CUDA context, and tiny steps
-#   leave the GPU idle most of the time), each table written to $OUT as it
-#   grows.
+#   the slowest models last) and the KerasHub LoRA sizes, the two side by
+#   side (the device time allows no more; the zoo's tiny steps leave the GPU
+#   idle most of the time; memory grows as needed, so the two processes do
+#   not each reserve most of it), each table written to $OUT as it grows.
 # bench-no-xla: the long-fit zoo with XLA off (as the CPU tables run).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -30,8 +29,8 @@ ZOO_ORDER="mlp mlp_2048 tanh_cnn_256 tanh_cnn_2048 text_pooling conv1d_series tr
            resnet_groupnorm embedding_lstm embedding_bigru"
 
 environment() {
-  # Growth, not TensorFlow's default of reserving most of the GPU: bench runs two
-  # processes side by side.
+  # Memory as needed, not TensorFlow's default of reserving most of the GPU:
+  # bench runs two processes side by side.
   export TF_FORCE_GPU_ALLOW_GROWTH=true
   export PYTHONPATH="$SITE:$PWD" TFDP_NOISE_KERNEL=graph TF_CPP_MIN_LOG_LEVEL=${TF_CPP_MIN_LOG_LEVEL:-2}
   export LD_LIBRARY_PATH="$STORE/cuda12:$(cat "$STORE/libdirs" 2>/dev/null)${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
@@ -79,7 +78,7 @@ install() {
   link_cuda
   environment
   TF_CPP_MIN_LOG_LEVEL=0 python3 - <<'PY' > "$OUT/install_check.log" 2>&1
-import sys, time
+import sys
 import tensorflow as tf, keras
 print("tensorflow", tf.__version__, "keras", keras.__version__, "python", sys.version.split()[0])
 gpus = tf.config.list_physical_devices("GPU")

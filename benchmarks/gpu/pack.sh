@@ -17,8 +17,9 @@
 #
 # Then one device call a part, in order, each carrying that part:
 #     run(carry=[".gpu/part00"], command="bash benchmarks/gpu/device.sh receive")
-# and, carrying the last part:
-#     run(carry=[".gpu/partNN"], command="bash benchmarks/gpu/device.sh receive install bench")
+# and, carrying the last part and the digests:
+#     run(carry=[".gpu/partNN", ".gpu/parts.sha256"],
+#         command="bash benchmarks/gpu/device.sh receive install bench")
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 PART_MB=${PART_MB:-58}  # 58 MiB: with the working tree (about 5 MiB), under the 64 MiB a call carries
@@ -46,6 +47,6 @@ done
 rm -rf "$work/site/tensorflow/include"
 tar -C "$work/site" -cf - . | xz -T2 -6 > "$work/site.tar.xz"
 split -b "${PART_MB}m" -d "$work/site.tar.xz" .gpu/part
-( cd .gpu && sha256sum part* > parts.sha256 )
+( cd .gpu && sha256sum part[0-9]* > parts.sha256 )
 ls -l .gpu/part*
 echo "parts: $(ls .gpu/part[0-9]* | wc -l); send each with benchmarks/gpu/device.sh receive (parts.sha256 travels with the last)"
