@@ -69,6 +69,15 @@ def test_empty_and_unknown_shapes(function):
     np.testing.assert_array_equal(out.numpy(), [[0, 0, 2]])
 
 
+def _present_devices(monkeypatch, accelerator):
+    """TensorFlow's logical devices as the embedding rule sees them: a CPU,
+    and a GPU if `accelerator`."""
+    devices = [tf.config.LogicalDevice("/device:CPU:0", "CPU")]
+    if accelerator:
+        devices.append(tf.config.LogicalDevice("/device:GPU:0", "GPU"))
+    monkeypatch.setattr(tf.config, "list_logical_devices", lambda *a: devices)
+
+
 @pytest.mark.parametrize("xla, accelerator, sorts", [(True, True, True), (True, False, False),
                                                      (False, True, False)])
 def test_xla_on_accelerators_finds_repeated_ids_without_unique(monkeypatch, xla, accelerator,
@@ -77,12 +86,7 @@ def test_xla_on_accelerators_finds_repeated_ids_without_unique(monkeypatch, xla,
     32k ids on an H200): under XLA with a GPU or TPU the step sorts instead;
     elsewhere it hashes (the controls: the graph's Unique op is seen where
     it is)."""
-    from tfdp.per_example.rules import embedding
-
-    devices = [tf.config.LogicalDevice("/device:CPU:0", "CPU")]
-    if accelerator:
-        devices.append(tf.config.LogicalDevice("/device:GPU:0", "GPU"))
-    monkeypatch.setattr(embedding.tf.config, "list_logical_devices", lambda *a: devices)
+    _present_devices(monkeypatch, accelerator)
     table = tf.Variable(tf.zeros([10, 2]))
     ids = tf.constant([[4, 4, 7, 4]])
     g = tf.ones([1, 4, 2])
@@ -196,10 +200,7 @@ def test_the_compiled_step_trains_the_same_weights_with_the_sort(monkeypatch):
     targets = np.random.default_rng(0).normal(size=(16, 2)).astype(np.float32)
 
     def trained(accelerator):
-        devices = [tf.config.LogicalDevice("/device:CPU:0", "CPU")]
-        if accelerator:
-            devices.append(tf.config.LogicalDevice("/device:GPU:0", "GPU"))
-        monkeypatch.setattr(embedding.tf.config, "list_logical_devices", lambda *a: devices)
+        _present_devices(monkeypatch, accelerator)
         keras.utils.set_random_seed(1)
         model = tfdp.DPSequential([keras.Input((4,), dtype="int32"), keras.layers.Embedding(8, 2),
                                    keras.layers.GlobalAveragePooling1D()])

@@ -179,14 +179,19 @@ class EmbeddingGrads(SummedAsMeasured):
         self._merged = None
         self._first = None
 
-    def first_occurrences(self):
-        """bool [B, T]: True at the first position of each distinct id of an
-        example (the rows the example touches, once each; computed once;
-        under XLA on a GPU or TPU by sorting, `first_positions_by_sort`)."""
+    def _first_positions(self):
+        """[B, T]: each position's first position of its id in its row
+        (computed once; under XLA on a GPU or TPU by sorting,
+        `first_positions_by_sort`)."""
         if self._first is None:
             self._first = (first_positions_by_sort(self.ids) if _xla_on_accelerator()
                            else first_positions(self.ids))
-        return tf.equal(self._first, tf.range(tf.shape(self.ids)[1])[None, :])
+        return self._first
+
+    def first_occurrences(self):
+        """bool [B, T]: True at the first position of each distinct id of an
+        example (the rows the example touches, once each)."""
+        return tf.equal(self._first_positions(), tf.range(tf.shape(self.ids)[1])[None, :])
 
     def merged_rows(self):
         """[B, T, D]: at the first position of each distinct id of an example
@@ -199,11 +204,8 @@ class EmbeddingGrads(SummedAsMeasured):
         weighted sum read these same rows, each example's from its own rows
         alone."""
         if self._merged is None:
-            self.first_occurrences()
-            if _in_xla():
-                self._merged = scatter_merge(self.g, self._first)
-            else:
-                self._merged = merge_rows(self.g, self._first)
+            merge = scatter_merge if _in_xla() else merge_rows
+            self._merged = merge(self.g, self._first_positions())
         return self._merged
 
     def sq_norm_bounds(self):
