@@ -112,7 +112,7 @@ def noise_path():
 
     Example: `print(tfdp.mechanisms.native_noise.noise_path())`.
     """
-    if _forced_graph():
+    if forced_graph():
         return f"graph generator ({build.ENV_SWITCH}=graph)"
     ops = _load()
     if ops.library is None:
@@ -122,7 +122,9 @@ def noise_path():
     return f"compiled kernel ({origin}: {ops.path}){where}"
 
 
-def _forced_graph():
+def forced_graph():
+    """Whether TFDP_NOISE_KERNEL=graph asks for TensorFlow's ops instead of
+    every compiled op."""
     return os.environ.get(build.ENV_SWITCH, "").strip().lower() == "graph"
 
 
@@ -132,7 +134,7 @@ def _gpus():
 
 def library_here(dtypes):
     """The op library if it may draw `dtypes` in the current context, else None."""
-    if _forced_graph() or any(tf.as_dtype(d) not in _DTYPES for d in dtypes):
+    if forced_graph() or any(tf.as_dtype(d) not in _DTYPES for d in dtypes):
         return None
     if control_flow_util.GraphOrParentsInXlaContext(tf.compat.v1.get_default_graph()):
         return None

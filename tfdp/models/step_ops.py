@@ -13,7 +13,8 @@ this module does not allow. What is allowed:
 - a stateful op of `STATEFUL`, whose effect stays inside the step or is a
   write to a resource that `state_writes` checks by its target (a model
   weight, an optimizer's or a metric's variable, a seed state);
-- tfdp's own compiled noise ops (`NATIVE`), keyed by their seed input;
+- tfdp's own compiled ops (`NATIVE`): the noise, keyed by its seed input,
+  and an embedding's merged rows and clipped sum;
 - outside the per-example pass, the replicas' all-reduce (`COLLECTIVES`).
 
 Everything else is refused: an op that writes out of the step (a file, a
@@ -85,9 +86,12 @@ STATEFUL = frozenset({
 })
 
 
-# tfdp's own compiled noise ops (tfdp/mechanisms/native/gaussian_noise.cc):
-# Gaussian draws keyed by their seed input, functions of their inputs.
-NATIVE = frozenset({"TfdpGaussianNoise", "TfdpGaussianNoiseAdd", "TfdpGaussianNoiseAddGroup"})
+# tfdp's own compiled ops, functions of their inputs: the noise
+# (tfdp/mechanisms/native/gaussian_noise.cc: Gaussian draws keyed by their
+# seed input) and an embedding's merged rows and clipped sum
+# (embedding_rows.cc: TensorFlow's merge and scatter_nd, bit for bit).
+NATIVE = frozenset({"TfdpGaussianNoise", "TfdpGaussianNoiseAdd", "TfdpGaussianNoiseAddGroup",
+                    "TfdpMergeRows", "TfdpScatterRows"})
 
 
 # Replicas' all-reduce (tf.distribute): allowed in the step's own code (the
@@ -110,7 +114,7 @@ def allowed(op_type):
 
     Returns:
         True for a stateless op of TensorFlow's computing libraries, an op
-        of `STATEFUL` or one of tfdp's compiled noise ops (`NATIVE`); False
+        of `STATEFUL` or one of tfdp's compiled ops (`NATIVE`); False
         for anything else.
     """
     if op_type in STATEFUL or op_type in NATIVE:

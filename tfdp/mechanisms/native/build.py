@@ -1,18 +1,21 @@
-"""Builds, caches and loads the compiled noise op, or says why it cannot.
+"""Builds, caches and loads tfdp's compiled ops, or says why it cannot.
 
-`gaussian_noise.cc` is compiled on first use with the system C++ compiler
-(`$CXX`, else `g++`) against the installed TensorFlow's headers and library
-(`tf.sysconfig`), into a per-user cache: `$TFDP_CACHE_DIR`, else
-`$XDG_CACHE_HOME/tfdp`, else `~/.cache/tfdp`, in a folder named by a hash
-of the TensorFlow version, the source, the compiler's version and the flags.
+`gaussian_noise.cc` (the noise) and `embedding_rows.cc` (an embedding's
+merged rows and clipped sum) are compiled into one library on first use
+with the system C++ compiler (`$CXX`, else `g++`) against the installed
+TensorFlow's headers and library (`tf.sysconfig`), into a per-user cache:
+`$TFDP_CACHE_DIR`, else `$XDG_CACHE_HOME/tfdp`, else `~/.cache/tfdp`, in a
+folder named by a hash of the TensorFlow version, the sources, the
+compiler's version and the flags.
 A later process loads the cached library (`tf.load_op_library`) only if it
 and its folders are owned by the current user and not writable by group or
 others (else the graph generator runs, `noise_path` naming the path and the
 fix). Nothing is built at install time, so `pip install` needs no compiler.
 
-The op reproduces the graph generator bit for bit only on the TensorFlow
-builds whose kernels it mirrors, so a loaded op must also pass a self-check
-against the graph (`gaussian.py` runs it) before it is used. Where anything
+Each op reproduces its TensorFlow reference bit for bit only on the
+TensorFlow builds whose kernels it mirrors, so a loaded op must also pass a
+self-check against the graph (`native_noise.py` and
+`tfdp/per_example/native_rows.py` run them) before it is used. Where anything
 fails (no compiler, no headers, a compile error, a failed check) the graph
 generator runs, and `TFDP_NOISE_KERNEL=graph` forces it.
 
@@ -34,12 +37,13 @@ import time
 
 import tensorflow as tf
 
-ENV_SWITCH = "TFDP_NOISE_KERNEL"  # "graph" forces the graph generator
-SOURCE = pathlib.Path(__file__).with_name("gaussian_noise.cc")
+ENV_SWITCH = "TFDP_NOISE_KERNEL"  # "graph" forces TensorFlow's ops for every compiled op
+SOURCES = tuple(pathlib.Path(__file__).with_name(name)
+                for name in ("gaussian_noise.cc", "embedding_rows.cc"))
 # No -ffast-math, and no contraction of a * b + c into one rounding: the op
 # must round exactly where TensorFlow's kernels round.
 FLAGS = ["-O3", "-fPIC", "-shared", "-w", "-ffp-contract=off", "-fno-math-errno"]
-_LIBRARY_NAME = "tfdp_gaussian_noise.so"
+_LIBRARY_NAME = "tfdp_ops.so"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,7 +86,7 @@ def _compiler():
 
 
 def _command(compiler, output):
-    return [compiler, *FLAGS, *tf.sysconfig.get_compile_flags(), str(SOURCE),
+    return [compiler, *FLAGS, *tf.sysconfig.get_compile_flags(), *map(str, SOURCES),
             "-o", str(output), *tf.sysconfig.get_link_flags()]
 
 
@@ -91,7 +95,8 @@ def _cache_key(compiler_version):
     for part in (tf.__version__, compiler_version, " ".join(FLAGS),
                  " ".join(tf.sysconfig.get_compile_flags())):
         digest.update(part.encode() + b"\0")
-    digest.update(SOURCE.read_bytes())
+    for source in SOURCES:
+        digest.update(source.read_bytes() + b"\0")
     return f"tf{tf.__version__}-{digest.hexdigest()[:16]}"
 
 
@@ -112,6 +117,10 @@ def _unsafe(paths):
     return None
 
 
+def _names():
+    return " and ".join(source.name for source in SOURCES)
+
+
 def _build(compiler, target):
     """Compiles into `target`'s folder atomically; returns None or why not."""
     for folder in (_cache_root(), target.parent.parent, target.parent):  # private folders
@@ -122,25 +131,26 @@ def _build(compiler, target):
             run = subprocess.run(_command(compiler, partial), capture_output=True, text=True,
                                  timeout=600)
         except (OSError, subprocess.SubprocessError) as error:
-            return f"compiling {SOURCE.name} failed to run ({error})"
+            return f"compiling {_names()} failed to run ({error})"
         if run.returncode != 0:
             tail = " ".join(run.stderr.strip().splitlines()[-3:])
-            return f"compiling {SOURCE.name} failed (exit {run.returncode}): {tail}"
+            return f"compiling {_names()} failed (exit {run.returncode}): {tail}"
         partial.chmod(0o755)  # whatever the umask: writable by this user only
         os.replace(partial, target)  # atomic: a concurrent build writes the same bytes
     return None
 
 
 def load():
-    """The noise op library, built and cached on first use (see the module).
+    """The compiled ops' library, built and cached on first use (see the module).
 
     Returns:
         `NativeOps`: the library, or None and the reason.
     """
     if os.environ.get(ENV_SWITCH, "").strip().lower() == "graph":
         return NativeOps(reason=f"{ENV_SWITCH}=graph")
-    if not SOURCE.exists():
-        return NativeOps(reason=f"the op's source {SOURCE} is missing")
+    missing = [str(source) for source in SOURCES if not source.exists()]
+    if missing:
+        return NativeOps(reason=f"the ops' source {', '.join(missing)} is missing")
     compiler, version = _compiler()
     if compiler is None:
         return NativeOps(reason=version)

@@ -23,7 +23,7 @@ import keras
 import tensorflow as tf
 from tensorflow.python.ops import control_flow_util
 
-from tfdp.per_example import rounding
+from tfdp.per_example import native_rows, rounding
 from tfdp.per_example.grads import SummedAsMeasured, as_float32, joined_rows, norm_of
 from tfdp.per_example.registry import register_rule
 from tfdp.per_example.rules.common import concat_positions, plain_weights
@@ -198,14 +198,20 @@ class EmbeddingGrads(SummedAsMeasured):
         the sum of that id's row gradients, elsewhere zero (computed once).
 
         `merge_rows` adds only the repeated positions' rows to the first
-        rows; under XLA `scatter_merge` scatters every row (the form the XLA
+        rows (outside XLA on CPUs by its compiled twin, the same values bit
+        for bit: `native_rows`); under XLA `scatter_merge` scatters every row (the form the XLA
         step was measured and reviewed with; `merge_rows` compiles there too
         on the CPU, untried on accelerators). Either way the norms and the
         weighted sum read these same rows, each example's from its own rows
         alone."""
         if self._merged is None:
-            merge = scatter_merge if _in_xla() else merge_rows
-            self._merged = merge(self.g, self._first_positions())
+            first = self._first_positions()
+            if _in_xla():
+                self._merged = scatter_merge(self.g, first)
+            elif (library := native_rows.library_here(self.g.dtype)) is not None:
+                self._merged = library.tfdp_merge_rows(self.g, first)  # merge_rows' values
+            else:
+                self._merged = merge_rows(self.g, first)
         return self._merged
 
     def sq_norm_bounds(self):
@@ -228,11 +234,9 @@ class EmbeddingGrads(SummedAsMeasured):
     def weighted_sum(self, weights, accumulate=tf.float32):
         # w g, and 0 where w is 0 even for a row that is not finite: one pass.
         g = tf.math.multiply_no_nan(self.merged_rows(), weights[:, None, None])
-        table = tf.scatter_nd(
-            tf.reshape(self.ids, [-1, 1]),
-            tf.cast(tf.reshape(g, [-1, g.shape[-1]]), accumulate),
-            tf.shape(self._table, out_type=tf.int32),
-        )
+        table = native_rows.scatter_rows(
+            tf.reshape(self.ids, [-1]), tf.cast(tf.reshape(g, [-1, g.shape[-1]]), accumulate),
+            tf.shape(self._table, out_type=tf.int32)[0])
         return [table]
 
     def grouped(self, k):

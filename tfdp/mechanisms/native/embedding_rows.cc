@@ -1,0 +1,208 @@
+// An embedding's per-example rows, compiled: the same values, bit for bit, as
+// the TensorFlow ops of tfdp/per_example/rules/embedding.py, which stay the
+// reference and the fallback (tfdp/per_example/native_rows.py checks the two
+// against each other when the library loads).
+//
+//  * TfdpScatterRows(indices [N], updates [N, D], rows) -> [rows, D]:
+//    tf.scatter_nd(indices[:, None], updates, [rows, D]), the clipped sum of
+//    an embedding table: zeros, then out[indices[n]] += updates[n] for n = 0,
+//    1, ..., N - 1 (TensorFlow's CPU ScatterNd adds in that order).
+//  * TfdpMergeRows(g [B, L, D], first [B, L]) -> [B, L, D]: `merge_rows`,
+//    each example's rows of a repeated id added into the id's first
+//    position: out[b, t] = g[b, t] where first[b, t] == t, else 0; then
+//    out[b, first[b, t]] += g[b, t] for every other (b, t) in row-major order
+//    (the order of tf.where's positions and tensor_scatter_nd_add's adds).
+//
+// Every entry is the same sequence of IEEE additions as the reference's, in
+// the same order: work is split across threads by columns (the scatter) or
+// by examples (the merge), never within one entry's sum. Copies move bits
+// (-0.0 and subnormal values stay as they are, as tf.where leaves them). The
+// reference adds each row in the thread that runs the op, flushing
+// subnormal results to zero or not as that thread does (TensorFlow's
+// executor threads flush; an eager caller's thread may not), so every
+// worker here adds under the calling thread's flush-to-zero and
+// denormals-are-zero bits. An index outside its range is an error, as it is
+// for TensorFlow's ops, before anything is written.
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#if defined(__x86_64__)
+#include <xmmintrin.h>
+#endif
+
+#include "tensorflow/core/framework/op.h"
+#include "tensorflow/core/framework/op_kernel.h"
+#include "tensorflow/core/framework/shape_inference.h"
+#include "tensorflow/core/util/work_sharder.h"
+
+namespace tfdp_rows {
+
+using namespace tensorflow;  // NOLINT: the op framework's names
+using std::int64_t;
+
+constexpr int64_t kColumnBlock = 16;  // one 64-byte line of float32 a thread
+
+// This thread's floating-point control word (x86: MXCSR; elsewhere 0).
+unsigned ControlWord() {
+#if defined(__x86_64__)
+  return _mm_getcsr();
+#else
+  return 0;
+#endif
+}
+
+// While alive, this thread flushes subnormal results to zero (FTZ) and
+// reads subnormal inputs as zero (DAZ) exactly as `caller` does.
+class CallersDenormalMode {
+ public:
+  explicit CallersDenormalMode(unsigned caller) : saved_(ControlWord()) {
+#if defined(__x86_64__)
+    _mm_setcsr((saved_ & ~kBits) | (caller & kBits));
+#endif
+  }
+  ~CallersDenormalMode() {
+#if defined(__x86_64__)
+    _mm_setcsr(saved_);
+#endif
+  }
+
+ private:
+  static constexpr unsigned kBits = 0x8040;  // FTZ (bit 15) and DAZ (bit 6)
+  unsigned saved_;
+};
+
+REGISTER_OP("TfdpScatterRows")
+    .Input("indices: int32")
+    .Input("updates: T")
+    .Input("rows: int32")
+    .Output("output: T")
+    .Attr("T: {float, double}")
+    .SetShapeFn([](shape_inference::InferenceContext* c) {
+      shape_inference::DimensionHandle rows;
+      TF_RETURN_IF_ERROR(c->MakeDimForScalarInput(2, &rows));
+      c->set_output(0, c->Matrix(rows, c->Dim(c->input(1), 1)));
+      return absl::OkStatus();
+    });
+
+template <typename T>
+class ScatterRowsOp : public OpKernel {
+ public:
+  explicit ScatterRowsOp(OpKernelConstruction* ctx) : OpKernel(ctx) {}
+
+  void Compute(OpKernelContext* ctx) override {
+    const Tensor& indices = ctx->input(0);
+    const Tensor& updates = ctx->input(1);
+    const Tensor& rows_in = ctx->input(2);
+    OP_REQUIRES(ctx, indices.dims() == 1 && updates.dims() == 2 &&
+                         updates.dim_size(0) == indices.dim_size(0) && rows_in.dims() == 0,
+                errors::InvalidArgument("TfdpScatterRows takes indices [N], updates [N, D] "
+                                        "and a scalar row count; got ",
+                                        indices.shape().DebugString(), ", ",
+                                        updates.shape().DebugString(), ", ",
+                                        rows_in.shape().DebugString()));
+    const int64_t rows = rows_in.scalar<int32>()();
+    OP_REQUIRES(ctx, rows >= 0, errors::InvalidArgument("negative row count ", rows));
+    const int64_t n = indices.dim_size(0), width = updates.dim_size(1);
+    const int32* index = indices.flat<int32>().data();
+    for (int64_t k = 0; k < n; ++k) {
+      OP_REQUIRES(ctx, index[k] >= 0 && index[k] < rows,
+                  errors::InvalidArgument("indices[", k, "] = [", index[k],
+                                          "] does not index into shape [", rows, ",", width,
+                                          "]"));
+    }
+    Tensor* output = nullptr;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({rows, width}), &output));
+    T* out = output->flat<T>().data();
+    const T* in = updates.flat<T>().data();
+    const unsigned caller = ControlWord();
+    auto columns = [&](int64_t first_block, int64_t end_block) {
+      CallersDenormalMode mode(caller);
+      const int64_t lo = first_block * kColumnBlock;
+      const int64_t hi = std::min(width, end_block * kColumnBlock);
+      for (int64_t r = 0; r < rows; ++r) std::fill(out + r * width + lo, out + r * width + hi, T(0));
+      for (int64_t k = 0; k < n; ++k) {
+        T* target = out + index[k] * width;
+        const T* source = in + k * width;
+        for (int64_t j = lo; j < hi; ++j) target[j] += source[j];
+      }
+    };
+    const int64_t blocks = (width + kColumnBlock - 1) / kColumnBlock;
+    const auto* threads = ctx->device()->tensorflow_cpu_worker_threads();
+    Shard(threads->num_threads, threads->workers, blocks, (n + rows) * kColumnBlock * 2,
+          columns);
+  }
+};
+
+REGISTER_OP("TfdpMergeRows")
+    .Input("g: T")
+    .Input("first: int32")
+    .Output("merged: T")
+    .Attr("T: {float, double}")
+    .SetShapeFn([](shape_inference::InferenceContext* c) {
+      c->set_output(0, c->input(0));
+      return absl::OkStatus();
+    });
+
+template <typename T>
+class MergeRowsOp : public OpKernel {
+ public:
+  explicit MergeRowsOp(OpKernelConstruction* ctx) : OpKernel(ctx) {}
+
+  void Compute(OpKernelContext* ctx) override {
+    const Tensor& g = ctx->input(0);
+    const Tensor& first = ctx->input(1);
+    OP_REQUIRES(ctx, g.dims() == 3 && first.dims() == 2 && first.dim_size(0) == g.dim_size(0) &&
+                         first.dim_size(1) == g.dim_size(1),
+                errors::InvalidArgument("TfdpMergeRows takes g [B, L, D] and first [B, L]; got ",
+                                        g.shape().DebugString(), ", ",
+                                        first.shape().DebugString()));
+    const int64_t batch = g.dim_size(0), length = g.dim_size(1), width = g.dim_size(2);
+    const int32* position = first.flat<int32>().data();
+    for (int64_t k = 0; k < batch * length; ++k) {
+      OP_REQUIRES(ctx, position[k] >= 0 && position[k] < length,
+                  errors::InvalidArgument("first[", k / length, ", ", k % length, "] = ",
+                                          position[k], " is not a position of a row of ",
+                                          length));
+    }
+    Tensor* output = nullptr;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, g.shape(), &output));
+    T* out = output->flat<T>().data();
+    const T* in = g.flat<T>().data();
+    const unsigned caller = ControlWord();
+    auto examples = [&](int64_t begin, int64_t end) {
+      CallersDenormalMode mode(caller);
+      for (int64_t b = begin; b < end; ++b) {
+        const int32* own = position + b * length;
+        T* rows = out + b * length * width;
+        const T* grads = in + b * length * width;
+        for (int64_t t = 0; t < length; ++t) {
+          if (own[t] == t) {
+            std::memcpy(rows + t * width, grads + t * width, width * sizeof(T));
+          } else {
+            std::fill(rows + t * width, rows + (t + 1) * width, T(0));
+          }
+        }
+        for (int64_t t = 0; t < length; ++t) {
+          if (own[t] == t) continue;
+          T* target = rows + own[t] * width;
+          const T* source = grads + t * width;
+          for (int64_t j = 0; j < width; ++j) target[j] += source[j];
+        }
+      }
+    };
+    const auto* threads = ctx->device()->tensorflow_cpu_worker_threads();
+    Shard(threads->num_threads, threads->workers, batch, length * width * 3, examples);
+  }
+};
+
+#define TFDP_REGISTER_ROWS(T)                                                               \
+  REGISTER_KERNEL_BUILDER(Name("TfdpScatterRows").Device(DEVICE_CPU).TypeConstraint<T>("T"), \
+                          ScatterRowsOp<T>);                                                \
+  REGISTER_KERNEL_BUILDER(Name("TfdpMergeRows").Device(DEVICE_CPU).TypeConstraint<T>("T"),   \
+                          MergeRowsOp<T>);
+TFDP_REGISTER_ROWS(float)
+TFDP_REGISTER_ROWS(double)
+#undef TFDP_REGISTER_ROWS
+
+}  // namespace tfdp_rows

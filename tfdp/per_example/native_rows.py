@@ -1,0 +1,138 @@
+"""An embedding's merged rows and clipped sum by tfdp's compiled ops.
+
+`EmbeddingGrads` adds each example's rows of a repeated id into the id's
+first position (`merge_rows`) and scatters the weighted rows into the
+table (`tf.scatter_nd`). TensorFlow's CPU kernels for both add one row at a
+time through Eigen (about 8 ms each for 32,768 rows of 128 on two cores);
+the compiled ops (`tfdp/mechanisms/native/embedding_rows.cc`, built with
+the noise kernel by `tfdp.mechanisms.native.build`) make the same additions
+in the same order in plain loops, the same values bit for bit. The
+TensorFlow ops stay the reference and run instead:
+
+- when the library cannot be had (no C++ compiler, no headers, a compile
+  error; `tfdp.mechanisms.native_noise.noise_path` says why), or with
+  `TFDP_NOISE_KERNEL=graph`;
+- when the loaded ops fail their self-check against TensorFlow's (random
+  rows with repeated ids, -0.0, subnormal and huge entries, float32 and
+  float64, in a `tf.function`: the values must not depend on the path);
+- under XLA and on machines with a GPU (the ops have CPU kernels only).
+
+Example:
+
+>>> import tensorflow as tf
+>>> ids = tf.constant([2, 0, 2])
+>>> rows = tf.constant([[1.0], [2.0], [4.0]])
+>>> scatter_rows(ids, rows, 3)[:, 0].numpy()
+array([2., 0., 5.], dtype=float32)
+"""
+
+import numpy as np
+import tensorflow as tf
+from tensorflow.python.ops import control_flow_util
+
+from tfdp.mechanisms import native_noise
+from tfdp.mechanisms.native import build
+
+_DTYPES = (tf.float32, tf.float64)
+_loaded = None  # (library or None, reason) once decided in this process
+
+
+def scatter_rows(indices, updates, rows):
+    """`tf.scatter_nd(indices[:, None], updates, [rows, D])`, compiled where
+    it may run (see the module).
+
+    Args:
+        indices: int32 [N], each in [0, rows).
+        updates: float [N, D].
+        rows: the output's row count (a Python int or an int32 scalar).
+    """
+    library = library_here(updates.dtype)
+    if library is None:
+        return tf.scatter_nd(tf.reshape(indices, [-1, 1]), updates,
+                             tf.stack([rows, tf.shape(updates)[1]]))
+    return library.tfdp_scatter_rows(indices, updates, tf.cast(rows, tf.int32))
+
+
+def library_here(dtype):
+    """The op library if its ops may run on `dtype` here, else None
+    (`library.tfdp_merge_rows(g, first)` is `rules.embedding.merge_rows`)."""
+    if tf.as_dtype(dtype) not in _DTYPES or native_noise.forced_graph():
+        return None
+    if control_flow_util.GraphOrParentsInXlaContext(tf.compat.v1.get_default_graph()):
+        return None
+    if tf.config.list_logical_devices("GPU"):
+        return None
+    return _load()[0]
+
+
+def rows_path():
+    """Which ops merge and scatter an embedding's rows here, in one line.
+
+    Example: `print(tfdp.per_example.native_rows.rows_path())`.
+    """
+    if native_noise.forced_graph():
+        return f"TensorFlow's ops ({build.ENV_SWITCH}=graph)"
+    library, reason = _load()
+    return "compiled ops" if library is not None else f"TensorFlow's ops ({reason})"
+
+
+@tf.autograph.experimental.do_not_convert  # plain Python: loads and checks
+def _load():
+    global _loaded
+    if _loaded is None:
+        ops = build.load()
+        library, reason = ops.library, ops.reason
+        if library is not None:
+            reason = _self_check(library)
+            library = None if reason else library
+        _loaded = (library, reason)
+    return _loaded
+
+
+def _check_values(rng, shape, dtype):
+    """Random entries of `shape` with -0.0, subnormal, tiny and huge values
+    mixed in (sums of them cross the flush-to-zero boundary)."""
+    values = rng.standard_normal(shape)
+    tiny = np.finfo(dtype.as_numpy_dtype).tiny
+    special = np.array([-0.0, tiny / 4, -tiny / 2, tiny, 3e37, -3e37, 1e-30])
+    picks = rng.random(shape) < 0.2
+    values[picks] = rng.choice(special, int(picks.sum()))
+    return values.astype(dtype.as_numpy_dtype)
+
+
+def _self_check(library, seed=None):
+    """None if the compiled ops give TensorFlow's values bit for bit here,
+    else what differed. Runs in a `tf.function` (the executor's threads, as
+    in a train step) on random sizes, ids and values."""
+    from tfdp.per_example.rules import embedding  # the reference (imports this module)
+
+    rng = np.random.default_rng(seed)
+    with tf.init_scope():
+        for dtype in _DTYPES:
+            for count, width, rows in [(1, 1, 1), (7, 17, 3), (int(rng.integers(500, 3000)),
+                                                              int(rng.integers(1, 200)), 50)]:
+                ids = tf.constant(rng.integers(0, rows, count), tf.int32)
+                updates = tf.constant(_check_values(rng, [count, width], dtype))
+                want, got = tf.function(lambda i, u, r=rows: (
+                    tf.scatter_nd(i[:, None], u, [r, tf.shape(u)[1]]),
+                    library.tfdp_scatter_rows(i, u, r)))(ids, updates)
+                if not _same_bits(want, got):
+                    return (f"the compiled scatter of {count} {dtype.name} rows of {width} "
+                            f"differs from tf.scatter_nd on TensorFlow {tf.__version__}")
+            for batch, length, width in [(1, 1, 1), (3, 9, 5), (int(rng.integers(2, 9)),
+                                                                int(rng.integers(20, 80)), 33)]:
+                tokens = tf.constant(rng.integers(0, 4, [batch, length]), tf.int32)
+                g = tf.constant(_check_values(rng, [batch, length, width], dtype))
+                want, got = tf.function(lambda t, g: (
+                    embedding.merge_rows(g, embedding.first_positions(t)),
+                    library.tfdp_merge_rows(g, embedding.first_positions(t))))(tokens, g)
+                if not _same_bits(want, got):
+                    return (f"the compiled merge of {batch} x {length} {dtype.name} rows "
+                            f"differs from merge_rows on TensorFlow {tf.__version__}")
+    return None
+
+
+def _same_bits(a, b):
+    a, b = a.numpy(), b.numpy()
+    kind = f"u{a.dtype.itemsize}"
+    return a.shape == b.shape and np.array_equal(a.view(kind), b.view(kind))
