@@ -80,6 +80,22 @@ def test_the_merge_is_merge_rows_bit_for_bit(library, dtype, compiled, batch, le
     np.testing.assert_array_equal(bits(want), bits(got))
 
 
+@pytest.mark.parametrize("compiled", [True, False], ids=["tf.function", "eager"])
+@pytest.mark.parametrize("ids", [
+    np.zeros([0, 4]), np.zeros([3, 0]), [[5]], [[7, 7, 7, 7, 7]],
+    [[-2**31, 2**31 - 1, -2**31, -1, 0, 2**31 - 1, -1]],
+    [[4, 7, 4, 4], [2, 2, 9, -1]], [[3, 1, 3], [3, 1, 3]],  # rows alike: each row its own
+    np.arange(64).reshape(1, 64) * 2**26,  # ids alike in their low bits
+    np.random.default_rng(0).integers(0, 20000, (256, 128)),
+    np.random.default_rng(1).integers(-3, 3, (9, 300))], ids=lambda ids: str(np.shape(ids)))
+def test_the_first_positions_are_first_positions(library, compiled, ids):
+    ids = tf.constant(np.asarray(ids, np.int64).astype(np.int32))
+    want = run(lambda: embedding.first_positions(ids), compiled).numpy()
+    got = run(lambda: library.tfdp_first_positions(ids), compiled).numpy()
+    np.testing.assert_array_equal(want, got)
+    assert got.shape == ids.shape
+
+
 def test_the_crafted_rows_flush_and_overflow(library):
     """The control of the two tests above: sums of their crafted entries
     overflow, and a sum of subnormal entries flushes to zero in a step's
@@ -122,10 +138,32 @@ class _Reordered:
     def tfdp_merge_rows(self, g, first):
         return self.library.tfdp_merge_rows(g, first)
 
+    def tfdp_first_positions(self, ids):
+        return self.library.tfdp_first_positions(ids)
+
+
+class _LastPositions(_Reordered):
+    """A planted library that takes each id's last position for its first
+    when the id is the row's largest value (a hash that mishandles int32's
+    extremes), and scatters as TensorFlow does."""
+
+    def tfdp_scatter_rows(self, indices, updates, rows):
+        return self.library.tfdp_scatter_rows(indices, updates, rows)
+
+    def tfdp_first_positions(self, ids):
+        first = self.library.tfdp_first_positions(ids)
+        last = tf.reverse(self.library.tfdp_first_positions(tf.reverse(ids, [1])), [1])
+        last = tf.shape(ids)[1] - 1 - last
+        return tf.where(tf.equal(ids, 2**31 - 1), last, first)
+
 
 def test_a_library_that_rounds_differently_is_refused(library):
     assert "scatter" in native_rows._self_check(_Reordered(library), seed=0)
     assert native_rows._self_check(library, seed=0) is None  # negative control
+
+
+def test_a_library_that_finds_other_first_positions_is_refused(library):
+    assert "first positions" in native_rows._self_check(_LastPositions(library), seed=0)
 
 
 def test_a_refused_library_leaves_tensorflows_ops_named(library, monkeypatch):

@@ -14,7 +14,7 @@ this module does not allow. What is allowed:
   write to a resource that `state_writes` checks by its target (a model
   weight, an optimizer's or a metric's variable, a seed state);
 - tfdp's own compiled ops (`NATIVE`): the noise, keyed by its seed input,
-  and an embedding's merged rows and clipped sum;
+  and an embedding's repeated ids, merged rows and clipped sum;
 - outside the per-example pass, the replicas' all-reduce (`COLLECTIVES`).
 
 Everything else is refused: an op that writes out of the step (a file, a
@@ -88,10 +88,11 @@ STATEFUL = frozenset({
 
 # tfdp's own compiled ops, functions of their inputs: the noise
 # (tfdp/mechanisms/native/gaussian_noise.cc: Gaussian draws keyed by their
-# seed input) and an embedding's merged rows and clipped sum
-# (embedding_rows.cc: TensorFlow's merge and scatter_nd, bit for bit).
+# seed input) and an embedding's repeated ids, merged rows and clipped sum
+# (embedding_rows.cc: tfdp's first positions and merge and TensorFlow's
+# scatter_nd, bit for bit).
 NATIVE = frozenset({"TfdpGaussianNoise", "TfdpGaussianNoiseAdd", "TfdpGaussianNoiseAddGroup",
-                    "TfdpMergeRows", "TfdpScatterRows"})
+                    "TfdpFirstPositions", "TfdpMergeRows", "TfdpScatterRows"})
 
 
 # Replicas' all-reduce (tf.distribute): allowed in the step's own code (the

@@ -1,12 +1,14 @@
 """An embedding's merged rows and clipped sum by tfdp's compiled ops.
 
-`EmbeddingGrads` adds each example's rows of a repeated id into the id's
-first position (`merge_rows`) and scatters the weighted rows into the
-table (`tf.scatter_nd`). TensorFlow's CPU kernels for both add one row at a
-time through Eigen (about 8 ms each for 32,768 rows of 128 on two cores);
-the compiled ops (`tfdp/mechanisms/native/embedding_rows.cc`, built with
-the noise kernel by `tfdp.mechanisms.native.build`) make the same additions
-in the same order in plain loops, the same values bit for bit. The
+`EmbeddingGrads` finds each example's repeated ids (`first_positions`, by
+`tf.unique` of row-and-id keys), adds their rows into the id's first
+position (`merge_rows`) and scatters the weighted rows into the table
+(`tf.scatter_nd`). TensorFlow's CPU kernels for the two sums add one row at
+a time through Eigen (about 8 ms each for 32,768 rows of 128 on two
+cores); the compiled ops (`tfdp/mechanisms/native/embedding_rows.cc`, built
+with the noise kernel by `tfdp.mechanisms.native.build`) find the same
+first positions with a small hash table a row and make the same additions
+in the same order in plain loops: the same values bit for bit. The
 TensorFlow ops stay the reference and run instead:
 
 - when the library cannot be had (no C++ compiler, no headers, a compile
@@ -54,8 +56,9 @@ def scatter_rows(indices, updates, rows):
 
 
 def library_here(dtype):
-    """The op library if its ops may run on `dtype` here, else None
-    (`library.tfdp_merge_rows(g, first)` is `rules.embedding.merge_rows`)."""
+    """The op library if its ops may run on rows of `dtype` here, else None
+    (`library.tfdp_first_positions(ids)` is `rules.embedding.first_positions`,
+    `library.tfdp_merge_rows(g, first)` is `rules.embedding.merge_rows`)."""
     if tf.as_dtype(dtype) not in _DTYPES or native_noise.forced_graph():
         return None
     if control_flow_util.GraphOrParentsInXlaContext(tf.compat.v1.get_default_graph()):
@@ -91,42 +94,58 @@ def _load():
 
 def _check_values(rng, shape, dtype):
     """Random entries of `shape` with -0.0, subnormal, tiny and huge values
-    mixed in (sums of them cross the flush-to-zero boundary)."""
+    mixed in (sums of them flush to zero, cancel and overflow)."""
     values = rng.standard_normal(shape)
     tiny = np.finfo(dtype.as_numpy_dtype).tiny
-    special = np.array([-0.0, tiny / 4, -tiny / 2, tiny, 3e37, -3e37, 1e-30])
+    special = np.array([-0.0, tiny / 4, -tiny / 2, tiny, 2e38, -2e38, 1e-30])
     picks = rng.random(shape) < 0.2
     values[picks] = rng.choice(special, int(picks.sum()))
     return values.astype(dtype.as_numpy_dtype)
 
 
-def _self_check(library, seed=None):
-    """None if the compiled ops give TensorFlow's values bit for bit here,
-    else what differed. Runs in a `tf.function` (the executor's threads, as
-    in a train step) on random sizes, ids and values."""
+def _both(library):
+    """tf.functions (traced once a dtype) of (reference, compiled) pairs:
+    scatter, first positions, merge."""
     from tfdp.per_example.rules import embedding  # the reference (imports this module)
 
+    def scatter(ids, updates, rows):
+        return (tf.scatter_nd(ids[:, None], updates, tf.stack([rows, tf.shape(updates)[1]])),
+                library.tfdp_scatter_rows(ids, updates, rows))
+
+    def first(ids):
+        return embedding.first_positions(ids), library.tfdp_first_positions(ids)
+
+    def merge(ids, g):
+        positions = embedding.first_positions(ids)
+        return embedding.merge_rows(g, positions), library.tfdp_merge_rows(g, positions)
+
+    return tf.function(scatter), tf.function(first), tf.function(merge)
+
+
+def _self_check(library, seed=None):
+    """None if the compiled ops give TensorFlow's values bit for bit here,
+    else what differed. Runs in `tf.function`s (the executor's threads, as
+    in a train step) on random sizes, ids and values."""
     rng = np.random.default_rng(seed)
+    scatter, first, merge = _both(library)
     with tf.init_scope():
         for dtype in _DTYPES:
             for count, width, rows in [(1, 1, 1), (7, 17, 3), (int(rng.integers(500, 3000)),
                                                               int(rng.integers(1, 200)), 50)]:
                 ids = tf.constant(rng.integers(0, rows, count), tf.int32)
                 updates = tf.constant(_check_values(rng, [count, width], dtype))
-                want, got = tf.function(lambda i, u, r=rows: (
-                    tf.scatter_nd(i[:, None], u, [r, tf.shape(u)[1]]),
-                    library.tfdp_scatter_rows(i, u, r)))(ids, updates)
-                if not _same_bits(want, got):
+                if not _same_bits(*scatter(ids, updates, tf.constant(rows))):
                     return (f"the compiled scatter of {count} {dtype.name} rows of {width} "
                             f"differs from tf.scatter_nd on TensorFlow {tf.__version__}")
             for batch, length, width in [(1, 1, 1), (3, 9, 5), (int(rng.integers(2, 9)),
                                                                 int(rng.integers(20, 80)), 33)]:
+                extremes = rng.choice([-2**31, 2**31 - 1, -1, 0, 7], [batch, length])
+                if not _same_bits(*first(tf.constant(extremes, tf.int32))):
+                    return (f"the compiled first positions of {batch} x {length} ids differ "
+                            f"from first_positions on TensorFlow {tf.__version__}")
                 tokens = tf.constant(rng.integers(0, 4, [batch, length]), tf.int32)
                 g = tf.constant(_check_values(rng, [batch, length, width], dtype))
-                want, got = tf.function(lambda t, g: (
-                    embedding.merge_rows(g, embedding.first_positions(t)),
-                    library.tfdp_merge_rows(g, embedding.first_positions(t))))(tokens, g)
-                if not _same_bits(want, got):
+                if not _same_bits(*merge(tokens, g)):
                     return (f"the compiled merge of {batch} x {length} {dtype.name} rows "
                             f"differs from merge_rows on TensorFlow {tf.__version__}")
     return None

@@ -7,6 +7,9 @@
 //    tf.scatter_nd(indices[:, None], updates, [rows, D]), the clipped sum of
 //    an embedding table: zeros, then out[indices[n]] += updates[n] for n = 0,
 //    1, ..., N - 1 (TensorFlow's CPU ScatterNd adds in that order).
+//  * TfdpFirstPositions(ids [B, L]) -> [B, L]: `first_positions`, for each
+//    position the first position in its row holding the same id (integers:
+//    one answer, found here by a small hash table a row).
 //  * TfdpMergeRows(g [B, L, D], first [B, L]) -> [B, L, D]: `merge_rows`,
 //    each example's rows of a repeated id added into the id's first
 //    position: out[b, t] = g[b, t] where first[b, t] == t, else 0; then
@@ -27,6 +30,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <vector>
 #if defined(__x86_64__)
 #include <xmmintrin.h>
 #endif
@@ -133,6 +137,58 @@ class ScatterRowsOp : public OpKernel {
           columns);
   }
 };
+
+REGISTER_OP("TfdpFirstPositions")
+    .Input("ids: int32")
+    .Output("first: int32")
+    .SetShapeFn([](shape_inference::InferenceContext* c) {
+      shape_inference::ShapeHandle ids;
+      TF_RETURN_IF_ERROR(c->WithRank(c->input(0), 2, &ids));
+      c->set_output(0, ids);
+      return absl::OkStatus();
+    });
+
+class FirstPositionsOp : public OpKernel {
+ public:
+  explicit FirstPositionsOp(OpKernelConstruction* ctx) : OpKernel(ctx) {}
+
+  void Compute(OpKernelContext* ctx) override {
+    const Tensor& ids = ctx->input(0);
+    OP_REQUIRES(ctx, ids.dims() == 2,
+                errors::InvalidArgument("TfdpFirstPositions takes ids [B, L]; got ",
+                                        ids.shape().DebugString()));
+    const int64_t batch = ids.dim_size(0), length = ids.dim_size(1);
+    OP_REQUIRES(ctx, length < (int64_t{1} << 30),
+                errors::InvalidArgument("rows of ", length, " ids are too long"));
+    Tensor* output = nullptr;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, ids.shape(), &output));
+    int shift = 64;  // the table: 2^(64 - shift) >= 2 L slots, open addressing
+    while ((int64_t{1} << (64 - shift)) < 2 * length) --shift;
+    const int64_t slots = int64_t{1} << (64 - shift);
+    const int32* in = ids.flat<int32>().data();
+    int32* out = output->flat<int32>().data();
+    auto examples = [&](int64_t begin, int64_t end) {
+      std::vector<int32> table(slots);  // a slot holds the first position of its id, or -1
+      for (int64_t b = begin; b < end; ++b) {
+        const int32* row = in + b * length;
+        int32* first = out + b * length;
+        std::fill(table.begin(), table.end(), -1);
+        for (int64_t t = 0; t < length; ++t) {
+          const uint64_t hash = static_cast<uint64_t>(static_cast<uint32_t>(row[t])) *
+                                0x9E3779B97F4A7C15ull;
+          uint64_t slot = shift == 64 ? 0 : hash >> shift;
+          while (table[slot] >= 0 && row[table[slot]] != row[t]) slot = (slot + 1) & (slots - 1);
+          if (table[slot] < 0) table[slot] = static_cast<int32>(t);
+          first[t] = table[slot];
+        }
+      }
+    };
+    const auto* threads = ctx->device()->tensorflow_cpu_worker_threads();
+    Shard(threads->num_threads, threads->workers, batch, length * 20 + slots, examples);
+  }
+};
+
+REGISTER_KERNEL_BUILDER(Name("TfdpFirstPositions").Device(DEVICE_CPU), FirstPositionsOp);
 
 REGISTER_OP("TfdpMergeRows")
     .Input("g: T")

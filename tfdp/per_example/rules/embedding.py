@@ -182,10 +182,16 @@ class EmbeddingGrads(SummedAsMeasured):
     def _first_positions(self):
         """[B, T]: each position's first position of its id in its row
         (computed once; under XLA on a GPU or TPU by sorting,
-        `first_positions_by_sort`)."""
+        `first_positions_by_sort`; outside XLA on CPUs by a compiled op,
+        `native_rows`)."""
         if self._first is None:
-            self._first = (first_positions_by_sort(self.ids) if _xla_on_accelerator()
-                           else first_positions(self.ids))
+            library = None if _in_xla() else native_rows.library_here(self.g.dtype)
+            if _xla_on_accelerator():
+                self._first = first_positions_by_sort(self.ids)
+            elif library is not None:
+                self._first = library.tfdp_first_positions(self.ids)  # first_positions' values
+            else:
+                self._first = first_positions(self.ids)
         return self._first
 
     def first_occurrences(self):
@@ -206,9 +212,10 @@ class EmbeddingGrads(SummedAsMeasured):
         alone."""
         if self._merged is None:
             first = self._first_positions()
+            library = None if _in_xla() else native_rows.library_here(self.g.dtype)
             if _in_xla():
                 self._merged = scatter_merge(self.g, first)
-            elif (library := native_rows.library_here(self.g.dtype)) is not None:
+            elif library is not None:
                 self._merged = library.tfdp_merge_rows(self.g, first)  # merge_rows' values
             else:
                 self._merged = merge_rows(self.g, first)
