@@ -125,6 +125,41 @@ def test_an_index_out_of_range_is_an_error_not_a_write(library, op):
         tf.function(call)()
 
 
+@pytest.mark.parametrize("op, shapes", [
+    ("scatter", ([2], [2], [])), ("scatter", ([2], [1, 2, 4], [])), ("scatter", ([2, 1], [2, 4], [])),
+    ("scatter", ([2], [2, 4], [1])), ("merge", ([3, 2], [1, 3])), ("merge", ([1, 3, 2], [3])),
+])
+def test_inputs_of_other_ranks_are_refused_when_traced(library, op, shapes):
+    specs = [tf.TensorSpec(shape, dtype) for shape, dtype in zip(
+        shapes, [tf.int32, tf.float32, tf.int32] if op == "scatter" else [tf.float32, tf.int32])]
+    call = library.tfdp_scatter_rows if op == "scatter" else library.tfdp_merge_rows
+    with pytest.raises(ValueError, match="rank"):
+        tf.function(call).get_concrete_function(*specs)
+
+
+def test_rows_of_width_zero_are_an_error_as_in_tensorflow(library):
+    with pytest.raises(tf.errors.InvalidArgumentError, match="width 0"):
+        library.tfdp_scatter_rows(tf.constant([0, 1]), tf.zeros([2, 0]), 2)
+    with pytest.raises(tf.errors.InvalidArgumentError, match="width 0"):
+        library.tfdp_merge_rows(tf.zeros([1, 2, 0]), tf.constant([[0, 0]]))
+    with pytest.raises(tf.errors.InvalidArgumentError):  # the reference raises too
+        embedding.merge_rows(tf.zeros([1, 2, 0]), tf.constant([[0, 0]]))
+
+
+def test_a_self_check_that_raises_leaves_tensorflows_ops_and_says_why(library, monkeypatch,
+                                                                     caplog):
+    def broken(library, seed):
+        raise RuntimeError("no kernel for this shape")
+
+    monkeypatch.setattr(native_rows, "_self_check", broken)
+    monkeypatch.setattr(native_rows, "_loaded", None)
+    with caplog.at_level("INFO", logger="tfdp"):
+        assert native_rows.library_here(tf.float32) is None
+    reason = native_rows.rows_path()
+    assert "raised RuntimeError: no kernel for this shape (self-check seed " in reason
+    assert f"tfdp embedding rows: {reason}" in caplog.text
+
+
 class _Reordered:
     """A planted library whose scatter adds the rows in reverse order (the
     same sum in real arithmetic, other roundings in floating point)."""

@@ -22,10 +22,12 @@
 // (-0.0 and subnormal values stay as they are, as tf.where leaves them). The
 // reference adds each row in the thread that runs the op, flushing
 // subnormal results to zero or not as that thread does (TensorFlow's
-// executor threads flush; an eager caller's thread may not), so every
-// worker here adds under the calling thread's flush-to-zero and
-// denormals-are-zero bits. An index outside its range is an error, as it is
-// for TensorFlow's ops, before anything is written.
+// executor threads flush; an eager caller's thread may not), so on x86-64
+// every worker here adds under the calling thread's flush-to-zero and
+// denormals-are-zero bits (elsewhere the workers keep their own mode, and
+// the self-check at load refuses the ops if that changes a value). An index
+// outside its range, or rows of width 0, is an error (TensorFlow's ops
+// raise there too), before anything is written.
 
 #include <algorithm>
 #include <cstdint>
@@ -83,9 +85,13 @@ REGISTER_OP("TfdpScatterRows")
     .Output("output: T")
     .Attr("T: {float, double}")
     .SetShapeFn([](shape_inference::InferenceContext* c) {
+      shape_inference::ShapeHandle indices, updates, rows_shape;
+      TF_RETURN_IF_ERROR(c->WithRank(c->input(0), 1, &indices));
+      TF_RETURN_IF_ERROR(c->WithRank(c->input(1), 2, &updates));
+      TF_RETURN_IF_ERROR(c->WithRank(c->input(2), 0, &rows_shape));
       shape_inference::DimensionHandle rows;
       TF_RETURN_IF_ERROR(c->MakeDimForScalarInput(2, &rows));
-      c->set_output(0, c->Matrix(rows, c->Dim(c->input(1), 1)));
+      c->set_output(0, c->Matrix(rows, c->Dim(updates, 1)));
       return absl::OkStatus();
     });
 
@@ -108,6 +114,8 @@ class ScatterRowsOp : public OpKernel {
     const int64_t rows = rows_in.scalar<int32>()();
     OP_REQUIRES(ctx, rows >= 0, errors::InvalidArgument("negative row count ", rows));
     const int64_t n = indices.dim_size(0), width = updates.dim_size(1);
+    OP_REQUIRES(ctx, width > 0, errors::InvalidArgument("TfdpScatterRows takes rows of at "
+                                                        "least one entry; got width 0"));
     const int32* index = indices.flat<int32>().data();
     for (int64_t k = 0; k < n; ++k) {
       OP_REQUIRES(ctx, index[k] >= 0 && index[k] < rows,
@@ -196,7 +204,10 @@ REGISTER_OP("TfdpMergeRows")
     .Output("merged: T")
     .Attr("T: {float, double}")
     .SetShapeFn([](shape_inference::InferenceContext* c) {
-      c->set_output(0, c->input(0));
+      shape_inference::ShapeHandle g, first;
+      TF_RETURN_IF_ERROR(c->WithRank(c->input(0), 3, &g));
+      TF_RETURN_IF_ERROR(c->WithRank(c->input(1), 2, &first));
+      c->set_output(0, g);
       return absl::OkStatus();
     });
 
@@ -214,6 +225,8 @@ class MergeRowsOp : public OpKernel {
                                         g.shape().DebugString(), ", ",
                                         first.shape().DebugString()));
     const int64_t batch = g.dim_size(0), length = g.dim_size(1), width = g.dim_size(2);
+    OP_REQUIRES(ctx, width > 0, errors::InvalidArgument("TfdpMergeRows takes rows of at least "
+                                                        "one entry; got width 0"));
     const int32* position = first.flat<int32>().data();
     for (int64_t k = 0; k < batch * length; ++k) {
       OP_REQUIRES(ctx, position[k] >= 0 && position[k] < length,
