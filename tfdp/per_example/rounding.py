@@ -262,7 +262,7 @@ FLOAT32_SQUARES_WIDTH = 4096
 FLOAT32_SQUARES_FLOOR = 2.0**-60
 
 
-def row_bounds(rows):
+def row_bounds(rows, floor=None):
     """[B, S] float64 upper bounds of the true norms of float32 rows [B, S, C],
     without Gram matrices.
 
@@ -280,6 +280,12 @@ def row_bounds(rows):
     float32 arithmetic round to fewer bits
     (`gram_precision.reduced_precision_settings`).
     A finite bound also says that every entry of its row is finite.
+
+    `floor` replaces `FLOAT32_SQUARES_FLOOR` (None: keep it). A floor of 0
+    keeps float32's bound for zero and flushed rows too, its absolute term
+    (about 5.5e-18 for 128 entries): negligible where the bounds are squared
+    and summed (an embedding's merged rows, `sum_of_squared_bounds`), not in
+    a rank-one product |x| |g|.
 
     Example:
 
@@ -299,7 +305,8 @@ def row_bounds(rows):
     if not 0 < width <= FLOAT32_SQUARES_WIDTH or gram_precision.reduced_precision_settings():
         return from_float64()
     squares = tf.cast(tf.reduce_sum(tf.square(rows), -1), tf.float64)
-    usable = tf.math.is_finite(squares) & (squares >= FLOAT32_SQUARES_FLOOR)
+    floor = FLOAT32_SQUARES_FLOOR if floor is None else floor
+    usable = tf.math.is_finite(squares) & (squares >= floor)
     bounds = float32_row_bounds(squares, width, chunk=width)
     # Each row's route from that row alone: the two routes bound a row
     # differently, so a batch-wide choice would let one record move the
@@ -320,6 +327,19 @@ def position_rows(x, g):
     (2.0..., 1.0...)
     """
     return row_bounds(x), row_bounds(g)
+
+
+def sum_of_squared_bounds(bounds):
+    """float64 [B] upper bound of sum_s b_s^2 from row-norm bounds [B, S]
+    (`row_bounds`): the float64 squares and their sum rounded up, so the
+    result bounds each example's sum of squared entries over its rows.
+
+    Example:
+
+    >>> float(sum_of_squared_bounds(tf.constant([[3.0, 4.0]], tf.float64))[0])
+    25.00000000000001
+    """
+    return mass_of(bounds, bounds)
 
 
 def mass_of(rows_x, rows_g):

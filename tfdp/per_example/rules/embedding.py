@@ -222,7 +222,10 @@ class EmbeddingGrads(SummedAsMeasured):
         return self._merged
 
     def sq_norm_bounds(self):
-        return rounding.sum_of_squares(self.merged_rows())
+        # Float32 squares a merged row, with the proved bound (no floor: the
+        # zero rows of repeated positions keep float32's tiny absolute term).
+        bounds = rounding.row_bounds(self.merged_rows(), floor=0.0)
+        return rounding.sum_of_squared_bounds(bounds)
 
     def _entries(self):
         return rounding.entries_per_example(self.g)

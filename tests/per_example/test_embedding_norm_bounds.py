@@ -1,0 +1,95 @@
+"""An embedding's per-example norm from float32 squares of its merged rows
+(`rounding.row_bounds` with no floor, squared and summed in float64): an
+upper bound of the true squared norm on records built to need each term,
+with the bound less that term as the negative control."""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from tfdp.per_example import rounding
+from tfdp.per_example.rules.embedding import EmbeddingGrads
+
+
+def _bounds(ids, g):
+    """Each example's squared-norm bound as the compiled step computes it
+    (flush-to-zero holds inside tf.function)."""
+    table = tf.Variable(tf.zeros([int(np.max(ids)) + 1, g.shape[-1]]))
+    return tf.function(lambda i, r: EmbeddingGrads(i, r, table).sq_norm_bounds())(
+        tf.constant(ids, tf.int32), tf.constant(g)).numpy()
+
+
+def _exact(ids, g):
+    """Each example's true squared norm: its rows of one id added first,
+    in extended precision."""
+    out = []
+    for row_ids, rows in zip(np.asarray(ids), np.asarray(g, np.longdouble)):
+        merged = {}
+        for token, row in zip(row_ids, rows):
+            merged[token] = merged.get(token, 0) + row
+        out.append(sum(float(np.sum(r * r)) for r in merged.values()))
+    return np.array(out)
+
+
+def _without(monkeypatch, relative=False, absolute=False):
+    original = rounding.float32_dot_error
+
+    def mutant(width, chunk=rounding.FLOAT32_GRAM_CHUNK):
+        rel, abs_ = original(width, chunk)
+        return (0.0 if relative else rel), (0.0 if absolute else abs_)
+
+    monkeypatch.setattr(rounding, "float32_dot_error", mutant)
+
+
+def _rounding_rows():
+    """Rows whose float32 sums of squares round, some down, with repeated
+    ids (so merged and zero rows)."""
+    rng = np.random.default_rng(7)
+    g = 1.0 + rng.random((64, 6, 777)) * 2.0**-6
+    ids = rng.integers(0, 4, (64, 6))
+    return ids, (g * rng.choice([-1.0, 1.0], g.shape)).astype(np.float32)
+
+
+def test_the_relative_term_covers_float32_rounding(monkeypatch):
+    ids, g = _rounding_rows()
+    assert np.all(_bounds(ids, g) >= _exact(ids, g))
+    _without(monkeypatch, relative=True)
+    assert np.any(_bounds(ids, g) < _exact(ids, g))  # the control: some sums rounded down
+
+
+def test_flushed_squares_are_bounded_by_the_absolute_term(monkeypatch):
+    """Entries of 1e-20 square to 1e-40, flushed to 0 in float32: with no
+    floor such a row keeps float32's bound, which only its absolute term
+    makes an upper bound."""
+    ids = np.array([[0, 1, 1]])
+    g = np.full((1, 3, 300), 1e-20, np.float32)
+    assert _bounds(ids, g)[0] >= _exact(ids, g)[0] > 0
+    _without(monkeypatch, absolute=True)
+    assert _bounds(ids, g)[0] < _exact(ids, g)[0]
+
+
+def test_zero_rows_of_repeated_ids_keep_float32s_bound():
+    """The merged-away rows are zero: they do not send the batch to float64
+    squares (the floor of 0), and add float32's absolute term only, tiny."""
+    ids = np.array([[3, 3, 3, 3]])
+    g = np.ones((1, 4, 128), np.float32)
+    bound, exact = _bounds(ids, g)[0], _exact(ids, g)[0]
+    assert exact == 16 * 128 and exact <= bound < exact * (1 + 1e-5)
+
+
+def test_overflowing_squares_take_float64():
+    ids = np.array([[0, 1], [2, 2]])
+    g = np.full((2, 2, 5), 1e20, np.float32)
+    g[0, 0, 0] = 1.0
+    bounds = _bounds(ids, g)
+    assert np.all(np.isfinite(bounds)) and np.all(bounds >= _exact(ids, g))
+    np.testing.assert_allclose(bounds, _exact(ids, g), rtol=1e-5)
+
+
+@pytest.mark.parametrize("bad", [np.inf, np.nan])
+def test_a_row_that_is_not_finite_is_not_bounded(bad):
+    ids = np.array([[0, 1], [0, 1]])
+    g = np.ones((2, 2, 3), np.float32)
+    g[0, 1, 2] = bad
+    bounds = _bounds(ids, g)
+    assert not np.isfinite(bounds[0]) and np.isfinite(bounds[1])  # each row by its own values
