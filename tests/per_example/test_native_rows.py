@@ -220,6 +220,27 @@ def test_where_the_compiled_ops_run(library, monkeypatch):
     assert native_rows.rows_path() == "TensorFlow's ops (TFDP_NOISE_KERNEL=graph)"
 
 
+def _op_types(function):
+    return {op.type for op in tf.function(function).get_concrete_function().graph.get_operations()}
+
+
+def test_the_cpu_step_finds_merges_and_scatters_with_the_compiled_ops(library, monkeypatch):
+    ids, g = tf.constant([[4, 4, 7, 4]]), tf.ones([1, 4, 2])
+    table = tf.Variable(tf.zeros([10, 2]))
+
+    def clipped_sum():
+        part = embedding.EmbeddingGrads(ids, g, table)
+        return part.sq_norm_bounds(), part.weighted_sum(tf.ones([1]))
+
+    compiled = _op_types(clipped_sum)
+    assert {"TfdpFirstPositions", "TfdpMergeRows", "TfdpScatterRows"} <= compiled
+    assert not {"Unique", "ScatterNd", "TensorScatterAdd"} & compiled
+    monkeypatch.setattr(native_rows, "library_here", lambda dtype: None)
+    reference = _op_types(clipped_sum)  # the control: TensorFlow's ops where there is no library
+    assert {"Unique", "ScatterNd", "TensorScatterAdd"} <= reference
+    assert not {"TfdpFirstPositions", "TfdpMergeRows", "TfdpScatterRows"} & reference
+
+
 def _trained_table(monkeypatch, compiled_rows):
     """(the embedding table after a seeded DP fit whose records repeat ids,
     the libraries the step's trace was given), with the compiled row ops or

@@ -9,7 +9,7 @@
 //    1, ..., N - 1 (TensorFlow's CPU ScatterNd adds in that order).
 //  * TfdpFirstPositions(ids [B, L]) -> [B, L]: `first_positions`, for each
 //    position the first position in its row holding the same id (integers:
-//    one answer, found here by a small hash table a row).
+//    one answer, found here by a small hash table a row, its hash salted).
 //  * TfdpMergeRows(g [B, L, D], first [B, L]) -> [B, L, D]: `merge_rows`,
 //    each example's rows of a repeated id added into the id's first
 //    position: out[b, t] = g[b, t] where first[b, t] == t, else 0; then
@@ -32,6 +32,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <random>
 #include <vector>
 #if defined(__x86_64__)
 #include <xmmintrin.h>
@@ -156,9 +157,22 @@ REGISTER_OP("TfdpFirstPositions")
       return absl::OkStatus();
     });
 
+// A strong 64-bit mix (splitmix64's finalizer) of an id and the kernel's
+// secret salt: no record can choose ids that collide in the table (a fixed
+// hash let one crafted row of colliding ids take quadratic time). The
+// result never depends on the hash, only the time does.
+inline uint64_t Mix(uint64_t x) {
+  x ^= x >> 30;
+  x *= 0xBF58476D1CE4E5B9ull;
+  x ^= x >> 27;
+  x *= 0x94D049BB133111EBull;
+  return x ^ (x >> 31);
+}
+
 class FirstPositionsOp : public OpKernel {
  public:
-  explicit FirstPositionsOp(OpKernelConstruction* ctx) : OpKernel(ctx) {}
+  explicit FirstPositionsOp(OpKernelConstruction* ctx)
+      : OpKernel(ctx), salt_((uint64_t{std::random_device{}()} << 32) ^ std::random_device{}()) {}
 
   void Compute(OpKernelContext* ctx) override {
     const Tensor& ids = ctx->input(0);
@@ -182,8 +196,7 @@ class FirstPositionsOp : public OpKernel {
         int32* first = out + b * length;
         std::fill(table.begin(), table.end(), -1);
         for (int64_t t = 0; t < length; ++t) {
-          const uint64_t hash = static_cast<uint64_t>(static_cast<uint32_t>(row[t])) *
-                                0x9E3779B97F4A7C15ull;
+          const uint64_t hash = Mix(static_cast<uint64_t>(static_cast<uint32_t>(row[t])) ^ salt_);
           uint64_t slot = shift == 64 ? 0 : hash >> shift;
           while (table[slot] >= 0 && row[table[slot]] != row[t]) slot = (slot + 1) & (slots - 1);
           if (table[slot] < 0) table[slot] = static_cast<int32>(t);
@@ -194,6 +207,9 @@ class FirstPositionsOp : public OpKernel {
     const auto* threads = ctx->device()->tensorflow_cpu_worker_threads();
     Shard(threads->num_threads, threads->workers, batch, length * 20 + slots, examples);
   }
+
+ private:
+  const uint64_t salt_;
 };
 
 REGISTER_KERNEL_BUILDER(Name("TfdpFirstPositions").Device(DEVICE_CPU), FirstPositionsOp);
