@@ -86,3 +86,22 @@ def reference_gradients():
 @pytest.fixture
 def assert_matches_reference():
     return _assert_matches_reference
+
+
+@pytest.fixture
+def without_dot_error_terms(monkeypatch):
+    """A function that drops the relative and/or absolute term of
+    `rounding.float32_dot_error` for the rest of the test (a mutant of the
+    float32 bounds, the negative control of their tests)."""
+    from tfdp.per_example import rounding
+
+    original = rounding.float32_dot_error
+
+    def drop(relative=False, absolute=False):
+        def mutant(width, chunk=rounding.FLOAT32_GRAM_CHUNK):
+            rel, abs_ = original(width, chunk)
+            return (0.0 if relative else rel), (0.0 if absolute else abs_)
+
+        monkeypatch.setattr(rounding, "float32_dot_error", mutant)
+
+    return drop

@@ -31,16 +31,6 @@ def _exact(ids, g):
     return np.array(out)
 
 
-def _without(monkeypatch, relative=False, absolute=False):
-    original = rounding.float32_dot_error
-
-    def mutant(width, chunk=rounding.FLOAT32_GRAM_CHUNK):
-        rel, abs_ = original(width, chunk)
-        return (0.0 if relative else rel), (0.0 if absolute else abs_)
-
-    monkeypatch.setattr(rounding, "float32_dot_error", mutant)
-
-
 def _rounding_rows():
     """Rows whose float32 sums of squares round, some down, with repeated
     ids (so merged and zero rows)."""
@@ -50,21 +40,21 @@ def _rounding_rows():
     return ids, (g * rng.choice([-1.0, 1.0], g.shape)).astype(np.float32)
 
 
-def test_the_relative_term_covers_float32_rounding(monkeypatch):
+def test_the_relative_term_covers_float32_rounding(without_dot_error_terms):
     ids, g = _rounding_rows()
     assert np.all(_bounds(ids, g) >= _exact(ids, g))
-    _without(monkeypatch, relative=True)
+    without_dot_error_terms(relative=True)
     assert np.any(_bounds(ids, g) < _exact(ids, g))  # the control: some sums rounded down
 
 
-def test_flushed_squares_are_bounded_by_the_absolute_term(monkeypatch):
+def test_flushed_squares_are_bounded_by_the_absolute_term(without_dot_error_terms):
     """Entries of 1e-20 square to 1e-40, flushed to 0 in float32: with no
     floor such a row keeps float32's bound, which only its absolute term
     makes an upper bound."""
     ids = np.array([[0, 1, 1]])
     g = np.full((1, 3, 300), 1e-20, np.float32)
     assert _bounds(ids, g)[0] >= _exact(ids, g)[0] > 0
-    _without(monkeypatch, absolute=True)
+    without_dot_error_terms(absolute=True)
     assert _bounds(ids, g)[0] < _exact(ids, g)[0]
 
 

@@ -20,17 +20,6 @@ def _exact(rows):
     return np.sqrt(np.sum(rows.astype(np.float64) ** 2, -1))
 
 
-def _without(monkeypatch, relative=False, absolute=False):
-    """`float32_dot_error` with its relative and/or absolute term dropped."""
-    original = rounding.float32_dot_error
-
-    def mutant(width, chunk=rounding.FLOAT32_GRAM_CHUNK):
-        rel, abs_ = original(width, chunk)
-        return (0.0 if relative else rel), (0.0 if absolute else abs_)
-
-    monkeypatch.setattr(rounding, "float32_dot_error", mutant)
-
-
 def _rounding_rows():
     """Rows whose float32 sums of squares round, some of them down."""
     rng = np.random.default_rng(7)
@@ -38,10 +27,10 @@ def _rounding_rows():
     return (rows * rng.choice([-1.0, 1.0], rows.shape)).astype(np.float32)
 
 
-def test_the_relative_term_covers_float32_rounding(monkeypatch):
+def test_the_relative_term_covers_float32_rounding(without_dot_error_terms):
     rows = _rounding_rows()
     assert np.all(_bounds(rows) >= _exact(rows))
-    _without(monkeypatch, relative=True)
+    without_dot_error_terms(relative=True)
     assert np.any(_bounds(rows) < _exact(rows))  # some sum rounded down
 
 
@@ -95,7 +84,7 @@ def test_flushed_squares_need_the_absolute_term():
 
 
 @pytest.mark.parametrize("tiny", [0.0, 1e-20])
-def test_rows_whose_squares_may_have_flushed_take_float64(monkeypatch, tiny):
+def test_rows_whose_squares_may_have_flushed_take_float64(tiny, without_dot_error_terms):
     """Squares of 1e-20 (1e-40) are below 2^-126: flushed to 0 in float32. A
     row whose float32 sum is below the floor takes float64 squares, which
     measure it (and a zero row as 0: float32's absolute term would make it
@@ -104,7 +93,7 @@ def test_rows_whose_squares_may_have_flushed_take_float64(monkeypatch, tiny):
     can show it (the proof keeps it)."""
     rows = np.ones((2, 1, 300), np.float32)
     rows[1] = tiny
-    _without(monkeypatch, absolute=True)  # float64 squares need no such term
+    without_dot_error_terms(absolute=True)  # float64 squares need no such term
     bounds = _bounds(rows)
     assert np.all(bounds >= _exact(rows))
     assert bounds[1, 0] < 1e-19 * np.sqrt(300)
