@@ -315,10 +315,15 @@ def test_dropout_seed_state_after_physical_batches_does_not_count_the_drawn_reco
     assert seed_advance_in_physical_batches(3) == (2, 0)
 
 
-def test_the_compiled_noise_ops_are_allowed_and_only_they():
-    source = pathlib.Path(tfdp.__file__).parent / "mechanisms" / "native" / "gaussian_noise.cc"
-    registered = set(re.findall(r'REGISTER_OP\("(\w+)"\)', source.read_text()))
-    assert registered and registered == set(step_ops.NATIVE)
+def test_the_compiled_ops_are_allowed_and_only_they():
+    from tfdp.mechanisms.native import build
+
+    registered = set()
+    for source in build.SOURCES:  # the noise, an embedding's rows
+        found = set(re.findall(r'REGISTER_OP\("(\w+)"\)', source.read_text()))
+        assert found, source
+        registered |= found
+    assert registered == set(step_ops.NATIVE)
     assert all(step_ops.allowed(op) for op in registered)
     assert not step_ops.allowed("TfdpSomethingElse")  # the list, not a prefix
 

@@ -58,13 +58,34 @@ def test_flushed_squares_are_bounded_by_the_absolute_term(without_dot_error_term
     assert _bounds(ids, g)[0] < _exact(ids, g)[0]
 
 
-def test_zero_rows_of_repeated_ids_keep_float32s_bound():
-    """The merged-away rows are zero: they do not send the batch to float64
-    squares (the floor of 0), and add float32's absolute term only, tiny."""
-    ids = np.array([[3, 3, 3, 3]])
-    g = np.ones((1, 4, 128), np.float32)
-    bound, exact = _bounds(ids, g)[0], _exact(ids, g)[0]
-    assert exact == 16 * 128 and exact <= bound < exact * (1 + 1e-5)
+def test_zero_rows_of_repeated_ids_keep_float32s_bound(monkeypatch):
+    """The merged-away rows are zero: they keep float32's bound, its absolute
+    term only (about 1.7e-18 for 128 entries), instead of sending the batch
+    to float64 squares (the floor of 0): the bound of an example of zero
+    rows is that term squared, tiny; with the floor (the control) float64
+    measures them, far below it."""
+    ids = np.array([[3, 3, 3, 3], [1, 2, 1, 0]])
+    g = np.ones((2, 4, 128), np.float32)
+    g[0] = 0.0
+    bounds, exact = _bounds(ids, g), _exact(ids, g)
+    assert exact[0] == 0 and 1e-36 < bounds[0] < 1e-34
+    assert exact[1] <= bounds[1] < exact[1] * (1 + 1e-5)
+    row_bounds = rounding.row_bounds
+    monkeypatch.setattr(rounding, "row_bounds", lambda rows, floor=None: row_bounds(rows))
+    assert _bounds(ids, g)[0] < 1e-60
+
+
+def test_the_squared_sum_is_rounded_up():
+    """Bounds whose float64 squares are lost in the sum (a quarter ulp of the
+    first each): gamma64(T + 2) covers them, the plain sum (the control)
+    falls short."""
+    from fractions import Fraction
+
+    values = [1.0] + [2.0**-27] * 999
+    exact = sum(Fraction(b) ** 2 for b in values)
+    bounds = tf.constant([values], tf.float64)
+    assert Fraction(float(rounding.sum_of_squared_bounds(bounds)[0])) >= exact
+    assert Fraction(float(tf.reduce_sum(bounds * bounds, 1)[0])) < exact
 
 
 def test_overflowing_squares_take_float64():
@@ -76,10 +97,15 @@ def test_overflowing_squares_take_float64():
     np.testing.assert_allclose(bounds, _exact(ids, g), rtol=1e-5)
 
 
-@pytest.mark.parametrize("bad", [np.inf, np.nan])
-def test_a_row_that_is_not_finite_is_not_bounded(bad):
+@pytest.mark.parametrize("bad", [np.inf, np.nan, 2e19])
+def test_a_row_that_is_not_finite_is_not_bounded_and_moves_no_other(bad):
+    """A record whose row is not finite (or whose squares overflow float32)
+    takes its own route; the other records' bounds do not move by a bit
+    (the control: the same batch with that record finite)."""
     ids = np.array([[0, 1], [0, 1]])
-    g = np.ones((2, 2, 3), np.float32)
+    g = np.random.default_rng(3).normal(size=(2, 2, 3)).astype(np.float32)
+    clean = _bounds(ids, g)
     g[0, 1, 2] = bad
     bounds = _bounds(ids, g)
-    assert not np.isfinite(bounds[0]) and np.isfinite(bounds[1])  # each row by its own values
+    assert np.isfinite(bounds[0]) == (bad == 2e19)
+    assert bounds[1].tobytes() == clean[1].tobytes()

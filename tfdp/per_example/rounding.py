@@ -283,7 +283,7 @@ def row_bounds(rows, floor=None):
 
     `floor` replaces `FLOAT32_SQUARES_FLOOR` (None: keep it). A floor of 0
     keeps float32's bound for zero and flushed rows too, its absolute term
-    (about 5.5e-18 for 128 entries): negligible where the bounds are squared
+    (about 1.7e-18 for 128 entries): negligible where the bounds are squared
     and summed (an embedding's merged rows, `sum_of_squared_bounds`), not in
     a rank-one product |x| |g|.
 
