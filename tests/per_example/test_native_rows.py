@@ -220,6 +220,29 @@ def test_where_the_compiled_ops_run(library, monkeypatch):
     assert native_rows.rows_path() == "TensorFlow's ops (TFDP_NOISE_KERNEL=graph)"
 
 
+def test_gradients_through_the_compiled_ops_are_tensorflows(library):
+    """tfdp.auditing's record search differentiates the clipped sum by the
+    record: through the compiled ops it gets the reference ops' gradients."""
+    ids = tf.constant([[4, 4, 7, 4], [1, 2, 1, 1]])
+    g = crafted([2, 4, 3], tf.float32, 5)
+    weights = tf.constant(np.arange(60, dtype=np.float32).reshape(20, 3) - 30.0)
+
+    def gradient(merge, scatter):
+        with tf.GradientTape() as tape:
+            tape.watch(g)
+            first = embedding.first_positions(ids)
+            rows = tf.reshape(merge(g, first), [-1, 3])
+            table = scatter(tf.reshape(ids, [-1]), rows, 20)
+            value = tf.reduce_sum(table * weights)
+        return tape.gradient(value, g).numpy()
+
+    want = gradient(embedding.merge_rows,
+                    lambda i, r, n: tf.scatter_nd(i[:, None], r, [n, r.shape[-1]]))
+    got = gradient(library.tfdp_merge_rows, library.tfdp_scatter_rows)
+    np.testing.assert_array_equal(want, got)
+    assert np.any(want != 0)
+
+
 def _op_types(function):
     return {op.type for op in tf.function(function).get_concrete_function().graph.get_operations()}
 
