@@ -67,7 +67,8 @@ def main():
                  "compiled": traced(steps["DP train_step"], True)}
         rounds = []
         for _ in range(args.rounds):
-            rounds.append({label: milliseconds(step, args.repeats) for label, step in timed.items()})
+            rounds.append({label: milliseconds(step, args.repeats)
+                           for label, step in timed.items()})
 
         def median(key):
             return statistics.median(r[key] for r in rounds)
@@ -75,9 +76,11 @@ def main():
         def ratio(top, bottom):
             return statistics.median(r[top] / r[bottom] for r in rounds)
 
-        print(f"| {name} | {ZOO[name][0]} | {median('keras'):.1f} | {median('reference'):.1f} | "
+        print(f"| {name} | {ZOO[name][0]} | {median('keras'):.1f} | "
+              f"{median('reference'):.1f} | "
               f"{median('compiled'):.1f} | {ratio('reference', 'compiled'):.2f}x | "
-              f"{ratio('keras', 'reference'):.2f} | {ratio('keras', 'compiled'):.2f} |", flush=True)
+              f"{ratio('keras', 'reference'):.2f} | {ratio('keras', 'compiled'):.2f} |",
+              flush=True)
 
 
 if __name__ == "__main__":

@@ -126,8 +126,9 @@ def test_an_index_out_of_range_is_an_error_not_a_write(library, op):
 
 
 @pytest.mark.parametrize("op, shapes", [
-    ("scatter", ([2], [2], [])), ("scatter", ([2], [1, 2, 4], [])), ("scatter", ([2, 1], [2, 4], [])),
-    ("scatter", ([2], [2, 4], [1])), ("merge", ([3, 2], [1, 3])), ("merge", ([1, 3, 2], [3])),
+    ("scatter", ([2], [2], [])), ("scatter", ([2], [1, 2, 4], [])),
+    ("scatter", ([2, 1], [2, 4], [])), ("scatter", ([2], [2, 4], [1])),
+    ("merge", ([3, 2], [1, 3])), ("merge", ([1, 3, 2], [3])),
 ])
 def test_inputs_of_other_ranks_are_refused_when_traced(library, op, shapes):
     specs = [tf.TensorSpec(shape, dtype) for shape, dtype in zip(

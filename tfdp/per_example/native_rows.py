@@ -1,4 +1,4 @@
-"""An embedding's merged rows and clipped sum by tfdp's compiled ops.
+"""An embedding's repeated ids, merged rows and clipped sum by compiled ops.
 
 `EmbeddingGrads` finds each example's repeated ids (`first_positions`, by
 `tf.unique` of row-and-id keys), adds their rows into the id's first

@@ -1,12 +1,12 @@
 """Builds, caches and loads tfdp's compiled ops, or says why it cannot.
 
 `gaussian_noise.cc` (the noise) and `embedding_rows.cc` (an embedding's
-merged rows and clipped sum) are compiled into one library on first use
-with the system C++ compiler (`$CXX`, else `g++`) against the installed
-TensorFlow's headers and library (`tf.sysconfig`), into a per-user cache:
-`$TFDP_CACHE_DIR`, else `$XDG_CACHE_HOME/tfdp`, else `~/.cache/tfdp`, in a
-folder named by a hash of the TensorFlow version, the sources, the
-compiler's version and the flags.
+repeated ids, merged rows and clipped sum) are compiled into one library
+on first use with the system C++ compiler (`$CXX`, else `g++`) against the
+installed TensorFlow's headers and library (`tf.sysconfig`), into a
+per-user cache: `$TFDP_CACHE_DIR`, else `$XDG_CACHE_HOME/tfdp`, else
+`~/.cache/tfdp`, in a folder named by a hash of the TensorFlow version,
+the sources, the compiler's version and the flags.
 A later process loads the cached library (`tf.load_op_library`) only if it
 and its folders are owned by the current user and not writable by group or
 others (else the graph generator runs, `noise_path` naming the path and the

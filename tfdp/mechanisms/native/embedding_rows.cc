@@ -133,7 +133,9 @@ class ScatterRowsOp : public OpKernel {
       CallersDenormalMode mode(caller);
       const int64_t lo = first_block * kColumnBlock;
       const int64_t hi = std::min(width, end_block * kColumnBlock);
-      for (int64_t r = 0; r < rows; ++r) std::fill(out + r * width + lo, out + r * width + hi, T(0));
+      for (int64_t r = 0; r < rows; ++r) {
+        std::fill(out + r * width + lo, out + r * width + hi, T(0));
+      }
       for (int64_t k = 0; k < n; ++k) {
         T* target = out + index[k] * width;
         const T* source = in + k * width;

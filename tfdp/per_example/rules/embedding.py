@@ -205,9 +205,10 @@ class EmbeddingGrads(SummedAsMeasured):
 
         `merge_rows` adds only the repeated positions' rows to the first
         rows (outside XLA on CPUs by its compiled twin, the same values bit
-        for bit: `native_rows`); under XLA `scatter_merge` scatters every row (the form the XLA
-        step was measured and reviewed with; `merge_rows` compiles there too
-        on the CPU, untried on accelerators). Either way the norms and the
+        for bit: `native_rows`); under XLA `scatter_merge` scatters every
+        row (the form the XLA step was measured and reviewed with;
+        `merge_rows` compiles there too on the CPU, untried on
+        accelerators). Either way the norms and the
         weighted sum read these same rows, each example's from its own rows
         alone."""
         if self._merged is None:
