@@ -18,8 +18,12 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+# The parent takes SIGHUP's default action (it ends), as a terminal's
+# process does, also when the test run itself was started under `nohup`
+# (which ignores SIGHUP in every process it starts).
 PARENT = """
-import os, subprocess, sys, time
+import os, signal, subprocess, sys, time
+signal.signal(signal.SIGHUP, signal.SIG_DFL)
 sys.path.insert(0, {root!r})
 from tfdp import parent_death
 child_code = ("import sys, time; sys.path.insert(0, {root!r}); from tfdp import parent_death; "
