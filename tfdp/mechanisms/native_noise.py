@@ -132,13 +132,18 @@ def _gpus():
     return bool(tf.config.list_logical_devices("GPU"))
 
 
+def compiled_ops_may_run():
+    """Whether tfdp's compiled ops (CPU kernels, no XLA kernels) may run in
+    the current context: not forced off (`forced_graph`), not under XLA, no
+    GPU on the machine."""
+    if forced_graph() or _gpus():
+        return False
+    return not control_flow_util.GraphOrParentsInXlaContext(tf.compat.v1.get_default_graph())
+
+
 def library_here(dtypes):
     """The op library if it may draw `dtypes` in the current context, else None."""
-    if forced_graph() or any(tf.as_dtype(d) not in _DTYPES for d in dtypes):
-        return None
-    if control_flow_util.GraphOrParentsInXlaContext(tf.compat.v1.get_default_graph()):
-        return None
-    if _gpus():
+    if any(tf.as_dtype(d) not in _DTYPES for d in dtypes) or not compiled_ops_may_run():
         return None
     return _load().library
 

@@ -33,7 +33,6 @@ import os
 
 import numpy as np
 import tensorflow as tf
-from tensorflow.python.ops import control_flow_util
 
 from tfdp.mechanisms import native_noise
 from tfdp.mechanisms.native import build
@@ -65,11 +64,7 @@ def library_here(dtype):
     """The op library if its ops may run on rows of `dtype` here, else None
     (`library.tfdp_first_positions(ids)` is `rules.embedding.first_positions`,
     `library.tfdp_merge_rows(g, first)` is `rules.embedding.merge_rows`)."""
-    if tf.as_dtype(dtype) not in _DTYPES or native_noise.forced_graph():
-        return None
-    if control_flow_util.GraphOrParentsInXlaContext(tf.compat.v1.get_default_graph()):
-        return None
-    if tf.config.list_logical_devices("GPU"):
+    if tf.as_dtype(dtype) not in _DTYPES or not native_noise.compiled_ops_may_run():
         return None
     return _load()[0]
 

@@ -185,7 +185,7 @@ class EmbeddingGrads(SummedAsMeasured):
         `first_positions_by_sort`; outside XLA on CPUs by a compiled op,
         `native_rows`)."""
         if self._first is None:
-            library = None if _in_xla() else native_rows.library_here(self.g.dtype)
+            library = native_rows.library_here(self.g.dtype)  # None under XLA
             if _xla_on_accelerator():
                 self._first = first_positions_by_sort(self.ids)
             elif library is not None:
@@ -213,7 +213,7 @@ class EmbeddingGrads(SummedAsMeasured):
         alone."""
         if self._merged is None:
             first = self._first_positions()
-            library = None if _in_xla() else native_rows.library_here(self.g.dtype)
+            library = native_rows.library_here(self.g.dtype)  # None under XLA
             if _in_xla():
                 self._merged = scatter_merge(self.g, first)
             elif library is not None:
