@@ -37,18 +37,53 @@ _SCRIPT = textwrap.dedent(
 )
 
 
-def _run(onednn):
+_CUSTOM_LAYER = textwrap.dedent(
+    """
+    @tfdp.per_example.declare_per_example
+    class Projection(keras.layers.Layer):
+        def build(self, shape):
+            self.w = self.add_weight(shape=(shape[-1], shape[-1]))
+
+        def call(self, x):
+            hidden = keras.ops.tanh(keras.ops.einsum("abc,cd->abd", x, self.w))
+            return keras.ops.einsum("abc,cd->abd", hidden, self.w)
+    """
+)
+
+# A declared custom layer with weights and no rule takes the per-layer
+# vectorized vjp: the same [B, 1, S, H] x [H, O] matmul, the same crash.
+_PER_LAYER_SCRIPT = _SCRIPT.replace(
+    'h = keras.layers.Lambda(lambda t: t * 2.0, name="opaque")(inputs)',
+    'h = Projection(name="projection")(inputs)',
+).replace("keras.utils.set_random_seed(0)", "keras.utils.set_random_seed(0)\n" + _CUSTOM_LAYER)
+
+_SEPARATOR = "=== the per-layer fallback ==="
+
+
+def _run(onednn, script=_SCRIPT):
     env = dict(os.environ, TF_ENABLE_ONEDNN_OPTS=onednn, TF_CPP_MIN_LOG_LEVEL="3",
                PYTHONPATH=os.pathsep.join([os.getcwd()] + sys.path))
-    return subprocess.run([sys.executable, "-c", _SCRIPT], env=env, capture_output=True,
+    return subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
                           text=True, timeout=300)
 
 
-def test_onednn_vectorized_transformer_is_refused_before_the_first_step():
-    result = _run("1")
+@pytest.fixture(scope="module")
+def with_onednn():
+    """Both oneDNN models in one fresh interpreter (one TensorFlow import, not
+    two): the whole-model vectorized one, then the per-layer fallback one.
+    Each is refused before its first step, so neither can crash the other's
+    run; a crash of either fails both tests."""
+    result = _run("1", _SCRIPT + f"\nprint({_SEPARATOR!r})\n" + _PER_LAYER_SCRIPT)
     assert result.returncode == 0, result.stderr[-2000:]
-    assert "REFUSED:" in result.stdout and "TF_ENABLE_ONEDNN_OPTS=0" in result.stdout
-    assert "(None, 1, 8, 16)" in result.stdout and "model '" in result.stdout
+    whole_model, _, per_layer = result.stdout.partition(_SEPARATOR)
+    assert per_layer, result.stdout
+    return whole_model, per_layer
+
+
+def test_onednn_vectorized_transformer_is_refused_before_the_first_step(with_onednn):
+    whole_model, _ = with_onednn
+    assert "REFUSED:" in whole_model and "TF_ENABLE_ONEDNN_OPTS=0" in whole_model
+    assert "(None, 1, 8, 16)" in whole_model and "model '" in whole_model
 
 
 @pytest.mark.parametrize("onednn", ["0"])
@@ -58,27 +93,6 @@ def test_without_onednn_the_same_model_trains(onednn):
     assert "TRAINED" in result.stdout
 
 
-def test_onednn_per_layer_fallback_on_a_sequence_matmul_is_refused():
-    # A declared custom layer with weights and no rule takes the per-layer
-    # vectorized vjp: the same [B, 1, S, H] x [H, O] matmul, the same crash.
-    script = _SCRIPT.replace(
-        'h = keras.layers.Lambda(lambda t: t * 2.0, name="opaque")(inputs)',
-        'h = Projection(name="projection")(inputs)',
-    ).replace("keras.utils.set_random_seed(0)", textwrap.dedent("""
-        keras.utils.set_random_seed(0)
-
-        @tfdp.per_example.declare_per_example
-        class Projection(keras.layers.Layer):
-            def build(self, shape):
-                self.w = self.add_weight(shape=(shape[-1], shape[-1]))
-
-            def call(self, x):
-                hidden = keras.ops.tanh(keras.ops.einsum("abc,cd->abd", x, self.w))
-                return keras.ops.einsum("abc,cd->abd", hidden, self.w)
-        """))
-    env = dict(os.environ, TF_ENABLE_ONEDNN_OPTS="1", TF_CPP_MIN_LOG_LEVEL="3",
-               PYTHONPATH=os.pathsep.join([os.getcwd()] + sys.path))
-    result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
-                            text=True, timeout=300)
-    assert result.returncode == 0, result.stderr[-2000:]
-    assert "REFUSED:" in result.stdout and "'projection'" in result.stdout
+def test_onednn_per_layer_fallback_on_a_sequence_matmul_is_refused(with_onednn):
+    _, per_layer = with_onednn
+    assert "REFUSED:" in per_layer and "'projection'" in per_layer
