@@ -1,5 +1,9 @@
-"""Tiny random-init KerasHub task models for the tests (keras_hub imported
-here: a test module that needs it skips without it, and fails under CI=true)."""
+"""Tiny random-init KerasHub task models for the tests.
+
+One transformer layer each: a layer's batched rule, and the backward pass
+through it to the embeddings below, are the same code at any depth (two
+layers doubled the tracing time). keras_hub is imported here: a test module
+that needs it skips without it, and fails under CI=true."""
 
 import os
 
@@ -22,7 +26,7 @@ def import_keras_hub():
 
 def bert(keras_hub, lora=None, **kw):
     backbone = keras_hub.models.BertBackbone(
-        vocabulary_size=40, num_layers=2, num_heads=2, hidden_dim=16, intermediate_dim=32,
+        vocabulary_size=40, num_layers=1, num_heads=2, hidden_dim=16, intermediate_dim=32,
         max_sequence_length=8, **kw)
     if lora:
         backbone.enable_lora(lora)
@@ -31,7 +35,7 @@ def bert(keras_hub, lora=None, **kw):
 
 def gpt2(keras_hub, lora=None):
     backbone = keras_hub.models.GPT2Backbone(
-        vocabulary_size=40, num_layers=2, num_heads=2, hidden_dim=16, intermediate_dim=32,
+        vocabulary_size=40, num_layers=1, num_heads=2, hidden_dim=16, intermediate_dim=32,
         max_sequence_length=8)
     if lora:
         backbone.enable_lora(lora)
@@ -40,7 +44,7 @@ def gpt2(keras_hub, lora=None):
 
 def gemma(keras_hub, lora=None):
     backbone = keras_hub.models.GemmaBackbone(
-        vocabulary_size=40, num_layers=2, num_query_heads=2, num_key_value_heads=1,
+        vocabulary_size=40, num_layers=1, num_query_heads=2, num_key_value_heads=1,
         hidden_dim=16, intermediate_dim=32, head_dim=8)
     if lora:
         backbone.enable_lora(lora)
@@ -49,7 +53,7 @@ def gemma(keras_hub, lora=None):
 
 def fnet(keras_hub, lora=None):
     backbone = keras_hub.models.FNetBackbone(
-        vocabulary_size=40, num_layers=2, hidden_dim=16, intermediate_dim=32,
+        vocabulary_size=40, num_layers=1, hidden_dim=16, intermediate_dim=32,
         max_sequence_length=8)
     if lora:
         backbone.enable_lora(lora)
@@ -58,7 +62,7 @@ def fnet(keras_hub, lora=None):
 
 def llama(keras_hub, lora=None):
     backbone = keras_hub.models.LlamaBackbone(
-        vocabulary_size=40, num_layers=2, num_query_heads=2, num_key_value_heads=1,
+        vocabulary_size=40, num_layers=1, num_query_heads=2, num_key_value_heads=1,
         hidden_dim=16, intermediate_dim=32)
     if lora:
         backbone.enable_lora(lora)
@@ -80,7 +84,7 @@ def token_inputs(model, batch, rng, length=8):
 
 def vit(keras_hub, lora=None):
     backbone = keras_hub.models.ViTBackbone(
-        image_shape=(16, 16, 3), patch_size=4, num_layers=2, num_heads=2, hidden_dim=16, mlp_dim=32)
+        image_shape=(16, 16, 3), patch_size=4, num_layers=1, num_heads=2, hidden_dim=16, mlp_dim=32)
     if lora:
         backbone.enable_lora(lora)
     return keras_hub.models.ViTImageClassifier(backbone=backbone, num_classes=2, preprocessor=None)
