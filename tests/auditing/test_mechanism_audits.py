@@ -12,6 +12,8 @@ sigma = 2 with a margin of 1.7 in epsilon (3.85 against 2.17); the slower
 mechanisms' audits use fewer steps.
 """
 
+import functools
+
 import dp_accounting
 import numpy as np
 import pytest
@@ -244,12 +246,20 @@ def test_half_the_claimed_noise_is_caught():
     assert result.epsilon_lower_bound > ONE_STEP + 0.5
 
 
+@functools.lru_cache(maxsize=None)
+def unclipped_audit(num_examples, batch_size, canary_scale):
+    """The unclipped control's audit (seeded: the same result on every call).
+    The full-batch audit at the default canary (100 C) is both a case of
+    the skipped-clipping test and the large canary below: run once."""
+    return auditing.audit_optimizer(
+        dpsgd_maker(UnclippedDPSGD), steps=50, canaries=64, num_examples=num_examples,
+        batch_size=batch_size, canary_scale=canary_scale, delta=DELTA,
+    )
+
+
 @pytest.mark.parametrize("num_examples, batch_size", [(64, 64), (128, 64)])
 def test_skipped_clipping_is_caught(num_examples, batch_size):
-    result = auditing.audit_optimizer(
-        dpsgd_maker(UnclippedDPSGD), steps=50, canaries=64, num_examples=num_examples,
-        batch_size=batch_size, delta=DELTA,
-    )
+    result = unclipped_audit(num_examples, batch_size, 100.0)
     print(result.summary())
     assert result.violates_claim
     assert result.epsilon_lower_bound > 2 * result.claimed_epsilon
@@ -257,14 +267,10 @@ def test_skipped_clipping_is_caught(num_examples, batch_size):
 
 def test_a_moderate_canary_does_not_catch_skipped_clipping_but_a_large_one_does():
     """Why the default canary is 100 C: at exactly C an unclipped mechanism is fine."""
-    at_clip = auditing.audit_optimizer(
-        dpsgd_maker(UnclippedDPSGD), steps=50, canaries=64, canary_scale=1.0, delta=DELTA
-    )
+    at_clip = unclipped_audit(64, 64, 1.0)
     print(at_clip.summary())
     assert not at_clip.violates_claim
-    large = auditing.audit_optimizer(
-        dpsgd_maker(UnclippedDPSGD), steps=50, canaries=64, canary_scale=100.0, delta=DELTA
-    )
+    large = unclipped_audit(64, 64, 100.0)
     print(large.summary())
     assert large.violates_claim
     assert large.epsilon_lower_bound > 2 * large.claimed_epsilon
