@@ -360,7 +360,11 @@ def check_no_state_writes(model, sample, loss_fn, method="auto", training=True):
         return grads.sq_norms()
 
     try:
-        graph = tf.function(forward_backward).get_concrete_function(x, targets).graph
+        # Traced as Keras traces the step (its train function is not
+        # converted by AutoGraph): the same program, and no conversion of
+        # tfdp's functions (seconds on a process's first fit).
+        graph = tf.function(forward_backward, autograph=False).get_concrete_function(
+            x, targets).graph
     except BatchNormalizationInTraining:
         raise  # refused by name before the first step, not at the step's trace
     except Exception:  # pylint: disable=broad-except

@@ -392,7 +392,7 @@ class AdaDP(DPOptimizer):
     def _make_public_fn(self, model):
         variables = model.trainable_variables
 
-        @tf.function
+        @tf.function(autograph=False)  # as Keras traces the step: not converted
         def squared_sums(x, y, weights):
             per_example, _, _ = compute_per_example_gradients(
                 model, x, y, weights, model._per_example_loss, model.per_example_gradients,
