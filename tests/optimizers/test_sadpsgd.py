@@ -135,6 +135,10 @@ def test_forced_acceptance_happens_exactly_at_rejection_threshold():
     ids=["sgd_momentum", "adam"],
 )
 def test_rejected_step_leaves_weights_and_slots_bit_identical(make_opt):
+    # A fixed initialisation: the outcomes below depend on it, and the global
+    # state the tests before this one leave is no fixed point (measured: seeds
+    # 0-4 give these outcomes for both optimizers; seed 5 with Adam does not).
+    keras.utils.set_random_seed(0)
     x, y, xe, ye = anti_public_setup()
     opt = make_opt((xe, ye))
     model = tfdp.DPSequential([keras.Input((2,)), keras.layers.Dense(1)])
