@@ -68,7 +68,7 @@ def trajectory(optimizer, steps, start=START):
     optimizer.build([theta])
     info = {"mask": tf.ones([1]), "expected_batch_size": tf.constant(1.0)}
 
-    @tf.function
+    @tf.function(autograph=False)  # straight-line code; as Keras traces a train step
     def step():
         with tf.GradientTape() as tape:
             loss = beale(theta)

@@ -241,7 +241,7 @@ def _replica_parts(model):
     """Each local replica's `privatize` output on zero gradients (its noise part)."""
     strategy = STRATEGY
 
-    @tf.function
+    @tf.function(autograph=False)  # straight-line code, traced as Keras traces a train step
     def parts():
         def replica_fn():
             x = tf.zeros((NOISE_BATCH, 100))
@@ -330,7 +330,8 @@ def refusal_messages(replicas):
 
 
 def unseeded_draws(replicas, fits=2):
-    """Records the global draws (indices, mask) and this process's shares."""
+    """Records the global draws (indices, mask) and this process's shares.
+    The fits train one model (traced once): each fit must draw its own seed."""
     x, y, _ = exact_data()
     records = []
     original = distribute.worker_shard
@@ -340,14 +341,14 @@ def unseeded_draws(replicas, fits=2):
         return original(indices, mask, *args)
 
     per_fit = []
+    with scope(replicas):
+        model = exact_model()
+        model.compile(
+            optimizer=tfdp.optimizers.DPSGD(0.1, l2_norm_clip=1.0, noise_multiplier=1.0),
+            loss=LOSS,
+        )
     with patched("worker_shard", recording):
         for _ in range(fits):
-            with scope(replicas):
-                model = exact_model()
-                model.compile(
-                    optimizer=tfdp.optimizers.DPSGD(0.1, l2_norm_clip=1.0, noise_multiplier=1.0),
-                    loss=LOSS,
-                )
             records.clear()
             model.fit(x, y, batch_size=24, epochs=1, steps_per_epoch=4, verbose=0)
             # the pipeline prefetches ahead; the first 4 draws are the steps

@@ -54,7 +54,8 @@ def test_sa_dpsgd_ends_at_lower_energy_than_dpsgd_on_noisy_regression():
 
     Negative control: with a temperature so low that every candidate is
     accepted, SA-DPSGD is exactly DP-SGD (same seeds give the same noise and
-    batches), so the gain comes from the acceptance rule alone.
+    batches), so the gain comes from the acceptance rule alone. That is an
+    equality, not a statistic: it is checked on the first 2 of the 5 seeds.
     """
     finals = {"sa": [], "dp": [], "accept_all": []}
     for seed in range(5):
@@ -64,21 +65,23 @@ def test_sa_dpsgd_ends_at_lower_energy_than_dpsgd_on_noisy_regression():
                 1.0, l2_norm_clip=1.0, noise_multiplier=8.0, public_energy_data=(xe, ye), seed=seed
             ),
             "dp": tfdp.optimizers.DPSGD(1.0, l2_norm_clip=1.0, noise_multiplier=8.0, seed=seed),
-            "accept_all": tfdp.optimizers.SADPSGD(
+        }
+        if seed < 2:
+            optimizers["accept_all"] = tfdp.optimizers.SADPSGD(
                 1.0, l2_norm_clip=1.0, noise_multiplier=8.0, public_energy_data=(xe, ye),
                 initial_temperature=1e-30, seed=seed,
-            ),
-        }
+            )
         for kind, optimizer in optimizers.items():
             model = linear_model()
             model.compile(optimizer=optimizer, loss=mse)
             model.fit(x, y, batch_size=50, epochs=1, steps_per_epoch=60, verbose=0)
             assert model.privacy.steps == 60
             finals[kind].append(public_energy(model, xe, ye))
-        assert int(optimizers["accept_all"].accepted_count.numpy()) == 60
+        if seed < 2:
+            assert int(optimizers["accept_all"].accepted_count.numpy()) == 60
         assert int(optimizers["sa"].accepted_count.numpy()) < 60
     sa, dp = np.mean(finals["sa"]), np.mean(finals["dp"])
-    np.testing.assert_allclose(finals["accept_all"], finals["dp"], rtol=1e-6)
+    np.testing.assert_allclose(finals["accept_all"], finals["dp"][:2], rtol=1e-6)
     # The noise-free optimum's energy is about 0.09 (label noise 0.3^2).
     assert sa < dp - 0.015, finals
     assert sum(s < d for s, d in zip(finals["sa"], finals["dp"])) >= 4, finals
@@ -132,6 +135,10 @@ def test_forced_acceptance_happens_exactly_at_rejection_threshold():
     ids=["sgd_momentum", "adam"],
 )
 def test_rejected_step_leaves_weights_and_slots_bit_identical(make_opt):
+    # A fixed initialisation: the outcomes below depend on it, and the global
+    # state the tests before this one leave is no fixed point (measured: seeds
+    # 0-4 give these outcomes for both optimizers; seed 5 with Adam does not).
+    keras.utils.set_random_seed(0)
     x, y, xe, ye = anti_public_setup()
     opt = make_opt((xe, ye))
     model = tfdp.DPSequential([keras.Input((2,)), keras.layers.Dense(1)])
