@@ -111,32 +111,43 @@ def test_budget_stops_training_before_it_is_exceeded():
         model.fit(x, y, batch_size=20, epochs=1, callbacks=[budget], verbose=0)
 
 
-def test_ledger_counts_steps_with_the_poisson_event():
+@pytest.fixture(scope="module")
+def three_epochs(tmp_path_factory):
+    """A small model fitted 3 epochs at q = 0.1 (30 steps) with a CSV log,
+    its data and the log's path: the tests below read it and do not train it
+    further (they save, load or export it)."""
     x, y = small_data(100)
     model = compiled_small_model()
-    model.fit(x, y, batch_size=10, epochs=3, verbose=0)
+    path = tmp_path_factory.mktemp("three_epochs") / "log.csv"
+    model.fit(x, y, batch_size=10, epochs=3, callbacks=[keras.callbacks.CSVLogger(str(path))],
+              verbose=0)
+    return model, x, y, path
+
+
+@pytest.mark.xdist_group("dp_model_three_epochs")  # one worker: the fixture fits once
+def test_ledger_counts_steps_with_the_poisson_event(three_epochs):
+    model = three_epochs[0]
     assert model.privacy.steps == 30
     expected = tfdp.accounting.compute_epsilon(1.0, 0.1, 30, 1e-5)
     assert model.privacy.epsilon(1e-5) == pytest.approx(expected, rel=1e-12)
 
 
-def test_save_load_resume_keeps_the_ledger(tmp_path):
-    x, y = small_data(100)
-    model = compiled_small_model()
-    model.fit(x, y, batch_size=10, epochs=2, verbose=0)
+@pytest.mark.xdist_group("dp_model_three_epochs")
+def test_save_load_resume_keeps_the_ledger(tmp_path, three_epochs):
+    model, x, y, _ = three_epochs
     path = str(tmp_path / "m.keras")
     model.save(path)
     restored = keras.models.load_model(path)
     assert isinstance(restored, tfdp.DPSequential)
     assert isinstance(restored.optimizer, tfdp.optimizers.DPSGD)
-    assert restored.privacy.steps == 20
+    assert restored.privacy.steps == 30
     assert restored.privacy.epsilon(1e-5) == pytest.approx(model.privacy.epsilon(1e-5))
-    assert int(restored.optimizer.iterations.numpy()) == 20
+    assert int(restored.optimizer.iterations.numpy()) == 30
     np.testing.assert_allclose(restored.predict(x, verbose=0), model.predict(x, verbose=0), rtol=1e-6)
     restored.fit(x, y, batch_size=10, epochs=1, verbose=0)
-    assert restored.privacy.steps == 30
+    assert restored.privacy.steps == 40
     assert restored.privacy.epsilon(1e-5) == pytest.approx(
-        tfdp.accounting.compute_epsilon(1.0, 0.1, 30, 1e-5), rel=1e-12
+        tfdp.accounting.compute_epsilon(1.0, 0.1, 40, 1e-5), rel=1e-12
     )
     assert "_noise_key" not in str(restored.optimizer.get_config())
 
@@ -179,12 +190,9 @@ def test_validation_split_trains_on_the_rest_and_accounts_for_it():
         model.fit(x, y, batch_size=10, validation_split=1.5, verbose=0)
 
 
-def test_epsilon_reaches_the_other_loggers(tmp_path):
-    x, y = small_data(100)
-    model = compiled_small_model()
-    path = tmp_path / "log.csv"
-    model.fit(x, y, batch_size=10, epochs=3, callbacks=[keras.callbacks.CSVLogger(str(path))],
-              verbose=0)
+@pytest.mark.xdist_group("dp_model_three_epochs")
+def test_epsilon_reaches_the_other_loggers(three_epochs):
+    path = three_epochs[3]
     rows = path.read_text().splitlines()
     column = rows[0].split(",").index("epsilon")
     logged = [float(row.split(",")[column]) for row in rows[1:]]
@@ -230,10 +238,9 @@ def test_functional_dp_model_round_trip(tmp_path):
     assert restored.privacy.steps == model.privacy.steps
 
 
-def test_export_predicts_the_same_and_holds_no_optimizer_state(tmp_path):
-    x, y = small_data()
-    model = compiled_small_model()
-    model.fit(x, y, batch_size=8, epochs=1, verbose=0)
+@pytest.mark.xdist_group("dp_model_three_epochs")
+def test_export_predicts_the_same_and_holds_no_optimizer_state(tmp_path, three_epochs):
+    model, x, _, _ = three_epochs
     path = str(tmp_path / "export")
     model.export(path, verbose=False)
     loaded = tf.saved_model.load(path)
@@ -263,7 +270,10 @@ def test_weight_decay_before_clip_reaches_the_ridge_optimum():
             ),
             loss=lambda t, p: 0.5 * tf.reduce_sum(tf.square(t - p), -1),
         )
-        model.fit(x, y, batch_size=8, epochs=300, steps_per_epoch=1, verbose=0)
+        # 300 steps in one epoch (not 300 epochs of one step: the same steps,
+        # without 300 epochs' callbacks and data iterators).
+        model.fit(x, y, batch_size=8, epochs=1, steps_per_epoch=300, verbose=0)
+        assert model.privacy.steps == 300
         results[placement] = float(model.trainable_variables[0].numpy().squeeze())
     assert results["after_noise"] == pytest.approx(2.0, abs=1e-3)
     assert results["before_clip"] == pytest.approx(3.8 / 1.5, abs=1e-3)

@@ -90,10 +90,22 @@ def test_chunked_run_equals_the_unsplit_run(make_optimizer):
     assert_same_run(train(make_optimizer(), None), train(make_optimizer(), 23))
 
 
-def test_chunked_run_equals_the_unsplit_run_under_xla():
+@pytest.fixture(scope="module")
+def xla_run_in_chunks_of_23():
+    """One XLA run in chunks of 23 rows (a partial last chunk: 23 divides no
+    padded batch) and the rows of every chunk its trace saw; an XLA fit
+    compiles for seconds, so the two tests below read this one."""
+    with pytest.MonkeyPatch.context() as patch:
+        traced, _ = record_chunk_rows(patch, at_run_time=False)
+        run = train(dpsgd(), 23, epochs=1, jit_compile=True)
+    return run, traced
+
+
+@pytest.mark.xdist_group("physical_batches_xla_run")
+def test_chunked_run_equals_the_unsplit_run_under_xla(xla_run_in_chunks_of_23):
     # XLA pads every batch to one fixed length: chunks of static shape.
     unsplit = train(dpsgd(), None, epochs=1, jit_compile=True)
-    assert_same_run(unsplit, train(dpsgd(), 23, epochs=1, jit_compile=True))
+    assert_same_run(unsplit, xla_run_in_chunks_of_23[0])
 
 
 def test_noise_is_drawn_once_per_logical_step():
@@ -154,10 +166,11 @@ def test_per_example_work_sees_chunks_of_at_most_k_rows(monkeypatch):
     assert sum(size < 16 for size in ran) <= draws
 
 
-def test_chunks_have_k_rows_under_xla(monkeypatch):
-    traced, _ = record_chunk_rows(monkeypatch, at_run_time=False)
-    train(dpsgd(), 16, epochs=1, jit_compile=True)
-    assert set(traced) == {16}
+@pytest.mark.xdist_group("physical_batches_xla_run")
+def test_chunks_have_k_rows_under_xla(xla_run_in_chunks_of_23):
+    # Every chunk, the last one too, is traced with k = 23 static rows.
+    _, traced = xla_run_in_chunks_of_23
+    assert traced and set(traced) == {23}
 
 
 @pytest.mark.parametrize("value", [0, -3, 2.5, True, "8", 65, 2**31 - 16, 2**31, 2**32, 2**32 + 16])

@@ -13,6 +13,7 @@ import warnings
 
 import keras
 import numpy as np
+import pytest
 import tensorflow as tf
 
 import tfdp
@@ -68,11 +69,19 @@ def assert_same_training_state(model, loaded):
     assert loaded.privacy.steps == model.privacy.steps
 
 
-def test_lora_layers_load_with_their_factors_flags_and_optimizer_state(tmp_path):
+@pytest.fixture(scope="module")
+def lora_trained():
+    """A trained LoRA model and its data, shared: the first test only saves
+    it, the second puts back every value it changes (and checks that it did)."""
     keras.utils.set_random_seed(0)
     rng = np.random.default_rng(0)
     x, y = rng.integers(0, 20, (32, 6)).astype("int32"), rng.integers(0, 2, 32)
-    model = _trained(_lora_model(), x, y)
+    return _trained(_lora_model(), x, y), x, y
+
+
+@pytest.mark.xdist_group("lora_trained")  # one worker: the model trains once
+def test_lora_layers_load_with_their_factors_flags_and_optimizer_state(tmp_path, lora_trained):
+    model, x, y = lora_trained
     factors = [v for v in model.trainable_variables if "lora" in v.path]
     assert len(factors) == 6 and all(np.any(v.numpy() != 0) for v in factors)
     path = str(tmp_path / "lora.keras")
@@ -97,12 +106,11 @@ def test_lora_layers_load_with_their_factors_flags_and_optimizer_state(tmp_path)
     assert loaded.privacy.steps == 2 * model.privacy.steps
 
 
-def test_weights_files_restore_the_lora_factors(tmp_path):
+@pytest.mark.xdist_group("lora_trained")
+def test_weights_files_restore_the_lora_factors(tmp_path, lora_trained):
     """`save_weights` / `load_weights` (BackupAndRestore's route) keep them too."""
-    keras.utils.set_random_seed(1)
-    rng = np.random.default_rng(1)
-    x, y = rng.integers(0, 20, (32, 6)).astype("int32"), rng.integers(0, 2, 32)
-    model = _trained(_lora_model(), x, y)
+    model = lora_trained[0]
+    assert sum(np.any(v.numpy() != 0) for v in model.weights if "lora" in v.path) == 6
     path = str(tmp_path / "lora.weights.h5")
     model.save_weights(path)
     expected = [v.numpy() for v in model.weights]

@@ -74,9 +74,24 @@ def reference_update(model, x, y, ids, k, batch_size):
     return [-LR * t / batch_size for t in total]
 
 
+REFERENCE_COUNTS = [4, 2, 1, 4, 4, 1, 2]
+
+
+@pytest.fixture(scope="module")
+def record_level_update():
+    """The negative control's record-level update of the reference data
+    (the same for every parametrization: one fit, shared)."""
+    x, y, _ = data(REFERENCE_COUNTS, scale=3.0)
+    record_level = make_model()
+    before = weights(record_level)
+    record_level.fit(x, y, batch_size=len(x), steps_per_epoch=1, verbose=0)
+    return [a - b for a, b in zip(weights(record_level), before)]
+
+
+@pytest.mark.xdist_group("user_level_record_level_update")  # one worker: the fixture once
 @pytest.mark.parametrize("physical_batch_size, jit", [(None, False), (2, False), (3, True)])
-def test_update_equals_clipped_per_user_reference(physical_batch_size, jit):
-    counts = [4, 2, 1, 4, 4, 1, 2]
+def test_update_equals_clipped_per_user_reference(physical_batch_size, jit, record_level_update):
+    counts = REFERENCE_COUNTS
     x, y, ids = data(counts, scale=3.0)
     model = make_model(jit_compile=jit)
     before = weights(model)
@@ -85,10 +100,9 @@ def test_update_equals_clipped_per_user_reference(physical_batch_size, jit):
               steps_per_epoch=1, physical_batch_size=physical_batch_size, verbose=0)
     for b, a, e in zip(before, weights(model), expected):
         np.testing.assert_allclose(a - b, e, rtol=2e-4, atol=2e-7)
-    # Negative control: the record-level update of the same data differs.
-    record_level = make_model()
-    record_level.fit(x, y, batch_size=len(x), steps_per_epoch=1, verbose=0)
-    moved = [a - b for a, b in zip(weights(record_level), before)]
+    # Negative control: the record-level update of the same data (from the
+    # same initial weights: make_model seeds them) differs.
+    moved = record_level_update
     assert max(np.max(np.abs(m - e)) for m, e in zip(moved, expected)) > 1e-3
 
 
@@ -111,22 +125,47 @@ def crafted_users(kind, rng):
     return (30 * rng.normal(size=(1000, 3, 4))).astype("float32"), rng.integers(0, 3, 1000)
 
 
+@pytest.fixture(scope="module")
+def from_the_start():
+    """`make_model()` at its initial weights, for each call: one model and
+    one traced step serve every noiseless sum below (the step is plain SGD
+    without state, so a sum from the reset weights is a fresh model's)."""
+    model = make_model()
+    initial = model.get_weights()
+
+    def reset():
+        model.set_weights(initial)
+        return model
+
+    return reset
+
+
+@pytest.fixture(scope="module")
+def base_sum(from_the_start):
+    """The clipped sum of the five users without the crafted person."""
+    x, y, ids = data([4, 2, 1, 4, 3])
+    return user_sum(from_the_start(), x, y, ids, users=5)
+
+
+@pytest.mark.xdist_group("user_level_sums")  # one worker: the shared model once
 @pytest.mark.parametrize("kind", ["huge", "cancelling", "many"])
-def test_removing_or_replacing_one_person_moves_the_sum_by_at_most_the_bound(kind):
+def test_removing_or_replacing_one_person_moves_the_sum_by_at_most_the_bound(kind, from_the_start,
+                                                                             base_sum):
     rng = np.random.default_rng(3)
     x, y, ids = data([4, 2, 1, 4, 3])
     px, py = crafted_users(kind, rng)
     with_person = (np.concatenate([x, px]), np.concatenate([y, py]),
                    np.concatenate([ids, np.full(len(px), 99)]))
-    base = user_sum(make_model(), x, y, ids, users=5)
-    added = user_sum(make_model(), *with_person, users=6)
+    base = base_sum
+    added = user_sum(from_the_start(), *with_person, users=6)
     assert np.linalg.norm(added - base) <= CLIP * (1 + 1e-5)
     assert np.linalg.norm(added - base) > 0.5 * CLIP  # the person is clipped, not absent
     # Replacing person 0's records by the crafted ones: at most 2C.
     keep = ids != 0
     replaced = (np.concatenate([x[keep], px]), np.concatenate([y[keep], py]),
                 np.concatenate([ids[keep], np.zeros(len(px), int)]))
-    assert np.linalg.norm(user_sum(make_model(), *replaced, users=5) - base) <= 2 * CLIP * (1 + 1e-5)
+    moved = np.linalg.norm(user_sum(from_the_start(), *replaced, users=5) - base)
+    assert moved <= 2 * CLIP * (1 + 1e-5)
 
 
 def test_a_person_with_one_record_and_one_with_a_thousand_are_clipped_alike():
