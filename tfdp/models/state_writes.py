@@ -361,8 +361,11 @@ def check_no_state_writes(model, sample, loss_fn, method="auto", training=True):
 
     try:
         # Traced as Keras traces the step (its train function is not
-        # converted by AutoGraph): the same program, and no conversion of
-        # tfdp's functions (seconds on a process's first fit).
+        # converted by AutoGraph), converting none of tfdp's functions
+        # (seconds on a process's first fit). Under XLA the vectorized
+        # path's loop converts what a layer hands to tf.map_fn: a write
+        # there is refused at the step's trace (checked_per_example_pass),
+        # before the step runs.
         graph = tf.function(forward_backward, autograph=False).get_concrete_function(
             x, targets).graph
     except BatchNormalizationInTraining:

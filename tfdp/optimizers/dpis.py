@@ -48,6 +48,7 @@ from tfdp.mechanisms import dpsgd
 from tfdp.mechanisms import importance_sampling as isp
 from tfdp.per_example import compute_per_example_gradients
 from tfdp.mechanisms.importance_sampling import _check_real
+from tfdp.models.state_writes import checked_per_example_pass
 from tfdp.optimizers.dp_optimizer import DPOptimizer, check_float32_scale, check_positive
 
 ACCOUNTANTS = ("rdp", "pld")
@@ -525,11 +526,15 @@ class DPIS(DPOptimizer):
         loss_fn = model._per_example_loss  # pylint: disable=protected-access
         method = model.per_example_gradients
 
+        # The pass runs the layers' training call on every record, before the
+        # step is traced: checked as the step's own pass is (a layer that
+        # writes a variable here is refused before the pass runs).
         @tf.function(reduce_retracing=True, autograph=False)
         def sq_norms(x, y, weights):
-            per_example, _, _ = compute_per_example_gradients(
-                model, x, y, weights, loss_fn, method, training=True
-            )
+            with checked_per_example_pass(model):
+                per_example, _, _ = compute_per_example_gradients(
+                    model, x, y, weights, loss_fn, method, training=True
+                )
             return self._decayed(per_example).sq_norms()
 
         return sq_norms
