@@ -5,10 +5,10 @@ Usage: python _train_until_killed.py WORKDIR FREQUENCIES BLOCK_AT_STEP
 Trains DP-SGD on a fixed toy dataset with a checkpoint (.keras) at every
 epoch end and one PrivacyJournal per frequency of FREQUENCIES (comma
 separated: "batch,epoch" writes WORKDIR/journal-batch.jsonl and
-WORKDIR/journal-epoch.jsonl, each as if it were the only one: one killed run
-serves the parent's test of each frequency). After step BLOCK_AT_STEP it writes WORKDIR/ready
-(with the step count) and sleeps, so that the parent can SIGKILL it mid-epoch
-at a known step.
+WORKDIR/journal-epoch.jsonl, each as if it were the only one: one killed
+run serves the parent's test of each frequency). After step BLOCK_AT_STEP
+it writes WORKDIR/ready (with the step count) and sleeps, so that the
+parent can SIGKILL it mid-epoch at a known step.
 """
 
 import os
