@@ -1,11 +1,14 @@
 """Child process of test_kill_resume.py: trains, checkpoints, blocks at a step.
 
-Usage: python _train_until_killed.py WORKDIR FREQUENCY BLOCK_AT_STEP
+Usage: python _train_until_killed.py WORKDIR FREQUENCIES BLOCK_AT_STEP
 
-Trains DP-SGD on a fixed toy dataset with a PrivacyJournal and a checkpoint
-(.keras) at every epoch end. After step BLOCK_AT_STEP it writes WORKDIR/ready
-(with the step count) and sleeps, so that the parent can SIGKILL it mid-epoch
-at a known step.
+Trains DP-SGD on a fixed toy dataset with a checkpoint (.keras) at every
+epoch end and one PrivacyJournal per frequency of FREQUENCIES (comma
+separated: "batch,epoch" writes WORKDIR/journal-batch.jsonl and
+WORKDIR/journal-epoch.jsonl, each as if it were the only one: one killed
+run serves the parent's test of each frequency). After step BLOCK_AT_STEP
+it writes WORKDIR/ready (with the step count) and sleeps, so that the
+parent can SIGKILL it mid-epoch at a known step.
 """
 
 import os
@@ -50,13 +53,18 @@ class BlockAt(keras.callbacks.Callback):
             time.sleep(600)
 
 
-def main(workdir, frequency, block_at):
+def journal_path(workdir, frequency):
+    return os.path.join(workdir, f"journal-{frequency}.jsonl")
+
+
+def main(workdir, frequencies, block_at):
     x, y = data()
     model = build()
+    journals = [tfdp.callbacks.PrivacyJournal(journal_path(workdir, frequency), frequency=frequency)
+                for frequency in frequencies.split(",")]
     model.fit(
         x, y, batch_size=BATCH, epochs=100, steps_per_epoch=STEPS_PER_EPOCH, verbose=0,
-        callbacks=[
-            tfdp.callbacks.PrivacyJournal(os.path.join(workdir, "journal.jsonl"), frequency=frequency),
+        callbacks=journals + [
             keras.callbacks.ModelCheckpoint(os.path.join(workdir, "last.keras")),
             BlockAt(workdir, int(block_at)),
         ],

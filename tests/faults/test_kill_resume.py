@@ -30,10 +30,10 @@ Q = child.BATCH / child.N
 BLOCK_AT = 25  # mid-epoch 3: the last checkpoint holds 20 steps
 
 
-def run_and_kill(workdir, frequency):
+def run_and_kill(workdir, frequencies):
     script = os.path.join(os.path.dirname(__file__), "_train_until_killed.py")
     process = subprocess.Popen(
-        [sys.executable, script, str(workdir), frequency, str(BLOCK_AT)],
+        [sys.executable, script, str(workdir), frequencies, str(BLOCK_AT)],
         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
     )
     ready = os.path.join(workdir, "ready")
@@ -52,13 +52,23 @@ def run_and_kill(workdir, frequency):
         return int(file.read())
 
 
+@pytest.fixture(scope="module")
+def killed_run(tmp_path_factory):
+    """One child killed at step BLOCK_AT, journaling with both frequencies
+    (a journal file each): each parametrization below resumes from its own
+    journal and the shared checkpoint, which it only reads."""
+    workdir = tmp_path_factory.mktemp("killed")
+    return workdir, run_and_kill(workdir, "batch,epoch")
+
+
+@pytest.mark.xdist_group("killed_run")  # one worker: the child runs once
 @pytest.mark.parametrize("frequency, charged", [("batch", BLOCK_AT), ("epoch", 30)])
-def test_killed_run_resumes_with_a_ledger_covering_every_step_that_ran(tmp_path, frequency, charged):
-    ran = run_and_kill(tmp_path, frequency)
+def test_killed_run_resumes_with_a_ledger_covering_every_step_that_ran(killed_run, frequency, charged):
+    workdir, ran = killed_run
     assert ran == BLOCK_AT
-    model = tfdp.load_model(tmp_path / "last.keras")  # registers tfdp's classes first
+    model = tfdp.load_model(workdir / "last.keras")  # registers tfdp's classes first
     assert model.privacy.steps == 20  # the last epoch-end checkpoint
-    journal = tfdp.callbacks.PrivacyJournal(str(tmp_path / "journal.jsonl"), frequency=frequency)
+    journal = tfdp.callbacks.PrivacyJournal(child.journal_path(workdir, frequency), frequency=frequency)
     x, y = child.data()
 
     # Negative control: resuming from the checkpoint alone under-counts, and

@@ -44,7 +44,11 @@ def _regression(hp):
 
 def _sides(monkeypatch, num_records, split=None):
     """(training ids, validation ids) of one trial on records 0..n-1, with
-    the search's randomness fixed (the same seed for D and D + z)."""
+    the search's randomness fixed (the same seed for D and D + z): the ids
+    its fit was given and those its score saw. The fit only records (the
+    split is drawn before it: training, a DP step's trace and most of the
+    search's time, moves no record across it), so the search ends at its
+    charge, refused for a ledger that ran no step."""
     real = np.random.default_rng
     monkeypatch.setattr(np.random, "default_rng", lambda seed=None: real(1234))
     if split is not None:
@@ -56,7 +60,6 @@ def _sides(monkeypatch, num_records, split=None):
         weights = kwargs.get("sample_weight")
         weights = np.ones(len(x)) if weights is None else np.asarray(weights)
         seen["train"] = {int(v) for v, w in zip(x[:, 0], weights) if w > 0}
-        return fit(self, x, y, **kwargs)
 
     def score(y_true, y_pred):
         seen["val"].update(int(v) for v in np.ravel(y_true))
@@ -65,7 +68,8 @@ def _sides(monkeypatch, num_records, split=None):
     monkeypatch.setattr(tfdp.DPSequential, "fit", spy_fit)
     ids = np.arange(num_records).astype("float32")
     tuner = PrivateRandomSearch(_regression, mean_trials=1, score=score)
-    tuner.search(ids[:, None], ids, batch_size=10, epochs=1, validation_split=0.3)
+    with pytest.raises(ValueError, match="this ledger has run no step"):
+        tuner.search(ids[:, None], ids, batch_size=10, epochs=1, validation_split=0.3)
     monkeypatch.setattr(tfdp.DPSequential, "fit", fit)
     return seen["train"], seen["val"]
 
