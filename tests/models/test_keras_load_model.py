@@ -37,14 +37,8 @@ def saved(tmp_path_factory):
     return str(path), model.privacy.steps
 
 
-# Run last, once the checks have printed (an exception before it exits 1):
-# the interpreter's teardown of TensorFlow's objects (~2 CPU-s a process) is
-# not under test.
-EXIT = "import os, sys; sys.stdout.flush(); sys.stderr.flush(); os._exit(0)\n"
-
-
 def run_python(code, path):
-    code = f"PATH = {path!r}\n" + textwrap.dedent(code) + "\n" + EXIT
+    code = f"PATH = {path!r}\n" + textwrap.dedent(code)
     env_code = "import os; os.environ['TF_CPP_MIN_LOG_LEVEL'] = '3'\n"
     return subprocess.run([sys.executable, "-c", env_code + code], capture_output=True,
                           text=True, timeout=600, cwd=ROOT)
