@@ -90,8 +90,10 @@ def _train_privately(model, loss, x, y, batch_size, crafted, steps_before=0):
 
 # 1. Image classification from scratch ----------------------------------------
 
-def _xception_like(input_shape, num_classes, sizes=(8, 16, 24), entry=8, exit=32):
-    """keras.io's make_model, with widths (128; 256, 512, 728; 1024) shrunk."""
+def _xception_like(input_shape, num_classes, sizes=(8, 16), entry=8, exit=32):
+    """keras.io's make_model, with widths (128; 256, 512, 728; 1024) shrunk
+    and two of its residual blocks (the loop's code, run twice: the second
+    block's residual comes from the first's output, as in keras.io)."""
     inputs = keras.Input(shape=input_shape)
     x = layers.RandomFlip("horizontal")(inputs)
     x = layers.RandomRotation(0.1)(x)
@@ -127,7 +129,7 @@ def test_image_classification_from_scratch():
     # would abort the process on this model under oneDNN: a 1x1 strided
     # Conv2D's gradient in tf.vectorized_map).
     model, changes = fix_batch_normalization(_xception_like((32, 32, 3), 2))
-    assert len(changes) == 8 and all("GroupNormalization" in c for c in changes), changes
+    assert len(changes) == 6 and all("GroupNormalization" in c for c in changes), changes
     assert not any(isinstance(l, layers.BatchNormalization) for l in model.layers)
     rng = np.random.default_rng(0)
     x = rng.uniform(0, 255, size=(32, 32, 32, 3)).astype("float32")

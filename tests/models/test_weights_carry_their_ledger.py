@@ -10,6 +10,7 @@ control (fresh layers) charges only its own steps.
 """
 
 import gc
+import types
 import weakref
 
 import keras
@@ -49,9 +50,20 @@ def build(encoder=None, name=None):
 
 @pytest.fixture
 def first(data):
-    """A privately trained model (each test its own: the tests train its
-    encoder further)."""
+    """A privately trained model, for a test that changes it."""
     return train(build(name="pretrained"), data)
+
+
+@pytest.fixture(scope="module")
+def transfer(data):
+    """The reviewer's construction, trained once for the tests that only read
+    it: a privately trained model ("pretrained"), its charge taken before the
+    transfer, and a model on its encoder layer (the same variables) retrained
+    on the same records ("transfer")."""
+    first = train(build(name="pretrained"), data)
+    pretrained = first.privacy.composed_event()
+    second = train(build(first.get_layer("encoder"), name="transfer"), data)
+    return types.SimpleNamespace(first=first, pretrained=pretrained, second=second)
 
 
 def composed_epsilon(model, *carried):
@@ -65,12 +77,11 @@ def composed_epsilon(model, *carried):
     return reference.epsilon(DELTA)
 
 
-def test_a_model_on_a_trained_encoder_charges_the_encoders_ledger(first, data):
+def test_a_model_on_a_trained_encoder_charges_the_encoders_ledger(transfer):
     """The reviewer's construction: the encoder layer reused, retrained on
     the same records."""
-    pretrained = first.privacy.composed_event()
-    second = train(build(first.get_layer("encoder"), name="transfer"), data)
-    expected = composed_epsilon(second, pretrained)
+    first, second = transfer.first, transfer.second
+    expected = composed_epsilon(second, transfer.pretrained)
     assert second.privacy.epsilon(DELTA) == pytest.approx(expected, rel=1e-9)
     statement = second.privacy.statement(DELTA)
     assert "model 'pretrained'" in statement
@@ -91,11 +102,11 @@ def test_a_model_holding_a_frozen_trained_encoder_charges_it(first, data):
     assert "model 'pretrained'" in held.privacy.statement(DELTA)
 
 
-def test_fresh_layers_charge_only_their_own_steps(first, data):
+def test_fresh_layers_charge_only_their_own_steps(transfer, data):
     """Negative control: same data, same settings, no shared variable."""
     fresh = train(build(name="fresh"), data)
     assert fresh.privacy.epsilon(DELTA) == pytest.approx(composed_epsilon(fresh), rel=1e-9)
-    assert fresh.privacy.epsilon(DELTA) < composed_epsilon(fresh, first.privacy.composed_event())
+    assert fresh.privacy.epsilon(DELTA) < composed_epsilon(fresh, transfer.pretrained)
     assert "pretrained" not in fresh.privacy.statement(DELTA)
 
 
@@ -119,15 +130,14 @@ def test_the_charge_outlives_the_pretrained_model_and_travels_in_files(data, tmp
     assert "model 'pretrained'" in loaded.privacy.statement(DELTA)
 
 
-def test_a_head_trained_on_a_trained_encoders_features_carries_both(first, data):
+def test_a_head_trained_on_a_trained_encoders_features_carries_both(transfer):
     """A model holding only the transfer's head (trained on the encoder's
     outputs, so on the first training's weights) carries both trainings,
     without training itself."""
-    pretrained = first.privacy.composed_event()
-    second = train(build(first.get_layer("encoder"), name="transfer"), data)
+    second = transfer.second
     head = second.layers[-1]
     reference = PrivacyLedger()
-    reference.record(pretrained)
+    reference.record(transfer.pretrained)
     reference.begin_steps(second.optimizer.step_event(BATCH / N))
     reference.advance(STEPS)
     holder = tfdp.DPSequential([keras.Input((8,)), head], name="holder")
