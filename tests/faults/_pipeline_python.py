@@ -51,7 +51,7 @@ def model_for(optimizer, width=4):
 
 def main(workdir):
     rng = np.random.default_rng(0)
-    x, y = rng.normal(size=(200, 4)).astype(np.float32), rng.integers(0, 2, 200)
+    x, y = rng.normal(size=(60, 4)).astype(np.float32), rng.integers(0, 2, 60)  # 3 steps an epoch
     np.save(os.path.join(workdir, "x.npy"), x)
     dpsgd = lambda: tfdp.optimizers.DPSGD(0.1, l2_norm_clip=1.0, noise_multiplier=1.0)  # noqa: E731
     kinds = {
