@@ -366,8 +366,13 @@ def fit_shape(noise_shape, x, y, public, steps=3, learning_rate=0.0, **kwargs):
                                 noise_multiplier=1.1, local_clip_threshold=0.0,
                                 noise_shape=noise_shape, seed=4, **extra, **kwargs)
     model.compile(optimizer=opt, loss=LOSS)
+    return model, fit_moments(model, x, y, steps)
+
+
+def fit_moments(model, x, y, steps=3):
+    """Fits `model` (compiled with AdaDP) for `steps` steps; its second moments s."""
     model.fit(x, y, batch_size=10, epochs=1, steps_per_epoch=steps, verbose=0)
-    return model, [m.numpy() for m in opt.second_moments(model.trainable_variables)]
+    return [m.numpy() for m in model.optimizer.second_moments(model.trainable_variables)]
 
 
 def test_public_shape_never_reads_training_data():
@@ -387,8 +392,7 @@ def test_public_shape_never_reads_training_data():
     want = accounting.compute_epsilon(1.1, 10 / 60, 3, 1e-5)
     assert model.privacy.epsilon(1e-5) == pytest.approx(want, rel=1e-9)
     weights = [w.numpy() for w in model.trainable_variables]
-    model.fit(*train_b, batch_size=10, epochs=1, steps_per_epoch=3, verbose=0)
-    s_b = [m.numpy() for m in model.optimizer.second_moments(model.trainable_variables)]
+    s_b = fit_moments(model, *train_b)
     for before, after in zip(weights, model.trainable_variables):
         np.testing.assert_array_equal(before, after.numpy())
     for a, b, want in zip(s_a, s_b, independent_public_statistic(model, *public)):
