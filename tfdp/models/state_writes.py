@@ -354,10 +354,15 @@ def check_no_state_writes(model, sample, loss_fn, method="auto", training=True):
     x, targets = sample[0], sample[1]
 
     def forward_backward(x, targets):
+        # The pass alone, as `checked_per_example_pass` scans it in the step:
+        # its parts hold tensors and variables, and the norm bounds the step
+        # reads from them are tfdp's arithmetic, scanned with the rest of the
+        # step (`checked_train_step`). Tracing them here too cost about as
+        # much as the pass itself (rounding bounds, their float64 branches).
         size = tf.shape(tf.nest.flatten(x)[0])[0]
-        grads, _, _ = compute_per_example_gradients(
+        _, _, losses = compute_per_example_gradients(
             model, x, targets, tf.ones([size]), loss_fn, method, training)
-        return grads.sq_norms()
+        return losses
 
     try:
         # Traced as Keras traces the step (its train function is not
