@@ -46,7 +46,11 @@ what it may run is allowed, not denied:
   what a callback decides by it.
 - `check_dp_model`, fit's early check: it traces the same pass
   (`tfdp.per_example.compute_per_example_gradients`, on the model's path)
-  before any step, for a clear error before training starts.
+  before any step, for a clear error before training starts; and where a
+  rule registered with `tfdp.per_example.register_rule` made a part of its
+  own class, what the step asks of that part after the pass (norm bounds,
+  clipped sum, `grouped`, `dots`): the rule author's code, which the step
+  runs outside the pass, is held to the pass's rules too.
 
 In the per-example pass, every op that writes a resource (`AssignVariableOp`,
 `AssignAddVariableOp`, `ResourceScatter*`, `ResourceApply*`, a lookup
@@ -116,6 +120,7 @@ import tensorflow as tf
 
 from tfdp.models import step_ops, value_shapes
 from tfdp.per_example import compute_per_example_gradients
+from tfdp.per_example.grads import Part
 from tfdp.per_example.inference_mode import BatchNormalizationInTraining
 from tfdp.preprocessing import provenance
 
@@ -354,14 +359,11 @@ def check_no_state_writes(model, sample, loss_fn, method="auto", training=True):
     x, targets = sample[0], sample[1]
 
     def forward_backward(x, targets):
-        # The pass alone, as `checked_per_example_pass` scans it in the step:
-        # its parts hold tensors and variables, and the norm bounds the step
-        # reads from them are tfdp's arithmetic, scanned with the rest of the
-        # step (`checked_train_step`). Tracing them here too cost about as
-        # much as the pass itself (rounding bounds, their float64 branches).
         size = tf.shape(tf.nest.flatten(x)[0])[0]
-        _, _, losses = compute_per_example_gradients(
+        grads, _, losses = compute_per_example_gradients(
             model, x, targets, tf.ones([size]), loss_fn, method, training)
+        if not all(map(_defined_by_tfdp, grads.parts)):
+            _trace_rule_parts(grads, size)
         return losses
 
     try:
@@ -380,6 +382,39 @@ def check_no_state_writes(model, sample, loss_fn, method="auto", training=True):
         # and the step's own trace raises its error (named there) first.
         return
     _refuse_writes(model, graph, graph.get_operations())
+
+
+def _defined_by_tfdp(part):
+    """True if `part` and every part it holds are of classes tfdp defines."""
+    held = [value for value in getattr(part, "__dict__", {}).values() if isinstance(value, Part)]
+    return type(part).__module__.split(".")[0] == "tfdp" and all(map(_defined_by_tfdp, held))
+
+
+def _trace_rule_parts(grads, size):
+    """Traces what the step asks of a registered rule's own parts, for
+    `check_no_state_writes` to scan under the pass's rules.
+
+    The step reads a part after its pass (`checked_per_example_pass`): its
+    norm bounds, their errors, its clipped sum, `grouped` (user-level DP)
+    and `dots` (weight decay before clipping). For tfdp's own parts that is
+    tfdp's arithmetic on the pass's tensors, scanned with the rest of the
+    step; a rule's own part runs the rule author's code there, where a write
+    to a model variable would pass for the optimizer's (and DPIS runs its
+    norms in a pass of its own). Each use is traced on its own: one the
+    part does not support (an error) leaves the others and the pass checked.
+    """
+    ones = tf.ones([size])
+    uses = (
+        lambda: grads.weighted_sum(ones),  # norm bounds, their errors, the sum
+        lambda: grads.sq_norms(),  # the bounds rounded as clipping reads them
+        lambda: grads.grouped(1).weighted_sum(ones),
+        lambda: grads.with_offsets([tf.zeros_like(v) for v in grads.variables]).weighted_sum(ones),
+    )
+    for use in uses:
+        try:
+            use()
+        except Exception:  # pylint: disable=broad-except
+            pass  # the ops it made before the error stay in the graph, scanned
 
 
 # What a scan allows to be written: in the per-example pass, nothing but a
