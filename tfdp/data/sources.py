@@ -33,6 +33,7 @@ import mmap
 import operator
 import os
 import random
+import weakref
 
 import numpy as np
 import tensorflow as tf
@@ -68,14 +69,143 @@ def is_memory_mapped(array):
     return isinstance(array, mmap.mmap)
 
 
+def _mapping_memmap(array):
+    """The memmap that made the mapping behind `array` (a memmap or a view
+    of one; its data starts at byte `offset` of its file), else None."""
+    while isinstance(array, np.ndarray):
+        if isinstance(array, np.memmap) and isinstance(array.base, mmap.mmap):
+            return array
+        array = array.base
+    return None
+
+
+def _filename(memmap):
+    """The name of `memmap`'s file as a string (NumPy keeps a Path as given), or None."""
+    return None if memmap.filename is None else os.fspath(memmap.filename)
+
+
 def _mapped_file(array):
     """`(mapping, bytes it needs, file name)` of the file behind a memmap
     (or a view of one), else None."""
-    while isinstance(array, np.ndarray):
-        if isinstance(array, np.memmap) and isinstance(array.base, mmap.mmap):
-            return array.base, array.offset + array.nbytes, array.filename
-        array = array.base
-    return None
+    memmap = _mapping_memmap(array)
+    if memmap is None:
+        return None
+    return memmap.base, memmap.offset + memmap.nbytes, _filename(memmap)
+
+
+def _truncated(filename, size, needed):
+    """The error for a mapped file now `size` bytes, of the `needed` it held."""
+    return OSError(
+        f"The file {filename!r} behind a memory-mapped training array is now "
+        f"{size} bytes, shorter than the {needed} it held when it was opened: it "
+        "was truncated or rewritten in place while it was being read, and "
+        "reading the missing pages would kill the process (SIGBUS). Training "
+        "stopped before reading it; restore the file, then resume (the steps "
+        "that ran are in the privacy ledger, and in a PrivacyJournal if you "
+        f"keep one). Received: a file of {size} bytes"
+    )
+
+
+def _address(array):
+    return array.__array_interface__["data"][0]
+
+
+class _FileRows:
+    """The rows of a memory-mapped array read from its file by positioned
+    reads (`os.preadv`) straight into a batch's memory, never through the
+    mapping: in a file truncated under the read a row past its new end is a
+    short read, an OSError naming the file, where touching the mapping
+    there would kill the process (SIGBUS).
+
+    Made by `_file_rows`. Row i is `row_bytes` bytes at `first + i * stride`
+    of the file open as `fd`, closed once no source holds this (copies of a
+    source share it).
+    """
+
+    def __init__(self, fd, filename, first, stride, array, needed):
+        self.fd, self.filename, self.needed = fd, filename, needed
+        self.first, self.stride = first, stride
+        self.shape, self.dtype = array.shape[1:], array.dtype
+        self.row_bytes = array[:1].nbytes
+        self._close = weakref.finalize(self, os.close, fd)
+
+    def read(self, indices, target):
+        """Reads the rows `indices` (an int array, each in 0..N-1) into rows
+        0.. of `target`, a C-contiguous array of this array's dtype. A run of
+        consecutive indices is one read where rows are adjacent in the file."""
+        buffer = memoryview(target.reshape(-1).view(np.uint8))
+        size, listed = self.row_bytes, indices.tolist()
+        if self.stride == size:
+            ends = (np.flatnonzero(np.diff(indices) != 1) + 1).tolist() + [len(listed)]
+        else:
+            ends = range(1, len(listed) + 1)
+        begin = 0
+        try:
+            for end in ends:
+                wanted = buffer[begin * size : end * size]
+                offset = self.first + listed[begin] * self.stride
+                got = os.preadv(self.fd, [wanted], offset)
+                while got < len(wanted):  # short: the file ends there (or a read was cut off)
+                    more = os.preadv(self.fd, [wanted[got:]], offset + got)
+                    if not more:
+                        raise _truncated(self.filename, min(os.fstat(self.fd).st_size,
+                                                            offset + got), self.needed)
+                    got += more
+                begin = end
+        except OSError as error:
+            if error.errno is None:  # _truncated's own
+                raise
+            raise OSError(error.errno, f"Reading a row of the memory-mapped training file "
+                          f"{self.filename!r} failed: {error.strerror}") from error
+
+    def row(self, index):
+        """Row `index` (in 0..N-1) as a new array."""
+        out = np.empty((1, *self.shape), self.dtype)
+        self.read(np.array([index]), out)
+        return out[0]
+
+
+def _file_rows(array):
+    """`array`'s rows as `_FileRows`, or None where they cannot be read from
+    the file: `array` is not (a view of) a memmap of a named file, its
+    mapping is copy-on-write (`mode="c"`: the array may differ from the
+    file), its rows are not contiguous blocks of the file (every other
+    column `x[:, ::2]`, a transposed view, Fortran order), `os.preadv` is
+    missing (Windows), or the file now at its name is not the one mapped
+    (not the mapping's size, or another first or last row). Those are read
+    through the mapping.
+
+    Example:
+
+    >>> import tempfile
+    >>> path = os.path.join(tempfile.mkdtemp(), "x.npy")
+    >>> np.save(path, np.arange(12.0).reshape(4, 3))
+    >>> x = np.load(path, mmap_mode="r")
+    >>> _file_rows(x[1:]).row(0)
+    array([3., 4., 5.])
+    >>> _file_rows(x[:, :2]).row(3)   # the first columns: each row still a block
+    array([ 9., 10.])
+    >>> _file_rows(x.T) is None       # transposed: no row is a block of the file
+    True
+    """
+    memmap = _mapping_memmap(array)
+    if (memmap is None or memmap.mode == "c" or memmap.filename is None
+            or not hasattr(os, "preadv") or array.ndim == 0
+            or not (array.ndim == 1 or array[0].flags.c_contiguous)):
+        return None
+    try:
+        fd = os.open(memmap.filename, os.O_RDONLY)
+    except OSError:  # renamed or removed since it was mapped
+        return None
+    rows = _FileRows(fd, _filename(memmap), _address(array) - _address(memmap) + memmap.offset,
+                     array.strides[0], array, memmap.offset + memmap.nbytes)
+    size = memmap.base.size()  # the mapped file's (fstat of the mapping's own descriptor)
+    if os.fstat(fd).st_size != size or any(
+            os.pread(fd, rows.row_bytes, rows.first + i * rows.stride) != array[i : i + 1].tobytes()
+            for i in (0, len(array) - 1)):
+        rows._close()
+        return None
+    return rows
 
 
 def _spec(value, where):
@@ -561,11 +691,22 @@ class ArraySource(_Source):
     `fit(x, y)` makes one when an array is memory-mapped; `read_records`
     returns one. Each step reads only its sampled rows.
 
-    Before every read it checks that the file behind each memmap still holds
-    the bytes it held when the memmap was opened: reading a page of a file
-    that was truncated meanwhile would kill the process (SIGBUS) without a
-    message. A file that shrank is an error naming it instead (a truncation
-    in the microseconds between the check and the read is not caught).
+    Reading a page of a mapped file past its end kills the process (SIGBUS)
+    without a message, so a file truncated or rewritten in place under
+    `fit` must never be read through its mapping. Before every read (of a
+    batch, or of one row) it checks that the file behind each memmap still
+    holds the bytes it held when the memmap was opened, and stops with an
+    OSError naming a file that shrank. The rows of a memmap whose rows are
+    blocks of its file (a memmap, or a view of one such as `x[100:]`,
+    `x[::2]` or `x[:, :10]`) are then read from the file itself by
+    positioned reads (`os.preadv`), not through the mapping, so a
+    truncation after the check is a short read, the same OSError, never
+    SIGBUS. Where the rows are not blocks of the file (every other column
+    `x[:, ::2]`, a transposed view, Fortran order), the mapping is
+    copy-on-write (`mode="c"`), the file now at its name is another, or on
+    Windows (no `os.preadv`), the rows are read through the mapping: a
+    truncation in the microseconds between the check and the read is then
+    not caught.
 
     Args:
         x: array, or tuple/dict of arrays, first dimension N.
@@ -578,6 +719,15 @@ class ArraySource(_Source):
     >>> source = ArraySource(x, np.arange(100))
     >>> len(source), source.element_spec[1].dtype
     (100, tf.int64)
+    >>> import tempfile
+    >>> path = os.path.join(tempfile.mkdtemp(), "x.npy")
+    >>> np.save(path, np.arange(8.0).reshape(4, 2))
+    >>> source = ArraySource(np.load(path, mmap_mode="r"), np.arange(4))
+    >>> out = source.empty_batch(2)
+    >>> source.read_batch(np.array([3, 1]), out)     # read from the file, not the mapping
+    >>> out[0]
+    array([[6., 7.],
+           [2., 3.]])
     """
 
     def __init__(self, x, y, sample_weight=None):
@@ -595,6 +745,7 @@ class ArraySource(_Source):
             raise ValueError("Expected at least one example. Received: 0 rows")
         self._files = [f for f in map(_mapped_file, leaves) if f is not None]
         self._check_files()
+        self._file_rows = [_file_rows(leaf) for leaf in leaves]  # None: read as arrays
         self.element_spec = tf.nest.pack_sequence_as(
             self.arrays,
             [_spec(leaf[0], path) for path, leaf in zip(self._paths, leaves)],
@@ -607,32 +758,33 @@ class ArraySource(_Source):
         return f"ArraySource(num_records={self._length})"
 
     def __getitem__(self, index):
+        """Record `index` as arrays of its own (a memmap's row read from its file)."""
         self._check_files()
-        return tf.nest.map_structure(lambda a: np.asarray(a[int(index)]), self.arrays)
+        index = int(index)
+        if not -self._length <= index < self._length:
+            raise IndexError(f"index {index} is out of bounds for axis 0 with size {self._length}")
+        index %= self._length
+        rows = [np.asarray(leaf[index]) if rows is None else rows.row(index)
+                for leaf, rows in zip(tf.nest.flatten(self.arrays), self._file_rows)]
+        return tf.nest.pack_sequence_as(self.arrays, rows)
 
     def _check_files(self):
         """Refuses to read a memmap whose file is now shorter than its mapping."""
         for mapping, needed, filename in self._files:
             size = mapping.size()  # fstat of the mapped file itself, even if renamed
             if size < needed:
-                raise OSError(
-                    f"The file {filename!r} behind a memory-mapped training array is now "
-                    f"{size} bytes, shorter than the {needed} it held when it was opened: it "
-                    "was truncated or rewritten in place while it was being read, and "
-                    "reading the missing pages would kill the process (SIGBUS). Training "
-                    "stopped before reading it; restore the file, then resume (the steps "
-                    "that ran are in the privacy ledger, and in a PrivacyJournal if you "
-                    "keep one). Received: a file of "
-                    f"{size} bytes"
-                )
+                raise _truncated(filename, size, needed)
 
     def read_batch(self, indices, out, stop=None):
         interrupts.check(stop)
         self._check_files()
         count = len(indices)
-        for target, leaf in zip(out, tf.nest.flatten(self.arrays)):
-            if isinstance(leaf, np.ndarray) and len(indices) and (
-                    0 <= indices.min() and indices.max() < len(leaf)):
+        in_range = count and 0 <= indices.min() and indices.max() < self._length
+        for target, leaf, rows in zip(out, tf.nest.flatten(self.arrays), self._file_rows):
+            if in_range and rows is not None and target.dtype == rows.dtype and (
+                    target.flags.c_contiguous):
+                rows.read(indices, target[:count])
+            elif in_range and isinstance(leaf, np.ndarray):
                 # straight into the batch: no temporary copy of the rows (a
                 # large block malloc would keep in this read thread's arena)
                 np.take(leaf, indices, axis=0, out=target[:count], mode="clip")
