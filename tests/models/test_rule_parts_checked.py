@@ -1,7 +1,8 @@
 """A registered rule's own gradient part runs the rule author's code after
 the per-example pass (its norms, its clipped sum, `grouped`, `dots`): a write
 to a layer's variable there is refused before the first step, as one in the
-layer's `call()` is (review 20).
+layer's `call()` is (reviews 20 and 21), and so is one in a method replaced
+on an instance of tfdp's own part.
 
 The step runs that code outside `checked_per_example_pass`, where writes to
 model variables pass for the optimizer's update (and DPIS runs its norms in
@@ -72,11 +73,27 @@ class _WritingPart(Part):
         return self.part.materialize()
 
 
+def _patched(layer, part, writes_in):
+    """tfdp's own `LinearGrads`, one method replaced on the instance by one
+    that writes the layer's memory first; the part also holds itself."""
+    method = getattr(part, writes_in)
+
+    def writing(*args, **kwargs):
+        layer.remember(part.x[:, 0, :])
+        return method(*args, **kwargs)
+
+    setattr(part, writes_in, writing)
+    part.me = part  # a cycle the check's walk must survive
+    return part
+
+
 @register_rule(_MemoDense)
 class _WritingRule(DenseRule):
-    writes_in = None
+    writes_in, patch = None, False
 
     def parts(self, layer, records):
+        if self.patch:
+            return [_patched(layer, part, self.writes_in) for part in super().parts(layer, records)]
         return [_WritingPart(layer, part, self.writes_in) for part in super().parts(layer, records)]
 
 
@@ -90,8 +107,9 @@ class _Began(keras.callbacks.Callback):
         self.began = True
 
 
-def _fit(writes_in, monkeypatch):
+def _fit(writes_in, monkeypatch, patch=False):
     monkeypatch.setattr(_WritingRule, "writes_in", writes_in)
+    monkeypatch.setattr(_WritingRule, "patch", patch)
     keras.utils.set_random_seed(0)
     layer = _MemoDense(3, name="memo")
     model = tfdp.DPSequential([keras.Input((4,)), layer])
@@ -112,6 +130,17 @@ def test_a_rule_part_writing_a_layer_variable_is_refused_before_the_first_step(
     with pytest.raises(ValueError, match="'memory'"):
         fit()
     assert not began.began  # refused before the callbacks start
+    assert model.privacy.steps == 0
+    np.testing.assert_array_equal(layer.memory.numpy(), np.zeros(4))
+
+
+@pytest.mark.parametrize("writes_in", ["sq_norm_bounds", "weighted_sum"])
+def test_a_method_replaced_on_a_tfdp_part_is_refused_before_the_first_step(
+        writes_in, monkeypatch):
+    model, layer, began, fit = _fit(writes_in, monkeypatch, patch=True)
+    with pytest.raises(ValueError, match="'memory'"):
+        fit()
+    assert not began.began
     assert model.privacy.steps == 0
     np.testing.assert_array_equal(layer.memory.numpy(), np.zeros(4))
 

@@ -46,11 +46,11 @@ what it may run is allowed, not denied:
   what a callback decides by it.
 - `check_dp_model`, fit's early check: it traces the same pass
   (`tfdp.per_example.compute_per_example_gradients`, on the model's path)
-  before any step, for a clear error before training starts; and where a
-  rule registered with `tfdp.per_example.register_rule` made a part of its
-  own class, what the step asks of that part after the pass (norm bounds,
-  clipped sum, `grouped`, `dots`): the rule author's code, which the step
-  runs outside the pass, is held to the pass's rules too.
+  before any step, for a clear error before training starts, with the
+  parts' norm bounds after it; where a rule registered with
+  `tfdp.per_example.register_rule` made a part of its own class, also the
+  part's clipped sum, `grouped(1)` and `dots`: code the step runs outside
+  the pass, held to the pass's rules here.
 
 In the per-example pass, every op that writes a resource (`AssignVariableOp`,
 `AssignAddVariableOp`, `ResourceScatter*`, `ResourceApply*`, a lookup
@@ -362,8 +362,7 @@ def check_no_state_writes(model, sample, loss_fn, method="auto", training=True):
         size = tf.shape(tf.nest.flatten(x)[0])[0]
         grads, _, losses = compute_per_example_gradients(
             model, x, targets, tf.ones([size]), loss_fn, method, training)
-        if not all(map(_defined_by_tfdp, grads.parts)):
-            _trace_rule_parts(grads, size)
+        _trace_part_uses(grads, size)
         return losses
 
     try:
@@ -384,37 +383,61 @@ def check_no_state_writes(model, sample, loss_fn, method="auto", training=True):
     _refuse_writes(model, graph, graph.get_operations())
 
 
-def _defined_by_tfdp(part):
-    """True if `part` and every part it holds are of classes tfdp defines."""
-    held = [value for value in getattr(part, "__dict__", {}).values() if isinstance(value, Part)]
-    return type(part).__module__.split(".")[0] == "tfdp" and all(map(_defined_by_tfdp, held))
+def _trace_part_uses(grads, size):
+    """Traces what the step asks of the pass's parts after the pass, for
+    `check_no_state_writes` to scan under the pass's rules: their norm
+    bounds as clipping reads them (`sq_norms`) for every model, and where a
+    part is a registered rule's own (`_only_tfdp_parts`) its clipped sum,
+    `grouped(1)` and `dots` (weight decay before clipping) too.
 
-
-def _trace_rule_parts(grads, size):
-    """Traces what the step asks of a registered rule's own parts, for
-    `check_no_state_writes` to scan under the pass's rules.
-
-    The step reads a part after its pass (`checked_per_example_pass`): its
-    norm bounds, their errors, its clipped sum, `grouped` (user-level DP)
-    and `dots` (weight decay before clipping). For tfdp's own parts that is
-    tfdp's arithmetic on the pass's tensors, scanned with the rest of the
-    step; a rule's own part runs the rule author's code there, where a write
-    to a model variable would pass for the optimizer's (and DPIS runs its
-    norms in a pass of its own). Each use is traced on its own: one the
-    part does not support (an error) leaves the others and the pass checked.
+    The step runs these outside `checked_per_example_pass`, where a write to
+    a model variable would pass for the optimizer's update (and DPIS runs
+    its norms in a pass of its own): for tfdp's own parts they are tfdp's
+    arithmetic on the pass's tensors, for a rule's own part the rule
+    author's code. Not traced: `grouped(k)` at the step's k > 1,
+    `materialize` (AdaDP), and code a part runs only after this check
+    (a flag set later). Each use is traced on its own: one that raises
+    leaves the others and the pass checked (the ops it made stay, scanned).
     """
-    ones = tf.ones([size])
-    uses = (
-        lambda: grads.weighted_sum(ones),  # norm bounds, their errors, the sum
-        lambda: grads.sq_norms(),  # the bounds rounded as clipping reads them
-        lambda: grads.grouped(1).weighted_sum(ones),
-        lambda: grads.with_offsets([tf.zeros_like(v) for v in grads.variables]).weighted_sum(ones),
-    )
+    uses = [grads.sq_norms]
+    if not _only_tfdp_parts(grads.parts):
+        ones = tf.ones([size])
+        zeros = [tf.zeros_like(v) for v in grads.variables]
+        uses += [lambda: grads.weighted_sum(ones),
+                 lambda: grads.grouped(1).weighted_sum(ones),
+                 lambda: grads.with_offsets(zeros).weighted_sum(ones)]
     for use in uses:
         try:
             use()
         except Exception:  # pylint: disable=broad-except
-            pass  # the ops it made before the error stay in the graph, scanned
+            pass
+
+
+def _only_tfdp_parts(parts):
+    """True if every part, and every part one holds (in attributes, lists,
+    tuples or dicts), is of a class tfdp defines with no function of its
+    own on the instance (a method replaced there); False on anything else,
+    or if the walk fails."""
+    try:
+        pending, seen = list(parts), set()
+        while pending:
+            value = pending.pop()
+            if id(value) in seen:
+                continue
+            seen.add(id(value))
+            if isinstance(value, (list, tuple)):
+                pending.extend(value)
+            elif isinstance(value, dict):
+                pending.extend(value.values())
+            elif isinstance(value, Part):
+                if type(value).__module__.split(".")[0] != "tfdp":
+                    return False
+                pending.extend(vars(value).values())
+            elif callable(value) and not isinstance(value, (tf.Variable, tf.Tensor)):
+                return False
+        return True
+    except Exception:  # pylint: disable=broad-except
+        return False
 
 
 # What a scan allows to be written: in the per-example pass, nothing but a
