@@ -63,13 +63,19 @@ class _WritingPart(Part):
 
     def weighted_sum(self, weights, accumulate=tf.float32):
         self._maybe_write("weighted_sum")
+        if self.writes_in == "weighted_sum once training" and _Began.began:
+            self.layer.remember(self.part.x[:, 0, :])  # a flag set after fit's check
         return self.part.weighted_sum(weights, accumulate)
 
     def grouped(self, k):
         self._maybe_write("grouped")
-        return _WritingPart(self.layer, self.part.grouped(k), None)
+        if k == 1:  # a shortcut: code only k > 1 runs
+            return self
+        return _WritingPart(self.layer, self.part.grouped(k),
+                            "weighted_sum" if self.writes_in == "grouped k > 1" else None)
 
     def materialize(self):
+        self._maybe_write("materialize")
         return self.part.materialize()
 
 
@@ -101,25 +107,27 @@ declare_per_example(_MemoDense)
 
 
 class _Began(keras.callbacks.Callback):
-    began = False
+    began = False  # set on the class: the parts read it as the step is traced
 
     def on_train_begin(self, logs=None):
-        self.began = True
+        type(self).began = True
 
 
-def _fit(writes_in, monkeypatch, patch=False):
+def _fit(writes_in, monkeypatch, patch=False, optimizer=None, **fit_kwargs):
     monkeypatch.setattr(_WritingRule, "writes_in", writes_in)
     monkeypatch.setattr(_WritingRule, "patch", patch)
+    monkeypatch.setattr(_Began, "began", False)
     keras.utils.set_random_seed(0)
     layer = _MemoDense(3, name="memo")
     model = tfdp.DPSequential([keras.Input((4,)), layer])
-    model.compile(optimizer=tfdp.optimizers.DPSGD(0.1, l2_norm_clip=1.0, noise_multiplier=1.0),
+    model.compile(optimizer=optimizer or tfdp.optimizers.DPSGD(
+                      0.1, l2_norm_clip=1.0, noise_multiplier=1.0),
                   loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
     x = np.full((32, 4), 0.5, np.float32)
     x[0] = [1e3, -2e3, 3e3, 7.0]  # the crafted record
     began = _Began()
-    fit = lambda: model.fit(x, np.zeros(32, np.int64), batch_size=32, epochs=1,  # noqa: E731
-                            verbose=0, callbacks=[began])
+    fit = lambda: model.fit(x, np.zeros(32, np.int64), batch_size=8, epochs=1,  # noqa: E731
+                            verbose=0, callbacks=[began], **fit_kwargs)
     return model, layer, began, fit
 
 
@@ -145,8 +153,28 @@ def test_a_method_replaced_on_a_tfdp_part_is_refused_before_the_first_step(
     np.testing.assert_array_equal(layer.memory.numpy(), np.zeros(4))
 
 
+_AFTER_THE_CHECK = {  # what fit's early check cannot see, and the step's scan does
+    "grouped k > 1": dict(user_ids=np.arange(32) // 2, examples_per_user=2),
+    "materialize": dict(optimizer=lambda: tfdp.optimizers.AdaDP(  # its adaptive phase
+        0.1, l2_norm_clip=1.0, noise_multiplier=1.0, seed=1)),
+    "weighted_sum once training": {},
+}
+
+
+@pytest.mark.parametrize("writes_in", sorted(_AFTER_THE_CHECK))
+def test_a_rule_part_writing_only_in_the_step_is_refused_before_any_step_runs(
+        writes_in, monkeypatch):
+    kwargs = dict(_AFTER_THE_CHECK[writes_in])
+    optimizer = kwargs.pop("optimizer", lambda: None)()
+    model, layer, _, fit = _fit(writes_in, monkeypatch, optimizer=optimizer, **kwargs)
+    with pytest.raises(ValueError, match="'memory'"):
+        fit()
+    assert model.privacy.steps == 0
+    np.testing.assert_array_equal(layer.memory.numpy(), np.zeros(4))
+
+
 def test_control_the_same_rule_writing_nothing_trains(monkeypatch):
     model, layer, began, fit = _fit(None, monkeypatch)
     fit()
-    assert began.began and model.privacy.steps == 1
+    assert began.began and model.privacy.steps == 4
     np.testing.assert_array_equal(layer.memory.numpy(), np.zeros(4))

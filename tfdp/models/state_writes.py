@@ -24,11 +24,15 @@ what it may run is allowed, not denied:
   variables it knows.
 - `checked_per_example_pass`, the line that holds for layers: the DP step
   (whole, or chunk by chunk in physical batches) runs its per-example
-  forward and backward pass inside it. What runs is what is checked,
-  whatever changed since fit began (a callback's `on_train_begin`, a Python
-  attribute a layer's `call()` reads, a recompile). A DP step never runs
-  eagerly (`run_eagerly=True` is refused): eager Python in a layer's
-  `call()` (`.numpy()`, a list, a file) has no graph to check.
+  forward and backward pass inside it, and every later run of the methods
+  of the gradient parts the pass made (their norm bounds, clipped sums,
+  `grouped`, `materialize`: a registered rule's own code) is scanned by
+  the same rules as it is traced (`tfdp.per_example.grads.PART_CALLS`).
+  What runs is what is checked, whatever changed since fit began (a
+  callback's `on_train_begin`, a Python attribute a layer's `call()` reads,
+  a recompile). A DP step never runs eagerly (`run_eagerly=True` is
+  refused): eager Python in a layer's `call()` (`.numpy()`, a list, a
+  file) has no graph to check.
 - A lookup table read in the step (`LookupTableFindV2`) must be held by a
   Keras `StringLookup`, `IntegerLookup` or `TextVectorization` layer of the
   model (or one `fit(augment=fn)` names), whose vocabulary fit checks
@@ -46,11 +50,10 @@ what it may run is allowed, not denied:
   what a callback decides by it.
 - `check_dp_model`, fit's early check: it traces the same pass
   (`tfdp.per_example.compute_per_example_gradients`, on the model's path)
-  before any step, for a clear error before training starts, with the
-  parts' norm bounds after it; where a rule registered with
-  `tfdp.per_example.register_rule` made a part of its own class, also the
-  part's clipped sum, `grouped(1)` and `dots`: code the step runs outside
-  the pass, held to the pass's rules here.
+  before any step, for a clear error before training starts; where a rule
+  registered with `tfdp.per_example.register_rule` made a part of its own
+  class, also what the step asks of that part after the pass (norm bounds,
+  clipped sum, `grouped(1)`, `dots`), to refuse its writes that early too.
 
 In the per-example pass, every op that writes a resource (`AssignVariableOp`,
 `AssignAddVariableOp`, `ResourceScatter*`, `ResourceApply*`, a lookup
@@ -120,7 +123,7 @@ import tensorflow as tf
 
 from tfdp.models import step_ops, value_shapes
 from tfdp.per_example import compute_per_example_gradients
-from tfdp.per_example.grads import Part
+from tfdp.per_example.grads import PART_CALLS, Part
 from tfdp.per_example.inference_mode import BatchNormalizationInTraining
 from tfdp.preprocessing import provenance
 
@@ -221,8 +224,14 @@ def checked_per_example_pass(model):
     ...
     ValueError: Layer 'stats' (RunningMean) writes its variable 'running_mean' ...
     """
-    with _scanned(model, _PASS):
-        yield
+    # The gradients made inside run their parts' methods later (norms,
+    # sums, grouped, materialize): each such run is scanned as the pass is.
+    token = PART_CALLS.set(lambda: _scanned(model, _PASS))
+    try:
+        with _scanned(model, _PASS):
+            yield
+    finally:
+        PART_CALLS.reset(token)
 
 
 @contextlib.contextmanager
@@ -384,28 +393,27 @@ def check_no_state_writes(model, sample, loss_fn, method="auto", training=True):
 
 
 def _trace_part_uses(grads, size):
-    """Traces what the step asks of the pass's parts after the pass, for
-    `check_no_state_writes` to scan under the pass's rules: their norm
-    bounds as clipping reads them (`sq_norms`) for every model, and where a
-    part is a registered rule's own (`_only_tfdp_parts`) its clipped sum,
-    `grouped(1)` and `dots` (weight decay before clipping) too.
+    """Where a part of the pass is a registered rule's own
+    (`_only_tfdp_parts`), traces what the step asks of it after the pass
+    (its norm bounds, clipped sum, `grouped(1)`, `dots`), for
+    `check_no_state_writes` to refuse a write there before training starts.
 
-    The step runs these outside `checked_per_example_pass`, where a write to
-    a model variable would pass for the optimizer's update (and DPIS runs
-    its norms in a pass of its own): for tfdp's own parts they are tfdp's
-    arithmetic on the pass's tensors, for a rule's own part the rule
-    author's code. Not traced: `grouped(k)` at the step's k > 1,
-    `materialize` (AdaDP), and code a part runs only after this check
-    (a flag set later). Each use is traced on its own: one that raises
-    leaves the others and the pass checked (the ops it made stay, scanned).
+    The step runs the parts' methods after its pass; `checked_per_example_pass`
+    scans each such run under the pass's rules as the step is traced (at the
+    step's `grouped(k)`, AdaDP's `materialize`, whatever runs), so this
+    early trace only brings a rule part's refusal forward, before the
+    callbacks start. tfdp's own parts are tfdp's arithmetic on the pass's
+    tensors: nothing more to trace. Each use is traced on its own: one that
+    raises leaves the others and the pass checked (the ops it made stay,
+    scanned).
     """
-    uses = [grads.sq_norms]
-    if not _only_tfdp_parts(grads.parts):
-        ones = tf.ones([size])
-        zeros = [tf.zeros_like(v) for v in grads.variables]
-        uses += [lambda: grads.weighted_sum(ones),
-                 lambda: grads.grouped(1).weighted_sum(ones),
-                 lambda: grads.with_offsets(zeros).weighted_sum(ones)]
+    if _only_tfdp_parts(grads.parts):
+        return  # tfdp's arithmetic on the pass's tensors
+    ones = tf.ones([size])
+    zeros = [tf.zeros_like(v) for v in grads.variables]
+    uses = [grads.sq_norms, lambda: grads.weighted_sum(ones),
+            lambda: grads.grouped(1).weighted_sum(ones),
+            lambda: grads.with_offsets(zeros).weighted_sum(ones)]
     for use in uses:
         try:
             use()

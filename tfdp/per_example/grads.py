@@ -57,6 +57,9 @@ Example:
 (array([9., 4.], dtype=float32), True)
 """
 
+import contextlib
+import contextvars
+
 import tensorflow as tf
 
 from tfdp.per_example import gram_precision, rounding
@@ -503,6 +506,12 @@ class MaterializedGrads(SummedAsMeasured):
         return MaterializedGrads(self.variables, [joined(g) for g in self.grads])
 
 
+# A callable returning the context the parts' methods run in after their
+# pass (None: as they are): `tfdp.models.state_writes.checked_per_example_pass`
+# sets a scan, under the pass's rules, for the gradients made inside it.
+PART_CALLS = contextvars.ContextVar("tfdp_part_calls", default=None)
+
+
 class PerExampleGradients:
     """Per-example gradients of a model's trainable variables.
 
@@ -527,11 +536,15 @@ class PerExampleGradients:
     array([1., 2.], dtype=float32)
     """
 
-    def __init__(self, variables, parts, offsets=None, path=None):
+    def __init__(self, variables, parts, offsets=None, path=None, part_calls=None):
         self.variables = list(variables)
         self.parts = list(parts)
         self.offsets = offsets
         self.path = path
+        # How the parts' methods run after the pass that made them: in the
+        # scan `tfdp.models.state_writes.checked_per_example_pass` sets.
+        self._part_calls = part_calls if part_calls is not None else PART_CALLS.get()
+        self._running = False
         position = {id(v): i for i, v in enumerate(self.variables)}
         covered = [position.get(id(v)) for part in self.parts for v in part.variables]
         if sorted(c for c in covered if c is not None) != list(range(len(self.variables))) or (
@@ -558,14 +571,31 @@ class PerExampleGradients:
         """
         if isinstance(k, bool) or not isinstance(k, int) or k < 1:
             raise ValueError(f"Expected `k` to be an int >= 1. Received: k={k!r}")
-        return PerExampleGradients(self.variables, [part.grouped(k) for part in self.parts],
-                                   self.offsets, self.path)
+        with self._running_parts():
+            parts = [part.grouped(k) for part in self.parts]
+        return PerExampleGradients(self.variables, parts, self.offsets, self.path,
+                                   self._part_calls)
 
     def with_offsets(self, offsets):
         """Returns the same gradients with `offsets` added to every example's."""
         if self.offsets is not None:
             offsets = [a + b for a, b in zip(self.offsets, offsets)]
-        return PerExampleGradients(self.variables, self.parts, offsets, self.path)
+        return PerExampleGradients(self.variables, self.parts, offsets, self.path,
+                                   self._part_calls)
+
+    @contextlib.contextmanager
+    def _running_parts(self):
+        """Runs the parts' methods in `_part_calls`' scan (one scan at a
+        time: a method calling another runs in the first one's)."""
+        if self._part_calls is None or self._running:
+            yield
+            return
+        self._running = True
+        try:
+            with self._part_calls():
+                yield
+        finally:
+            self._running = False
 
     def _arrange(self, per_part):
         flat = [t for part_values in per_part for t in part_values]
@@ -599,7 +629,8 @@ class PerExampleGradients:
         """`norm_bounds` without the margin that absorbs absolute errors
         (computed once: clipping and `weighted_sum` read the same values)."""
         if self._core is None:
-            self._core = self._expanded_norm_bounds()
+            with self._running_parts():
+                self._core = self._expanded_norm_bounds()
         return self._core
 
     def _expanded_norm_bounds(self):
@@ -625,7 +656,8 @@ class PerExampleGradients:
         """float64 [B]: a bound on what `weighted_sum` adds for each example
         that does not shrink with its weight (flushed results), the parts'
         added; with offsets, the flushes of (sum of weights) * o too."""
-        errors = tf.add_n([part.absolute_errors() for part in self.parts])
+        with self._running_parts():
+            errors = tf.add_n([part.absolute_errors() for part in self.parts])
         if self.offsets is not None:
             entries = sum(int(o.shape.num_elements()) for o in self.offsets)
             errors += rounding.flushed_products(entries, 1.0, 0, 0)
@@ -637,7 +669,8 @@ class PerExampleGradients:
 
     def dots(self, vectors):
         """Inner product of each example's gradient with `vectors`, [B]."""
-        result = tf.add_n([part.dots(v) for part, v in zip(self.parts, self._split(vectors))])
+        with self._running_parts():
+            result = tf.add_n([part.dots(v) for part, v in zip(self.parts, self._split(vectors))])
         if self.offsets is not None:
             result += tf.add_n(
                 [tf.reduce_sum(o * v) for o, v in zip(self.offsets, vectors)]
@@ -655,18 +688,21 @@ class PerExampleGradients:
         """
         weights = shrink_weights(weights, self._core_norm_bounds(), self.absolute_errors())
         if self.offsets is None:
-            return self._arrange([part.weighted_sum(weights) for part in self.parts])
+            with self._running_parts():
+                return self._arrange([part.weighted_sum(weights) for part in self.parts])
         # sum_i w_i g_i and (sum_i w_i) o are added apart, and each can be far
         # larger than their sum: accumulated in float64, their rounding across
         # examples stays far below the clipped contributions whatever the batch.
-        sums = self._arrange([part.weighted_sum(weights, tf.float64) for part in self.parts])
+        with self._running_parts():
+            sums = self._arrange([part.weighted_sum(weights, tf.float64) for part in self.parts])
         total = tf.reduce_sum(tf.cast(weights, tf.float64))
         return [tf.cast(s + total * tf.cast(o, tf.float64), o.dtype)
                 for s, o in zip(sums, self.offsets)]
 
     def materialize(self):
         """Per-example gradients [B, *shape], one tensor a variable."""
-        grads = self._arrange([part.materialize() for part in self.parts])
+        with self._running_parts():
+            grads = self._arrange([part.materialize() for part in self.parts])
         if self.offsets is not None:
             grads = [g + o[None] for g, o in zip(grads, self.offsets)]
         return grads

@@ -148,12 +148,9 @@ def register_rule(*layer_classes):
     parts from the recorded tensors: `tfdp.per_example.grads.Part`
     subclasses, whose norms are upper bounds of what their weighted sum adds
     for ANY record; build them from `LinearGrads`, `MaterializedGrads` or
-    `EmbeddingGrads` rather than computing norms yourself; the step calls
-    their methods after the pass, where no layer's write would be refused,
-    so they must write nothing: fit traces their norms, and for parts of
-    your own classes their sums, `grouped(1)` and `dots`, once before the
-    first step and refuses a write there, but not `grouped(k)` at the
-    step's k, `materialize` (AdaDP) or code they run only later).
+    `EmbeddingGrads` rather than computing norms yourself; their methods
+    run after the pass and must write nothing: each run is scanned by the
+    pass's rules as the step is traced, `tfdp.models.state_writes`).
     Subclasses of a registered class do not inherit its rule: they may
     compute something else. A class may have
     several rules (Dense with and without LoRA): the first registered one
