@@ -38,7 +38,12 @@ class _WritingPart(Part):
 
     def __init__(self, layer, part, writes_in):
         self.layer, self.part, self.writes_in = layer, part, writes_in
-        self.variables = part.variables
+
+    @property
+    def variables(self):  # read by each PerExampleGradients holding the part
+        if self.writes_in == "variables" and _Began.began:
+            self.layer.remember(self.part.x[:, 0, :])
+        return self.part.variables
 
     def _maybe_write(self, method):
         if method == self.writes_in:
@@ -65,14 +70,17 @@ class _WritingPart(Part):
         self._maybe_write("weighted_sum")
         if self.writes_in == "weighted_sum once training" and _Began.began:
             self.layer.remember(self.part.x[:, 0, :])  # a flag set after fit's check
-        return self.part.weighted_sum(weights, accumulate)
+        sums = self.part.weighted_sum(weights, accumulate)
+        if self.writes_in == "conversion once training":
+            return [_Converted(self, total) for total in sums]
+        return sums
 
     def grouped(self, k):
         self._maybe_write("grouped")
         if k == 1:  # a shortcut: code only k > 1 runs
             return self
-        return _WritingPart(self.layer, self.part.grouped(k),
-                            "weighted_sum" if self.writes_in == "grouped k > 1" else None)
+        joined = {"grouped k > 1": "weighted_sum", "variables of a joined part": "variables"}
+        return _WritingPart(self.layer, self.part.grouped(k), joined.get(self.writes_in))
 
     def materialize(self):
         self._maybe_write("materialize")
@@ -91,6 +99,20 @@ def _patched(layer, part, writes_in):
     setattr(part, writes_in, writing)
     part.me = part  # a cycle the check's walk must survive
     return part
+
+
+class _Converted:
+    """A sum TensorFlow converts when it is used (`__tf_tensor__`), writing
+    the layer's memory then, once training."""
+
+    def __init__(self, part, total):
+        self.part, self.total = part, total
+        self.shape, self.dtype = total.shape, total.dtype
+
+    def __tf_tensor__(self, dtype=None, name=None):
+        if _Began.began:
+            self.part.layer.remember(self.part.part.x[:, 0, :])
+        return tf.convert_to_tensor(self.total, dtype=dtype, name=name)
 
 
 @register_rule(_MemoDense)
@@ -158,6 +180,8 @@ _AFTER_THE_CHECK = {  # what fit's early check cannot see, and the step's scan d
     "materialize": dict(optimizer=lambda: tfdp.optimizers.AdaDP(  # its adaptive phase
         0.1, l2_norm_clip=1.0, noise_multiplier=1.0, seed=1)),
     "weighted_sum once training": {},
+    "conversion once training": {},
+    "variables of a joined part": dict(user_ids=np.arange(32) // 2, examples_per_user=2),
 }
 
 

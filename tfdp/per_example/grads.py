@@ -571,17 +571,17 @@ class PerExampleGradients:
         """
         if isinstance(k, bool) or not isinstance(k, int) or k < 1:
             raise ValueError(f"Expected `k` to be an int >= 1. Received: k={k!r}")
-        with self._running_parts():
-            parts = [part.grouped(k) for part in self.parts]
-        return PerExampleGradients(self.variables, parts, self.offsets, self.path,
-                                   self._part_calls)
+        with self._running_parts():  # the new parts' `variables` are read in it too
+            return PerExampleGradients(self.variables, [part.grouped(k) for part in self.parts],
+                                       self.offsets, self.path, self._part_calls)
 
     def with_offsets(self, offsets):
         """Returns the same gradients with `offsets` added to every example's."""
         if self.offsets is not None:
             offsets = [a + b for a, b in zip(self.offsets, offsets)]
-        return PerExampleGradients(self.variables, self.parts, offsets, self.path,
-                                   self._part_calls)
+        with self._running_parts():  # the parts' `variables` are read again
+            return PerExampleGradients(self.variables, self.parts, offsets, self.path,
+                                       self._part_calls)
 
     @contextlib.contextmanager
     def _running_parts(self):
@@ -598,7 +598,9 @@ class PerExampleGradients:
             self._running = False
 
     def _arrange(self, per_part):
-        flat = [t for part_values in per_part for t in part_values]
+        # Tensors now, inside the parts' scan: a value a part hands back
+        # could run its own code when it is converted later.
+        flat = [tf.convert_to_tensor(t) for part_values in per_part for t in part_values]
         ordered = [None] * len(self.variables)
         for index, value in zip(self._order, flat):
             ordered[index] = value
