@@ -449,6 +449,10 @@ def test_a_float_input_models_contribution_on_the_vectorized_path_has_dense_grad
     from tfdp.auditing.neighbour_step import NeighbourStep
     from tfdp.auditing.record_search import ClippedContribution
 
+    # Seeded: the crafted record's gradient must exceed the clip norm, which
+    # some initial weights do not give (seed 3: 0.644; the suite's order left
+    # such a state once).
+    keras.utils.set_random_seed(0)
     model = tfdp.DPSequential([keras.Input((3,)), L.Dense(4, activation="tanh"), L.Dense(1)],
                               per_example_gradients="vectorized")
     model.compile(optimizer=tfdp.optimizers.DPSGD(0.1, noise_multiplier=1.0), loss="mse")
