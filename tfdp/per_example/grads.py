@@ -527,6 +527,11 @@ class PerExampleGradients:
             example's gradient.
         path: which per-example path produced them ("batched" or
             "vectorized"), for users and logs.
+        part_calls: a callable returning the context every later call into
+            the parts runs in (None: `PART_CALLS`'s value now, the scan
+            `tfdp.models.state_writes.checked_per_example_pass` sets for
+            the gradients made inside it; `grouped` and `with_offsets` pass
+            theirs on).
 
     Example:
 
