@@ -693,14 +693,13 @@ class PerExampleGradients:
         are masked with `tf.where`, so a NaN gradient with weight 0 cannot
         poison the sum.
         """
-        weights = shrink_weights(weights, self._core_norm_bounds(), self.absolute_errors())
-        if self.offsets is None:
-            with self._running_parts():
+        with self._running_parts():  # one scan for the bounds, the errors and the sums
+            weights = shrink_weights(weights, self._core_norm_bounds(), self.absolute_errors())
+            if self.offsets is None:
                 return self._arrange([part.weighted_sum(weights) for part in self.parts])
-        # sum_i w_i g_i and (sum_i w_i) o are added apart, and each can be far
-        # larger than their sum: accumulated in float64, their rounding across
-        # examples stays far below the clipped contributions whatever the batch.
-        with self._running_parts():
+            # sum_i w_i g_i and (sum_i w_i) o are added apart, and each can be far
+            # larger than their sum: accumulated in float64, their rounding across
+            # examples stays far below the clipped contributions whatever the batch.
             sums = self._arrange([part.weighted_sum(weights, tf.float64) for part in self.parts])
         total = tf.reduce_sum(tf.cast(weights, tf.float64))
         return [tf.cast(s + total * tf.cast(o, tf.float64), o.dtype)
