@@ -28,8 +28,8 @@ from tfdp.accounting import PrivacyLedger
 from tfdp.data import interrupts, sources
 from tfdp.data.fixed_order import FixedOrderData
 from tfdp.models import (
-    chunked_step, float32_precision, input_checks, multi_output, state_writes, user_level,
-    weight_ledgers,
+    chunked_step, float32_precision, input_checks, multi_output, released_writes, state_writes,
+    user_level, weight_ledgers,
 )
 from tfdp.models.atomic_save import atomic_write, is_local_path
 from tfdp.models.augmentation import step_key as augmentation_key
@@ -266,7 +266,9 @@ class DPTrainingMixin:
         read was still failing.
         """
         self._check_step()
-        with state_writes.checked_train_step(self):  # every op the step runs is allowed
+        # Every op the step runs is allowed, and what it writes to a saved
+        # variable reads the batch only through the noise (released_writes).
+        with released_writes.checked_released_writes(self), state_writes.checked_train_step(self):
             with tf.control_dependencies(tf.nest.flatten(data)):
                 charged = self._dp_steps.value.assign_add(1, read_value=False)
             with tf.control_dependencies([charged]):
@@ -291,6 +293,9 @@ class DPTrainingMixin:
 
     def _private_step(self, data):
         arrays, step_info = data
+        # The expected batch size is the sampler's, fixed by the dataset's size:
+        # the noise's scale and adaptive clipping's next clip norm read it.
+        released_writes.release(step_info["expected_batch_size"])
         x, y = arrays[0], arrays[1]
         mask = tf.cast(step_info["mask"], tf.float32)
         weights, loss_fn, targets = mask, self._per_example_loss, y
@@ -346,6 +351,7 @@ class DPTrainingMixin:
             y_pred = None  # the metrics were updated chunk by chunk
         path = self.per_example_path
         (logger.warning if "vectorized_map (layer" in path else logger.info)("%s: %s", self.name, path)
+        released_writes.release(grads)  # the noisy gradients: what the update may read
         logs = self.optimizer.apply_private_gradients(
             grads, self.trainable_variables, model=self
         )

@@ -48,6 +48,11 @@ what it may run is allowed, not denied:
   (docs/mechanisms/guarantee.md); the rule keeps each metric's value its
   own computation, so no metric passes a record into another's log or into
   what a callback decides by it.
+- What the step writes into a saved variable (outside the pass) is followed
+  back through the graph to the batch, which it may reach only through the
+  noisy gradients (`tfdp.models.released_writes`): a layer can keep a
+  tensor in Python, where no op shows it, but not hide the graph's edges
+  from a constraint or schedule that reads it.
 - `check_dp_model`, fit's early check: it traces the same pass
   (`tfdp.per_example.compute_per_example_gradients`, on the model's path)
   before any step, for a clear error before training starts; where a rule
@@ -117,6 +122,7 @@ ValueError: Layer 'stats' (RunningMean) writes its variable 'running_mean' ...
 
 import contextlib
 import re
+import weakref
 
 import keras
 import tensorflow as tf
@@ -344,7 +350,21 @@ def _scanned(model, scope):
     graph = tf.compat.v1.get_default_graph()
     start = len(graph.get_operations())
     yield
-    _refuse_writes(model, graph, graph.get_operations()[start:], scope)
+    operations = graph.get_operations()[start:]
+    _refuse_writes(model, graph, operations, scope)
+    if scope == _PASS:
+        pass_ops(graph).update(op.name for op in operations)
+
+
+def pass_ops(graph):
+    """The names of `graph`'s ops made inside `checked_per_example_pass`
+    (the pass, and the runs of its parts' methods), once they were
+    checked: a write there (a seed state advanced from itself) is governed
+    by the pass's rules (`tfdp.models.released_writes`)."""
+    return _PASS_OPS.setdefault(graph, set())
+
+
+_PASS_OPS = weakref.WeakKeyDictionary()  # {graph: names of its pass's ops}
 
 
 def check_no_state_writes(model, sample, loss_fn, method="auto", training=True):

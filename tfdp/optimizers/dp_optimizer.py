@@ -22,6 +22,7 @@ from tfdp.data.poisson import PoissonSampler, make_dataset
 from tfdp.data.users import UserSampler
 from tfdp.mechanisms import dpsgd, quantile_clipping
 from tfdp.mechanisms.gaussian import fold_seed
+from tfdp.models.released_writes import release
 from tfdp.optimizers import sparse_embeddings as sparse
 from tfdp.optimizers.noise_target import NoiseTarget
 
@@ -778,6 +779,7 @@ class DPOptimizer(keras.optimizers.Optimizer):
         seed = fold_seed(self.noise_seed(), quantile_clipping.COUNT_STREAM)
         fraction = quantile_clipping.unclipped_fraction(
             counts["unclipped_count"], self.count_noise_stddev(expected), expected, seed)
+        release(fraction)  # noisy: the next clip norm, saved, reads it
         noise = quantile_clipping.gradient_noise_multiplier(
             tf.constant(self.noise_multiplier, tf.float32),
             tf.cast(self.count_stddev(expected), tf.float32))

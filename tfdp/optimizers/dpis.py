@@ -408,6 +408,13 @@ class DPIS(DPOptimizer):
         table = self._state.ghat
         return None if table is None else table.numpy().copy()
 
+    def record_state(self):
+        """The variables DPIS writes from records' values without noise, by
+        design and never saved: the ghat table. A write the step makes to a
+        saved variable may not read them (`tfdp.models.released_writes`)."""
+        table = self._state.ghat
+        return [] if table is None else [table]
+
     # -- random streams --------------------------------------------------------
 
     def _stream(self, purpose, counter, steps_taken):
