@@ -138,3 +138,141 @@ def test_constraints_and_schedules_of_weights_and_steps_train(first):
         np.testing.assert_array_equal(head.kernel.numpy(), np.full((4, 3), 0.5, "float32"))
     else:
         assert np.all(np.linalg.norm(head.kernel.numpy(), axis=0) <= 0.5 + 1e-6)
+
+
+# Review 23: routes around the first version of the check. Each wrote the
+# crafted record into a saved variable there; each is refused now.
+
+
+class ViaTensorArray(keras.constraints.Constraint):
+    """Reads the kept row back through a TensorArray's first flow (C1)."""
+
+    def __call__(self, w):
+        handle, flow = tf.raw_ops.TensorArrayV3(size=1, dtype=tf.float32,
+                                                element_shape=tf.TensorShape(None))
+        written = tf.raw_ops.TensorArrayWriteV3(handle=handle, index=0, value=KEPT["x"][0],
+                                                flow_in=flow)
+        with tf.control_dependencies([written]):
+            read = tf.raw_ops.TensorArrayReadV3(handle=handle, index=0, flow_in=flow,
+                                                dtype=tf.float32)
+        return w * 0.0 + tf.reshape(read, [4, 1])
+
+
+def _function(signature, fn):
+    return tf.function(fn, input_signature=signature, autograph=False).get_concrete_function()
+
+
+class ViaFor(keras.constraints.Constraint):
+    """tf.raw_ops.For lays its inputs out as (start, limit, delta, *vars) (C2)."""
+
+    def __call__(self, w):
+        spec = tf.TensorSpec([4], tf.float32)
+        body = _function([tf.TensorSpec([], tf.int32), spec, spec], lambda i, a, b: (b, b))
+        out = tf.raw_ops.For(start=0, limit=1, delta=1, input=[tf.zeros([4]), KEPT["x"][0]],
+                             body=body)
+        return w * 0.0 + tf.reshape(out[0], [4, 1])
+
+
+class ViaSymbolicGradient(keras.constraints.Constraint):
+    """SymbolicGradient's outputs are weighted by its trailing inputs (C2)."""
+
+    def __call__(self, w):
+        f = _function([tf.TensorSpec([4], tf.float32)], lambda a: a * 1.0)
+        out = tf.raw_ops.SymbolicGradient(input=[tf.zeros([4]), KEPT["x"][0]],
+                                          Tout=[tf.float32], f=f)
+        return w * 0.0 + tf.reshape(out[0], [4, 1])
+
+
+class ViaUnseenFunction(keras.constraints.Constraint):
+    """Writes through a function registered eagerly, called by name: its body
+    is not in the step's graph (C5)."""
+
+    def __init__(self, target):
+        self.target = target
+
+    def __call__(self, w):
+        with tf.init_scope():  # in the eager context only
+            write = _function([tf.TensorSpec([3], tf.float32), tf.TensorSpec([], tf.resource)],
+                              lambda v, h: tf.raw_ops.AssignVariableOp(resource=h, value=v) and [])
+            write.add_to_graph()
+        variable = self.target[0]
+        tf.raw_ops.StatefulPartitionedCall(
+            args=[KEPT["x"][0][:3], getattr(variable, "value", variable).handle], Tout=[],
+            f=write.name.decode() if isinstance(write.name, bytes) else write.name)
+        return w
+
+
+class ViaSwappedHandles(keras.constraints.Constraint):
+    """Swaps a metric's and the learning rate's handles in a loop: its second
+    trip writes the learning rate, taken for the metric by the loop's first
+    value (C4)."""
+
+    def __init__(self, models):
+        self.models = models
+
+    def __call__(self, w):
+        model = self.models[0]
+        total, rate = model._loss_tracker.total, model.optimizer._learning_rate  # pylint: disable=protected-access
+        handles = [getattr(v, "value", v).handle for v in (total, rate)]
+        kept = KEPT["x"][0][0]
+
+        def body(i, a, b):
+            tf.cond(tf.equal(i, 1), lambda: tf.raw_ops.AssignVariableOp(
+                resource=a, value=kept) and tf.constant(0), lambda: tf.constant(0))
+            return i + 1, b, a
+
+        tf.while_loop(lambda i, a, b: i < 2, body, [tf.constant(0), *handles])
+        return w
+
+
+class KernelNorm(keras.metrics.Metric):
+    """A metric of the kernel's norm: it tracks the kernel (C3)."""
+
+    def __init__(self, kernel):
+        super().__init__(name="kernel_norm")
+        self.kernel = kernel
+
+    def update_state(self, y_true, y_pred, sample_weight=None):
+        pass
+
+    def reset_state(self):
+        pass  # Keras's would zero the variables it tracks: the kernel
+
+    def result(self):
+        return tf.norm(self.kernel)
+
+
+_UNKNOWN = r"runs an op in its DP step that tfdp does not know"
+
+
+@pytest.mark.parametrize("route", ["tensor_array", "for", "symbolic_gradient", "unseen_function",
+                                   "swapped_handles", "metric_tracks_the_kernel"])
+def test_a_kept_tensor_laundered_around_the_search_is_refused(route):
+    """On 97fc9e5 (the check's first version) each route trained, and a saved
+    variable (the kernel, the bias, the learning rate) held the crafted record."""
+    models, target = [], []
+    constraint, match = {
+        "tensor_array": (ViaTensorArray(), r"reads a resource that is not a known variable.*"
+                                           r"TensorArrayReadV3"),
+        "for": (ViaFor(), _UNKNOWN + r".*\(For\)"),
+        "symbolic_gradient": (ViaSymbolicGradient(), _UNKNOWN + r".*\(SymbolicGradient\)"),
+        "unseen_function": (ViaUnseenFunction(target), _UNKNOWN + r".*StatefulPartitionedCall"),
+        "swapped_handles": (ViaSwappedHandles(models), r"writes a resource that is not one of "
+                                                       r"its variables"),
+        "metric_tracks_the_kernel": (RecordIntoKernel(), r"writes variable '[\w/]*head/kernel' "
+                                                         r"from the batch's records"),
+    }[route]
+    keras.utils.set_random_seed(0)
+    head = keras.layers.Dense(3, name="head", kernel_constraint=constraint)
+    model = tfdp.DPSequential([keras.Input((4,)), KeepsTheBatch(), head])
+    model.build((None, 4))
+    models.append(model)
+    target.append(head.bias)
+    metrics = [KernelNorm(head.kernel)] if route == "metric_tracks_the_kernel" else None
+    model.compile(optimizer=tfdp.optimizers.DPSGD(0.1, noise_multiplier=1.0, l2_norm_clip=1.0,
+                                                  seed=1),
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                  metrics=metrics)
+    refused(model, match)
+    for variable in model.optimizer.variables:
+        assert not np.any(variable.numpy() == SECRET)

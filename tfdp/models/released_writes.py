@@ -129,7 +129,12 @@ def record_holding_variables(model):
     # pylint: disable=protected-access
     optimizer = getattr(model, "optimizer", None)
     record_state = getattr(optimizer, "record_state", None)
-    return (sw._metric_variables(model) + sw._own_variables(model)
+    # A metric may track a weight (a metric of the kernel's norm): the
+    # weight stays saved, its writes checked.
+    saved = {**sw._model_variables(model),
+             **sw._handles(getattr(optimizer, "variables", None) or ())}
+    logged = sw._handles(sw._metric_variables(model) + sw._own_variables(model))
+    return ([v for key, v in logged.items() if key not in saved]
             + list(record_state() if record_state is not None else ()))
 
 
@@ -231,13 +236,13 @@ class _RecordSearch:
 
     def reads_records(self, op, graph, chain):
         """A description of the record-holding or unknown resource `op`
-        reads, or None. A TensorArray's values arrive through its flow
-        input, a lookup table's are the model's (checked by provenance), a
-        collective's resource orders the replicas' reductions (each
-        replica's step checks what it sends)."""
+        reads, or None. A lookup table's values are the model's (checked
+        by provenance), a collective's resource orders the replicas'
+        reductions (each replica's step checks what it sends). A
+        TensorArray or a stack is a resource too: what was written into it
+        is not followed, so a write that reads one is refused."""
         # pylint: disable=protected-access
-        if (op.type.startswith("TensorArray") or op.type in sw._TABLE_READS
-                or op.type in step_ops.COLLECTIVES):
+        if op.type in sw._TABLE_READS or op.type in step_ops.COLLECTIVES:
             return None
         for handle in (t for t in op.inputs if t.dtype == tf.resource):
             variable = sw._resolve(handle, graph, self.known, chain)
@@ -255,7 +260,7 @@ def _bodies(op, graph):
     are not all in `graph`."""
     # pylint: disable=protected-access
     called = sw._called_functions(op, with_keys=True)
-    if not called:
+    if not called or op.type not in step_ops.CALLS:  # other layouts: all inputs decide
         return None
     functions = getattr(graph, "_functions", {})
     bodies = [(key, getattr(functions.get(name), "graph", None)) for key, name in called]

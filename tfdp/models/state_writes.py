@@ -506,6 +506,9 @@ def _refuse_writes(model, graph, operations, scope=_PASS):
             if source is not None:
                 raise ValueError(_value_shape_message(model, op, source, path))
     for op, owner, path, controls, chain in walked:
+        if _called_functions(op) and (op.type not in step_ops.CALLS
+                                      or not _bodies_at_hand(op, owner)):
+            raise ValueError(_unknown_message(model, op, path))  # a body the scan cannot follow
         if op.type in step_ops.COLLECTIVES:
             if scope != _PASS:
                 continue  # the replicas' all-reduce of the step's own sums
@@ -706,6 +709,14 @@ def _from_outside(handle):
     return op.type not in _LOCAL_RESOURCES
 
 
+def _bodies_at_hand(op, graph):
+    """Whether every function `op` calls is defined in `graph`, where the
+    scans walk it (a function registered elsewhere, eagerly, is not)."""
+    functions = getattr(graph, "_functions", {})
+    return all(getattr(functions.get(name), "graph", None) is not None
+               for name in _called_functions(op))
+
+
 def _called_functions(op, with_keys=False):
     names = []
     for key in _CALL_ATTRS:
@@ -720,15 +731,31 @@ def _called_functions(op, with_keys=False):
 
 def _resolve(handle, graph, variables, chain=()):
     """The known variable a resource tensor (in `graph`, reached through the
-    call sites `chain`) is, through captures and the inputs of the functions
-    that pass it on; else None."""
-    while True:
-        sources = _sources(handle, graph, chain)
+    call sites `chain`) is, through identities, captures and the inputs of
+    the functions that pass it on; None if it may be anything else: every
+    value it can take (a loop variable's first and later values) must be
+    that one variable."""
+    found, pending, seen = {}, [(handle, graph, chain)], set()
+    while pending:
+        current, where, calls = pending.pop()
+        if where is None:  # an eager handle: the variable itself
+            variable = variables.get(id(current))
+            if variable is None:
+                return None
+            found[id(variable)] = variable
+            continue
+        key = (tuple((id(g), o.name) for o, g in calls), id(where), current.name)
+        if key in seen:
+            continue  # a loop passing it on unchanged
+        seen.add(key)
+        if current.op.type in ("Identity", "IdentityN"):
+            pending.append((current.op.inputs[current.value_index], where, calls))
+            continue
+        sources = _sources(current, where, calls)
         if not sources:
             return None
-        handle, graph, chain = sources[0]
-        if graph is None:  # an eager handle: the variable itself
-            return variables.get(id(handle))
+        pending.extend(sources)
+    return next(iter(found.values())) if len(found) == 1 else None
 
 
 def _sources(tensor, graph, chain):

@@ -61,6 +61,16 @@ _COMPUTATIONS_ELSEWHERE = frozenset({"DynamicStitch", "ParallelDynamicStitch", "
 # per step under a condition on it, as an assert would be).
 _NEVER = frozenset({"DebugGradientIdentity", "DebugGradientRefIdentity", "Abort"})
 
+# The ops that call functions whose inputs and outputs the scans follow
+# (state_writes, released_writes): calls, conds, cases, loops. Others of
+# TensorFlow's functional ops lay their inputs out otherwise (`For`'s
+# start, limit and delta before its loop variables; `SymbolicGradient`'s
+# output gradients after the function's inputs) or run elsewhere
+# (`RemoteCall`): refused, as any op that calls a function not listed here.
+CALLS = frozenset({"PartitionedCall", "StatefulPartitionedCall", "If", "StatelessIf", "Case",
+                   "StatelessCase", "While", "StatelessWhile"})
+_OTHER_CALLS = frozenset({"For", "SymbolicGradient", "RemoteCall", "_If", "_While"})
+
 # Stateful ops whose effect stays in the step, or is a resource write that
 # state_writes checks by its target.
 STATEFUL = frozenset({
@@ -120,7 +130,7 @@ def allowed(op_type):
     """
     if op_type in STATEFUL or op_type in NATIVE:
         return True
-    if op_type in _NEVER:
+    if op_type in _NEVER or op_type in _OTHER_CALLS:
         return False
     return op_type in _COMPUTATIONS_ELSEWHERE or op_type in _stateless_computations()
 
