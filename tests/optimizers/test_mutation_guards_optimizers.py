@@ -62,11 +62,30 @@ class CapturingSampler(CyclicPoissonSampler):
         CapturingSampler.made.append(self)
 
 
+class _GroupsDrawn(Exception):
+    pass
+
+
+class _StopBeforeTheFirstStep(keras.callbacks.Callback):
+    """Ends a fit once its sampler is made (fit draws the groups key and
+    builds the cyclic Poisson sampler before `on_train_begin`); no step, so
+    no trace of a train step: the groups are the sampler's, fixed when it is
+    made, whether or not steps follow."""
+
+    def on_train_begin(self, logs=None):
+        raise _GroupsDrawn
+
+
 def groups_of_a_run(seed):
-    """The record groups the sampler of one fresh 2-step run used."""
+    """The record groups the sampler of one fresh fit draws (the fit stops
+    before its first step)."""
     x, y = data()
     model = classifier(bandmf_opt(seed=seed))
-    model.fit(x, y, batch_size=16, epochs=1, steps_per_epoch=2, verbose=0)
+    made = len(CapturingSampler.made)
+    with pytest.raises(_GroupsDrawn):
+        model.fit(x, y, batch_size=16, epochs=1, steps_per_epoch=2, verbose=0,
+                  callbacks=[_StopBeforeTheFirstStep()])
+    assert len(CapturingSampler.made) == made + 1  # this fit's own sampler
     return CapturingSampler.made[-1].groups.copy()
 
 
