@@ -276,3 +276,63 @@ def test_a_kept_tensor_laundered_around_the_search_is_refused(route):
     refused(model, match)
     for variable in model.optimizer.variables:
         assert not np.any(variable.numpy() == SECRET)
+
+
+# Review 24: TensorFlow 1's Switch gates the ops after it by a control edge
+# (its dead output skips them), a branch no scan sees. Both trained on
+# ff9e80d, the saved state moved by the crafted record; refused now.
+
+
+@tfdp.per_example.declare_per_example
+class KeepsWithCounter(KeepsTheBatch):
+    """Keeps its input, and holds an int weight for a constraint to write."""
+
+    def build(self, shape):
+        self.count = self.add_weight(shape=(), dtype="int32", trainable=False,
+                                     initializer="zeros", name="count")
+
+
+class CountsLargeRecords(keras.constraints.Constraint):
+    """Adds 1 to the layer's count where the kept batch holds a large value,
+    gated by a Switch's dead output, not by a cond."""
+
+    def __init__(self, layers):
+        self.layers = layers
+
+    def __call__(self, w):
+        skipped, taken = tf.raw_ops.Switch(data=tf.constant(0),
+                                           pred=tf.reduce_any(KEPT["x"] > 1e3))
+        with tf.control_dependencies([tf.identity(taken)]):
+            one = tf.identity(tf.constant(1))
+        self.layers[0].count.assign_add(one)
+        tf.raw_ops.Merge(inputs=[skipped, taken])  # the step's outputs stay alive
+        return w
+
+
+class SeedCountsLargeRecords(keras.layers.Layer):
+    """Advances its seed state from itself, gated by a Switch on the batch."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.seed_generator = keras.random.SeedGenerator(0)
+
+    def call(self, x, training=None):
+        state = self.seed_generator.state
+        skipped, taken = tf.raw_ops.Switch(data=tf.constant(0.0), pred=tf.reduce_any(x > 1e3))
+        with tf.control_dependencies([tf.identity(taken)]):
+            advanced = tf.identity(state.value + tf.constant([0, 1], state.dtype))
+        state.assign(advanced)
+        tf.raw_ops.Merge(inputs=[skipped, taken])
+        return x
+
+
+@pytest.mark.parametrize("where", ["update", "pass"])
+def test_a_write_a_switch_on_the_batch_gates_is_refused(where):
+    layers = []
+    if where == "update":
+        keeper = KeepsWithCounter(name="keeper")
+        layers.append(keeper)
+        model, _ = dp_model(keeper, kernel_constraint=CountsLargeRecords(layers))
+    else:
+        model, _ = dp_model(SeedCountsLargeRecords(name="counter"))
+    refused(model, r"runs an op in its DP step that tfdp does not know.*\(Switch\)")

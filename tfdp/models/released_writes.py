@@ -68,7 +68,9 @@ def release(tensors):
     released by tfdp's noise in the graph being built: a write to a saved
     variable may depend on the batch through them. tfdp calls it on the
     noisy gradients it hands to the optimizer and on adaptive clipping's
-    noisy count; eagerly it does nothing.
+    noisy count; eagerly it does nothing. It is tfdp's own declaration, for
+    a mechanism's noisy output: model code that calls it on anything else
+    turns the check off for that tensor.
 
     Example:
 

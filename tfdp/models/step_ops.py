@@ -21,9 +21,12 @@ Everything else is refused: an op that writes out of the step (a file, a
 summary, a checkpoint, a print, `DebugIdentityV2` and the other debug-dump
 ops, `DatasetToTFRecord`), runs Python (`EagerPyFunc`, `PyFunc`,
 `PyFuncStateless`), aborts on values (`Assert`, `CheckNumerics`, `Abort`), reads a
-dataset or a queue, or a stateful op tfdp does not know (a custom op, a
-stateful random generator), so that an op this list misses is refused, not
-released. The list was built from the ops the test suite's models run
+dataset or a queue, calls a function in a layout the scans do not follow
+(`For`, `SymbolicGradient`: `CALLS` lists those they do), gates ops by
+TensorFlow 1's control flow (`Switch`, `Merge`, `Enter`: a dead output
+skips the ops after it by a control edge), or a stateful op tfdp does not
+know (a custom op, a stateful random generator), so that an op this list
+misses is refused, not released. The list was built from the ops the test suite's models run
 (Dense, Conv, Embedding, LSTM/GRU, attention, KerasHub models,
 normalization, dropout, augmentation, and every tfdp optimizer's step).
 
@@ -70,6 +73,14 @@ _NEVER = frozenset({"DebugGradientIdentity", "DebugGradientRefIdentity", "Abort"
 CALLS = frozenset({"PartitionedCall", "StatefulPartitionedCall", "If", "StatelessIf", "Case",
                    "StatelessCase", "While", "StatelessWhile"})
 _OTHER_CALLS = frozenset({"For", "SymbolicGradient", "RemoteCall", "_If", "_While"})
+# TensorFlow 1's control flow: a Switch's dead output, passed on by a
+# control edge, skips the ops after it, a branch the scans cannot see as
+# one (review 24). A tf.function's tf.cond and tf.while_loop build If and
+# While instead.
+_V1_CONTROL_FLOW = frozenset({
+    "Switch", "RefSwitch", "_SwitchN", "Merge", "RefMerge", "Enter", "RefEnter", "Exit",
+    "RefExit", "NextIteration", "RefNextIteration", "LoopCond", "ControlTrigger",
+})
 
 # Stateful ops whose effect stays in the step, or is a resource write that
 # state_writes checks by its target.
@@ -130,7 +141,7 @@ def allowed(op_type):
     """
     if op_type in STATEFUL or op_type in NATIVE:
         return True
-    if op_type in _NEVER or op_type in _OTHER_CALLS:
+    if op_type in _NEVER or op_type in _OTHER_CALLS or op_type in _V1_CONTROL_FLOW:
         return False
     return op_type in _COMPUTATIONS_ELSEWHERE or op_type in _stateless_computations()
 
