@@ -63,6 +63,7 @@ from tfdp.models import state_writes as sw
 from tfdp.models import step_ops
 
 
+@tf.autograph.experimental.do_not_convert
 def release(tensors):
     """Marks `tensors` (any nest; sparse ones by their components) as
     released by tfdp's noise in the graph being built: a write to a saved
@@ -75,7 +76,7 @@ def release(tensors):
     Example:
 
     >>> import tensorflow as tf
-    >>> @tf.function
+    >>> @tf.function(autograph=False)
     ... def step(noisy):
     ...     release(noisy)
     ...     return noisy
