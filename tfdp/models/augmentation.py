@@ -61,7 +61,7 @@ import tensorflow as tf
 
 from tfdp.mechanisms import dpsgd
 from tfdp.models.state_writes import (_OUTPUT_OPS, _OUTPUT_PREFIXES, _PYTHON_OPS, _READS,
-                                      _called_functions, reads_values)
+                                      function_graphs, reads_values)
 
 __all__ = ["Augmentation", "check_augmentation", "example_hashes"]
 
@@ -597,11 +597,9 @@ def _clipped(op, length):
 def _ops(graph, seen=None):
     """Every op of `graph` and of the functions its ops call."""
     seen = set() if seen is None else seen
-    functions = getattr(graph, "_functions", {})
     for op in graph.get_operations():
         yield op
-        for name in _called_functions(op):
-            nested = getattr(functions.get(name), "graph", None)
-            if nested is not None and name not in seen:
-                seen.add(name)
+        for _, nested in function_graphs(op, graph):
+            if nested is not None and id(nested) not in seen:
+                seen.add(id(nested))
                 yield from _ops(nested, seen)

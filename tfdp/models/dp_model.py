@@ -268,7 +268,7 @@ class DPTrainingMixin:
         self._check_step()
         # Every op the step runs is allowed, and what it writes to a saved
         # variable reads the batch only through the noise (released_writes).
-        with released_writes.checked_released_writes(self), state_writes.checked_train_step(self):
+        with state_writes.checked_train_step(self, then=released_writes.refuse_record_writes):
             with tf.control_dependencies(tf.nest.flatten(data)):
                 charged = self._dp_steps.value.assign_add(1, read_value=False)
             with tf.control_dependencies([charged]):

@@ -54,7 +54,6 @@ Traceback (most recent call last):
 ValueError: Model 'dp_sequential...' writes variable '.../kernel' from the batch's records ...
 """
 
-import contextlib
 import weakref
 
 import tensorflow as tf
@@ -97,34 +96,6 @@ def _released(graph):
 _RELEASED = weakref.WeakKeyDictionary()  # {graph: names of its released tensors}
 
 
-@contextlib.contextmanager
-def checked_released_writes(model):
-    """Refuses the DP step traced inside it if a write to a saved variable
-    depends on the batch other than through what tfdp released (see the
-    module docstring). `DPModel.train_step` runs in it.
-
-    Example:
-
-    >>> import keras, tensorflow as tf
-    >>> model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1, name="dense")])
-    >>> @tf.function(autograph=False)
-    ... def step(x):
-    ...     with checked_released_writes(model):
-    ...         model.layers[0].bias.assign(x[0, :1])
-    >>> step(tf.ones([2, 3]))
-    Traceback (most recent call last):
-    ...
-    ValueError: Model 'sequential...' writes variable 'sequential.../dense/bias' from the batch's records ...
-    """
-    if tf.executing_eagerly():
-        yield
-        return
-    graph = tf.compat.v1.get_default_graph()
-    start = len(graph.get_operations())
-    yield
-    refuse_record_writes(model, graph, graph.get_operations()[start:])
-
-
 def record_holding_variables(model):
     """The variables whose values hold the batch without noise: the
     compiled metrics', tfdp's counters and the optimizer's unsaved
@@ -141,17 +112,33 @@ def record_holding_variables(model):
             + list(record_state() if record_state is not None else ()))
 
 
-def refuse_record_writes(model, graph, operations):
-    """Raises a ValueError for the first write among `operations` (ops of
-    `graph`, and the functions they call) to a variable the step saves
-    whose value, or whose running, depends on the step's inputs other than
-    through a released tensor."""
+def refuse_record_writes(model, graph, walked):
+    """Raises a ValueError for the first write on `walked` (the step scan's
+    walk of `graph`'s new ops and the functions they call, as
+    `state_writes.checked_train_step` hands it on) to a variable the step
+    saves whose value, or whose running, depends on the step's inputs
+    other than through a released tensor. `DPModel.train_step` runs it.
+
+    Example:
+
+    >>> import keras, tensorflow as tf
+    >>> from tfdp.models.state_writes import checked_train_step
+    >>> model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1, name="dense")])
+    >>> @tf.function(autograph=False)
+    ... def step(x):
+    ...     with checked_train_step(model, then=refuse_record_writes):
+    ...         model.layers[0].bias.assign(x[0, :1])
+    >>> step(tf.ones([2, 3]))
+    Traceback (most recent call last):
+    ...
+    ValueError: Model 'sequential...' writes variable 'sequential.../dense/bias' from the batch's records ...
+    """
     # pylint: disable=protected-access
     holding = sw._handles(record_holding_variables(model))
     known = {**sw._model_variables(model), **sw._handles(sw._optimizer_variables(model)),
              **holding}
     search = _RecordSearch(known, holding)
-    for op, owner, path, controls, chain in sw._walk(graph, operations):
+    for op, owner, path, controls, chain in walked:
         if not sw._writes_outside(op) or _in_pass(op, owner, chain):
             continue
         variable = sw._resolve(op.inputs[0], owner, known, chain)
@@ -189,7 +176,7 @@ class _RecordSearch:
             current, where, calls = pending.pop()
             if where is None:  # an eager tensor captured when traced: a constant
                 continue
-            key = (tuple((id(g), o.name) for o, g in calls), id(where), current.name)
+            key = sw.visit_key(current, where, calls)
             if key in seen or key in self.clean:
                 continue
             seen.add(key)
@@ -261,12 +248,9 @@ def _bodies(op, graph):
     """[(attribute, function graph)] of the functions call or control flow
     `op` runs, or None for an op that calls none, or one whose functions
     are not all in `graph`."""
-    # pylint: disable=protected-access
-    called = sw._called_functions(op, with_keys=True)
-    if not called or op.type not in step_ops.CALLS:  # other layouts: all inputs decide
+    bodies = sw.function_graphs(op, graph)
+    if not bodies or op.type not in step_ops.CALLS:  # other layouts: all inputs decide
         return None
-    functions = getattr(graph, "_functions", {})
-    bodies = [(key, getattr(functions.get(name), "graph", None)) for key, name in called]
     return None if any(body is None for _, body in bodies) else bodies
 
 

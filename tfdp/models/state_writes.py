@@ -241,7 +241,7 @@ def checked_per_example_pass(model):
 
 
 @contextlib.contextmanager
-def checked_train_step(model):
+def checked_train_step(model, then=None):
     """Refuses the train step traced inside it if any of its ops is not
     allowed (`tfdp.models.step_ops`) or writes a resource that is not a
     variable of the model, its optimizer or its metrics: the whole compiled
@@ -252,7 +252,10 @@ def checked_train_step(model):
     step keeps the lookup tables and tensors it captures then for every
     step it runs. `DPModel.train_step` runs in it; the per-example pass and
     the metrics' updates inside it are checked by their own, stricter rules
-    (`checked_per_example_pass`, `checked_metric_updates`).
+    (`checked_per_example_pass`, `checked_metric_updates`). `then(model,
+    graph, walked)`, if given, checks the same ops further, on the walk
+    this scan made (`walked`: `_walk`'s tuples): the DP step passes
+    `tfdp.models.released_writes.refuse_record_writes`.
 
     Example:
 
@@ -268,7 +271,7 @@ def checked_train_step(model):
     ...
     ValueError: Model 'sequential...' writes a tensor out of its DP step ...
     """
-    with _scanned(model, _STEP):
+    with _scanned(model, _STEP, then):
         yield
 
 
@@ -340,7 +343,7 @@ def _writing_metric(model, path):
 
 
 @contextlib.contextmanager
-def _scanned(model, scope):
+def _scanned(model, scope, then=None):
     if tf.executing_eagerly():
         yield
         return
@@ -351,9 +354,11 @@ def _scanned(model, scope):
     start = len(graph.get_operations())
     yield
     operations = graph.get_operations()[start:]
-    _refuse_writes(model, graph, operations, scope)
+    walked = _refuse_writes(model, graph, operations, scope)
     if scope == _PASS:
         pass_ops(graph).update(op.name for op in operations)
+    if then is not None:
+        then(model, graph, walked)
 
 
 def pass_ops(graph):
@@ -480,7 +485,8 @@ def _refuse_writes(model, graph, operations, scope=_PASS):
     """Raises a ValueError for the first op of `operations` (ops of `graph`),
     or of a function they call, that `scope` does not allow: an op
     `tfdp.models.step_ops` does not allow, Python, an output, an abort on
-    values, or a write to a resource the scope may not write."""
+    values, or a write to a resource the scope may not write. Returns the
+    walk it checked (`_walk`'s tuples)."""
     variables = _model_variables(model)
     seeds = _seed_states(model)
     optimizer_variables = _handles(_optimizer_variables(model))
@@ -506,8 +512,8 @@ def _refuse_writes(model, graph, operations, scope=_PASS):
             if source is not None:
                 raise ValueError(_value_shape_message(model, op, source, path))
     for op, owner, path, controls, chain in walked:
-        if _called_functions(op) and (op.type not in step_ops.CALLS
-                                      or not _bodies_at_hand(op, owner)):
+        bodies = function_graphs(op, owner)
+        if bodies and (op.type not in step_ops.CALLS or any(b is None for _, b in bodies)):
             raise ValueError(_unknown_message(model, op, path))  # a body the scan cannot follow
         if op.type in step_ops.COLLECTIVES:
             if scope != _PASS:
@@ -531,6 +537,7 @@ def _refuse_writes(model, graph, operations, scope=_PASS):
                 raise ValueError(_message(model, op, variable, path, scope))
         elif not step_ops.allowed(op.type):
             raise ValueError(_unknown_message(model, op, path))
+    return walked
 
 
 def _may_write(scope, op, graph, chain, variable, controls, seeds, metric_variables,
@@ -673,8 +680,7 @@ def _walk(graph, operations=None, path="", controls=(), chain=()):
     functions = getattr(graph, "_functions", {})
     for op in graph.get_operations() if operations is None else operations:
         yield op, graph, path + op.name, controls, chain
-        for key, name in _called_functions(op, with_keys=True):
-            nested = getattr(functions.get(name), "graph", None)
+        for key, nested in function_graphs(op, graph):
             if nested is None:
                 continue
             inner = chain + ((op, graph),)
@@ -709,12 +715,19 @@ def _from_outside(handle):
     return op.type not in _LOCAL_RESOURCES
 
 
-def _bodies_at_hand(op, graph):
-    """Whether every function `op` calls is defined in `graph`, where the
-    scans walk it (a function registered elsewhere, eagerly, is not)."""
+def function_graphs(op, graph):
+    """[(attribute, function graph)] for each function `op` (in `graph`)
+    calls: `f`, `then_branch`, `body`, ...; the graph is None for a
+    function `graph` does not hold (registered elsewhere, eagerly)."""
     functions = getattr(graph, "_functions", {})
-    return all(getattr(functions.get(name), "graph", None) is not None
-               for name in _called_functions(op))
+    return [(key, getattr(functions.get(name), "graph", None))
+            for key, name in _called_functions(op, with_keys=True)]
+
+
+def visit_key(tensor, graph, chain):
+    """A tensor's identity on a walk through functions: the same tensor
+    reached through other call sites is another value."""
+    return tuple((id(g), o.name) for o, g in chain), id(graph), tensor.name
 
 
 def _called_functions(op, with_keys=False):
@@ -744,7 +757,7 @@ def _resolve(handle, graph, variables, chain=()):
                 return None
             found[id(variable)] = variable
             continue
-        key = (tuple((id(g), o.name) for o, g in calls), id(where), current.name)
+        key = visit_key(current, where, calls)
         if key in seen:
             continue  # a loop passing it on unchanged
         seen.add(key)
@@ -820,7 +833,7 @@ def _decided_by(tensor, graph, chain, variable, variables):
             if current.dtype == tf.resource:
                 return False
             continue
-        key = (tuple((id(g), o.name) for o, g in calls), id(where), current.name)
+        key = visit_key(current, where, calls)
         if key in visited:
             continue
         visited.add(key)
