@@ -94,6 +94,32 @@ def masked(tensor, keep):
     return tf.where(keep, tensor, tf.zeros_like(tensor))
 
 
+def finite_or_masked(tensor, sq_bounds, keep):
+    """`tensor` [B, ...] as is where every example's squared-norm bound
+    `sq_bounds` [B] is finite, which says every entry is finite (w = 0 then
+    adds nothing); otherwise, and always where a setting lets a matmul read
+    float32 narrower (3e38 could become inf), `masked` (w = 0 times an inf
+    entry would add a NaN). Spares a pass over a large tensor in the usual
+    case; a tensor of fewer than `rounding.ROW_SQUARES_MIN_ENTRIES` entries
+    an example is masked (a pass cheaper than the branch).
+
+    Example:
+
+    >>> keep, ones = tf.constant([False]), tf.ones([1, 1024])
+    >>> float(tf.reduce_sum(finite_or_masked(ones, tf.constant([1024.0], tf.float64), keep)))
+    1024.0
+    >>> float(tf.reduce_sum(finite_or_masked(ones, tf.constant([float("inf")], tf.float64),
+    ...                                      keep)))
+    0.0
+    """
+    entries = rounding.entries_per_example(tensor)
+    if (not isinstance(entries, int) or entries < rounding.ROW_SQUARES_MIN_ENTRIES
+            or gram_precision.reduced_precision_settings()):
+        return masked(tensor, keep)
+    return tf.cond(tf.reduce_all(tf.math.is_finite(sq_bounds)), lambda: tensor,
+                   lambda: masked(tensor, keep))
+
+
 def norm_of(vectors):
     """float64 L2 norm of a list of tensors taken together (a Python-side
     direction shared by every example, e.g. weight-decay offsets)."""
@@ -238,6 +264,7 @@ class LinearGrads(Part):
         self._row_bounds = None
         self._mass = None
         self._bias_rows = None
+        self._matrix_bounds = None
 
     def _to_kernel(self, matrix, batch_dims):
         """[*batch, K, O] matrix gradients in the kernel's layout."""
@@ -304,10 +331,18 @@ class LinearGrads(Part):
         if self._factored:
             kernel = self._bounds()[0]
         else:
-            kernel = rounding.sum_of_squares(self._per_example_matrix())
+            kernel = self._matrix_sq_bounds()
         if len(self.variables) == 1:
             return kernel
         return kernel + self._bias_sq_bounds()
+
+    def _matrix_sq_bounds(self):
+        """float64 [B] bounds of the per-example matrices' squared norms
+        (`rounding.sum_of_squares_by_rows`), computed once: the weighted sum
+        reads whether they are finite."""
+        if self._matrix_bounds is None:
+            self._matrix_bounds = rounding.sum_of_squares_by_rows(self._per_example_matrix())
+        return self._matrix_bounds
 
     def _bias_sq_bounds(self):
         """float64 [B] upper bounds of the bias gradients' squared norms. With
@@ -392,8 +427,9 @@ class LinearGrads(Part):
         keep = tf.not_equal(weights, 0.0)
         g = None  # w g, where the factored sum forms it
         if self._materialized is not None:
-            matrix = tf.tensordot(tf.cast(weights, accumulate),
-                                  tf.cast(masked(self._materialized, keep), accumulate), axes=1)
+            matrix = tf.tensordot(tf.cast(weights, accumulate), tf.cast(
+                finite_or_masked(self._materialized, self._matrix_sq_bounds(), keep),
+                accumulate), axes=1)
         else:
             # w g in float32, as bounded; 0 where w is 0 even for a row that is not finite.
             g = tf.math.multiply_no_nan(self.g, weights[:, None, None])
@@ -468,9 +504,18 @@ class MaterializedGrads(SummedAsMeasured):
     def __init__(self, variables, grads):
         self.variables = list(variables)
         self.grads = [as_float32(g) for g in grads]
+        self._sq_bounds = None
+
+    def _grad_sq_bounds(self):
+        """float64 [B] squared-norm bounds of each tensor
+        (`rounding.sum_of_squares_by_rows`), computed once: the weighted
+        sum reads whether they are finite."""
+        if self._sq_bounds is None:
+            self._sq_bounds = [rounding.sum_of_squares_by_rows(g) for g in self.grads]
+        return self._sq_bounds
 
     def sq_norm_bounds(self):
-        return tf.add_n([rounding.sum_of_squares(g) for g in self.grads])
+        return tf.add_n(self._grad_sq_bounds())
 
     def _entries(self):
         return sum(rounding.entries_per_example(g) for g in self.grads)
@@ -492,8 +537,9 @@ class MaterializedGrads(SummedAsMeasured):
 
     def weighted_sum(self, weights, accumulate=tf.float32):
         keep = tf.not_equal(weights, 0.0)
-        return [tf.tensordot(tf.cast(weights, accumulate), tf.cast(masked(g, keep), accumulate),
-                             axes=1) for g in self.grads]
+        return [tf.tensordot(tf.cast(weights, accumulate),
+                             tf.cast(finite_or_masked(g, sq, keep), accumulate), axes=1)
+                for g, sq in zip(self.grads, self._grad_sq_bounds())]
 
     def materialize(self):
         return list(self.grads)

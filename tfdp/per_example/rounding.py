@@ -342,6 +342,51 @@ def sum_of_squared_bounds(bounds):
     return mass_of(bounds, bounds)
 
 
+# Per-example tensors of fewer entries keep float64 squares
+# (`sum_of_squares_by_rows`).
+ROW_SQUARES_MIN_ENTRIES = 1024
+
+
+def sum_of_squares_by_rows(tensor):
+    """Upper bound, float64 [B], of each example's sum of squared entries,
+    measured as rows: each example's entries, in their order, cut into rows
+    of the widest trailing block of axes that holds at most
+    `FLOAT32_SQUARES_WIDTH` entries, each row's norm bounded by `row_bounds`
+    with no floor (float32 squares and sum with their proved bound; float64
+    squares for a row whose float32 sum is not finite, and for every row
+    where a setting lets float32 arithmetic narrow), and those bounds
+    squared and summed, rounded up (`sum_of_squared_bounds`).
+
+    The bound `sum_of_squares` gives, within gamma(width) relative (plus
+    float32's absolute term, about 1.7e-18 a row of 128 entries), with no
+    float64 copy of the tensor: for the large per-example tensors of
+    materialized parts. Tensors other than float32, with a non-batch length
+    known only at run time, with fewer than `ROW_SQUARES_MIN_ENTRIES`
+    entries an example (the float64 copy is small there, and exact for tiny
+    values) or whose last axis alone is wider than a row take
+    `sum_of_squares`. A finite result says that every entry is finite.
+
+    Example:
+
+    >>> float(sum_of_squares_by_rows(tf.ones([1, 32, 32]) * 0.5)[0])
+    256.0...
+    """
+    inner = tf.TensorShape(tensor.shape[1:])  # a NumPy array's shape too
+    if (tf.as_dtype(tensor.dtype) != tf.float32 or inner.rank == 0
+            or not inner.is_fully_defined()
+            or inner.num_elements() < ROW_SQUARES_MIN_ENTRIES):
+        return sum_of_squares(tensor)
+    width = 1
+    for length in reversed(inner.as_list()):
+        if width * length > FLOAT32_SQUARES_WIDTH:
+            break
+        width *= length
+    if width == 1:
+        return sum_of_squares(tensor)
+    rows = tf.reshape(tensor, [tf.shape(tensor)[0], inner.num_elements() // width, width])
+    return sum_of_squared_bounds(row_bounds(rows, floor=0.0))
+
+
 def mass_of(rows_x, rows_g):
     """float64 [B] upper bound of sum_s |x_s| |g_s| from row-norm bounds
     [B, S] (the float64 products and sum rounded up)."""
