@@ -141,6 +141,19 @@ def test_finite_examples_are_summed_unmasked_and_alike(part, monkeypatch):
     np.testing.assert_array_equal(summed, kept)
 
 
+def test_a_float64_entry_beyond_float32_at_zero_weight_adds_nothing():
+    """Review of e047fb8 (CRITICAL): a rule's float64 part with a finite
+    entry of 1e39 has a finite bound, but the float32 sum casts the entry
+    to inf: unmasked, its zero weight put a NaN into the batch's sum."""
+    tensor = np.ones((3, 64, 16))
+    tensor[2, 5, 5] = 1e39
+    kernel = tf.Variable(tf.zeros([64, 16]))
+    part = grads.MaterializedGrads([kernel], [tf.constant(tensor, tf.float64)])
+    assert np.all(np.isfinite(part.sq_norm_bounds().numpy()))
+    summed = part.weighted_sum(tf.constant([0.5, 0.25, 0.0]))[0].numpy()
+    np.testing.assert_array_equal(summed, np.full((64, 16), 0.75, np.float32))
+
+
 def test_a_setting_that_narrows_matmuls_always_masks(monkeypatch):
     from tfdp.per_example import gram_precision
 

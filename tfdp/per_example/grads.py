@@ -95,13 +95,16 @@ def masked(tensor, keep):
 
 
 def finite_or_masked(tensor, sq_bounds, keep):
-    """`tensor` [B, ...] as is where every example's squared-norm bound
-    `sq_bounds` [B] is finite, which says every entry is finite (w = 0 then
-    adds nothing); otherwise, and always where a setting lets a matmul read
-    float32 narrower (3e38 could become inf), `masked` (w = 0 times an inf
-    entry would add a NaN). Spares a pass over a large tensor in the usual
-    case; a tensor of fewer than `rounding.ROW_SQUARES_MIN_ENTRIES` entries
-    an example is masked (a pass cheaper than the branch).
+    """Float32 `tensor` [B, ...] as is where every example's squared-norm
+    bound `sq_bounds` [B] is finite, which says every entry is finite (w = 0
+    then adds nothing, in float32 or cast to float64); otherwise, and always
+    where a setting lets a matmul read float32 narrower (3e38 could become
+    inf), `masked` (w = 0 times an inf entry would add a NaN). Spares a pass
+    over a large tensor in the usual case. A tensor of fewer than
+    `rounding.ROW_SQUARES_MIN_ENTRIES` entries an example is masked (a pass
+    cheaper than the branch), and so is a float64 one (a rule's own parts:
+    a finite float64 entry above 3.4e38 is inf once the sum casts it to
+    float32).
 
     Example:
 
@@ -113,7 +116,8 @@ def finite_or_masked(tensor, sq_bounds, keep):
     0.0
     """
     entries = rounding.entries_per_example(tensor)
-    if (not isinstance(entries, int) or entries < rounding.ROW_SQUARES_MIN_ENTRIES
+    if (tensor.dtype != tf.float32 or not isinstance(entries, int)
+            or entries < rounding.ROW_SQUARES_MIN_ENTRIES
             or gram_precision.reduced_precision_settings()):
         return masked(tensor, keep)
     return tf.cond(tf.reduce_all(tf.math.is_finite(sq_bounds)), lambda: tensor,
