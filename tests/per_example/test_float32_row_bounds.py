@@ -145,6 +145,26 @@ def test_a_zero_weight_row_that_is_not_finite_adds_nothing(bad):
     np.testing.assert_array_equal(summed, np.full((4, 2), 0.75, np.float32))
 
 
+@pytest.mark.parametrize("positions, width", [(1, 64), (4, 256)], ids=["one", "ghost"])
+def test_a_float64_x_beyond_float32_at_zero_weight_adds_nothing(positions, width):
+    """Review of a2b925d (CRITICAL, from dba3e60): a rule's float64 x with a
+    finite entry of 1e39 has a finite row bound, so x went unmasked into the
+    float32 matmul, which cast the entry to inf: 0 times inf put NaN into
+    the batch's sum. A float64 x is masked."""
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(3, positions, width)) * 1e-2
+    x[2, 0, 0] = 1e39
+    g = (rng.normal(size=(3, positions, width)) * 1e-2).astype(np.float32)
+    kernel = tf.Variable(tf.zeros([width, width]))
+    part = grads.LinearGrads(tf.constant(x, tf.float64), tf.constant(g), kernel)
+    assert part._factored
+    assert np.all(np.isfinite(part._rows()[0].numpy()))
+    summed = part.weighted_sum(tf.constant([1.0, 0.5, 0.0]))[0].numpy()
+    kept = grads.LinearGrads(tf.constant(x[:2], tf.float64), tf.constant(g[:2]), kernel)
+    assert np.all(np.isfinite(summed))
+    np.testing.assert_array_equal(summed, kept.weighted_sum(tf.constant([1.0, 0.5]))[0].numpy())
+
+
 def test_finite_rows_at_zero_weight_are_multiplied_by_zero_rows():
     # Unmasked x (every bound finite): the zero-weight example adds 0.
     rng = np.random.default_rng(1)

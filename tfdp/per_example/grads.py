@@ -439,10 +439,11 @@ class LinearGrads(Part):
             g = tf.math.multiply_no_nan(self.g, weights[:, None, None])
             # A zero row of w g meets its x row in the matmul: 0 x adds
             # nothing where x is finite, which finite row bounds say of every
-            # row; x is masked where a bound is not (inf x would add NaN), and
+            # row; x is masked where a bound is not (inf x would add NaN),
             # where a setting lets the matmul read float32 narrower (3e38
-            # could become inf).
-            if gram_precision.reduced_precision_settings():
+            # could become inf), and where x is not float32 (a rule's float64
+            # x: a finite entry above 3.4e38 is inf once cast to float32).
+            if self.x.dtype != tf.float32 or gram_precision.reduced_precision_settings():
                 x = masked(self.x, keep)
             else:
                 finite = tf.reduce_all(tf.math.is_finite(self._rows()[0]))
