@@ -15,7 +15,6 @@ rounds and the median of the per-round ratios.
 import argparse
 import os
 import statistics
-import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
@@ -23,6 +22,7 @@ import keras  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 import tfdp  # noqa: E402
+from embedding_rows import milliseconds  # noqa: E402
 from throughput import ZOO, build  # noqa: E402
 from tfdp.per_example import grads, rounding  # noqa: E402
 
@@ -50,15 +50,6 @@ def traced_step(name, old):
     return step
 
 
-def milliseconds(step, repeats):
-    step()
-    start = time.perf_counter()
-    for _ in range(repeats):
-        logs = step()
-    tf.nest.map_structure(lambda t: t.numpy() if hasattr(t, "numpy") else t, logs)
-    return (time.perf_counter() - start) / repeats * 1e3
-
-
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", nargs="+", choices=sorted(ZOO), default=["tanh_cnn_256"])
@@ -74,6 +65,7 @@ def main():
         times = {"old": [], "new": []}
         for _ in range(args.rounds):
             for route, step in steps.items():
+                step()  # warm: the other route ran last
                 times[route].append(milliseconds(step, args.repeats))
         ratio = statistics.median(o / n for o, n in zip(times["old"], times["new"]))
         print(f"| {name} | {ZOO[name][0]} | {statistics.median(times['old']):.2f} | "
