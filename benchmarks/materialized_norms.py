@@ -26,6 +26,16 @@ from embedding_rows import milliseconds  # noqa: E402
 from throughput import ZOO, build  # noqa: E402
 from tfdp.per_example import grads, rounding  # noqa: E402
 
+NEW_ROUTES = (rounding.sum_of_squares_by_rows, grads.finite_or_masked)
+
+
+def _masked_when_materialized(tensor, bounds, keep, min_entries=rounding.ROW_SQUARES_MIN_ENTRIES):
+    """The old route's `finite_or_masked`: materialized tensors (called with
+    the default `min_entries`) always masked; a factored part's x as today."""
+    if min_entries:
+        return grads.masked(tensor, keep)
+    return NEW_ROUTES[1](tensor, bounds, keep, min_entries)
+
 
 def traced_step(name, old):
     """The zoo model's DP train_step as a traced `tf.function` on one
@@ -37,16 +47,15 @@ def traced_step(name, old):
                   loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
     data = ((tf.constant(x[:batch]), tf.constant(y[:batch])),
             {"mask": tf.ones([batch]), "expected_batch_size": tf.constant(float(batch))})
-    new_routes = (rounding.sum_of_squares_by_rows, grads.finite_or_masked)
     if old:
         rounding.sum_of_squares_by_rows = rounding.sum_of_squares
-        grads.finite_or_masked = lambda tensor, sq_bounds, keep: grads.masked(tensor, keep)
+        grads.finite_or_masked = _masked_when_materialized
     try:  # the routes are read while tracing only
         model.fit(x[:batch], y[:batch], batch_size=batch, epochs=1, steps_per_epoch=1, verbose=0)
         step = tf.function(lambda: model.train_step(data))
         step()
     finally:
-        rounding.sum_of_squares_by_rows, grads.finite_or_masked = new_routes
+        rounding.sum_of_squares_by_rows, grads.finite_or_masked = NEW_ROUTES
     return step
 
 

@@ -94,17 +94,17 @@ def masked(tensor, keep):
     return tf.where(keep, tensor, tf.zeros_like(tensor))
 
 
-def finite_or_masked(tensor, sq_bounds, keep):
-    """Float32 `tensor` [B, ...] as is where every example's squared-norm
-    bound `sq_bounds` [B] is finite, which says every entry is finite (w = 0
-    then adds nothing, in float32 or cast to float64); otherwise, and always
-    where a setting lets a matmul read float32 narrower (3e38 could become
-    inf), `masked` (w = 0 times an inf entry would add a NaN). Spares a pass
-    over a large tensor in the usual case. A tensor of fewer than
-    `rounding.ROW_SQUARES_MIN_ENTRIES` entries an example is masked (a pass
-    cheaper than the branch), and so is a float64 one (a rule's own parts:
-    a finite float64 entry above 3.4e38 is inf once the sum casts it to
-    float32).
+def finite_or_masked(tensor, bounds, keep, min_entries=rounding.ROW_SQUARES_MIN_ENTRIES):
+    """Float32 `tensor` [B, ...] as is where every norm bound in `bounds`
+    (an example's squared norm [B], or its rows' norms [B, S]) is finite,
+    which says every entry is finite (w = 0 then adds nothing, in float32 or
+    cast to float64); otherwise, and always where a setting lets a matmul
+    read float32 narrower (3e38 could become inf), `masked` (w = 0 times an
+    inf entry would add a NaN). Spares a pass over a large tensor in the
+    usual case. A tensor of fewer than `min_entries` entries an example is
+    masked (a pass cheaper than the branch), and so is one that is not
+    float32 (a rule's own float64 tensor: a finite entry above 3.4e38 is
+    inf once the sum casts it to float32).
 
     Example:
 
@@ -116,11 +116,10 @@ def finite_or_masked(tensor, sq_bounds, keep):
     0.0
     """
     entries = rounding.entries_per_example(tensor)
-    if (tensor.dtype != tf.float32 or not isinstance(entries, int)
-            or entries < rounding.ROW_SQUARES_MIN_ENTRIES
+    if (tensor.dtype != tf.float32 or not isinstance(entries, int) or entries < min_entries
             or gram_precision.reduced_precision_settings()):
         return masked(tensor, keep)
-    return tf.cond(tf.reduce_all(tf.math.is_finite(sq_bounds)), lambda: tensor,
+    return tf.cond(tf.reduce_all(tf.math.is_finite(bounds)), lambda: tensor,
                    lambda: masked(tensor, keep))
 
 
@@ -439,15 +438,10 @@ class LinearGrads(Part):
             g = tf.math.multiply_no_nan(self.g, weights[:, None, None])
             # A zero row of w g meets its x row in the matmul: 0 x adds
             # nothing where x is finite, which finite row bounds say of every
-            # row; x is masked where a bound is not (inf x would add NaN),
-            # where a setting lets the matmul read float32 narrower (3e38
-            # could become inf), and where x is not float32 (a rule's float64
-            # x: a finite entry above 3.4e38 is inf once cast to float32).
-            if self.x.dtype != tf.float32 or gram_precision.reduced_precision_settings():
-                x = masked(self.x, keep)
-            else:
-                finite = tf.reduce_all(tf.math.is_finite(self._rows()[0]))
-                x = tf.cond(finite, lambda: self.x, lambda: masked(self.x, keep))
+            # row; x is masked where a bound is not, under the settings that
+            # narrow matmuls and where x is not float32 (`finite_or_masked`,
+            # at any size, as x was before the materialized parts used it).
+            x = finite_or_masked(self.x, self._rows()[0], keep, min_entries=0)
             # Weight G, then one matmul over (example, position) rows: measured
             # 60x faster than tf.einsum("b,bsk,bso->ko") for a 784x256 Dense
             # layer at batch 2048 on 2 CPU cores.
