@@ -66,6 +66,24 @@ def test_the_scatter_is_scatter_nd_bit_for_bit(library, dtype, compiled, count, 
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: d.name)
+@pytest.mark.parametrize("count, width, rows, hot", [
+    (32768, 128, 20000, 0), (32768, 128, 20000, 19999), (4000, 33, 3, 1), (50, 8, 100000, 0)])
+def test_the_scatter_of_skewed_ids_is_scatter_nd_bit_for_bit(library, dtype, count, width, rows,
+                                                             hot):
+    """Half of the ids on one row (a padding id), the rest spread: the
+    threads own table rows, so one owns most of the additions."""
+    rng = np.random.default_rng(rows + hot)
+    ids = rng.integers(0, rows, count)
+    ids[rng.random(count) < 0.5] = hot
+    ids = tf.constant(ids, tf.int32)
+    updates = crafted([count, width], dtype, width + 1)
+    want = run(lambda: tf.scatter_nd(ids[:, None], updates, [rows, width]), True)
+    got = run(lambda: library.tfdp_scatter_rows(ids, updates, rows), True)
+    np.testing.assert_array_equal(bits(want), bits(got))
+    assert np.sum(ids.numpy() == hot) > count // 3  # the control: one row takes many
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: d.name)
 @pytest.mark.parametrize("compiled", [True, False], ids=["tf.function", "eager"])
 @pytest.mark.parametrize("batch, length, width, vocab", [
     (1, 1, 1, 1), (1, 6, 3, 1), (3, 9, 5, 4), (8, 40, 16, 3), (8, 40, 16, 500),

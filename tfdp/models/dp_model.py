@@ -34,6 +34,7 @@ from tfdp.models import (
 from tfdp.models.atomic_save import atomic_write, is_local_path
 from tfdp.models.augmentation import step_key as augmentation_key
 from tfdp.models.chosen_checkpoint import note_save
+from tfdp.models.counter_reads import read_counter
 from tfdp.models.functional_class import make_functional, wants_functional
 from tfdp.models.jit import resolve_jit_compile
 from tfdp.models.restore import LedgerGuard, naming_the_file
@@ -133,7 +134,7 @@ class DPTrainingMixin:
         return path_line(self)  # with what fit would refuse (tfdp.per_example.validate)
 
     def _read_dp_steps(self):
-        return int(self._dp_steps.numpy())
+        return read_counter(self._dp_steps)
 
     def summary(self, *args, **kwargs):
         """Keras `summary`; its parameter counts leave out the private step

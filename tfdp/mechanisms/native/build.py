@@ -1,7 +1,8 @@
 """Builds, caches and loads tfdp's compiled ops, or says why it cannot.
 
-`gaussian_noise.cc` (the noise) and `embedding_rows.cc` (an embedding's
-repeated ids, merged rows and clipped sum) are compiled into one library
+`gaussian_noise.cc` (the noise), `embedding_rows.cc` (an embedding's
+repeated ids, merged rows and clipped sum) and `row_squares.cc` (rows'
+float32 sums of squares) are compiled into one library
 on first use with the system C++ compiler (`$CXX`, else `g++`) against the
 installed TensorFlow's headers and library (`tf.sysconfig`), into a
 per-user cache: `$TFDP_CACHE_DIR`, else `$XDG_CACHE_HOME/tfdp`, else
@@ -14,8 +15,9 @@ fix). Nothing is built at install time, so `pip install` needs no compiler.
 
 Each op reproduces its TensorFlow reference bit for bit only on the
 TensorFlow builds whose kernels it mirrors, so a loaded op must also pass a
-self-check against the graph (`native_noise.py` and
-`tfdp/per_example/native_rows.py` run them) before it is used. Where anything
+self-check against the graph (`native_noise.py`,
+`tfdp/per_example/native_rows.py` and `tfdp/per_example/native_squares.py`
+run them) before it is used. Where anything
 fails (no compiler, no headers, a compile error, a failed check) the graph
 generator runs, and `TFDP_NOISE_KERNEL=graph` forces it.
 
@@ -39,7 +41,7 @@ import tensorflow as tf
 
 ENV_SWITCH = "TFDP_NOISE_KERNEL"  # "graph" forces TensorFlow's ops for every compiled op
 SOURCES = tuple(pathlib.Path(__file__).with_name(name)
-                for name in ("gaussian_noise.cc", "embedding_rows.cc"))
+                for name in ("gaussian_noise.cc", "embedding_rows.cc", "row_squares.cc"))
 # No -ffast-math, and no contraction of a * b + c into one rounding: the op
 # must round exactly where TensorFlow's kernels round.
 FLAGS = ["-O3", "-fPIC", "-shared", "-w", "-ffp-contract=off", "-fno-math-errno"]
@@ -118,7 +120,7 @@ def _unsafe(paths):
 
 
 def _names():
-    return " and ".join(source.name for source in SOURCES)
+    return ", ".join(source.name for source in SOURCES)
 
 
 def _build(compiler, target):

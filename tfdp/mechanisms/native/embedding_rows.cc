@@ -17,8 +17,8 @@
 //    (the order of tf.where's positions and tensor_scatter_nd_add's adds).
 //
 // Every entry is the same sequence of IEEE additions as the reference's, in
-// the same order: work is split across threads by columns (the scatter) or
-// by examples (the merge), never within one entry's sum. Copies move bits
+// the same order: work is split across threads by table rows (the scatter)
+// or by examples (the merge), never within one entry's sum. Copies move bits
 // (-0.0 and subnormal values stay as they are, as tf.where leaves them). The
 // reference adds each row in the thread that runs the op, flushing
 // subnormal results to zero or not as that thread does (TensorFlow's
@@ -47,8 +47,6 @@ namespace tfdp_rows {
 
 using namespace tensorflow;  // NOLINT: the op framework's names
 using std::int64_t;
-
-constexpr int64_t kColumnBlock = 16;  // one 64-byte line of float32 a thread
 
 // This thread's floating-point control word (x86: MXCSR; elsewhere 0).
 unsigned ControlWord() {
@@ -129,23 +127,27 @@ class ScatterRowsOp : public OpKernel {
     T* out = output->flat<T>().data();
     const T* in = updates.flat<T>().data();
     const unsigned caller = ControlWord();
-    auto columns = [&](int64_t first_block, int64_t end_block) {
+    // A thread owns a range of table rows: it zeroes them, then adds every
+    // update aimed at one of them, in the order of `indices` (each scans
+    // all the indices, a few bytes each, so that no row is shared and each
+    // update's row is read and added whole).
+    auto table_rows = [&](int64_t first_row, int64_t end_row) {
       CallersDenormalMode mode(caller);
-      const int64_t lo = first_block * kColumnBlock;
-      const int64_t hi = std::min(width, end_block * kColumnBlock);
-      for (int64_t r = 0; r < rows; ++r) {
-        std::fill(out + r * width + lo, out + r * width + hi, T(0));
-      }
+      std::fill(out + first_row * width, out + end_row * width, T(0));
       for (int64_t k = 0; k < n; ++k) {
-        T* target = out + index[k] * width;
+        const int64_t row = index[k];
+        if (row < first_row || row >= end_row) continue;
+        T* target = out + row * width;
         const T* source = in + k * width;
-        for (int64_t j = lo; j < hi; ++j) target[j] += source[j];
+        for (int64_t j = 0; j < width; ++j) target[j] += source[j];
       }
     };
-    const int64_t blocks = (width + kColumnBlock - 1) / kColumnBlock;
+    // A row's cost: its zeroing and its share of the updates' additions,
+    // plus its share of the index scan.
+    const int64_t per_row = std::max<int64_t>(rows, 1);
     const auto* threads = ctx->device()->tensorflow_cpu_worker_threads();
-    Shard(threads->num_threads, threads->workers, blocks, (n + rows) * kColumnBlock * 2,
-          columns);
+    Shard(threads->num_threads, threads->workers, rows, width + (n * width * 2 + n) / per_row,
+          table_rows);
   }
 };
 
