@@ -2,8 +2,6 @@
 for bit, the reference runs, named, wherever the compiled op cannot, and the
 DP step measures its rows with whichever runs."""
 
-import os
-
 import keras
 import numpy as np
 import pytest
@@ -12,6 +10,7 @@ import tensorflow as tf
 import tfdp
 from tfdp.mechanisms.native import build
 from tfdp.per_example import grads, native_squares, rounding
+from tests.per_example.compiled_ops import required_library
 
 WIDTHS = [1, 2, 3, 4, 5, 7, 8, 15, 16, 17, 31, 33, 100, 127, 128, 129, 511, 512, 784, 1000,
           4095, 4096]
@@ -20,13 +19,7 @@ WIDTHS = [1, 2, 3, 4, 5, 7, 8, 15, 16, 17, 31, 33, 100, 127, 128, 129, 511, 512,
 @pytest.fixture(scope="module")
 def library():
     """The compiled op (built on first use); CI must have it."""
-    library, reason = native_squares._load()
-    if library is None:
-        message = f"the compiled row squares are unavailable here: {reason}"
-        if os.environ.get("CI", "").strip().lower() in ("true", "1", "yes"):
-            pytest.fail(f"CI=true: {message}", pytrace=False)
-        pytest.skip(message)
-    return library
+    return required_library(native_squares._load(), "row squares")
 
 
 def bits(tensor):

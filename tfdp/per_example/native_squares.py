@@ -28,7 +28,6 @@ Example:
 """
 
 import logging
-import os
 
 import numpy as np
 import tensorflow as tf
@@ -103,17 +102,7 @@ def squares_path():
 def _load():
     global _loaded
     if _loaded is None:
-        ops = build.load()
-        library, reason = ops.library, ops.reason
-        if library is not None:
-            seed = int.from_bytes(os.urandom(8), "little")
-            try:
-                reason = _self_check(library, seed)
-            except Exception as error:  # noqa: BLE001 -- any failure means TensorFlow's ops
-                reason = f"the self-check raised {type(error).__name__}: {error}"
-            if reason:
-                reason, library = f"{reason} (self-check seed {seed})", None
-        _loaded = (library, reason)
+        _loaded = build.load_checked(_self_check)
         logger.info("tfdp row squares: %s", squares_path())
     return _loaded
 

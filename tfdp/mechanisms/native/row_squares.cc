@@ -14,57 +14,25 @@
 // Every row is the same sequence of IEEE multiplications and additions as
 // the reference's, in the same order, no multiply-add contracted (the
 // library is built with -ffp-contract=off); threads split the rows, never
-// one row's sum. The reference's ops flush subnormal results to zero or not
-// as the thread that runs them does, so on x86-64 every worker here runs
-// under the calling thread's flush-to-zero and denormals-are-zero bits
-// (elsewhere the workers keep their own mode, and the self-check at load
-// refuses the op if that changes a value). Rows of width 0 are an error.
+// one row's sum, each worker under the calling thread's handling of
+// subnormal numbers (denormal_mode.h). Rows of width 0 are an error.
 
 #include <algorithm>
 #include <cstdint>
 #include <vector>
-#if defined(__x86_64__)
-#include <xmmintrin.h>
-#endif
-
 #include "tensorflow/core/framework/op.h"
 #include "tensorflow/core/framework/op_kernel.h"
 #include "tensorflow/core/framework/shape_inference.h"
 #include "tensorflow/core/util/work_sharder.h"
+#include "denormal_mode.h"
 
 namespace tfdp_squares {
 
 using namespace tensorflow;  // NOLINT: the op framework's names
 using std::int64_t;
 
-// This thread's floating-point control word (x86: MXCSR; elsewhere 0).
-unsigned ControlWord() {
-#if defined(__x86_64__)
-  return _mm_getcsr();
-#else
-  return 0;
-#endif
-}
-
-// While alive, this thread flushes subnormal results to zero (FTZ) and
-// reads subnormal inputs as zero (DAZ) exactly as `caller` does.
-class CallersDenormalMode {
- public:
-  explicit CallersDenormalMode(unsigned caller) : saved_(ControlWord()) {
-#if defined(__x86_64__)
-    _mm_setcsr((saved_ & ~kBits) | (caller & kBits));
-#endif
-  }
-  ~CallersDenormalMode() {
-#if defined(__x86_64__)
-    _mm_setcsr(saved_);
-#endif
-  }
-
- private:
-  static constexpr unsigned kBits = 0x8040;  // FTZ (bit 15) and DAZ (bit 6)
-  unsigned saved_;
-};
+using tfdp_native::CallersDenormalMode;
+using tfdp_native::ControlWord;
 
 REGISTER_OP("TfdpRowSquares")
     .Input("rows: float")
