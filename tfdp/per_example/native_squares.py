@@ -108,14 +108,21 @@ def _load():
 
 
 def check_rows(rng, shape):
-    """Random float32 rows of `shape` with -0.0, subnormal, tiny, huge,
-    infinite and NaN entries mixed in (their squares flush to zero and
-    overflow, their sums cancel nothing but round everywhere)."""
-    values = rng.normal(size=shape) * rng.choice([1e-3, 1.0, 1e3], shape)
+    """Random float32 rows of `shape` [..., C] with special entries: a third
+    of the rows hold -0.0, subnormal and tiny entries (their squares flush
+    to zero; the sums stay finite), a third also a few huge, infinite or
+    NaN entries (about two a row), a third a tenth of every kind."""
+    values = rng.uniform(-3.0, 3.0, shape) * rng.choice([1e-3, 1.0, 1e3], shape)
     tiny = np.finfo(np.float32).tiny
-    special = np.array([-0.0, tiny / 4, -tiny / 2, tiny, 1e-20, 3e19, -2e38, np.inf, np.nan])
-    picks = rng.random(shape) < 0.1
-    values[picks] = rng.choice(special, int(picks.sum()))
+    finite = np.array([-0.0, tiny / 4, -tiny / 2, tiny, 1e-20])
+    everything = np.concatenate([finite, [3e19, -2e38, np.inf, np.nan]])
+    kind = rng.integers(0, 3, list(shape[:-1]) + [1])
+    rate = np.where(kind == 1, min(1.0, 2.0 / shape[-1]), 0.1)
+    picks = rng.random(shape) < rate
+    chosen = np.where(np.broadcast_to(kind == 0, shape)[picks],
+                      rng.choice(finite, int(picks.sum())),
+                      rng.choice(everything, int(picks.sum())))
+    values[picks] = chosen
     return values.astype(np.float32)
 
 
