@@ -26,15 +26,16 @@ from throughput import ZOO  # noqa: E402
 from tfdp.per_example import native_rows  # noqa: E402
 
 
-def traced(function, compiled, module=native_rows, no_library=lambda dtype: None):
+def traced(function, compiled, module=native_rows, name="library_here",
+           replacement=lambda dtype: None):
     """`function` as a tf.function traced (and warmed) with the compiled
-    ops of `module`, or (`compiled` False) with its `library_here` replaced
-    by `no_library` while it traces: TensorFlow's ops."""
+    ops, or (`compiled` False) with `module.name` replaced by `replacement`
+    while it traces (by default no library: TensorFlow's ops)."""
     step = tf.function(function)
     if compiled:
         step()
     else:
-        with mock.patch.object(module, "library_here", no_library):
+        with mock.patch.object(module, name, replacement):
             step()
     step()
     return step
@@ -48,12 +49,12 @@ def milliseconds(step, repeats):
     return (time.perf_counter() - start) / repeats * 1e3
 
 
-def compare(names, reference, rounds, repeats, ops="compiled ops"):
+def compare(names, reference, rounds, repeats, ops="compiled ops", against="TensorFlow's ops"):
     """Prints the table of `main` for zoo models `names`: Keras's step, the
-    DP step traced by `reference(step)` (TensorFlow's ops) and traced with
+    DP step traced by `reference(step)` (named `against`) and traced with
     the compiled `ops`, interleaved over `rounds` rounds of `repeats` steps."""
-    print(f"| model | batch | Keras ms | DP ms, TensorFlow's ops | DP ms, {ops} | "
-          f"compiled speed-up | DP/plain, TensorFlow's ops | DP/plain, {ops} |")
+    print(f"| model | batch | Keras ms | DP ms, {against} | DP ms, {ops} | "
+          f"compiled speed-up | DP/plain, {against} | DP/plain, {ops} |")
     print("|---|---|---|---|---|---|---|---|")
     for name in names:
         steps = dict(stages(name))
