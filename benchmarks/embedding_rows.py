@@ -26,16 +26,14 @@ from throughput import ZOO  # noqa: E402
 from tfdp.per_example import native_rows  # noqa: E402
 
 
-def traced(function, compiled, module=native_rows, name="library_here",
-           replacement=lambda dtype: None):
-    """`function` as a tf.function traced (and warmed) with the compiled
-    ops, or (`compiled` False) with `module.name` replaced by `replacement`
-    while it traces (by default no library: TensorFlow's ops)."""
+def traced(function, compiled_rows):
+    """`function` as a tf.function traced (and warmed) with or without the
+    compiled row ops."""
     step = tf.function(function)
-    if compiled:
+    if compiled_rows:
         step()
     else:
-        with mock.patch.object(module, name, replacement):
+        with mock.patch.object(native_rows, "library_here", lambda dtype: None):
             step()
     step()
     return step
@@ -49,33 +47,6 @@ def milliseconds(step, repeats):
     return (time.perf_counter() - start) / repeats * 1e3
 
 
-def compare(names, reference, rounds, repeats, ops="compiled ops", against="TensorFlow's ops"):
-    """Prints the table of `main` for zoo models `names`: Keras's step, the
-    DP step traced by `reference(step)` (named `against`) and traced with
-    the compiled `ops`, interleaved over `rounds` rounds of `repeats` steps."""
-    print(f"| model | batch | Keras ms | DP ms, {against} | DP ms, {ops} | "
-          f"compiled speed-up | DP/plain, {against} | DP/plain, {ops} |")
-    print("|---|---|---|---|---|---|---|---|")
-    for name in names:
-        steps = dict(stages(name))
-        timed = {"keras": traced(steps["Keras train_step"], True),
-                 "reference": reference(steps["DP train_step"]),
-                 "compiled": traced(steps["DP train_step"], True)}
-        results = [{label: milliseconds(step, repeats) for label, step in timed.items()}
-                   for _ in range(rounds)]
-
-        def median(key):
-            return statistics.median(r[key] for r in results)
-
-        def ratio(top, bottom):
-            return statistics.median(r[top] / r[bottom] for r in results)
-
-        print(f"| {name} | {ZOO[name][0]} | {median('keras'):.1f} | {median('reference'):.1f} | "
-              f"{median('compiled'):.1f} | {ratio('reference', 'compiled'):.2f}x | "
-              f"{ratio('keras', 'reference'):.2f} | {ratio('keras', 'compiled'):.2f} |",
-              flush=True)
-
-
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", nargs="+", default=["text_pooling"],
@@ -86,7 +57,30 @@ def main():
     args = parser.parse_args()
     print(f"rows: {native_rows.rows_path()}; {args.rounds} rounds of {args.repeats} steps, "
           "interleaved; ms are medians, ratios medians of per-round ratios.\n")
-    compare(args.model, lambda step: traced(step, False), args.rounds, args.repeats)
+    print("| model | batch | Keras ms | DP ms, TensorFlow's ops | DP ms, compiled ops | "
+          "compiled speed-up | DP/plain, TensorFlow's ops | DP/plain, compiled ops |")
+    print("|---|---|---|---|---|---|---|---|")
+    for name in args.model:
+        steps = dict(stages(name))
+        timed = {"keras": traced(steps["Keras train_step"], True),
+                 "reference": traced(steps["DP train_step"], False),
+                 "compiled": traced(steps["DP train_step"], True)}
+        rounds = []
+        for _ in range(args.rounds):
+            rounds.append({label: milliseconds(step, args.repeats)
+                           for label, step in timed.items()})
+
+        def median(key):
+            return statistics.median(r[key] for r in rounds)
+
+        def ratio(top, bottom):
+            return statistics.median(r[top] / r[bottom] for r in rounds)
+
+        print(f"| {name} | {ZOO[name][0]} | {median('keras'):.1f} | "
+              f"{median('reference'):.1f} | "
+              f"{median('compiled'):.1f} | {ratio('reference', 'compiled'):.2f}x | "
+              f"{ratio('keras', 'reference'):.2f} | {ratio('keras', 'compiled'):.2f} |",
+              flush=True)
 
 
 if __name__ == "__main__":

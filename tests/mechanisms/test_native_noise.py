@@ -323,19 +323,17 @@ def test_a_cache_writable_by_others_is_refused_with_the_path(library, monkeypatc
     assert native_noise.noise_path() == f"graph generator ({refused.reason})"
 
 
-@pytest.mark.parametrize("changed", range(len(build.SOURCES + build.HEADERS)),
-                         ids=[source.name for source in build.SOURCES + build.HEADERS])
+@pytest.mark.parametrize("changed", range(len(build.SOURCES)),
+                         ids=[source.name for source in build.SOURCES])
 def test_a_changed_source_builds_into_a_new_cache_folder(monkeypatch, tmp_path, changed):
-    """The cache folder is keyed by every source's and header's bytes, so a
-    library built from an older source (other inputs: the fused ops once took
-    a divisor) is never loaded for a newer one."""
+    """The cache folder is keyed by every source's bytes, so a library built
+    from an older source (other inputs: the fused ops once took a divisor) is
+    never loaded for a newer one."""
     sources = []
-    for source in build.SOURCES + build.HEADERS:
+    for source in build.SOURCES:
         sources.append(tmp_path / source.name)
         shutil.copyfile(source, sources[-1])
-    count = len(build.SOURCES)
-    monkeypatch.setattr(build, "SOURCES", tuple(sources[:count]))
-    monkeypatch.setattr(build, "HEADERS", tuple(sources[count:]))
+    monkeypatch.setattr(build, "SOURCES", tuple(sources))
     key = build._cache_key("g++ 1.0")
     assert build._cache_key("g++ 1.0") == key  # negative control: the same sources, the same key
     sources[changed].write_bytes(sources[changed].read_bytes() + b"\n")

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from tfdp.per_example import grads, native_squares, rounding
+from tfdp.per_example import grads, rounding
 
 
 def _bounds(rows):
@@ -60,13 +60,12 @@ def test_the_relative_term_is_gamma_of_the_whole_row(width):
 
 
 def test_row_bounds_bound_the_whole_row_as_one_chunk():
-    """`row_bounds` sums a row's squares in one float32 reduction
-    (`native_squares.row_squares`): its bound is `float32_row_bounds` with
-    one chunk of the row's width (a smaller chunk would have a smaller
-    relative term than that reduction needs)."""
+    """`row_bounds` sums a row's squares in one float32 reduction: its bound
+    is `float32_row_bounds` with one chunk of the row's width (a smaller
+    chunk would have a smaller relative term than that reduction needs)."""
     rows = _rounding_rows()
     width = rows.shape[-1]
-    squares = tf.cast(native_squares.row_squares(tf.constant(rows)), tf.float64)
+    squares = tf.cast(tf.reduce_sum(tf.square(tf.constant(rows)), -1), tf.float64)
     expected = rounding.float32_row_bounds(squares, width, chunk=width).numpy()
     np.testing.assert_array_equal(rounding.row_bounds(tf.constant(rows)).numpy(), expected)
     shorter = rounding.float32_row_bounds(squares, width, chunk=width // 2).numpy()

@@ -1,6 +1,8 @@
 """The compiled embedding-row ops give TensorFlow's values bit for bit, and
 TensorFlow's ops run, named, wherever the compiled ones cannot."""
 
+import os
+
 import keras
 import numpy as np
 import pytest
@@ -11,7 +13,6 @@ from tfdp.mechanisms import native_noise
 from tfdp.mechanisms.native import build
 from tfdp.per_example import native_rows
 from tfdp.per_example.rules import embedding
-from tests.per_example.compiled_ops import required_library
 
 DTYPES = [tf.float32, tf.float64]
 TINY = {tf.float32: np.finfo(np.float32).tiny, tf.float64: np.finfo(np.float64).tiny}
@@ -20,7 +21,13 @@ TINY = {tf.float32: np.finfo(np.float32).tiny, tf.float64: np.finfo(np.float64).
 @pytest.fixture(scope="module")
 def library():
     """The compiled ops (built on first use); CI must have them."""
-    return required_library(native_rows._load(), "row ops")
+    library, reason = native_rows._load()
+    if library is None:
+        message = f"the compiled row ops are unavailable here: {reason}"
+        if os.environ.get("CI", "").strip().lower() in ("true", "1", "yes"):
+            pytest.fail(f"CI=true: {message}", pytrace=False)
+        pytest.skip(message)
+    return library
 
 
 def bits(tensor):

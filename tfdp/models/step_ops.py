@@ -109,13 +109,11 @@ STATEFUL = frozenset({
 
 # tfdp's own compiled ops, functions of their inputs: the noise
 # (tfdp/mechanisms/native/gaussian_noise.cc: Gaussian draws keyed by their
-# seed input), an embedding's repeated ids, merged rows and clipped sum
+# seed input) and an embedding's repeated ids, merged rows and clipped sum
 # (embedding_rows.cc: tfdp's first positions and merge and TensorFlow's
-# scatter_nd, bit for bit) and each row's sum of squares (row_squares.cc:
-# the reference's squares and sums, bit for bit, one row at a time).
+# scatter_nd, bit for bit).
 NATIVE = frozenset({"TfdpGaussianNoise", "TfdpGaussianNoiseAdd", "TfdpGaussianNoiseAddGroup",
-                    "TfdpFirstPositions", "TfdpMergeRows", "TfdpScatterRows",
-                    "TfdpRowSquares"})
+                    "TfdpFirstPositions", "TfdpMergeRows", "TfdpScatterRows"})
 
 
 # Replicas' all-reduce (tf.distribute): allowed in the step's own code (the

@@ -267,9 +267,7 @@ def row_bounds(rows, floor=None):
     without Gram matrices.
 
     The squares and their sum over a row are float32 (half the memory
-    traffic of float64 squares; no cast), added in one fixed order by a
-    compiled op or its TensorFlow reference (`native_squares.row_squares`,
-    the same values bit for bit): the sum of squares is the dot of
+    traffic of float64 squares; no cast): the sum of squares is the dot of
     the row with itself, within gamma(C) |x|^2 + 2 C tau (1 + gamma(C)) of
     the exact one in any order, flushed or not, without overflow
     (`float32_dot_error` with one chunk), so |x|^2 <= (A^ + ea) / (1 - ga)
@@ -298,7 +296,6 @@ def row_bounds(rows, floor=None):
     5.0...
     """
     from tfdp.per_example import gram_precision  # it probes float32_gram (circular)
-    from tfdp.per_example import native_squares  # its reference is a sum of squares
 
     width = rows.shape[-1]
 
@@ -307,7 +304,7 @@ def row_bounds(rows, floor=None):
 
     if not 0 < width <= FLOAT32_SQUARES_WIDTH or gram_precision.reduced_precision_settings():
         return from_float64()
-    squares = tf.cast(native_squares.row_squares(rows), tf.float64)
+    squares = tf.cast(tf.reduce_sum(tf.square(rows), -1), tf.float64)
     floor = FLOAT32_SQUARES_FLOOR if floor is None else floor
     usable = tf.math.is_finite(squares) & (squares >= floor)
     bounds = float32_row_bounds(squares, width, chunk=width)

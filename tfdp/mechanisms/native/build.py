@@ -1,14 +1,12 @@
 """Builds, caches and loads tfdp's compiled ops, or says why it cannot.
 
-`gaussian_noise.cc` (the noise), `embedding_rows.cc` (an embedding's
-repeated ids, merged rows and clipped sum) and `row_squares.cc` (rows'
-float32 sums of squares), with the header `denormal_mode.h` they share,
-are compiled into one library
+`gaussian_noise.cc` (the noise) and `embedding_rows.cc` (an embedding's
+repeated ids, merged rows and clipped sum) are compiled into one library
 on first use with the system C++ compiler (`$CXX`, else `g++`) against the
 installed TensorFlow's headers and library (`tf.sysconfig`), into a
 per-user cache: `$TFDP_CACHE_DIR`, else `$XDG_CACHE_HOME/tfdp`, else
 `~/.cache/tfdp`, in a folder named by a hash of the TensorFlow version,
-the sources and the header, the compiler's version and the flags.
+the sources, the compiler's version and the flags.
 A later process loads the cached library (`tf.load_op_library`) only if it
 and its folders are owned by the current user and not writable by group or
 others (else the graph generator runs, `noise_path` naming the path and the
@@ -16,9 +14,8 @@ fix). Nothing is built at install time, so `pip install` needs no compiler.
 
 Each op reproduces its TensorFlow reference bit for bit only on the
 TensorFlow builds whose kernels it mirrors, so a loaded op must also pass a
-self-check against the graph (`native_noise.py`,
-`tfdp/per_example/native_rows.py` and `tfdp/per_example/native_squares.py`
-run them) before it is used. Where anything
+self-check against the graph (`native_noise.py` and
+`tfdp/per_example/native_rows.py` run them) before it is used. Where anything
 fails (no compiler, no headers, a compile error, a failed check) the graph
 generator runs, and `TFDP_NOISE_KERNEL=graph` forces it.
 
@@ -42,8 +39,7 @@ import tensorflow as tf
 
 ENV_SWITCH = "TFDP_NOISE_KERNEL"  # "graph" forces TensorFlow's ops for every compiled op
 SOURCES = tuple(pathlib.Path(__file__).with_name(name)
-                for name in ("gaussian_noise.cc", "embedding_rows.cc", "row_squares.cc"))
-HEADERS = (pathlib.Path(__file__).with_name("denormal_mode.h"),)  # included by the sources
+                for name in ("gaussian_noise.cc", "embedding_rows.cc"))
 # No -ffast-math, and no contraction of a * b + c into one rounding: the op
 # must round exactly where TensorFlow's kernels round.
 FLAGS = ["-O3", "-fPIC", "-shared", "-w", "-ffp-contract=off", "-fno-math-errno"]
@@ -99,7 +95,7 @@ def _cache_key(compiler_version):
     for part in (tf.__version__, compiler_version, " ".join(FLAGS),
                  " ".join(tf.sysconfig.get_compile_flags())):
         digest.update(part.encode() + b"\0")
-    for source in SOURCES + HEADERS:
+    for source in SOURCES:
         digest.update(source.read_bytes() + b"\0")
     return f"tf{tf.__version__}-{digest.hexdigest()[:16]}"
 
@@ -122,7 +118,7 @@ def _unsafe(paths):
 
 
 def _names():
-    return ", ".join(source.name for source in SOURCES)
+    return " and ".join(source.name for source in SOURCES)
 
 
 def _build(compiler, target):
@@ -152,7 +148,7 @@ def load():
     """
     if os.environ.get(ENV_SWITCH, "").strip().lower() == "graph":
         return NativeOps(reason=f"{ENV_SWITCH}=graph")
-    missing = [str(source) for source in SOURCES + HEADERS if not source.exists()]
+    missing = [str(source) for source in SOURCES if not source.exists()]
     if missing:
         return NativeOps(reason=f"the ops' source {', '.join(missing)} is missing")
     compiler, version = _compiler()
@@ -178,28 +174,3 @@ def load():
     except (tf.errors.OpError, OSError) as error:
         return NativeOps(reason=f"loading {target} failed ({error})")
     return NativeOps(library=library, path=str(target), build_seconds=build_seconds)
-
-
-def load_checked(self_check):
-    """`load()`'s library for ops that must first pass a self-check.
-
-    Args:
-        self_check: called as `self_check(library, seed)` with a fresh random
-            seed; returns None when the ops agree with their references here,
-            else why not.
-
-    Returns:
-        (library, "") or (None, the reason): no library, or a failed (or
-        raising) self-check, its seed in the reason.
-    """
-    ops = load()
-    library, reason = ops.library, ops.reason
-    if library is not None:
-        seed = int.from_bytes(os.urandom(8), "little")
-        try:
-            reason = self_check(library, seed)
-        except Exception as error:  # noqa: BLE001 -- any failure means TensorFlow's ops
-            reason = f"the self-check raised {type(error).__name__}: {error}"
-        if reason:
-            reason, library = f"{reason} (self-check seed {seed})", None
-    return library, reason or ""

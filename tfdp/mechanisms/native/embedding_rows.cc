@@ -22,8 +22,10 @@
 // (-0.0 and subnormal values stay as they are, as tf.where leaves them). The
 // reference adds each row in the thread that runs the op, flushing
 // subnormal results to zero or not as that thread does (TensorFlow's
-// executor threads flush; an eager caller's thread may not), so every
-// worker here adds under the calling thread's mode (denormal_mode.h). An index
+// executor threads flush; an eager caller's thread may not), so on x86-64
+// every worker here adds under the calling thread's flush-to-zero and
+// denormals-are-zero bits (elsewhere the workers keep their own mode, and
+// the self-check at load refuses the ops if that changes a value). An index
 // outside its range, or rows of width 0, is an error (TensorFlow's ops
 // raise there too), before anything is written.
 
@@ -32,19 +34,48 @@
 #include <cstring>
 #include <random>
 #include <vector>
+#if defined(__x86_64__)
+#include <xmmintrin.h>
+#endif
+
 #include "tensorflow/core/framework/op.h"
 #include "tensorflow/core/framework/op_kernel.h"
 #include "tensorflow/core/framework/shape_inference.h"
 #include "tensorflow/core/util/work_sharder.h"
-#include "denormal_mode.h"
 
 namespace tfdp_rows {
 
 using namespace tensorflow;  // NOLINT: the op framework's names
 using std::int64_t;
 
-using tfdp_native::CallersDenormalMode;
-using tfdp_native::ControlWord;
+// This thread's floating-point control word (x86: MXCSR; elsewhere 0).
+unsigned ControlWord() {
+#if defined(__x86_64__)
+  return _mm_getcsr();
+#else
+  return 0;
+#endif
+}
+
+// While alive, this thread flushes subnormal results to zero (FTZ) and
+// reads subnormal inputs as zero (DAZ) exactly as `caller` does.
+class CallersDenormalMode {
+ public:
+  explicit CallersDenormalMode(unsigned caller) : saved_(ControlWord()) {
+#if defined(__x86_64__)
+    _mm_setcsr((saved_ & ~kBits) | (caller & kBits));
+#endif
+  }
+  ~CallersDenormalMode() {
+#if defined(__x86_64__)
+    _mm_setcsr(saved_);
+#endif
+  }
+
+ private:
+  static constexpr unsigned kBits = 0x8040;  // FTZ (bit 15) and DAZ (bit 6)
+  unsigned saved_;
+};
 
 REGISTER_OP("TfdpScatterRows")
     .Input("indices: int32")
