@@ -21,7 +21,6 @@ ratio current / probe (above 1: the probe is faster).
     python benchmarks/fit_gap_probes.py --only tanh_cnn_256 --rounds 7
 """
 
-import argparse
 import os
 import statistics
 
@@ -29,6 +28,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
 import long_fit  # noqa: E402
 import throughput  # noqa: E402
+from fit_vs_step import fit_arguments  # noqa: E402
 
 MODELS = ("mlp", "conv1d_series", "tanh_cnn_256")
 HOOKS = ("on_train_batch_begin", "on_train_batch_end")
@@ -152,11 +152,7 @@ def measure(name, steps, rounds):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--only", nargs="*", choices=sorted(throughput.ZOO), default=MODELS)
-    parser.add_argument("--steps", type=int, default=120)
-    parser.add_argument("--rounds", type=int, default=5)
-    args = parser.parse_args()
+    args = fit_arguments(__doc__, MODELS)
     print(f"DP fit, steady ms a step (current / probe: median of per-round ratios), "
           f"{args.rounds} alternating rounds of {args.steps}-step fits. NOT PRIVATE probes.")
     print()

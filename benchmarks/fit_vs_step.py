@@ -87,12 +87,18 @@ def measure(name, steps, rounds):
     return {column: statistics.median(values) for column, values in times.items()}
 
 
-def main():
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--only", nargs="*", choices=sorted(throughput.ZOO), default=MODELS)
+def fit_arguments(doc, models):
+    """The command line of this script and `fit_gap_probes.py`: `--only`
+    zoo models (default `models`), `--steps` a fit and `--rounds`."""
+    parser = argparse.ArgumentParser(description=doc.split("\n")[0])
+    parser.add_argument("--only", nargs="*", choices=sorted(throughput.ZOO), default=models)
     parser.add_argument("--steps", type=int, default=120)
     parser.add_argument("--rounds", type=int, default=5)
-    args = parser.parse_args()
+    return parser.parse_args()
+
+
+def main():
+    args = fit_arguments(__doc__, MODELS)
     rows = {name: measure(name, args.steps, args.rounds) for name in args.only}
     columns = list(next(iter(rows.values())))
     print(f"ms a step, medians over {args.rounds} alternating rounds; fits of {args.steps} "
