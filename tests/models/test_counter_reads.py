@@ -31,3 +31,11 @@ def test_a_mirrored_counter_takes_its_own_read(monkeypatch):
     monkeypatch.setattr(type(counter), "numpy", lambda self: calls.append(1) or original(self))
     assert read_counter(counter) == 9
     assert calls  # the control: this counter was not read by the cheap path
+
+
+def test_a_plain_tensorflow_counter_takes_the_cheap_read(monkeypatch):
+    """A tf.Variable's `value` is a method, not the variable: the cheap read
+    must still apply to it, as its docstring says."""
+    counter = tf.Variable(6, dtype=tf.int64)
+    monkeypatch.setattr(type(counter), "numpy", lambda self: pytest.fail("numpy() was called"))
+    assert read_counter(counter) == 6

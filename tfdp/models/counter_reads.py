@@ -24,7 +24,9 @@ def read_counter(variable):
     other (a distributed or mirrored one, a read inside a graph) takes the
     variable's own `numpy()`.
     """
-    value = getattr(variable, "value", variable)
+    # A Keras variable holds its TensorFlow variable as `value` (a property);
+    # a TensorFlow variable's `value` is a method.
+    value = variable if isinstance(variable, tf.Variable) else getattr(variable, "value", None)
     if type(value) is resource_variable_ops.ResourceVariable and tf.executing_eagerly():
         return int(tf.raw_ops.ReadVariableOp(resource=value.handle, dtype=value.dtype))
     return int(variable.numpy())
