@@ -584,18 +584,26 @@ PREFETCHED_STEPS = 2
 
 def _finish(steps, dataset):
     """Cardinality (`steps`, or infinite for None), prefetch of
-    `PREFETCHED_STEPS` batches, no autotuning.
+    `PREFETCHED_STEPS` batches, no autotuning, no static optimizations.
 
     Keras makes a new iterator over a finite dataset at every epoch end, and
     with tf.data's autotuning on, deleting the old one waited for its
     tuning thread: about 0.5 s at one epoch end in two (tanh CNN at batch
     2048, 6-step epochs: 0.75 s an epoch, 1.25 s with the wait). Without it
     the map keeps its default parallelism (one call per core).
+
+    tf.data's default static optimizations rewrite the pipeline's graph when
+    an iterator is made, and that graph holds the in-memory arrays the
+    gather reads: every iterator (every `fit`) serialized and copied them,
+    a cost that grew with the data (`benchmarks/pipeline_start.py`). The
+    pipeline is already what they would make of it (its gather is a
+    parallel map, its end a prefetch), so they are off.
     """
     cardinality = tf.data.INFINITE_CARDINALITY if steps is None else steps
     dataset = dataset.apply(tf.data.experimental.assert_cardinality(cardinality))
     options = tf.data.Options()
     options.autotune.enabled = False
+    options.experimental_optimization.apply_default_optimizations = False
     return dataset.prefetch(PREFETCHED_STEPS).with_options(options)
 
 
