@@ -42,7 +42,7 @@ import os
 import numpy as np
 import tensorflow as tf
 
-from tfdp.data.poisson import PoissonSampler, gathered_batches, padded_batch_size
+from tfdp.data.poisson import PoissonSampler, gathered_batches, padded_batch_size, unrewritten
 from tfdp.data.sampling import draws, padded_draw
 from tfdp.data.sources import as_source
 
@@ -363,7 +363,9 @@ def distribute_poisson_batches(strategy, sampler, arrays, to_element, first_step
         # tf.data keeps the order (deterministic by default): consecutive
         # elements go to consecutive local replicas.
         pairs = draws(sampler, sampler.key, first_step).map(shares).unbatch()
-        return gathered_batches(pairs, tensors).map(to_element).prefetch(tf.data.AUTOTUNE)
+        # No static rewrites: they would serialize the arrays at every iterator.
+        return unrewritten(
+            gathered_batches(pairs, tensors).map(to_element).prefetch(tf.data.AUTOTUNE))
 
     return strategy.distribute_datasets_from_function(dataset_fn)
 

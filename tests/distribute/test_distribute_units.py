@@ -77,6 +77,9 @@ def test_a_distributed_dataset_draws_fresh_batches_each_iteration_and_step():
     same = distribute.distribute_poisson_batches(
         strategy, PoissonSampler(500, 50, seed=9), x, lambda batch, mask: batch[:, 0][mask > 0])
     assert first_steps(same) == once  # what every worker with the shared seed draws
+    # Making an iterator does not rewrite the pipeline (and serialize x):
+    # tfdp.data.poisson.unrewritten, as for one replica.
+    assert dataset.options().experimental_optimization.apply_default_optimizations is False
 
 
 class _TwoReplicas:

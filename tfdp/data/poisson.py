@@ -603,8 +603,23 @@ def _finish(steps, dataset):
     dataset = dataset.apply(tf.data.experimental.assert_cardinality(cardinality))
     options = tf.data.Options()
     options.autotune.enabled = False
+    return unrewritten(dataset.prefetch(PREFETCHED_STEPS).with_options(options))
+
+
+def unrewritten(dataset):
+    """`dataset` with tf.data's default static optimizations off: making an
+    iterator then leaves the pipeline's graph, and the in-memory arrays it
+    holds, as they are (see `_finish`).
+
+    Example:
+
+    >>> options = unrewritten(tf.data.Dataset.range(3)).options()
+    >>> options.experimental_optimization.apply_default_optimizations
+    False
+    """
+    options = tf.data.Options()
     options.experimental_optimization.apply_default_optimizations = False
-    return dataset.prefetch(PREFETCHED_STEPS).with_options(options)
+    return dataset.with_options(options)
 
 
 def gathered_batches(pairs, tensors):
