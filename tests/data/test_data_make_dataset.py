@@ -201,10 +201,17 @@ def test_iterators_do_not_rewrite_the_pipeline_holding_the_data():
         options = tf.data.Options()
         options.experimental_optimization.apply_default_optimizations = True
         rewritten = make_dataset(PoissonSampler(N, 30, seed=3), arrays).with_options(options)
-        for ((xa, ya), ma), ((xb, yb), mb) in zip(dataset, rewritten):
-            np.testing.assert_array_equal(ma.numpy(), mb.numpy())
-            np.testing.assert_array_equal(xa.numpy(), xb.numpy())
-            np.testing.assert_array_equal(ya.numpy(), yb.numpy())
+        epochs = []
+        for _ in range(2):  # a new iterator each: the iteration counter moves on
+            steps = 0
+            for ((xa, ya), ma), ((xb, yb), mb) in zip(dataset, rewritten):
+                np.testing.assert_array_equal(ma.numpy(), mb.numpy())
+                np.testing.assert_array_equal(xa.numpy(), xb.numpy())
+                np.testing.assert_array_equal(ya.numpy(), yb.numpy())
+                epochs.append(tuple(xa.numpy()[ma.numpy() > 0, 0, 0]))  # record ids
+                steps += 1
+            assert steps == 10
+        assert len(set(epochs)) == 20  # both epochs drew fresh batches, on both
 
 
 def test_epochs_do_not_wait_for_tf_data_autotuning(tmp_path):
