@@ -31,6 +31,9 @@ MODELS = {
     "layer_norm": lambda: _seq((5, 4), L.Dense(6), L.LayerNormalization(), L.Flatten(), L.Dense(2)),
     "layer_norm_rms": lambda: _seq((5, 4), L.Dense(6), L.LayerNormalization(rms_scaling=True), L.Flatten(), L.Dense(2)),
     "group_norm": lambda: _seq((6, 6, 4), L.Conv2D(6, 3), L.GroupNormalization(3), L.Flatten(), L.Dense(2)),
+    "group_norm_channels_first": lambda: _seq((4, 5, 5), L.Conv2D(4, 1, data_format="channels_first"), L.GroupNormalization(2, axis=1), L.Flatten(), L.Dense(2)),
+    "group_norm_offset_only": lambda: _seq((6, 6, 4), L.Conv2D(6, 3), L.GroupNormalization(3, scale=False), L.Flatten(), L.Dense(2)),
+    "group_norm_scale_only_sequence": lambda: _seq((5, 4), L.Dense(6), L.GroupNormalization(2, center=False), L.Flatten(), L.Dense(2)),
     "rms_norm": lambda: _seq((5, 4), L.Dense(6), L.RMSNormalization(), L.Flatten(), L.Dense(2)),
     "einsum_dense": lambda: _seq((5, 4), L.EinsumDense("abc,cde->abde", output_shape=(5, 2, 3), bias_axes="de"), L.Flatten(), L.Dense(2)),
     "prelu_fallback": lambda: _seq((5,), L.Dense(4), L.PReLU(), L.Dense(2)),
@@ -69,6 +72,13 @@ def _shared_dense_model():
     return keras.Model(inputs, L.Dense(2)(shared(shared(inputs))))
 
 
+def _shared_group_norm_model():
+    inputs = keras.Input((5, 6))
+    shared = L.GroupNormalization(3)
+    h = shared(L.Dense(6)(shared(inputs)))
+    return keras.Model(inputs, L.Dense(2)(L.Flatten()(h)))
+
+
 def _multi_input_model():
     numeric = keras.Input((3,))
     categorical = keras.Input((2,), dtype="int32")
@@ -95,6 +105,7 @@ CASES.update(
     embedding_mask_zero=lambda: _embedding_model(True),
     multi_head_attention=_attention_model,
     shared_layer=_shared_dense_model,
+    shared_group_norm=_shared_group_norm_model,
     multi_input=_multi_input_model,
 )
 

@@ -9,6 +9,7 @@ from tfdp.per_example.rules import (  # noqa: F401
     conv,
     dense,
     embedding,
+    group_normalization,
     lora,
     normalization,
     recurrent,

@@ -1,4 +1,5 @@
-"""Rules for LayerNormalization, GroupNormalization and RMSNormalization.
+"""Rules for LayerNormalization and RMSNormalization (GroupNormalization's:
+`tfdp.per_example.rules.group_normalization`).
 
 Each computes y = n(x) * gamma + beta with n(x) normalized within one example
 and gamma, beta broadcast along the normalized (parameter) axes, so example
@@ -34,15 +35,6 @@ def _normalized(layer, x):
     """n(x): the layer's normalization without its scale and offset."""
     rank = x.shape.rank
     axes = _axes(layer, rank)
-    if isinstance(layer, _L.GroupNormalization):
-        channel = axes[0]
-        shape = tf.unstack(tf.shape(x))
-        grouped = shape[:channel] + [layer.groups, x.shape[channel] // layer.groups] + shape[channel + 1:]
-        reshaped = tf.reshape(x, tf.stack(grouped))
-        reduce = [a for a in range(1, rank + 1) if a != channel]
-        mean, variance = tf.nn.moments(reshaped, reduce, keepdims=True)
-        normalized = (reshaped - mean) * tf.math.rsqrt(variance + layer.epsilon)
-        return tf.reshape(normalized, tf.shape(x))
     if _RMS is not None and isinstance(layer, _RMS):
         return keras.ops.rms_normalization(x, scale=None, axis=axes, epsilon=layer.epsilon)
     return keras.ops.layer_normalization(
@@ -63,7 +55,7 @@ def _broadcast(param, axes, rank):
     return tf.reshape(param, shape)
 
 
-@register_rule(*[c for c in (_L.LayerNormalization, _L.GroupNormalization, _RMS) if c])
+@register_rule(*[c for c in (_L.LayerNormalization, _RMS) if c])
 class NormalizationRule:
     """Scale and offset of a per-example normalization."""
 
