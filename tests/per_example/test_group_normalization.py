@@ -5,7 +5,10 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from tfdp.per_example import compute_per_example_gradients
+import tfdp
+from tfdp.per_example import compute_per_example_gradients, plan_for
+from tfdp.per_example.recorder import Recorder
+from tfdp.per_example.rules.group_normalization import GroupNormalizationRule
 
 L = keras.layers
 
@@ -38,3 +41,34 @@ def test_the_batched_pass_normalizes_bit_for_bit_as_keras(name):
     y = tf.zeros([6, 2])
     _, y_pred, _ = compute_per_example_gradients(model, x, y, tf.ones([6]), _mse, "batched")
     np.testing.assert_array_equal(y_pred.numpy(), model(x).numpy())
+
+
+@tfdp.per_example.declare_per_example(sublayers_on_the_batch=True)
+class _BatchGroupBlock(keras.layers.Layer):
+    """Declared to run its sublayers on the batch, wrongly: its
+    GroupNormalization groups over axis 0, the examples."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.norm = L.GroupNormalization(1, axis=0)
+
+    def call(self, x):
+        return self.norm(x)
+
+
+def test_a_sublayer_grouping_over_the_batch_is_refused():
+    """A declared block's sublayers are not walked by the graph check: the
+    plan reads their configuration too (the rule summed the whole batch into
+    one row, which the weighted sum then stretched over every example), and
+    the rule refuses the axis itself."""
+    inputs = keras.Input((6, 4), batch_size=4)
+    block = _BatchGroupBlock()
+    model = keras.Model(inputs, L.Dense(2, trainable=False)(L.Flatten()(block(inputs))))
+    plan = plan_for(model)
+    assert plan.path == "vectorized" and "batch axis" in plan.reason
+    with pytest.raises(ValueError, match="reduces over the batch axis"):
+        compute_per_example_gradients(model, tf.ones([4, 6, 4]), tf.zeros([4, 2]),
+                                      tf.ones([4]), _mse, "batched")
+    with tf.GradientTape() as tape, pytest.raises(ValueError, match="groups over the batch"):
+        with Recorder(tape).hooked([(block.norm, GroupNormalizationRule())]):
+            block.norm(tf.ones([4, 6, 4]))

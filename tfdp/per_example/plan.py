@@ -158,6 +158,14 @@ def plan_for(model):
     handlers, seen = [], set()
     for layer in model._flatten_layers(include_self=False, recursive=False):
         _assign_handlers(layer, handlers, seen)
+    for layer, handler in handlers:
+        # A declared layer's sublayers (`sublayers_on_the_batch`) get rules
+        # without `_check_graph` reading their configuration.
+        if handler is FALLBACK or type(layer) in _DECLARED:
+            continue
+        problem = configuration_problem(layer)
+        if problem:
+            return Plan("vectorized", reason=_describe(layer, problem))
     covered = [id(v) for layer, _ in handlers for v in _trainable(layer)]
     expected = [id(v) for v in model.trainable_variables]
     if sorted(covered) != sorted(expected):

@@ -64,6 +64,10 @@ class GroupNormalizationRule:
         x = as_float32(tf.convert_to_tensor(inputs))
         rank = x.shape.rank
         channel = layer.axis % rank
+        if channel == 0:  # the plan refuses it; a rule must not sum examples either
+            raise ValueError(
+                f"Layer '{layer.name}' (GroupNormalization) groups over the batch axis: "
+                f"it has no per-example gradient. Received: axis={layer.axis}")
         groups = layer.groups
         shape = tf.unstack(tf.shape(x))
         grouped = tf.reshape(x, tf.stack(
