@@ -20,6 +20,7 @@ MODELS = {
     "conv1d_causal_dilated": lambda: _seq((12, 3), L.Conv1D(4, 3, padding="causal", dilation_rate=2, activation="tanh"), L.Flatten(), L.Dense(2)),
     "conv1d_strided_same": lambda: _seq((11, 9), L.Conv1D(4, 3, strides=2, padding="same"), L.GlobalAveragePooling1D(), L.Dense(2)),
     "conv2d_groups": lambda: _seq((7, 7, 4), L.Conv2D(6, 3, groups=2, padding="same", activation="relu"), L.Flatten(), L.Dense(2)),
+    "conv2d_grouped_filter_route": lambda: _seq((9, 9, 8), L.Conv2D(8, 3, padding="same", activation="tanh"), L.Conv2D(9, 3), L.Flatten(), L.Dense(2)),
     "conv2d_multichannel": lambda: _seq((7, 7, 9), L.Conv2D(5, 3, strides=2, padding="same"), L.Flatten(), L.Dense(2)),
     "conv3d": lambda: _seq((5, 5, 5, 2), L.Conv3D(3, 2, strides=(1, 2, 1)), L.Flatten(), L.Dense(2)),
     "depthwise2d": lambda: _seq((6, 6, 3), L.DepthwiseConv2D(3, depth_multiplier=2, padding="same"), L.Flatten(), L.Dense(2)),

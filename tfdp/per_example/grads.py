@@ -237,9 +237,14 @@ class LinearGrads(Part):
         kernel_perm: optional permutation. When given, M is the kernel
             transposed by `kernel_perm` and then reshaped to [K, O] (an
             EinsumDense kernel whose contracted axes are not all first).
+        matrices: optional callable returning the [B, K, O] per-example
+            matrices X_i^T G_i by another route than the einsum of `x` and
+            `g` (`tfdp.per_example.grouped_filter`), called where they are
+            materialized: the norms then measure the tensor it returns,
+            which the weighted sum adds.
     """
 
-    def __init__(self, x, g, kernel, bias=None, kernel_perm=None):
+    def __init__(self, x, g, kernel, bias=None, kernel_perm=None, matrices=None):
         self.g = as_float32(g)
         self.x = as_float32(x)
         if not self.x.dtype.is_floating:  # a lookup's int64 one-hot: Dense multiplies it cast
@@ -247,6 +252,7 @@ class LinearGrads(Part):
         self.variables = [kernel] + ([bias] if bias is not None else [])
         self._kernel_shape = kernel.shape
         self._perm = kernel_perm
+        self._matrices = matrices
         positions = x.shape[1]
         fan_in, fan_out = x.shape[2], g.shape[2]
         # Gram-matrix ("ghost") norms cost S^2 (K + O) per example against
@@ -288,7 +294,9 @@ class LinearGrads(Part):
 
     def _per_example_matrix(self):
         """[B, K, O] per-example matrix gradients, computed once per step."""
-        if self._materialized is None:
+        if self._materialized is None and self._matrices is not None:
+            self._materialized = as_float32(self._matrices())
+        elif self._materialized is None:
             self._materialized = tf.einsum("bsk,bso->bko", self.x, self.g)
         return self._materialized
 

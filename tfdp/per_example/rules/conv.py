@@ -24,7 +24,8 @@ import math
 import keras
 import tensorflow as tf
 
-from tfdp.per_example.grads import LinearGrads, MaterializedGrads
+from tfdp.per_example import grouped_filter
+from tfdp.per_example.grads import LinearGrads, MaterializedGrads, as_float32
 from tfdp.per_example.patches import as_rows, channels_last, extract_patches
 from tfdp.per_example.registry import register_rule
 from tfdp.per_example.rules.common import (
@@ -75,13 +76,16 @@ class ConvRule(_ConvolutionRule):
     def parts(self, layer, records):
         groups = layer.groups
         if groups == 1:
-            xs, gs = [], []
-            for r in records:
-                x, g = self._xg(layer, r)
-                xs.append(as_rows(_patches(layer, x)))
-                gs.append(as_rows(g))
-            return [LinearGrads(concat_positions(xs), concat_positions(gs),
-                                layer.kernel, layer.bias)]
+            calls = [self._xg(layer, r) for r in records]
+            wide = [[as_float32(t) for t in call] for call in calls]
+            matrices = None
+            if all(grouped_filter.applies(layer, x, g) for x, g in wide):
+                def matrices():
+                    return sum_per_example(
+                        [grouped_filter.per_example_kernels(layer, x, g) for x, g in wide])
+            return [LinearGrads(concat_positions([as_rows(_patches(layer, x)) for x, _ in calls]),
+                                concat_positions([as_rows(g) for _, g in calls]),
+                                layer.kernel, layer.bias, matrices=matrices)]
         window = math.prod(layer.kernel_size)
         kernels = []
         for r in records:
