@@ -113,3 +113,16 @@ def test_a_crafted_example_changes_no_other_examples_kernels(bad):
     np.testing.assert_array_equal(got[[0, 2]], clean[[0, 2]])
     assert np.isfinite(got[[0, 2]]).all()
     assert not np.array_equal(got[1], clean[1], equal_nan=True)
+
+
+@pytest.mark.parametrize("strides, dilation", [(2, 1), ((1, 2), 1), (1, 2)])
+def test_the_route_follows_strides_and_dilation_where_asked(strides, dilation):
+    """Outside `applies`'s shapes the route is not taken, but it still
+    computes the layer's geometry (the benchmark times it there)."""
+    layer, x, g = _call(L.Conv2D(8, 3, strides=strides, dilation_rate=dilation,
+                                 padding="same"), (11, 10, 8))
+    patches = as_rows(extract_patches(x, layer.kernel_size, layer.strides,
+                                      layer.dilation_rate, "same"))
+    expected = tf.einsum("bsk,bso->bko", patches, as_rows(g))
+    got = grouped_filter.per_example_kernels(layer, x, g)
+    np.testing.assert_allclose(got.numpy(), expected.numpy(), rtol=1e-5, atol=1e-4)

@@ -72,8 +72,9 @@ def _batch_in_channels(tensor):
 
 def per_example_kernels(layer, x, g):
     """[B, kh kw Cin, Cout] per-example kernel gradients of a Conv2D call
-    (`applies` says where), entries in the kernel's order like the einsum
-    of `patches.extract_patches` rows with `g`'s.
+    ("same" or "valid" padding; `applies` says where it is the faster
+    route), entries in the kernel's order like the einsum of
+    `patches.extract_patches` rows with `g`'s.
 
     Args:
         layer: the Conv2D.
@@ -87,8 +88,9 @@ def per_example_kernels(layer, x, g):
         input=_batch_in_channels(x),
         filter_sizes=tf.stack([kh, kw, cin, batch * cout]),
         out_backprop=_batch_in_channels(g),
-        strides=[1, 1, 1, 1],
+        strides=[1, *layer.strides, 1],
         padding=layer.padding.upper(),
+        dilations=[1, *layer.dilation_rate, 1],
     )
     kernels = tf.reshape(kernels, tf.stack([kh * kw * cin, batch, cout]))
     return tf.transpose(kernels, [1, 0, 2])
