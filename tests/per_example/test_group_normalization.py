@@ -72,3 +72,26 @@ def test_a_sublayer_grouping_over_the_batch_is_refused():
     with tf.GradientTape() as tape, pytest.raises(ValueError, match="groups over the batch"):
         with Recorder(tape).hooked([(block.norm, GroupNormalizationRule())]):
             block.norm(tf.ones([4, 6, 4]))
+
+
+@tfdp.per_example.declare_per_example(sublayers_on_the_batch=True)
+class _BatchNormalizingBlock(keras.layers.Layer):
+    """Declared, wrongly: a weightless LayerNormalization over axis 0."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.dense = L.Dense(8)
+        self.norm = L.LayerNormalization(axis=0, center=False, scale=False)
+
+    def call(self, x):
+        return self.norm(self.dense(x))
+
+
+def test_a_weightless_sublayer_over_the_batch_in_a_declared_block_is_refused():
+    """The plan reads every Keras layer a declared block holds, weightless
+    ones included (a review moved a neighbouring step 3.3x its bound
+    through this block on the batched path)."""
+    model = keras.Sequential([keras.Input((6, 8)), _BatchNormalizingBlock(), L.Flatten(),
+                              L.Dense(1)])
+    plan = plan_for(model)
+    assert plan.path == "vectorized" and "batch axis" in plan.reason

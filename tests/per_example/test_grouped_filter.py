@@ -1,11 +1,16 @@
 """The grouped-convolution route to a Conv2D's per-example kernels."""
 
+import os
+import subprocess
+import sys
+import textwrap
+
 import keras
 import numpy as np
 import pytest
 import tensorflow as tf
 
-from tfdp.per_example import grouped_filter
+from tfdp.per_example import grouped_filter, onednn
 from tfdp.per_example.grads import LinearGrads
 from tfdp.per_example.patches import as_rows, extract_patches
 from tfdp.per_example.rules.conv import ConvRule
@@ -126,3 +131,38 @@ def test_the_route_follows_strides_and_dilation_where_asked(strides, dilation):
     expected = tf.einsum("bsk,bso->bko", patches, as_rows(g))
     got = grouped_filter.per_example_kernels(layer, x, g)
     np.testing.assert_allclose(got.numpy(), expected.numpy(), rtol=1e-5, atol=1e-4)
+
+
+def test_the_route_is_not_taken_without_onednn(monkeypatch):
+    """TensorFlow's own CPU kernel has no grouped kernel gradient (it read
+    the filter as [kh, kw, B Cin, B Cout] and failed for every B > 1)."""
+    layer, x, g = _call(L.Conv2D(16, 3, padding="same"), (16, 16, 16))
+    assert grouped_filter.applies(layer, x, g) == onednn.onednn_enabled()
+    monkeypatch.setattr(onednn, "onednn_enabled", lambda: False)
+    assert not grouped_filter.applies(layer, x, g)
+
+
+_FIT_WITHOUT_ONEDNN = textwrap.dedent(
+    """
+    import keras, numpy as np, tfdp
+    from tfdp.per_example import onednn
+
+    assert not onednn.onednn_enabled()
+    model = tfdp.DPSequential([keras.Input((16, 16, 16)), keras.layers.Conv2D(16, 3, padding="same"),
+                               keras.layers.GlobalAveragePooling2D(), keras.layers.Dense(2)])
+    model.compile(optimizer=tfdp.optimizers.DPSGD(l2_norm_clip=1.0, noise_multiplier=1.0,
+                  learning_rate=0.1), loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    x = np.random.default_rng(0).normal(size=(16, 16, 16, 16)).astype("float32")
+    model.fit(x, np.arange(16) % 2, batch_size=8, epochs=1, verbose=0)
+    print("TRAINED", model.privacy.steps)
+    """
+)
+
+
+def test_a_conv_model_trains_with_onednn_off():
+    env = dict(os.environ, TF_ENABLE_ONEDNN_OPTS="0", TF_CPP_MIN_LOG_LEVEL="3",
+               PYTHONPATH=os.pathsep.join([os.getcwd()] + sys.path))
+    result = subprocess.run([sys.executable, "-c", _FIT_WITHOUT_ONEDNN], env=env,
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "TRAINED 2" in result.stdout, result.stdout

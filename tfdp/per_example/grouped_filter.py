@@ -29,6 +29,8 @@ TensorShape([2, 144, 16])
 import tensorflow as tf
 from tensorflow.python.ops import control_flow_util
 
+from tfdp.per_example import onednn
+
 # The shapes this route is taken on (measured on a 2-core Xeon with
 # AVX-512, `benchmarks/grouped_filter.py`): input and output channels in
 # [MIN_CHANNELS, MAX_CHANNELS], both spatial axes at least MIN_SIDE.
@@ -41,9 +43,10 @@ def applies(layer, x, g):
     """Whether `per_example_kernels` is the route for this call of `layer`
     (a channels-last input `x` and output gradient `g`): a float32 Conv2D
     without groups, strides or dilation, static shapes in the measured
-    range, on a CPU outside XLA (oneDNN's kernels; XLA and GPUs keep the
-    einsum)."""
-    if type(layer).__name__ != "Conv2D" or layer.groups != 1:
+    range, on a CPU running TensorFlow's kernels through oneDNN, outside XLA
+    (TensorFlow's own CPU kernel has no grouped kernel gradient; XLA and
+    GPUs keep the einsum)."""
+    if type(layer).__name__ != "Conv2D" or layer.groups != 1 or not onednn.onednn_enabled():
         return False
     if tuple(layer.strides) != (1, 1) or tuple(layer.dilation_rate) != (1, 1):
         return False

@@ -28,6 +28,7 @@ from tfdp.per_example.random_augmentation import (
 )
 from tfdp.per_example.registry import (
     _DECLARED,
+    ALLOWED,
     is_graph_model,
     is_per_example,
     node_is_per_example,
@@ -87,7 +88,7 @@ def _check_layer(layer):
     if not is_per_example(layer):
         return _describe(layer, "is not known to keep examples independent" + augmentation_hint(layer))
     if type(layer) in _DECLARED:
-        return None
+        return _check_declared(layer)
     problem = configuration_problem(layer)
     if problem:
         return _describe(layer, problem)
@@ -95,6 +96,21 @@ def _check_layer(layer):
         problem = _check_layer(sub)
         if problem:
             return problem
+    return None
+
+
+def _check_declared(layer):
+    """None unless a Keras layer inside declared `layer` is configured to
+    mix examples. The declaration vouches for the layer's own computation
+    and its custom sublayers; the Keras layers it holds (which rules may run
+    on the batch, `sublayers_on_the_batch`) are read like the graph's: a
+    GroupNormalization over axis 0 or a Softmax(axis=0) inside is refused."""
+    for sub in layer._flatten_layers(include_self=False):
+        if type(sub) not in ALLOWED:
+            continue
+        problem = configuration_problem(sub)
+        if problem:
+            return _describe(sub, problem)
     return None
 
 
@@ -158,14 +174,6 @@ def plan_for(model):
     handlers, seen = [], set()
     for layer in model._flatten_layers(include_self=False, recursive=False):
         _assign_handlers(layer, handlers, seen)
-    for layer, handler in handlers:
-        # A declared layer's sublayers (`sublayers_on_the_batch`) get rules
-        # without `_check_graph` reading their configuration.
-        if handler is FALLBACK or type(layer) in _DECLARED:
-            continue
-        problem = configuration_problem(layer)
-        if problem:
-            return Plan("vectorized", reason=_describe(layer, problem))
     covered = [id(v) for layer, _ in handlers for v in _trainable(layer)]
     expected = [id(v) for v in model.trainable_variables]
     if sorted(covered) != sorted(expected):
