@@ -87,7 +87,7 @@ def main():
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--repeats", type=int, default=10)
     args = parser.parse_args()
-    print(f"CPU: {cpu_name()}, {os.cpu_count()} cores; "
+    print(f"CPU: {cpu_name()}; "
           f"{args.rounds} alternating rounds of {args.repeats} calls, medians in ms\n")
     print("| shape | batch | grouped route taken | einsum | grouped | batch sum (Keras) "
           "| einsum / grouped |")
