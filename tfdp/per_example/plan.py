@@ -20,6 +20,7 @@ Example:
 
 from tfdp.per_example import rules
 from tfdp.per_example.configuration import configuration_problem
+from tfdp.per_example.declared import held_layer_problem
 from tfdp.per_example.fallback import LayerFallback
 from tfdp.per_example.random_augmentation import (
     KeyedAugmentation,
@@ -28,7 +29,6 @@ from tfdp.per_example.random_augmentation import (
 )
 from tfdp.per_example.registry import (
     _DECLARED,
-    ALLOWED,
     is_graph_model,
     is_per_example,
     node_is_per_example,
@@ -100,18 +100,19 @@ def _check_layer(layer):
 
 
 def _check_declared(layer):
-    """None unless a Keras layer inside declared `layer` is configured to
+    """None unless a Keras layer or graph model inside declared `layer` may
     mix examples. The declaration vouches for the layer's own computation
     and its custom sublayers; the Keras layers it holds (which rules may run
-    on the batch, `sublayers_on_the_batch`) are read like the graph's: a
-    GroupNormalization over axis 0 or a Softmax(axis=0) inside is refused."""
+    on the batch, `sublayers_on_the_batch`) are read like the graph's, at
+    the ranks its call feeds them (`declared.held_layer_problem`), and a
+    graph model it holds is walked like the model's own graph."""
     for sub in layer._flatten_layers(include_self=False):
-        if type(sub) not in ALLOWED:
-            continue
-        problem = configuration_problem(sub)
-        if problem:
-            return _describe(sub, problem)
-    return None
+        if is_graph_model(sub):
+            problem = _check_graph(sub)
+            if problem:
+                return problem
+    held = held_layer_problem(layer)
+    return _describe(*held) if held else None
 
 
 def _check_graph(model):

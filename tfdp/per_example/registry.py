@@ -85,6 +85,11 @@ def declare_per_example(layer_class=None, *, sublayers_on_the_batch=False):
     time (the per-layer fallback). Declaring a layer that mixes examples (a
     batch mean) would let one record move every other example's clipped
     gradient, voiding the privacy guarantee; do not declare such a layer.
+    The Keras layers and models it holds as attributes are still read like a
+    model's graph (a Softmax over the batch axis inside refuses the batched
+    path, `tfdp.per_example.declared`); layers it creates inside `call` or
+    keeps where Keras does not track them are covered by the declaration
+    alone.
 
     Args:
         layer_class: a `keras.layers.Layer` subclass.
