@@ -14,6 +14,7 @@ Example:
 
 import tensorflow as tf
 
+from tfdp.per_example.declared import held_calls_checked
 from tfdp.per_example.grads import PerExampleGradients
 from tfdp.per_example.inference_mode import inference_mode_calls
 from tfdp.per_example.recorder import Recorder
@@ -31,8 +32,10 @@ def batched_gradients(model, plan, x, y, weights, loss_fn, training):
     """
     with tf.GradientTape(watch_accessed_variables=False) as tape:
         recorder = Recorder(tape)
-        # The inference-mode hooks wrap the rules' (checked at every call).
-        with recorder.hooked(plan.handlers), inference_mode_calls(model):
+        # The inference-mode hooks and the declared layers' checks wrap the
+        # rules' (checked at every call).
+        with recorder.hooked(plan.handlers), inference_mode_calls(model), \
+                held_calls_checked(model):
             y_pred = model(x, training=training)
         losses = loss_fn(y, y_pred)
         total = tf.reduce_sum(losses * weights)

@@ -1,4 +1,4 @@
-"""The Keras layers a declared layer holds, read at the ranks its call feeds them.
+"""The Keras layers a declared layer holds, read at the ranks they run on.
 
 `declare_per_example` vouches for a custom layer's own computation; the
 allow-listed Keras layers it holds (which rules may run on the batch,
@@ -6,85 +6,126 @@ allow-listed Keras layers it holds (which rules may run on the batch,
 `configuration.configuration_problem`. Their axes mean something only
 against the rank of what they are called on, and a weightless layer
 (Softmax, Activation, UnitNormalization) records no input shape: its axis
--1 is the batch axis of a [B] tensor, one value an example. The ranks come
-from replaying the declared layer's recorded calls symbolically, each held
-layer's `call` wrapped to note its input's rank. A held layer the replay
-does not reach (a branch it did not take, a declared layer with no
-recorded call, a replay that fails) is read without a rank, as
-`configuration_problem` reads it: only axes that cannot be the batch's
-pass.
+-1 is the batch axis of a [B] tensor, one value an example. Two reads:
+
+* when the plan is made (`held_layer_problem`), each held layer that
+  recorded its input's rank: one configured to mix examples sends the model
+  to the vectorized path;
+* when the DP step is traced (`held_calls_checked`), every call of every
+  held layer, at the rank of the tensor it really receives (whatever
+  branch, `training` value or static batch size the call takes): one that
+  mixes examples is refused with `HeldLayerMixesExamples`, before the first
+  step.
+
+A variable passed to a held layer (a softmax over learned mixing weights)
+is not the batch and is not read.
 
 Example:
 
->>> import keras, tfdp
+>>> import keras, tensorflow as tf, tfdp
 >>> @tfdp.per_example.declare_per_example(sublayers_on_the_batch=True)
 ... class Weighting(keras.layers.Layer):
 ...     def __init__(self):
 ...         super().__init__()
-...         self.score, self.norm = keras.layers.Dense(1), keras.layers.Softmax()
+...         self.score, self.norm = keras.layers.Dense(1), keras.layers.Softmax(name="norm")
 ...     def call(self, x):  # a softmax over the batch's scores: mixes examples
 ...         return x * self.norm(self.score(x)[:, 0])[:, None]
->>> block = Weighting()
->>> _ = keras.Sequential([keras.Input((3,)), block])
->>> held_layer_problem(block)[1]
-'reduces over the batch axis (axis=-1)'
+>>> model = keras.Sequential([keras.Input((3,)), Weighting()])
+>>> with held_calls_checked(model):
+...     model(tf.ones([2, 3]))
+Traceback (most recent call last):
+...
+tfdp.per_example.declared.HeldLayerMixesExamples: ...Layer 'norm' (Softmax) held by ...
 """
 
-from keras.src import backend, tree
+import contextlib
 
-from tfdp.per_example.configuration import configuration_problem
-from tfdp.per_example.registry import ALLOWED
+import keras
+import tensorflow as tf
+from keras.src import tree
+
+from tfdp.per_example.configuration import configuration_problem, layer_input_rank
+from tfdp.per_example.registry import _DECLARED, ALLOWED
+
+
+class HeldLayerMixesExamples(ValueError):
+    """A Keras layer held by a declared layer runs over the batch axis."""
+
+    # AutoGraph re-raises an error from traced code as its own type only
+    # when the type takes its message alone (else as a StagingError).
+    __init__ = Exception.__init__
+
+
+def held_layers(layer):
+    """The allow-listed Keras layers inside `layer`, at any depth."""
+    return [sub for sub in layer._flatten_layers(include_self=False) if type(sub) in ALLOWED]
+
+
+def held_layer_problem(layer):
+    """(held layer, why it mixes examples) for the first Keras layer inside
+    declared `layer` whose configuration mixes examples at the input rank it
+    recorded, or None. A layer that recorded no rank is read when the step
+    is traced (`held_calls_checked`)."""
+    for sub in held_layers(layer):
+        rank = layer_input_rank(sub)
+        if rank is None:
+            continue
+        problem = configuration_problem(sub, rank=rank)
+        if problem:
+            return sub, problem
+    return None
 
 
 def _first_rank(args, kwargs):
-    """Rank of the first tensor among a call's arguments (or None)."""
+    """Rank of the first tensor among a call's arguments that is not a
+    variable (or None)."""
     for value in tree.flatten((args, kwargs)):
+        if isinstance(value, (tf.Variable, keras.Variable)):
+            continue
         shape = getattr(value, "shape", None)
         if shape is not None and hasattr(value, "dtype"):
             return len(shape)
     return None
 
 
-def call_ranks(layer, held):
-    """{id(sub): set of input ranks} of each layer in `held` over a symbolic
-    replay of `layer`'s recorded calls; {} when it has none or the replay
-    fails."""
-    nodes = getattr(layer, "_inbound_nodes", None) or []
-    if not nodes:
-        return {}
-    ranks = {id(sub): set() for sub in held}
+def _checked(sub, owner, call):
+    def checked_call(*args, **kwargs):
+        rank = _first_rank(args, kwargs)
+        problem = configuration_problem(sub, rank=rank)
+        if problem:
+            raise HeldLayerMixesExamples(
+                f"Layer '{sub.name}' ({type(sub).__name__}) held by the declared layer "
+                f"'{owner.name}' ({type(owner).__name__}) {problem} in the DP step: it mixes "
+                "examples, so one record would move the others' clipped gradients and the "
+                "privacy guarantee would not hold. Call it on tensors whose first axis is "
+                "the batch and whose other axes are the features it normalizes, or remove "
+                "the declaration (tfdp then runs the layer one example at a time). "
+                f"Received: an input of rank {rank}")
+        return call(*args, **kwargs)
+
+    return checked_call
+
+
+@contextlib.contextmanager
+def held_calls_checked(model):
+    """Runs `model` with every call of a Keras layer held by a declared
+    layer checked at the rank of its input (see the module). Hooks each
+    such layer's `call` while open, around any hook already installed (the
+    batched pass's rules), and puts the previous one back."""
+    held = {}
+    for owner in model._flatten_layers(include_self=False):
+        if type(owner) in _DECLARED:
+            for sub in held_layers(owner):
+                held.setdefault(id(sub), (sub, owner))
     installed = []
     try:
-        for sub in held:
-            def noted(*args, _sub=sub, _call=sub.call, **kwargs):
-                rank = _first_rank(args, kwargs)
-                if rank is not None:
-                    ranks[id(_sub)].add(rank)
-                return _call(*args, **kwargs)
-
-            object.__setattr__(sub, "call", noted)
-            installed.append(sub)
-        for node in nodes:
-            backend.compute_output_spec(layer.call, *node.arguments.args,
-                                        **node.arguments.kwargs)
-    except Exception:  # noqa: BLE001 - no ranks: every held layer is read without one
-        return {}
+        for sub, owner in held.values():
+            installed.append((sub, sub.__dict__.get("call")))
+            object.__setattr__(sub, "call", _checked(sub, owner, sub.call))
+        yield
     finally:
-        for sub in installed:
-            object.__delattr__(sub, "call")
-    return ranks
-
-
-def held_layer_problem(layer):
-    """(held layer, why it may mix examples) for the first allow-listed
-    Keras layer inside declared `layer` whose configuration may, at a rank
-    the replay saw it called with (or without a rank where it saw none);
-    None when there is none."""
-    held = [sub for sub in layer._flatten_layers(include_self=False) if type(sub) in ALLOWED]
-    ranks = call_ranks(layer, held)
-    for sub in held:
-        for rank in sorted(ranks.get(id(sub), ())) or [None]:
-            problem = configuration_problem(sub, rank=rank)
-            if problem:
-                return sub, problem
-    return None
+        for sub, previous in reversed(installed):
+            if previous is None:
+                object.__delattr__(sub, "call")
+            else:
+                object.__setattr__(sub, "call", previous)

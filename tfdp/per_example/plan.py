@@ -103,9 +103,10 @@ def _check_declared(layer):
     """None unless a Keras layer or graph model inside declared `layer` may
     mix examples. The declaration vouches for the layer's own computation
     and its custom sublayers; the Keras layers it holds (which rules may run
-    on the batch, `sublayers_on_the_batch`) are read like the graph's, at
-    the ranks its call feeds them (`declared.held_layer_problem`), and a
-    graph model it holds is walked like the model's own graph."""
+    on the batch, `sublayers_on_the_batch`) are read like the graph's at
+    the ranks they recorded (`declared.held_layer_problem`; the step checks
+    every call at its real rank when traced), and a graph model it holds is
+    walked like the model's own graph."""
     for sub in layer._flatten_layers(include_self=False):
         if is_graph_model(sub):
             problem = _check_graph(sub)
