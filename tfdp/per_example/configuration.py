@@ -11,8 +11,11 @@ Two kinds of argument can break that claim:
   registered name) or declared with `declare_per_example_activation` pass.
 - an EinsumDense equation whose output drops or moves the batch axis
   (`"ab,bc->bc"` sums over the batch).
-- a built-in activation that normalizes over the last axis ("softmax",
-  "log_softmax") on a rank-1 input, where that axis is the batch.
+- a built-in activation that is not elementwise ("softmax", "log_softmax",
+  "sparsemax", "glu": they normalize or split the last axis) on a rank-1
+  input, where that axis is the batch.
+- an `Attention` or `AdditiveAttention` on rank-2 queries and keys: their
+  scores are [B, B], every example attending over the batch.
 - an axis: `Softmax(axis=0)`, `UnitNormalization(axis=0)`,
   `LayerNormalization(axis=0)`, `Concatenate(axis=0)`, `Dot(axes=0)`... reduce
   or join over the batch axis (0, or -rank).
@@ -40,9 +43,21 @@ _STATISTIC_AXIS_LAYERS = (keras.layers.Normalization,)
 
 _DECLARED_ACTIVATIONS = set()
 
-# Built-in activations that normalize over the last axis (not elementwise):
-# on a rank-1 tensor, one scalar per example, that axis is the batch.
-_LAST_AXIS_ACTIVATIONS = ("softmax", "log_softmax")
+# Built-in activations that act on each entry alone. Any other built-in
+# (softmax, log_softmax, sparsemax normalize the last axis, glu splits it)
+# mixes the entries of that axis: on a rank-1 tensor, one scalar an example,
+# the batch.
+_ELEMENTWISE_ACTIVATIONS = frozenset({
+    "celu", "elu", "exponential", "gelu", "hard_shrink", "hard_sigmoid", "hard_silu",
+    "hard_swish", "hard_tanh", "leaky_relu", "linear", "log_sigmoid", "mish", "relu",
+    "relu6", "selu", "sigmoid", "silu", "soft_shrink", "softplus", "softsign",
+    "sparse_plus", "sparse_sigmoid", "squareplus", "swish", "tanh", "tanh_shrink",
+    "threshold",
+})
+
+# Attention layers whose scores contract the query's and key's features: on
+# rank-2 inputs [B, D] the scores are [B, B].
+_SEQUENCE_ATTENTION = (keras.layers.Attention, keras.layers.AdditiveAttention)
 
 
 def declare_per_example_activation(fn):
@@ -155,9 +170,14 @@ def configuration_problem(layer, rank=None):
             )
     rank = layer_input_rank(layer) if rank is None else rank
     for attribute in _ACTIVATION_ATTRIBUTES:
-        name = _activation_name(getattr(layer, attribute, None))
-        if name in _LAST_AXIS_ACTIVATIONS and rank == 1:
+        fn = getattr(layer, attribute, None)
+        name = _activation_name(fn)
+        if (rank == 1 and name is not None and name not in _ELEMENTWISE_ACTIVATIONS
+                and fn not in _DECLARED_ACTIVATIONS):
             return f"applies {attribute}={name!r} over the batch axis of a rank-1 input"
+    if isinstance(layer, _SEQUENCE_ATTENTION) and rank is not None and rank < 3:
+        return (f"attends over the batch axis (rank-{rank} queries and keys: each "
+                "example's scores span the batch)")
     equation = getattr(layer, "equation", None)
     if isinstance(layer, keras.layers.EinsumDense) and not _keeps_batch_letter(equation):
         return f"does not keep the batch axis first (equation={equation!r})"
