@@ -215,3 +215,79 @@ def test_the_checks_put_back_an_instance_call():
         out = model(tf.ones([2, 3]))
     assert block.act.__dict__.get("call") is hook
     np.testing.assert_array_equal(out.numpy(), 2.0 * np.ones([2, 3]))
+
+
+@tfdp.per_example.declare_per_example(sublayers_on_the_batch=True)
+class _MixWithTemperature(L.Layer):
+    """Legitimate: a softmax over learned [3] logits over a temperature (a
+    tensor, not the variable, reaches the Softmax)."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.softmax, self.dense = L.Softmax(), [L.Dense(1) for _ in range(3)]
+
+    def build(self, shape):
+        self.logits = self.add_weight(shape=(3,), initializer="zeros", name="logits")
+        for dense in self.dense:
+            dense.build(shape)
+
+    def call(self, x):
+        w = self.softmax(self.logits / 0.5)
+        return sum(w[i] * self.dense[i](x) for i in range(3))
+
+
+@tfdp.per_example.declare_per_example  # its own vjp: may call sublayers on positions
+class _PositionMix(L.Layer):
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.softmax = L.Softmax()
+
+    def build(self, shape):
+        self.pos = self.add_weight(shape=(shape[1],), initializer="zeros", name="pos")
+
+    def call(self, x):
+        return keras.ops.einsum("t,btd->bd", self.softmax(self.pos * 1.0), x)
+
+
+@pytest.mark.parametrize("block, shape", [(_MixWithTemperature, (8,)), (_PositionMix, (4, 8))])
+def test_a_held_layer_over_weights_alone_trains(block, shape):
+    """A tensor whose first axis cannot be the batch (a static length where
+    the step's batch has none) is not read (refused on 6ca1f8e)."""
+    model = tfdp.DPSequential([keras.Input(shape), block(), L.Dense(1)])
+    model.compile(optimizer=tfdp.optimizers.DPSGD(0.1, l2_norm_clip=1.0, noise_multiplier=1.0),
+                  loss="mse")
+    x = np.random.default_rng(0).normal(size=(16,) + shape).astype("float32")
+    model.fit(x, np.zeros((16, 1), "float32"), batch_size=8, epochs=1, verbose=0)
+    assert model.privacy.steps > 0
+
+
+@pytest.mark.parametrize("kind", ["dot", "additive"])
+def test_a_held_attention_over_rank_2_inputs_is_refused(kind):
+    make = L.Attention if kind == "dot" else L.AdditiveAttention
+
+    @tfdp.per_example.declare_per_example(sublayers_on_the_batch=True)
+    class Block(L.Layer):
+        def __init__(self, **kwargs):
+            super().__init__(**kwargs)
+            self.query, self.attention = L.Dense(8), make()
+
+        def call(self, x):
+            q = self.query(x)
+            return self.attention([q, q])
+
+    model = tfdp.DPSequential([keras.Input((8,)), Block(), L.Dense(1)])
+    assert _ratio_or_refused(model, (8,)) <= 1 + 1e-5
+
+
+def test_the_step_puts_back_an_instance_call_of_a_layer_with_a_rule():
+    """The batched pass's rule hooks kept no `call` the user had set on the
+    instance (it was deleted after one step)."""
+    dense = L.Dense(1)
+    hook = lambda *a, **k: L.Dense.call(dense, *a, **k)  # noqa: E731
+    dense.call = hook
+    model = tfdp.DPSequential([keras.Input((3,)), dense])
+    model.compile(optimizer=tfdp.optimizers.DPSGD(0.1, l2_norm_clip=1.0, noise_multiplier=1.0),
+                  loss="mse")
+    x = np.ones((8, 3), "float32")
+    model.fit(x, x[:, :1], batch_size=4, epochs=1, verbose=0)
+    assert dense.__dict__.get("call") is hook

@@ -34,8 +34,9 @@ def batched_gradients(model, plan, x, y, weights, loss_fn, training):
         recorder = Recorder(tape)
         # The inference-mode hooks and the declared layers' checks wrap the
         # rules' (checked at every call).
+        batch_size = tf.nest.flatten(x)[0].shape[0]
         with recorder.hooked(plan.handlers), inference_mode_calls(model), \
-                held_calls_checked(model):
+                held_calls_checked(model, batch_size):
             y_pred = model(x, training=training)
         losses = loss_fn(y, y_pred)
         total = tf.reduce_sum(losses * weights)

@@ -17,8 +17,9 @@ against the rank of what they are called on, and a weightless layer
   mixes examples is refused with `HeldLayerMixesExamples`, before the first
   step.
 
-A variable passed to a held layer (a softmax over learned mixing weights)
-is not the batch and is not read.
+A variable passed to a held layer, or a tensor whose first axis cannot be
+the batch (a static length where the step's batch has none, or another
+one), is not read: a softmax over learned mixing weights trains.
 
 Example:
 
@@ -31,7 +32,7 @@ Example:
 ...     def call(self, x):  # a softmax over the batch's scores: mixes examples
 ...         return x * self.norm(self.score(x)[:, 0])[:, None]
 >>> model = keras.Sequential([keras.Input((3,)), Weighting()])
->>> with held_calls_checked(model):
+>>> with held_calls_checked(model, batch_size=2):
 ...     model(tf.ones([2, 3]))
 Traceback (most recent call last):
 ...
@@ -76,21 +77,35 @@ def held_layer_problem(layer):
     return None
 
 
-def _first_rank(args, kwargs):
-    """Rank of the first tensor among a call's arguments that is not a
+def _first_tensor_shape(args, kwargs):
+    """Shape of the first tensor among a call's arguments that is not a
     variable (or None)."""
     for value in tree.flatten((args, kwargs)):
         if isinstance(value, (tf.Variable, keras.Variable)):
             continue
         shape = getattr(value, "shape", None)
         if shape is not None and hasattr(value, "dtype"):
-            return len(shape)
+            return tf.TensorShape(shape)
     return None
 
 
-def _checked(sub, owner, call):
+def _could_be_batch(length, batch_size):
+    """Whether a first axis of static `length` (None: unknown) can be the
+    batch, whose static size in the step is `batch_size` (None: unknown)."""
+    if length is None:
+        return True
+    return batch_size is not None and length == batch_size
+
+
+def _checked(sub, owner, call, batch_size):
     def checked_call(*args, **kwargs):
-        rank = _first_rank(args, kwargs)
+        shape = _first_tensor_shape(args, kwargs)
+        if shape is None or shape.rank is None:
+            rank = None
+        elif shape.rank == 0 or not _could_be_batch(shape[0], batch_size):
+            return call(*args, **kwargs)  # not the batch: nothing to mix
+        else:
+            rank = shape.rank
         problem = configuration_problem(sub, rank=rank)
         if problem:
             raise HeldLayerMixesExamples(
@@ -107,11 +122,16 @@ def _checked(sub, owner, call):
 
 
 @contextlib.contextmanager
-def held_calls_checked(model):
+def held_calls_checked(model, batch_size=None):
     """Runs `model` with every call of a Keras layer held by a declared
     layer checked at the rank of its input (see the module). Hooks each
     such layer's `call` while open, around any hook already installed (the
-    batched pass's rules), and puts the previous one back."""
+    batched pass's rules), and puts the previous one back.
+
+    Args:
+        model: the model the DP step runs.
+        batch_size: the batch's static size in the step, or None.
+    """
     held = {}
     for owner in model._flatten_layers(include_self=False):
         if type(owner) in _DECLARED:
@@ -121,7 +141,7 @@ def held_calls_checked(model):
     try:
         for sub, owner in held.values():
             installed.append((sub, sub.__dict__.get("call")))
-            object.__setattr__(sub, "call", _checked(sub, owner, sub.call))
+            object.__setattr__(sub, "call", _checked(sub, owner, sub.call, batch_size))
         yield
     finally:
         for sub, previous in reversed(installed):

@@ -93,12 +93,16 @@ class Recorder:
             for layer, handler in handlers:
                 original = layer.call
                 hooked_call = functools.partial(handler.call, layer, self, original)
+                installed.append((layer, layer.__dict__.get("call")))
                 object.__setattr__(layer, "call", hooked_call)
-                installed.append(layer)
             yield self
         finally:
-            for layer in installed:
-                object.__delattr__(layer, "call")
+            # A `call` set on the instance before (the user's) is put back.
+            for layer, previous in reversed(installed):
+                if previous is None:
+                    object.__delattr__(layer, "call")
+                else:
+                    object.__setattr__(layer, "call", previous)
 
     def compute_gradients(self, total):
         """Fills every record's `grads` with d total / d probe."""
