@@ -39,10 +39,13 @@ TensorShape([2, 3])
 """
 
 import contextlib
+import functools
 import inspect
 
 import keras
 import numpy as np
+
+from tfdp.per_example.call_hooks import hooked_calls
 
 
 class BatchNormalizationInTraining(ValueError):
@@ -152,19 +155,9 @@ def inference_mode_calls(model):
     forced = {id(layer): layer for layer in _inference_layers(model)}
     checked = {id(layer): layer for layer in model._flatten_layers(include_self=False)  # pylint: disable=protected-access
                if is_trainable_batch_normalization(layer)}
-    installed = []
-    try:
-        for key, layer in {**forced, **checked}.items():
-            previous = layer.__dict__.get("call")
-            installed.append((layer, previous))
-            object.__setattr__(layer, "call", _hooked(layer, layer.call, key in forced))
+    with hooked_calls([(layer, functools.partial(_hooked, layer, force=key in forced))
+                       for key, layer in {**forced, **checked}.items()]):
         yield
-    finally:
-        for layer, previous in reversed(installed):
-            if previous is None:
-                object.__delattr__(layer, "call")
-            else:
-                object.__setattr__(layer, "call", previous)
 
 
 def _hooked(layer, call, force):

@@ -29,6 +29,8 @@ import functools
 
 import tensorflow as tf
 
+from tfdp.per_example.call_hooks import hooked_calls
+
 
 class Record:
     """Tensors one call of a layer recorded, and its probes' gradients.
@@ -88,21 +90,11 @@ class Recorder:
             handlers: list of (layer, handler); the handler is called as
                 `handler.call(layer, recorder, original_call, *args, **kwargs)`.
         """
-        installed = []
-        try:
-            for layer, handler in handlers:
-                original = layer.call
-                hooked_call = functools.partial(handler.call, layer, self, original)
-                installed.append((layer, layer.__dict__.get("call")))
-                object.__setattr__(layer, "call", hooked_call)
+        def through(layer, handler):
+            return lambda call: functools.partial(handler.call, layer, self, call)
+
+        with hooked_calls([(layer, through(layer, handler)) for layer, handler in handlers]):
             yield self
-        finally:
-            # A `call` set on the instance before (the user's) is put back.
-            for layer, previous in reversed(installed):
-                if previous is None:
-                    object.__delattr__(layer, "call")
-                else:
-                    object.__setattr__(layer, "call", previous)
 
     def compute_gradients(self, total):
         """Fills every record's `grads` with d total / d probe."""
