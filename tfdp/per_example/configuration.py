@@ -138,6 +138,25 @@ def _keeps_batch_letter(equation):
     return bool(first) and output[:1] == first[:1]
 
 
+def layer_input_ranks(layer):
+    """The ranks of all the layer's inputs, from its build shapes and its
+    calls in a graph (an empty list when none is recorded)."""
+    ranks = []
+
+    def collect(shape):
+        if isinstance(shape, (list, tuple)) and shape and isinstance(shape[0], (list, tuple)):
+            for inner in shape:
+                collect(inner)
+        elif isinstance(shape, (list, tuple)):
+            ranks.append(len(shape))
+
+    for shape in (getattr(layer, "_build_shapes_dict", None) or {}).values():
+        collect(shape)
+    for node in getattr(layer, "_inbound_nodes", None) or []:
+        ranks += [len(tensor.shape) for tensor in node.arguments.keras_tensors]
+    return ranks
+
+
 def layer_input_rank(layer):
     """The rank of the layer's first input, from its build shapes (or None)."""
     shapes = list((getattr(layer, "_build_shapes_dict", None) or {}).values())
@@ -151,13 +170,15 @@ def layer_input_rank(layer):
     return None
 
 
-def configuration_problem(layer, rank=None):
+def configuration_problem(layer, rank=None, ranks=None):
     """Why `layer`'s configuration may mix examples, or None when it does not.
 
     Args:
         layer: a Keras layer whose class is allow-listed.
         rank: rank of the layer's input, batch axis included; read from the
             layer's build shapes when None.
+        ranks: ranks of all its tensor inputs (an attention's query, value
+            and key); read from its build shapes when None.
     """
     for attribute in _ACTIVATION_ATTRIBUTES:
         fn = getattr(layer, attribute, None)
@@ -175,9 +196,12 @@ def configuration_problem(layer, rank=None):
         if (rank == 1 and name is not None and name not in _ELEMENTWISE_ACTIVATIONS
                 and fn not in _DECLARED_ACTIVATIONS):
             return f"applies {attribute}={name!r} over the batch axis of a rank-1 input"
-    if isinstance(layer, _SEQUENCE_ATTENTION) and rank is not None and rank < 3:
-        return (f"attends over the batch axis (rank-{rank} queries and keys: each "
-                "example's scores span the batch)")
+    if isinstance(layer, _SEQUENCE_ATTENTION):
+        low = [r for r in (layer_input_ranks(layer) if ranks is None else ranks)
+               if r is not None and r < 3]
+        if low:
+            return (f"attends over the batch axis (a rank-{low[0]} query, value or key: "
+                    "each example's scores span the batch)")
     equation = getattr(layer, "equation", None)
     if isinstance(layer, keras.layers.EinsumDense) and not _keeps_batch_letter(equation):
         return f"does not keep the batch axis first (equation={equation!r})"

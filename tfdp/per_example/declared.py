@@ -17,9 +17,11 @@ against the rank of what they are called on, and a weightless layer
   mixes examples is refused with `HeldLayerMixesExamples`, before the first
   step.
 
-A variable passed to a held layer, or a tensor whose first axis cannot be
-the batch (a static length where the step's batch has none, or another
-one), is not read: a softmax over learned mixing weights trains.
+A call none of whose tensor arguments can be the batch (variables, and
+tensors whose first axis has a static length where the step's batch has
+none, or another one) is not read: a softmax over learned mixing weights
+trains. Otherwise the layer is read at the rank of the first argument that
+can be the batch, and an attention at the ranks of all its arguments.
 
 Example:
 
@@ -40,11 +42,13 @@ tfdp.per_example.declared.HeldLayerMixesExamples: ...Layer 'norm' (Softmax) held
 """
 
 import contextlib
+import functools
 
 import keras
 import tensorflow as tf
 from keras.src import tree
 
+from tfdp.per_example.call_hooks import hooked_calls
 from tfdp.per_example.configuration import configuration_problem, layer_input_rank
 from tfdp.per_example.registry import _DECLARED, ALLOWED
 
@@ -77,16 +81,16 @@ def held_layer_problem(layer):
     return None
 
 
-def _first_tensor_shape(args, kwargs):
-    """Shape of the first tensor among a call's arguments that is not a
-    variable (or None)."""
+def _tensor_shapes(args, kwargs):
+    """Shapes of a call's tensor arguments that are not variables."""
+    shapes = []
     for value in tree.flatten((args, kwargs)):
         if isinstance(value, (tf.Variable, keras.Variable)):
             continue
         shape = getattr(value, "shape", None)
         if shape is not None and hasattr(value, "dtype"):
-            return tf.TensorShape(shape)
-    return None
+            shapes.append(tf.TensorShape(shape))
+    return shapes
 
 
 def _could_be_batch(length, batch_size):
@@ -99,14 +103,13 @@ def _could_be_batch(length, batch_size):
 
 def _checked(sub, owner, call, batch_size):
     def checked_call(*args, **kwargs):
-        shape = _first_tensor_shape(args, kwargs)
-        if shape is None or shape.rank is None:
-            rank = None
-        elif shape.rank == 0 or not _could_be_batch(shape[0], batch_size):
-            return call(*args, **kwargs)  # not the batch: nothing to mix
-        else:
-            rank = shape.rank
-        problem = configuration_problem(sub, rank=rank)
+        shapes = _tensor_shapes(args, kwargs)
+        batched = [shape for shape in shapes if shape.rank is None
+                   or (shape.rank > 0 and _could_be_batch(shape[0], batch_size))]
+        if shapes and not batched:
+            return call(*args, **kwargs)  # no argument can be the batch: nothing to mix
+        rank = batched[0].rank if batched else None
+        problem = configuration_problem(sub, rank=rank, ranks=[shape.rank for shape in shapes])
         if problem:
             raise HeldLayerMixesExamples(
                 f"Layer '{sub.name}' ({type(sub).__name__}) held by the declared layer "
@@ -115,7 +118,7 @@ def _checked(sub, owner, call, batch_size):
                 "privacy guarantee would not hold. Call it on tensors whose first axis is "
                 "the batch and whose other axes are the features it normalizes, or remove "
                 "the declaration (tfdp then runs the layer one example at a time). "
-                f"Received: an input of rank {rank}")
+                f"Received: inputs of ranks {[shape.rank for shape in shapes]}")
         return call(*args, **kwargs)
 
     return checked_call
@@ -137,15 +140,6 @@ def held_calls_checked(model, batch_size=None):
         if type(owner) in _DECLARED:
             for sub in held_layers(owner):
                 held.setdefault(id(sub), (sub, owner))
-    installed = []
-    try:
-        for sub, owner in held.values():
-            installed.append((sub, sub.__dict__.get("call")))
-            object.__setattr__(sub, "call", _checked(sub, owner, sub.call, batch_size))
+    with hooked_calls([(sub, functools.partial(_checked, sub, owner, batch_size=batch_size))
+                       for sub, owner in held.values()]):
         yield
-    finally:
-        for sub, previous in reversed(installed):
-            if previous is None:
-                object.__delattr__(sub, "call")
-            else:
-                object.__setattr__(sub, "call", previous)
