@@ -14,8 +14,9 @@ Two kinds of argument can break that claim:
 - a built-in activation that is not elementwise ("softmax", "log_softmax",
   "sparsemax", "glu": they normalize or split the last axis) on a rank-1
   input, where that axis is the batch.
-- an `Attention` or `AdditiveAttention` on rank-2 queries and keys: their
-  scores are [B, B], every example attending over the batch.
+- an `Attention` or `AdditiveAttention` with a rank-2 query, value or key:
+  its scores span the batch ([B, B], or [B, 1, B] for a rank-3 query over
+  rank-2 values), every example attending over the others.
 - an axis: `Softmax(axis=0)`, `UnitNormalization(axis=0)`,
   `LayerNormalization(axis=0)`, `Concatenate(axis=0)`, `Dot(axes=0)`... reduce
   or join over the batch axis (0, or -rank).
