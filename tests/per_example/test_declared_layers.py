@@ -320,3 +320,42 @@ def test_a_held_layer_is_read_at_every_argument_that_can_be_the_batch():
     when only the first argument was read."""
     model = tfdp.DPSequential([keras.Input((4,)), _PoolsTheBatchWhenTraining(), L.Dense(1)])
     assert _ratio_or_refused(model, (4,)) <= 1 + 1e-5
+
+
+@tfdp.per_example.declare_per_example(sublayers_on_the_batch=True)
+class _MaskedSelfAttention(L.Layer):
+    """Legitimate: padded self-attention over [B, T, D] with [B, T] masks."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.project, self.attention = L.Dense(4), L.Attention()
+
+    def call(self, x):
+        h = self.project(x)
+        mask = keras.ops.not_equal(x[..., 0], 0.0)
+        return keras.ops.mean(self.attention([h, h], mask=[mask, mask]), axis=1)
+
+
+@tfdp.per_example.declare_per_example(sublayers_on_the_batch=True)
+class _RankFourQuery(L.Layer):
+    """Declared, wrongly: a [B, 1, T, D] query over [B, T, D] values."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.project, self.attention = L.Dense(4), L.Attention()
+
+    def call(self, x):
+        h = self.project(x)
+        return keras.ops.mean(self.attention([h[:, None], h]), axis=(1, 2))
+
+
+def test_a_held_masked_attention_trains_on_the_batched_path():
+    model = keras.Sequential([keras.Input((5, 4)), _MaskedSelfAttention(), L.Dense(1)])
+    assert plan_for(model).path == "batched"
+    grads, _, _ = _batched_pass(model, (5, 4))
+    assert grads.path == "batched"
+
+
+def test_a_held_attention_over_inputs_of_unequal_ranks_keeps_the_bound():
+    model = tfdp.DPSequential([keras.Input((3, 4)), _RankFourQuery(), L.Dense(1)])
+    assert _ratio_or_refused(model, (3, 4)) <= 1 + 1e-5

@@ -309,3 +309,50 @@ def test_attention_of_rank_3_queries_over_rank_2_values_is_named(kind):
     h = keras.layers.Flatten()(ATTENTIONS[kind]()([q, v]))
     plan = plan_for(keras.Model(inputs, keras.layers.Dense(2)(h)))
     assert plan.path == "vectorized" and "attends over the batch" in plan.reason
+
+
+@pytest.mark.parametrize("kind", sorted(ATTENTIONS))
+def test_attention_of_rank_4_queries_over_rank_3_values_is_named(kind):
+    """Attention lines up the axes before the last two from the right: a
+    [B, 1, T, D] query over [B, T, D] values scores [B, B, T, T] (a review
+    moved a neighbouring step 7.3x its bound)."""
+    inputs = keras.Input((3, 4))
+    v = keras.layers.Dense(4)(inputs)
+    q = keras.layers.Reshape((1, 3, 4))(v)
+    h = keras.layers.GlobalAveragePooling2D()(ATTENTIONS[kind]()([q, v]))
+    plan = plan_for(keras.Model(inputs, keras.layers.Dense(2)(h)))
+    assert plan.path == "vectorized" and "attends over the batch" in plan.reason
+
+
+@pytest.mark.parametrize("kind", sorted(ATTENTIONS))
+def test_masked_attention_over_sequences_keeps_the_batched_path(kind):
+    """Its [B, T] masks are one rank below its inputs, as Keras expects
+    (refused on ccf6aa7, which read the masks' ranks as inputs')."""
+    from tfdp.per_example.configuration import configuration_problem
+
+    inputs = keras.Input((5, 4))
+    mask = keras.Input((5,), dtype="bool")
+    q = keras.layers.Dense(4)(inputs)
+    attention = ATTENTIONS[kind]()
+    attention([q, q], mask=[mask, mask])
+    assert configuration_problem(attention) is None
+
+
+def _mha_model(mask_shape):
+    sequence = keras.Input((5, 4))
+    mask = keras.Input(mask_shape, dtype="bool")
+    query = keras.layers.Reshape((1, 4))(keras.layers.GlobalAveragePooling1D()(sequence))
+    h = keras.layers.MultiHeadAttention(1, 4)(query, sequence, attention_mask=mask)
+    return keras.Model([sequence, mask], keras.layers.Dense(2)(keras.layers.Flatten()(h)))
+
+
+def test_multi_head_attention_with_a_mask_missing_the_query_axis_is_named():
+    """A [B, S] attention mask is padded in front to [1, 1, B, S]: with one
+    query position every example is masked by every other's (a review moved
+    a neighbouring step 1.7x its bound)."""
+    plan = plan_for(_mha_model((5,)))
+    assert plan.path == "vectorized" and "attention mask of rank 2" in plan.reason
+
+
+def test_multi_head_attention_with_a_full_mask_keeps_the_batched_path():
+    assert plan_for(_mha_model((1, 5))).path == "batched"

@@ -14,9 +14,10 @@ Two kinds of argument can break that claim:
 - a built-in activation that is not elementwise ("softmax", "log_softmax",
   "sparsemax", "glu": they normalize or split the last axis) on a rank-1
   input, where that axis is the batch.
-- an `Attention` or `AdditiveAttention` with a rank-2 query, value or key:
-  its scores span the batch ([B, B], or [B, 1, B] for a rank-3 query over
-  rank-2 values), every example attending over the others.
+- an attention whose inputs or masks put the batch among its attended
+  axes: an `Attention` or `AdditiveAttention` with a query, value or key of
+  rank 2 or of unequal ranks ([B, B] scores), a `MultiHeadAttention` mask of
+  too low a rank (`attention_call_problem`).
 - an axis: `Softmax(axis=0)`, `UnitNormalization(axis=0)`,
   `LayerNormalization(axis=0)`, `Concatenate(axis=0)`, `Dot(axes=0)`... reduce
   or join over the batch axis (0, or -rank).
@@ -33,6 +34,8 @@ Example:
 >>> configuration_problem(keras.layers.Dense(3, activation="gelu"), rank=2) is None
 True
 """
+
+import inspect
 
 import keras
 
@@ -59,6 +62,10 @@ _ELEMENTWISE_ACTIVATIONS = frozenset({
 # Attention layers whose scores contract the query's and key's features: on
 # rank-2 inputs [B, D] the scores are [B, B].
 _SEQUENCE_ATTENTION = (keras.layers.Attention, keras.layers.AdditiveAttention)
+# Every attention layer whose inputs and masks `attention_call_problem` reads.
+_ATTENTION = _SEQUENCE_ATTENTION + tuple(
+    getattr(keras.layers, name) for name in ("MultiHeadAttention", "GroupQueryAttention")
+    if hasattr(keras.layers, name))
 
 
 def declare_per_example_activation(fn):
@@ -139,23 +146,83 @@ def _keeps_batch_letter(equation):
     return bool(first) and output[:1] == first[:1]
 
 
-def layer_input_ranks(layer):
-    """The ranks of all the layer's inputs, from its build shapes and its
-    calls in a graph (an empty list when none is recorded)."""
-    ranks = []
-
-    def collect(shape):
-        if isinstance(shape, (list, tuple)) and shape and isinstance(shape[0], (list, tuple)):
-            for inner in shape:
-                collect(inner)
-        elif isinstance(shape, (list, tuple)):
-            ranks.append(len(shape))
-
+def _recorded_calls(layer):
+    """(args, kwargs) of the layer's recorded calls: its graph nodes, and
+    its build shapes as one call (a held layer records no node)."""
+    calls = [(node.arguments.args, node.arguments.kwargs)
+             for node in getattr(layer, "_inbound_nodes", None) or []]
     for shape in (getattr(layer, "_build_shapes_dict", None) or {}).values():
-        collect(shape)
-    for node in getattr(layer, "_inbound_nodes", None) or []:
-        ranks += [len(tensor.shape) for tensor in node.arguments.keras_tensors]
-    return ranks
+        if isinstance(shape, (list, tuple)) and shape and isinstance(shape[0], (list, tuple)):
+            calls.append(([[keras.KerasTensor(inner) for inner in shape]], {}))
+        elif isinstance(shape, (list, tuple)):
+            calls.append(([keras.KerasTensor(shape)], {}))
+    return calls
+
+
+def _rank(tensor):
+    shape = getattr(tensor, "shape", None)
+    return None if shape is None or not hasattr(tensor, "dtype") else len(shape)
+
+
+def _leading(tensor):
+    return tensor.shape[0] if _rank(tensor) else None
+
+
+def attention_call_problem(layer, args, kwargs, could_be_batch=None):
+    """Why one call of an attention layer mixes examples, or None.
+
+    Attention and AdditiveAttention contract the last two axes of their
+    query and key, lining up the axes before them from the right: inputs of
+    rank 2, or of unequal ranks, put the batch among the attended axes
+    ([B, B] scores). MultiHeadAttention and GroupQueryAttention pad a mask
+    of too low a rank with axes in front, where its batch axis then meets
+    the scores' query or key axes: a batch-led attention mask needs rank
+    2 n + 1 (batch, then n query and n key axes), a query, value or key
+    mask the rank of its input less one.
+
+    Args:
+        layer: an attention layer (`_ATTENTION`).
+        args, kwargs: the call's arguments.
+        could_be_batch: callable(static length or None) -> whether a first
+            axis of that length can be the batch; by default, an unknown one.
+    """
+    could_be_batch = could_be_batch or (lambda length: length is None)
+    try:
+        bound = inspect.signature(type(layer).call).bind(layer, *args, **kwargs).arguments
+    except TypeError:  # the call itself raises the error
+        return None
+    if isinstance(layer, _SEQUENCE_ATTENTION):
+        inputs = bound.get("inputs")
+        inputs = list(inputs) if isinstance(inputs, (list, tuple)) else [inputs]
+        masks = bound.get("mask")
+        masks = list(masks) if isinstance(masks, (list, tuple)) else [masks]
+        pairs = list(zip(["query mask", "value mask"], masks, inputs))
+        attention_mask, axes = None, 1
+    else:
+        inputs = [bound.get(name) for name in ("query", "value", "key")]
+        pairs = [(name, bound.get(name.replace(" ", "_")), of) for name, of in
+                 (("query mask", inputs[0]), ("value mask", inputs[1]),
+                  ("key mask", inputs[2] if inputs[2] is not None else inputs[1]))]
+        attention_mask = bound.get("attention_mask")
+        axes = len(getattr(layer, "_attention_axes", None) or (1,))
+    ranks = [_rank(t) for t in inputs if t is not None]
+    known = [r for r in ranks if r is not None]
+    if known and (min(known) < 3 or len(set(known)) > 1):
+        return (f"attends over the batch axis (query, value and key of ranks {known}: "
+                "attention needs equal ranks of at least 3, else each example's scores "
+                "span the batch)")
+    for name, mask, of in pairs:
+        if mask is None or _rank(mask) is None or _rank(of) is None:
+            continue
+        if _rank(mask) < _rank(of) - 1 and could_be_batch(_leading(mask)):
+            return (f"attends over the batch axis (a {name} of rank {_rank(mask)} for an "
+                    f"input of rank {_rank(of)}: its batch axis meets the attended axes)")
+    if (attention_mask is not None and _rank(attention_mask) is not None
+            and _rank(attention_mask) < 2 * axes + 1 and could_be_batch(_leading(attention_mask))):
+        return (f"attends over the batch axis (an attention mask of rank "
+                f"{_rank(attention_mask)}: a mask with the batch needs rank {2 * axes + 1}, "
+                "else its batch axis meets the attended axes)")
+    return None
 
 
 def layer_input_rank(layer):
@@ -171,15 +238,17 @@ def layer_input_rank(layer):
     return None
 
 
-def configuration_problem(layer, rank=None, ranks=None):
+def configuration_problem(layer, rank=None, call=None, could_be_batch=None):
     """Why `layer`'s configuration may mix examples, or None when it does not.
 
     Args:
         layer: a Keras layer whose class is allow-listed.
         rank: rank of the layer's input, batch axis included; read from the
             layer's build shapes when None.
-        ranks: ranks of all its tensor inputs (an attention's query, value
-            and key); read from its build shapes when None.
+        call: (args, kwargs) of one call of the layer (an attention's
+            inputs and masks are read from it); its recorded calls when None.
+        could_be_batch: callable(static length or None) -> whether a first
+            axis of that length can be the batch; by default, an unknown one.
     """
     for attribute in _ACTIVATION_ATTRIBUTES:
         fn = getattr(layer, attribute, None)
@@ -197,12 +266,11 @@ def configuration_problem(layer, rank=None, ranks=None):
         if (rank == 1 and name is not None and name not in _ELEMENTWISE_ACTIVATIONS
                 and fn not in _DECLARED_ACTIVATIONS):
             return f"applies {attribute}={name!r} over the batch axis of a rank-1 input"
-    if isinstance(layer, _SEQUENCE_ATTENTION):
-        low = [r for r in (layer_input_ranks(layer) if ranks is None else ranks)
-               if r is not None and r < 3]
-        if low:
-            return (f"attends over the batch axis (a rank-{low[0]} query, value or key: "
-                    "each example's scores span the batch)")
+    if isinstance(layer, _ATTENTION):
+        for args, kwargs in _recorded_calls(layer) if call is None else [call]:
+            problem = attention_call_problem(layer, args, kwargs, could_be_batch)
+            if problem:
+                return problem
     equation = getattr(layer, "equation", None)
     if isinstance(layer, keras.layers.EinsumDense) and not _keeps_batch_letter(equation):
         return f"does not keep the batch axis first (equation={equation!r})"

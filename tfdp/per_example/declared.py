@@ -21,7 +21,8 @@ A call none of whose tensor arguments can be the batch (variables, and
 tensors whose first axis has a static length where the step's batch has
 none, or another one) is not read: a softmax over learned mixing weights
 trains. Otherwise the layer is read at the rank of the first argument that
-can be the batch, and an attention at the ranks of all its arguments.
+can be the batch, and an attention's inputs and masks one by one
+(`configuration.attention_call_problem`).
 
 Example:
 
@@ -109,7 +110,9 @@ def _checked(sub, owner, call, batch_size):
         if shapes and not batched:
             return call(*args, **kwargs)  # no argument can be the batch: nothing to mix
         rank = batched[0].rank if batched else None
-        problem = configuration_problem(sub, rank=rank, ranks=[shape.rank for shape in shapes])
+        problem = configuration_problem(
+            sub, rank=rank, call=(args, kwargs),
+            could_be_batch=functools.partial(_could_be_batch, batch_size=batch_size))
         if problem:
             raise HeldLayerMixesExamples(
                 f"Layer '{sub.name}' ({type(sub).__name__}) held by the declared layer "
