@@ -356,3 +356,26 @@ def test_multi_head_attention_with_a_mask_missing_the_query_axis_is_named():
 
 def test_multi_head_attention_with_a_full_mask_keeps_the_batched_path():
     assert plan_for(_mha_model((1, 5))).path == "batched"
+
+
+def test_multi_head_attention_over_two_axes_with_query_and_value_masks_is_named():
+    """With attention_axes=(1, 2) Keras builds a rank-4 mask from [B, H, W]
+    masks for rank-5 scores and pads it in front: with B == H == W it runs,
+    every example masked by the others' (a review moved a neighbouring step
+    1.26x its bound)."""
+    inputs = keras.Input((4, 4, 2))
+    mask = keras.Input((4, 4), dtype="bool")
+    h = keras.layers.MultiHeadAttention(1, 2, attention_axes=(1, 2))(
+        inputs, inputs, query_mask=mask, value_mask=mask)
+    model = keras.Model([inputs, mask], keras.layers.Dense(2)(keras.layers.Flatten()(h)))
+    plan = plan_for(model)
+    assert plan.path == "vectorized" and "2 attention axes" in plan.reason
+
+
+def test_multi_head_attention_over_two_axes_with_a_full_mask_keeps_the_batched_path():
+    inputs = keras.Input((4, 4, 2))
+    mask = keras.Input((4, 4, 4, 4), dtype="bool")
+    h = keras.layers.MultiHeadAttention(1, 2, attention_axes=(1, 2))(
+        inputs, inputs, attention_mask=mask)
+    model = keras.Model([inputs, mask], keras.layers.Dense(2)(keras.layers.Flatten()(h)))
+    assert plan_for(model).path == "batched", plan_for(model).reason

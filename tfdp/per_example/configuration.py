@@ -178,7 +178,8 @@ def attention_call_problem(layer, args, kwargs, could_be_batch=None):
     of too low a rank with axes in front, where its batch axis then meets
     the scores' query or key axes: a batch-led attention mask needs rank
     2 n + 1 (batch, then n query and n key axes), a query, value or key
-    mask the rank of its input less one.
+    mask the rank of its input less one, and with n > 1 attention axes no
+    batch-led query, value or key mask keeps its batch aligned.
 
     Args:
         layer: an attention layer (`_ATTENTION`).
@@ -214,6 +215,13 @@ def attention_call_problem(layer, args, kwargs, could_be_batch=None):
     for name, mask, of in pairs:
         if mask is None or _rank(mask) is None or _rank(of) is None:
             continue
+        if axes > 1 and could_be_batch(_leading(mask)):
+            # Keras builds a mask of the input's rank from it, short of the
+            # scores' rank by n - 1: padded in front, its batch axis meets
+            # the first query axis.
+            return (f"attends over the batch axis (a {name} with {axes} attention axes: "
+                    "Keras pads the mask it builds from it in front, where its batch axis "
+                    "meets the attended axes)")
         if _rank(mask) < _rank(of) - 1 and could_be_batch(_leading(mask)):
             return (f"attends over the batch axis (a {name} of rank {_rank(mask)} for an "
                     f"input of rank {_rank(of)}: its batch axis meets the attended axes)")
