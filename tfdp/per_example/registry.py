@@ -88,9 +88,11 @@ def declare_per_example(layer_class=None, *, sublayers_on_the_batch=False):
     The Keras layers and models it holds as attributes are still read like a
     model's graph (a Softmax over the batch axis inside refuses the batched
     path, `tfdp.per_example.declared`); layers it creates inside `call` or
-    keeps where Keras does not track them, and a batch moved off axis 0
-    before a held layer reads it (a transposed batch), are covered by the
-    declaration alone.
+    keeps where Keras does not track them, a batch moved off axis 0 before
+    a held layer reads it (a transposed batch), and held layers called
+    inside a `tf.function` of its own that was traced before training (its
+    graph is reused, so the step never sees those calls) are covered by the
+    declaration alone: call held layers as `layer(x)` in `call` itself.
 
     Args:
         layer_class: a `keras.layers.Layer` subclass.
