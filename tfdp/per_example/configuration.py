@@ -159,6 +159,23 @@ def _recorded_calls(layer):
     return calls
 
 
+def first_axis_could_be_batch(length, batch_size=None):
+    """Whether a first axis of static `length` (None: unknown) can be the
+    batch, whose static size is `batch_size` (None: unknown, as in a graph
+    or a step without a fixed batch).
+
+    Example:
+
+    >>> first_axis_could_be_batch(None), first_axis_could_be_batch(3)
+    (True, False)
+    >>> first_axis_could_be_batch(8, batch_size=8)
+    True
+    """
+    if length is None:
+        return True
+    return batch_size is not None and length == batch_size
+
+
 def _rank(tensor):
     shape = getattr(tensor, "shape", None)
     return None if shape is None or not hasattr(tensor, "dtype") else len(shape)
@@ -187,7 +204,7 @@ def attention_call_problem(layer, args, kwargs, could_be_batch=None):
         could_be_batch: callable(static length or None) -> whether a first
             axis of that length can be the batch; by default, an unknown one.
     """
-    could_be_batch = could_be_batch or (lambda length: length is None)
+    could_be_batch = could_be_batch or first_axis_could_be_batch
     try:
         bound = inspect.signature(type(layer).call).bind(layer, *args, **kwargs).arguments
     except TypeError:  # the call itself raises the error

@@ -50,7 +50,11 @@ import tensorflow as tf
 from keras.src import tree
 
 from tfdp.per_example.call_hooks import hooked_calls
-from tfdp.per_example.configuration import configuration_problem, layer_input_rank
+from tfdp.per_example.configuration import (
+    configuration_problem,
+    first_axis_could_be_batch,
+    layer_input_rank,
+)
 from tfdp.per_example.registry import _DECLARED, ALLOWED
 
 
@@ -94,25 +98,17 @@ def _tensor_shapes(args, kwargs):
     return shapes
 
 
-def _could_be_batch(length, batch_size):
-    """Whether a first axis of static `length` (None: unknown) can be the
-    batch, whose static size in the step is `batch_size` (None: unknown)."""
-    if length is None:
-        return True
-    return batch_size is not None and length == batch_size
-
-
 def _checked(sub, owner, call, batch_size):
     def checked_call(*args, **kwargs):
         shapes = _tensor_shapes(args, kwargs)
         batched = [shape for shape in shapes if shape.rank is None
-                   or (shape.rank > 0 and _could_be_batch(shape[0], batch_size))]
+                   or (shape.rank > 0 and first_axis_could_be_batch(shape[0], batch_size))]
         if shapes and not batched:
             return call(*args, **kwargs)  # no argument can be the batch: nothing to mix
         rank = batched[0].rank if batched else None
         problem = configuration_problem(
             sub, rank=rank, call=(args, kwargs),
-            could_be_batch=functools.partial(_could_be_batch, batch_size=batch_size))
+            could_be_batch=functools.partial(first_axis_could_be_batch, batch_size=batch_size))
         if problem:
             raise HeldLayerMixesExamples(
                 f"Layer '{sub.name}' ({type(sub).__name__}) held by the declared layer "
