@@ -338,6 +338,46 @@ def test_masked_attention_over_sequences_keeps_the_batched_path(kind):
     assert configuration_problem(attention) is None
 
 
+def _masked_attention_classifier(kind):
+    """Token ids, an Embedding with mask_zero, masked attention given its
+    masks as a list, masked pooling: Keras adds a ConvertToTensor node where
+    the pooling converts the attention's output mask."""
+    keras.utils.set_random_seed(0)
+    tokens = keras.Input((6,), dtype="int32")
+    h = keras.layers.Embedding(20, 4, mask_zero=True)(tokens)
+    mask = keras.ops.not_equal(tokens, 0)
+    h = ATTENTIONS[kind]()([h, h], mask=[mask, mask])
+    h = keras.layers.GlobalAveragePooling1D()(h)
+    return keras.Model(tokens, keras.layers.Dense(2)(h))
+
+
+@pytest.mark.parametrize("kind", sorted(ATTENTIONS))
+def test_a_masked_attention_classifier_keeps_the_batched_path(kind):
+    """Its ConvertToTensor node converts a mask entry by entry (it sent the
+    model to the vectorized path before ConvertToTensor was allowed); each
+    example's gradients equal the exact path's, and an outlier and a padded
+    example beside it move none of them."""
+    model = _masked_attention_classifier(kind)
+    assert any(type(op).__name__ == "ConvertToTensor" for op in model.operations)
+    assert plan_for(model).path == "batched", plan_for(model).describe()
+    ids = np.array([[3, 5, 0, 0, 0, 0], [1, 2, 3, 4, 5, 6], [7, 0, 0, 0, 0, 0]], np.int32)
+    crafted = ids.copy()
+    crafted[1] = [19, 19, 19, 19, 19, 0]
+    y = np.array([0, 1, 1])
+    grads = {}
+    for method in ("batched", "vectorized"):
+        for name, batch in (("ordinary", ids), ("crafted", crafted)):
+            parts = compute_per_example_gradients(
+                model, tf.constant(batch), tf.constant(y), tf.ones([3]),
+                per_example_loss(keras.losses.SparseCategoricalCrossentropy(from_logits=True)),
+                method)[0]
+            grads[method, name] = [g.numpy() for g in parts.materialize()]
+    for a, b in zip(grads["batched", "ordinary"], grads["vectorized", "ordinary"]):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    for a, b in zip(grads["batched", "ordinary"], grads["batched", "crafted"]):
+        np.testing.assert_allclose(a[[0, 2]], b[[0, 2]], rtol=1e-5, atol=1e-6)
+
+
 def _mha_model(mask_shape):
     sequence = keras.Input((5, 4))
     mask = keras.Input(mask_shape, dtype="bool")

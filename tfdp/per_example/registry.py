@@ -62,10 +62,13 @@ for _name in ("RMSNormalization", "GroupQueryAttention"):
 
 # Weightless Keras operations that may appear as nodes of a Functional graph
 # (`x + y`, `keras.ops.tanh(x)`): elementwise, so examples stay independent.
+# ConvertToTensor converts a tensor's dtype (or densifies it) entry by entry;
+# Keras adds it where a layer converts a mask it was handed (pooling after a
+# masked Attention).
 ALLOWED_OPERATIONS = {
     "Add", "Subtract", "Multiply", "Divide", "TrueDivide", "Negative", "Abs",
     "Square", "Sqrt", "Exp", "Log", "Tanh", "Sigmoid", "Relu", "Relu6", "Gelu",
-    "Silu", "Elu", "Selu", "Softplus", "Maximum", "Minimum", "Power", "Cast",
+    "Silu", "Elu", "Selu", "Softplus", "Maximum", "Minimum", "Power", "Cast", "ConvertToTensor",
     "Equal", "NotEqual", "Greater", "GreaterEqual", "Less", "LessEqual",
     "LogicalAnd", "LogicalOr", "LogicalNot", "Where",
 }
