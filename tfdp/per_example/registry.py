@@ -66,11 +66,14 @@ for _name in ("RMSNormalization", "GroupQueryAttention"):
 # Keras adds it where a layer converts a mask it was handed (pooling after a
 # masked Attention).
 ALLOWED_OPERATIONS = {
-    "Add", "Subtract", "Multiply", "Divide", "TrueDivide", "Negative", "Abs",
-    "Square", "Sqrt", "Exp", "Log", "Tanh", "Sigmoid", "Relu", "Relu6", "Gelu",
-    "Silu", "Elu", "Selu", "Softplus", "Maximum", "Minimum", "Power", "Cast", "ConvertToTensor",
+    "Add", "Subtract", "Multiply", "Divide", "TrueDivide", "FloorDivide", "Mod", "Negative",
+    "Absolute", "Sign", "Square", "Sqrt", "Rsqrt", "Reciprocal", "Exp", "Expm1", "Log",
+    "Log1p", "Sin", "Cos", "Tan", "Arctan", "Sinh", "Tanh", "Erf", "Floor", "Ceil", "Round",
+    "Clip", "NanToNum", "Sigmoid", "HardSigmoid", "LogSigmoid", "Softsign", "Relu", "Relu6",
+    "LeakyRelu", "Gelu", "Silu", "HardSilu", "Elu", "Selu", "Softplus", "Maximum", "Minimum",
+    "Power", "Cast", "ConvertToTensor", "Isnan", "Isfinite",
     "Equal", "NotEqual", "Greater", "GreaterEqual", "Less", "LessEqual",
-    "LogicalAnd", "LogicalOr", "LogicalNot", "Where",
+    "LogicalAnd", "LogicalOr", "LogicalNot", "LogicalXor", "Where",
 }
 
 _DECLARED = set()
