@@ -18,6 +18,11 @@ Two kinds of argument can break that claim:
   axes: an `Attention` or `AdditiveAttention` with a query, value or key of
   rank 2 or of unequal ranks ([B, B] scores), a `MultiHeadAttention` mask of
   too low a rank (`attention_call_problem`).
+- an elementwise merge (`Add`, `Subtract`, `Multiply`, `Average`,
+  `Maximum`, `Minimum`) of inputs of unequal ranks: Keras broadcasts them
+  from the right, so the lower-rank input's batch axis meets another axis
+  of the others ([B, T, D] + [B, 1] adds example t's value to every
+  example's position t when B == T; `merge_call_problem`).
 - an axis: `Softmax(axis=0)`, `UnitNormalization(axis=0)`,
   `LayerNormalization(axis=0)`, `Concatenate(axis=0)`, `Dot(axes=0)`... reduce
   or join over the batch axis (0, or -rank).
@@ -46,6 +51,10 @@ _AXIS_ATTRIBUTES = ("axis", "axes", "attention_axes")
 _STATISTIC_AXIS_LAYERS = (keras.layers.Normalization,)
 
 _DECLARED_ACTIVATIONS = set()
+
+# Merge layers that combine their inputs entry by entry, broadcasting them.
+_ELEMENTWISE_MERGES = (keras.layers.Add, keras.layers.Subtract, keras.layers.Multiply,
+                       keras.layers.Average, keras.layers.Maximum, keras.layers.Minimum)
 
 # Built-in activations that act on each entry alone. Any other built-in
 # (softmax, log_softmax, sparsemax normalize the last axis, glu splits it)
@@ -160,9 +169,9 @@ def _recorded_calls(layer):
 
 
 def first_axis_could_be_batch(length, batch_size=None):
-    """Whether a first axis of static `length` (None: unknown) can be the
-    batch, whose static size is `batch_size` (None: unknown, as in a graph
-    or a step without a fixed batch).
+    """Whether a first axis of static `length` (None: unknown) of a tensor a
+    layer receives when the step is traced can be the batch, whose static
+    size is `batch_size` (None: unknown, a step without a fixed batch).
 
     Example:
 
@@ -185,6 +194,12 @@ def _leading(tensor):
     return tensor.shape[0] if _rank(tensor) else None
 
 
+def _keras_mask(tensor):
+    """The mask Keras attached to `tensor` (it passes it on to a layer's
+    mask arguments left empty), or None."""
+    return getattr(tensor, "_keras_mask", None) if tensor is not None else None
+
+
 def attention_call_problem(layer, args, kwargs, could_be_batch=None):
     """Why one call of an attention layer mixes examples, or None.
 
@@ -198,13 +213,25 @@ def attention_call_problem(layer, args, kwargs, could_be_batch=None):
     mask the rank of its input less one, and with n > 1 attention axes no
     batch-led query, value or key mask keeps its batch aligned.
 
+    A mask not passed is read where Keras reads it: the `_keras_mask` its
+    input carries (an `Embedding(mask_zero=True)` or a `Masking` before it).
+
     Args:
         layer: an attention layer (`_ATTENTION`).
         args, kwargs: the call's arguments.
         could_be_batch: callable(static length or None) -> whether a first
-            axis of that length can be the batch; by default, an unknown one.
+            axis of that length can be the batch, for a call of real tensors
+            (when the step is traced). None for a call the graph recorded:
+            there every KerasTensor leads with the batch, whatever its static
+            length (a `batch_size` on the model's inputs fixes it), and other
+            values (constants) do not.
     """
-    could_be_batch = could_be_batch or first_axis_could_be_batch
+    if could_be_batch is None:
+        def batch_led(tensor):
+            return isinstance(tensor, keras.KerasTensor)
+    else:
+        def batch_led(tensor):
+            return could_be_batch(_leading(tensor))
     try:
         bound = inspect.signature(type(layer).call).bind(layer, *args, **kwargs).arguments
     except TypeError:  # the call itself raises the error
@@ -213,14 +240,19 @@ def attention_call_problem(layer, args, kwargs, could_be_batch=None):
         inputs = bound.get("inputs")
         inputs = list(inputs) if isinstance(inputs, (list, tuple)) else [inputs]
         masks = bound.get("mask")
+        if masks is None:
+            masks = [None] * len(inputs)
         masks = list(masks) if isinstance(masks, (list, tuple)) else [masks]
+        masks = [_keras_mask(of) if mask is None else mask for mask, of in zip(masks, inputs)]
         pairs = list(zip(["query mask", "value mask"], masks, inputs))
         attention_mask, axes = None, 1
     else:
         inputs = [bound.get(name) for name in ("query", "value", "key")]
-        pairs = [(name, bound.get(name.replace(" ", "_")), of) for name, of in
-                 (("query mask", inputs[0]), ("value mask", inputs[1]),
-                  ("key mask", inputs[2] if inputs[2] is not None else inputs[1]))]
+        pairs = []
+        for name, of in (("query mask", inputs[0]), ("value mask", inputs[1]),
+                         ("key mask", inputs[2] if inputs[2] is not None else inputs[1])):
+            mask = bound.get(name.replace(" ", "_"))
+            pairs.append((name, _keras_mask(of) if mask is None else mask, of))
         attention_mask = bound.get("attention_mask")
         axes = len(getattr(layer, "_attention_axes", None) or (1,))
     ranks = [_rank(t) for t in inputs if t is not None]
@@ -232,21 +264,42 @@ def attention_call_problem(layer, args, kwargs, could_be_batch=None):
     for name, mask, of in pairs:
         if mask is None or _rank(mask) is None or _rank(of) is None:
             continue
-        if axes > 1 and could_be_batch(_leading(mask)):
+        if axes > 1 and batch_led(mask):
             # Keras builds a mask of the input's rank from it, short of the
             # scores' rank by n - 1: padded in front, its batch axis meets
             # the first query axis.
             return (f"attends over the batch axis (a {name} with {axes} attention axes: "
                     "Keras pads the mask it builds from it in front, where its batch axis "
                     "meets the attended axes)")
-        if _rank(mask) < _rank(of) - 1 and could_be_batch(_leading(mask)):
+        if _rank(mask) < _rank(of) - 1 and batch_led(mask):
             return (f"attends over the batch axis (a {name} of rank {_rank(mask)} for an "
                     f"input of rank {_rank(of)}: its batch axis meets the attended axes)")
     if (attention_mask is not None and _rank(attention_mask) is not None
-            and _rank(attention_mask) < 2 * axes + 1 and could_be_batch(_leading(attention_mask))):
+            and _rank(attention_mask) < 2 * axes + 1 and batch_led(attention_mask)):
         return (f"attends over the batch axis (an attention mask of rank "
                 f"{_rank(attention_mask)}: a mask with the batch needs rank {2 * axes + 1}, "
                 "else its batch axis meets the attended axes)")
+    return None
+
+
+def merge_call_problem(args):
+    """Why one call of an elementwise merge layer (`_ELEMENTWISE_MERGES`)
+    on positional `args` mixes examples, or None: inputs of unequal ranks
+    broadcast from the right, where a lower-rank input's batch axis meets
+    another axis of the others.
+
+    Example:
+
+    >>> merge_call_problem([[keras.KerasTensor((None, 4, 3)), keras.KerasTensor((None, 1))]])
+    'broadcasts inputs of ranks [3, 2] against each other, the batch axis of one against another axis of the others'
+    """
+    inputs = args[0] if args else None
+    inputs = list(inputs) if isinstance(inputs, (list, tuple)) else []
+    ranks = [_rank(t) for t in inputs]
+    known = [r for r in ranks if r is not None]
+    if len(set(known)) > 1:
+        return (f"broadcasts inputs of ranks {known} against each other, the batch axis of "
+                "one against another axis of the others")
     return None
 
 
@@ -273,7 +326,9 @@ def configuration_problem(layer, rank=None, call=None, could_be_batch=None):
         call: (args, kwargs) of one call of the layer (an attention's
             inputs and masks are read from it); its recorded calls when None.
         could_be_batch: callable(static length or None) -> whether a first
-            axis of that length can be the batch; by default, an unknown one.
+            axis of that length can be the batch, for a call of real
+            tensors; None for the calls the graph recorded
+            (`attention_call_problem`).
     """
     for attribute in _ACTIVATION_ATTRIBUTES:
         fn = getattr(layer, attribute, None)
@@ -294,6 +349,11 @@ def configuration_problem(layer, rank=None, call=None, could_be_batch=None):
     if isinstance(layer, _ATTENTION):
         for args, kwargs in _recorded_calls(layer) if call is None else [call]:
             problem = attention_call_problem(layer, args, kwargs, could_be_batch)
+            if problem:
+                return problem
+    if isinstance(layer, _ELEMENTWISE_MERGES):
+        for args, _ in _recorded_calls(layer) if call is None else [call]:
+            problem = merge_call_problem(args)
             if problem:
                 return problem
     equation = getattr(layer, "equation", None)

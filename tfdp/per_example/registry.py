@@ -22,6 +22,7 @@ pass (`register_rule`).
 
 import keras
 
+from tfdp.per_example.graph_operations import operation_keeps_examples
 from tfdp.per_example.preprocessing_layers import keeps_examples_independent
 from tfdp.per_example.random_augmentation import is_keyed_augmentation
 
@@ -59,22 +60,6 @@ ALLOWED = {
 for _name in ("RMSNormalization", "GroupQueryAttention"):
     if hasattr(_L, _name):
         ALLOWED.add(getattr(_L, _name))
-
-# Weightless Keras operations that may appear as nodes of a Functional graph
-# (`x + y`, `keras.ops.tanh(x)`): elementwise, so examples stay independent.
-# ConvertToTensor converts a tensor's dtype (or densifies it) entry by entry;
-# Keras adds it where a layer converts a mask it was handed (pooling after a
-# masked Attention).
-ALLOWED_OPERATIONS = {
-    "Add", "Subtract", "Multiply", "Divide", "TrueDivide", "FloorDivide", "Mod", "Negative",
-    "Absolute", "Sign", "Square", "Sqrt", "Rsqrt", "Reciprocal", "Exp", "Expm1", "Log",
-    "Log1p", "Sin", "Cos", "Tan", "Arctan", "Sinh", "Tanh", "Erf", "Floor", "Ceil", "Round",
-    "Clip", "NanToNum", "Sigmoid", "HardSigmoid", "LogSigmoid", "Softsign", "Relu", "Relu6",
-    "LeakyRelu", "Gelu", "Silu", "HardSilu", "Elu", "Selu", "Softplus", "Maximum", "Minimum",
-    "Power", "Cast", "ConvertToTensor", "Isnan", "Isfinite",
-    "Equal", "NotEqual", "Greater", "GreaterEqual", "Less", "LessEqual",
-    "LogicalAnd", "LogicalOr", "LogicalNot", "LogicalXor", "Where",
-}
 
 _DECLARED = set()
 _SUBLAYERS_ON_THE_BATCH = set()
@@ -219,30 +204,14 @@ def is_batch_normalization(layer):
 def node_is_per_example(node):
     """True if a Functional graph node keeps examples independent.
 
-    Layers are checked by class. A weightless operation is allowed when it is
-    elementwise, a reduction that keeps the batch axis, or `x[:, ...]`.
+    Layers are checked by class; a weightless operation by
+    `tfdp.per_example.graph_operations` (elementwise, along axes other
+    than the batch's, or reshaping around it).
     """
     operation = node.operation
     if isinstance(operation, keras.layers.Layer):
         return is_per_example(operation) or is_graph_model(operation)
-    name = type(operation).__name__
-    if name in ALLOWED_OPERATIONS:
-        return True
-    args = node.arguments.args
-    if name == "GetItem":
-        key = args[1] if len(args) > 1 else None
-        key = key if isinstance(key, tuple) else (key,)
-        return key[0] == slice(None) or key[0] is Ellipsis and len(key) == 1
-    if name in _REDUCTIONS:
-        axis = getattr(operation, "axis", None)
-        rank = len(args[0].shape) if args and hasattr(args[0], "shape") else None
-        if axis is None or rank is None:
-            return False
-        return all(a % rank != 0 for a in axis)
-    return False
-
-
-_REDUCTIONS = {"Mean", "Sum", "Max", "Min", "Any", "All"}
+    return operation_keeps_examples(operation, node.arguments.args, node.arguments.kwargs)
 
 
 def is_graph_model(layer):

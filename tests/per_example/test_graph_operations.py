@@ -1,0 +1,238 @@
+"""Weightless Keras operations as Functional graph nodes
+(`tfdp.per_example.graph_operations`) and merge layers of unequal ranks:
+the batched path where a node keeps examples independent and the batch on
+axis 0, the exact vectorized path where it does not, named.
+
+Each allowed node is checked against the exact path with an outlier beside
+the example; each refused one is a configuration that would mix examples
+or move the batch axis. The broadcasting attacks ([B, T, D] + [B, 1] with
+B == T) are measured on the compiled step (`NeighbourStep`, noise 0): the
+batched path moved a neighbouring step 3.8 times its bound there."""
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tfdp
+from tfdp.auditing.neighbour_step import NeighbourStep
+from tfdp.models.losses import per_example_loss
+from tfdp.per_example import compute_per_example_gradients, plan_for
+
+O = keras.ops
+L = keras.layers
+
+
+def _example_0_grads(model, inputs, y, method):
+    """Example 0's per-example gradients with example 1 ordinary, then an
+    outlier (1000 times its input)."""
+    outlier = inputs.copy()
+    outlier[1] = outlier[1] * 1e3
+    return [
+        [g.numpy()[0] for g in compute_per_example_gradients(
+            model, tf.constant(batch), tf.constant(y), tf.ones([len(y)]),
+            per_example_loss("mse"), method)[0].materialize()]
+        for batch in (inputs, outlier)
+    ]
+
+
+def _model(middle, shape=(4, 3)):
+    """Dense on inputs of `shape`, `middle`, then Flatten and Dense(2)."""
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input(shape)
+    h = O.sigmoid(L.Dense(3)(inputs)) + 0.5
+    return keras.Model(inputs, L.Dense(2)(L.Flatten()(middle(h))))
+
+
+def _data(shape=(4, 3), batch=4):
+    rng = np.random.default_rng(0)
+    return (rng.normal(size=(batch, *shape)).astype(np.float32),
+            rng.normal(size=(batch, 2)).astype(np.float32))
+
+
+def _check_batched_and_exact(model, shape=(4, 3)):
+    assert plan_for(model).path == "batched", plan_for(model).describe()
+    x, y = _data(shape)
+    batched = _example_0_grads(model, x, y, "batched")
+    exact = _example_0_grads(model, x, y, "vectorized")
+    for before, after, reference in zip(*batched, exact[0]):
+        np.testing.assert_allclose(before, reference, rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(before, after, rtol=1e-5, atol=1e-6)
+
+
+# Elementwise operations, each on positive inputs t (its domain) and named
+# as the class Keras 3 gives its node.
+ELEMENTWISE_NODES = {
+    "Absolute": lambda t: abs(t - 1.0),
+    "Sign": lambda t: t * O.sign(t - 1.0),
+    "Rsqrt": O.rsqrt, "Reciprocal": O.reciprocal, "Expm1": O.expm1, "Log1p": O.log1p,
+    "Sin": O.sin, "Cos": O.cos, "Tan": lambda t: O.tan(t / 4.0), "Arctan": O.arctan,
+    "Sinh": O.sinh, "Erf": O.erf,
+    "Floor": lambda t: t + O.floor(t * 3.0), "Ceil": lambda t: t + O.ceil(t * 3.0),
+    "Round": lambda t: t + O.round(t * 3.0), "Clip": lambda t: O.clip(t, 0.6, 1.2),
+    "NanToNum": O.nan_to_num, "HardSigmoid": O.hard_sigmoid, "LogSigmoid": O.log_sigmoid,
+    "Softsign": O.softsign, "LeakyRelu": lambda t: O.leaky_relu(t - 1.0),
+    "HardSilu": O.hard_silu, "Mod": lambda t: O.mod(t, 0.7 + 0.0 * t),
+    "FloorDivide": lambda t: t + O.floor_divide(t, 0.3 + 0.0 * t),
+    "Isnan": lambda t: O.where(O.isnan(t), 0.0, t),
+    "Isfinite": lambda t: O.where(O.isfinite(t), t, 0.0),
+    "LogicalXor": lambda t: O.where(O.logical_xor(t > 1.0, t > 1.2), t, -t),
+    "ConvertToTensor": lambda t: O.convert_to_tensor(t, dtype="float32"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(ELEMENTWISE_NODES))
+def test_an_elementwise_operation_node_keeps_the_batched_path(name):
+    """These sent their models to the vectorized path before they were
+    allowed (`abs` was listed as "Abs", a name no Keras node has)."""
+    model = _model(ELEMENTWISE_NODES[name])
+    assert name in {type(op).__name__ for op in model.operations}
+    _check_batched_and_exact(model)
+
+
+# Operations along axes, inserting or moving axes: allowed away from axis 0.
+ALLOWED_NODES = {
+    "softmax": lambda t: O.softmax(t, axis=-1),
+    "log_softmax over positions": lambda t: O.log_softmax(t, axis=1),
+    "logsumexp": lambda t: O.expand_dims(O.logsumexp(t, axis=-1), -1),
+    "norm": lambda t: O.expand_dims(O.norm(t, axis=-1), -1),
+    "std and var": lambda t: O.stack([O.std(t, axis=1), O.var(t, axis=1)], axis=1),
+    "prod": lambda t: O.prod(t, axis=2, keepdims=True),
+    "cumsum": lambda t: O.cumsum(t, axis=1),
+    "sort": lambda t: O.sort(t, axis=-1),
+    "flip": lambda t: O.flip(t, axis=1),
+    "repeat": lambda t: O.repeat(t, 2, axis=1),
+    "concatenate": lambda t: O.concatenate([t, t * t], axis=-1),
+    "expand_dims then squeeze": lambda t: O.squeeze(O.expand_dims(t, 2), axis=2),
+    "one_hot of argmax": lambda t: t * O.sum(O.one_hot(O.argmax(t, axis=-1), 3), -1,
+                                             keepdims=True),
+    "transpose": lambda t: O.transpose(t, (0, 2, 1)),
+    "swapaxes": lambda t: O.swapaxes(t, 1, 2),
+    "moveaxis": lambda t: O.moveaxis(t, 2, 1),
+    "matmul": lambda t: O.matmul(t, O.transpose(t, (0, 2, 1))),
+    "reshape": lambda t: O.reshape(t, (-1, 12)),
+    "pad": lambda t: O.pad(t, ((0, 0), (1, 1), (0, 0))),
+    "tile": lambda t: O.tile(t, (1, 2, 1)),
+    "x[..., 0]": lambda t: t[..., :2] * t[..., 0:1],
+}
+
+
+@pytest.mark.parametrize("name", sorted(ALLOWED_NODES))
+def test_an_operation_away_from_the_batch_axis_keeps_the_batched_path(name):
+    _check_batched_and_exact(_model(ALLOWED_NODES[name]))
+
+
+# The same operations on the batch axis, or moving it: each would mix
+# examples, or put another axis where the batched pass reads the batch.
+REFUSED_NODES = {
+    "softmax over the batch": lambda t: O.softmax(t, axis=0),
+    "logsumexp over all axes": lambda t: t + O.logsumexp(t),
+    "sort flattened": lambda t: O.reshape(O.sort(t, axis=0), (-1, 4, 3)),
+    "flip every axis": lambda t: O.flip(t),
+    "cumsum flattened": lambda t: O.reshape(O.cumsum(t), (-1, 4, 3)),
+    "concatenate over the batch": lambda t: O.concatenate([t, t], axis=0),
+    "expand_dims in front": lambda t: O.sum(O.expand_dims(t, 0), axis=1),
+    "stack in front": lambda t: O.sum(O.stack([t, t], axis=0), axis=1),
+    "squeeze every unit axis": lambda t: O.squeeze(O.expand_dims(t, -1)),
+    "transpose the batch away": lambda t: O.transpose(O.transpose(t, (1, 0, 2)), (1, 0, 2)),
+    "transpose reversed": lambda t: O.transpose(O.transpose(t)),
+    "swapaxes with the batch": lambda t: O.swapaxes(O.swapaxes(t, 0, 1), 0, 1),
+    "matmul with a rank-2 operand": lambda t: O.sum(O.matmul(t, O.transpose(t[:, 0])), axis=-1,
+                                                    keepdims=True),
+    "reshape folding the batch": lambda t: O.reshape(O.reshape(t, (3, -1)), (-1, 4, 3)),
+    "pad the batch": lambda t: O.pad(t, ((1, 1), (0, 0), (0, 0))),
+    "tile the batch": lambda t: O.tile(t, (2, 1, 1)),
+    "densify a ragged tensor": lambda t: O.convert_to_tensor(t, ragged=False),
+    "densify a sparse tensor": lambda t: O.convert_to_tensor(t, sparse=False),
+    "broadcast a lower rank": lambda t: t + t[:, 0, 0:1],
+    "broadcast a constant of higher rank": lambda t: O.mean(t + np.ones((4, 1, 1, 1), "float32"),
+                                                           axis=1),
+}
+
+
+@pytest.mark.parametrize("name", sorted(REFUSED_NODES))
+def test_an_operation_on_the_batch_axis_is_named(name):
+    plan = plan_for(_model(REFUSED_NODES[name]))
+    assert plan.path == "vectorized", plan.describe()
+    assert "is not known to keep examples independent" in plan.reason
+
+
+def test_where_with_a_condition_alone_is_refused():
+    """`where(condition)` returns the coordinates of its True entries, over
+    the whole batch."""
+    from tfdp.per_example.registry import node_is_per_example
+
+    inputs = keras.Input((4, 3))
+    coordinates = O.where(inputs > 1.0)
+    node = coordinates._keras_history[0]._inbound_nodes[0]
+    assert not node_is_per_example(node)
+    chosen = O.where(inputs > 1.0, inputs, 0.0)
+    assert node_is_per_example(chosen._keras_history[0]._inbound_nodes[0])
+
+
+MERGES = {"Add": L.Add, "Subtract": L.Subtract, "Multiply": L.Multiply,
+          "Average": L.Average, "Maximum": L.Maximum, "Minimum": L.Minimum}
+
+
+@pytest.mark.parametrize("name", sorted(MERGES))
+def test_a_merge_of_unequal_ranks_is_named(name):
+    """[B, T, D] merged with [B, 1]: Keras broadcasts from the right, the
+    second input's batch axis against T."""
+    model = _model(lambda t: MERGES[name]()([t, t[:, 0, 0:1]]))
+    plan = plan_for(model)
+    assert plan.path == "vectorized" and "broadcasts inputs of ranks [3, 2]" in plan.reason, \
+        plan.describe()
+
+
+@pytest.mark.parametrize("name", sorted(MERGES))
+def test_a_merge_of_equal_ranks_keeps_the_batched_path(name):
+    _check_batched_and_exact(_model(lambda t: MERGES[name]()([t, t * t])))
+
+
+def _neighbour_ratio(middle):
+    """Largest ||update(D') - update(D)|| over its bound, for records far
+    outside the data, added and replaced, batch of 4 = the sequence length."""
+    model = tfdp.DPModel(*_graph(middle))
+    model.compile(optimizer=tfdp.optimizers.DPSGD(0.1, l2_norm_clip=1.0, noise_multiplier=1.0),
+                  loss="mse")
+    data = _data(batch=3)
+    ratios = []
+    with NeighbourStep(model, data, records=3, batch_size=4, physical_batch_size=None) as step:
+        for scale in (1e2, 1e4):
+            record = (np.full((4, 3), scale, np.float32), np.zeros(2, np.float32))
+            ratios += [step.ratio(record, "add"), step.ratio(record, "replace") / 2]
+    return max(ratios), model.per_example_path
+
+
+def _graph(middle):
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((4, 3))
+    scalar = L.Dense(1)(L.GlobalAveragePooling1D()(inputs))  # [B, 1]
+    h = middle(inputs, scalar)
+    return inputs, L.Dense(2)(L.Flatten()(L.Dense(3)(h)))
+
+
+@pytest.mark.parametrize("middle", [
+    lambda x, s: x + s,
+    lambda x, s: L.Add()([x, s]),
+], ids=["operation", "layer"])
+def test_a_broadcast_of_unequal_ranks_keeps_the_step_bound(middle):
+    """With B == T, example t's scalar lands on every example's position t on
+    the batched path (3.8 times the bound before ranks were read); the
+    vectorized path keeps each example alone."""
+    ratio, path = _neighbour_ratio(middle)
+    assert "vectorized" in path, path
+    assert ratio <= 1.0 + 1e-5, ratio
+
+
+def test_a_ragged_text_vectorization_is_named():
+    """Its rows keep their own lengths, and densifying them pads every row
+    to the batch's longest (a review moved a neighbouring step 6.8x the
+    bound of a replacement through `convert_to_tensor(..., ragged=False)`,
+    allowed at the time)."""
+    texts = keras.Input((), dtype="string")
+    vectorize = L.TextVectorization(vocabulary=["a", "b", "c"], ragged=True,
+                                    output_sequence_length=8)
+    h = L.GlobalAveragePooling1D()(L.Embedding(5, 4)(vectorize(texts)))
+    plan = plan_for(keras.Model(texts, L.Dense(1)(h)))
+    assert plan.path == "vectorized" and "text_vectorization" in plan.reason, plan.describe()

@@ -1,0 +1,205 @@
+"""Which weightless Keras operations in a Functional graph keep examples
+independent.
+
+A Functional graph holds Keras operations as nodes besides its layers
+(`x + y`, `keras.ops.softmax(x)`, `x[:, 0]`). Every tensor of a graph the
+batched pass runs has the batch on axis 0 (its inputs have, and each node
+allowed here keeps it there), so a node keeps examples independent when it
+computes entry by entry, or works along axes other than 0 and keeps axis 0
+where it was:
+
+- dtype conversions (ConvertToTensor without a `sparse` or `ragged`
+  request: densifying a ragged tensor pads every row to the batch's
+  longest);
+- elementwise operations (`ELEMENTWISE`) whose tensors all have one rank
+  (constants may have fewer axes): numpy broadcasting lines axes up from
+  the right, so a tensor of lower rank would put its batch axis against
+  another axis of the others ([B, T, D] + [B, 1] adds example t's value
+  to every example's position t when B == T);
+- operations along named axes (a softmax, a concatenation, a reduction, a
+  sort) whose every axis is another than 0 at the input's rank; an axis of
+  None (all axes, or a flattened tensor) is refused;
+- operations that insert an axis (expand_dims, stack, one_hot) at another
+  position than 0 of their output;
+- squeeze of named axes other than 0; transposes that leave axis 0 first;
+  swapaxes and moveaxis away from axis 0;
+- matmul of two tensors of the same rank, 3 or more (a batch of matrix
+  products: a rank-2 operand's rows would be the batch, contracted over);
+- reshape to (-1, ...) where the other sizes hold exactly one example's
+  entries; pad with nothing added on axis 0; tile with axis 0 repeated once;
+- `x[:, ...]` and `x[..., i]` with integers and slices that leave axis 0
+  alone.
+
+Anything else (einsum, tensordot, take with a tensor of indices, an unknown
+operation) sends the model to the vectorized path, named.
+
+Example:
+
+>>> import keras
+>>> x = keras.Input((4, 3))
+>>> model = keras.Model(x, keras.ops.softmax(x, axis=-1))
+>>> operation_keeps_examples(model._operations[-1], [x])
+True
+>>> model = keras.Model(x, keras.ops.softmax(x, axis=0))
+>>> operation_keeps_examples(model._operations[-1], [x])
+False
+"""
+
+import math
+
+import keras
+import numpy as np
+
+# Entry by entry: each output entry reads the entries at its own position.
+ELEMENTWISE = frozenset({
+    "Add", "Subtract", "Multiply", "Divide", "TrueDivide", "FloorDivide", "Mod", "Negative",
+    "Absolute", "Sign", "Square", "Sqrt", "Rsqrt", "Reciprocal", "Exp", "Expm1", "Log",
+    "Log1p", "Sin", "Cos", "Tan", "Arctan", "Sinh", "Tanh", "Erf", "Floor", "Ceil", "Round",
+    "Clip", "NanToNum", "Sigmoid", "HardSigmoid", "LogSigmoid", "Softsign", "Relu", "Relu6",
+    "LeakyRelu", "Gelu", "Silu", "HardSilu", "Elu", "Selu", "Softplus", "Maximum", "Minimum",
+    "Power", "Cast", "Isnan", "Isfinite",
+    "Equal", "NotEqual", "Greater", "GreaterEqual", "Less", "LessEqual",
+    "LogicalAnd", "LogicalOr", "LogicalNot", "LogicalXor", "Where",
+})
+
+# Along the axes in their `axis` attribute; each output position reads one
+# line (or block) of the input along those axes.
+ALONG_AXES = frozenset({
+    "Mean", "Sum", "Max", "Min", "Any", "All", "Prod", "Std", "Var", "Norm", "Logsumexp",
+    "Softmax", "LogSoftmax", "Argmax", "Argmin", "Sort", "Argsort", "Cumsum", "Cumprod",
+    "Flip", "Repeat", "Concatenate",
+})
+
+# Insert one axis at `axis` of the output.
+INSERT_AXIS = frozenset({"ExpandDims", "Stack", "OneHot"})
+
+
+def _rank(tensor):
+    shape = getattr(tensor, "shape", None)
+    return None if shape is None else len(shape)
+
+
+def _axes(axis):
+    """`axis` as a tuple of Python ints, or None (None, or not ints)."""
+    if axis is None:
+        return None
+    axes = tuple(axis) if isinstance(axis, (list, tuple)) else (axis,)
+    if not axes or not all(isinstance(a, int) and not isinstance(a, bool) for a in axes):
+        return None
+    return axes
+
+
+def _off_batch(axes, rank):
+    """True if every axis of `axes` is a valid axis other than 0 at `rank`."""
+    return (axes is not None and rank is not None and rank > 0
+            and all(-rank <= a < rank and a % rank != 0 for a in axes))
+
+
+def _first_rank(arguments):
+    """The rank of the first tensor argument (the first of a list)."""
+    first = arguments[0] if arguments else None
+    if isinstance(first, (list, tuple)):
+        first = first[0] if first else None
+    return _rank(first)
+
+
+def _leaves_batch_alone(key, rank):
+    """`x[key]` keeps axis 0 as is: `x[:, ...]`, or `x[..., k1, ..., kn]`
+    with integers and slices on trailing axes only (n < rank)."""
+    key = key if isinstance(key, tuple) else (key,)
+    if not key:
+        return False
+    if isinstance(key[0], slice) and key[0] == slice(None):
+        return True
+    rest = key[1:]
+    return (key[0] is Ellipsis and rank is not None and len(rest) < rank
+            and all(isinstance(k, slice) and all(b is None or isinstance(b, int)
+                                                 for b in (k.start, k.stop, k.step))
+                    or isinstance(k, int) and not isinstance(k, bool) for k in rest))
+
+
+def _reshape_keeps_batch(newshape, rank_shape):
+    """(-1, d1, ..., dn) where d1 ... dn hold exactly one example's entries."""
+    if not isinstance(newshape, (list, tuple)) or not newshape or newshape[0] != -1:
+        return False
+    rest = newshape[1:]
+    if not all(isinstance(d, int) and d > 0 for d in rest):
+        return False
+    example = rank_shape[1:] if rank_shape is not None else None
+    if example is None or any(d is None for d in example):
+        return False
+    return math.prod(rest) == math.prod(example)
+
+
+def _aligned(arguments, keywords):
+    """Every tensor argument has the same rank, and every other argument
+    (a constant) at most that many axes: broadcasting keeps axis 0 the
+    batch's."""
+    leaves = keras.tree.flatten((list(arguments), dict(keywords or {})))
+    ranks = {len(leaf.shape) for leaf in leaves if isinstance(leaf, keras.KerasTensor)}
+    if len(ranks) != 1:
+        return False
+    rank = ranks.pop()
+    return all(np.ndim(leaf) <= rank for leaf in leaves
+               if not isinstance(leaf, keras.KerasTensor) and hasattr(leaf, "shape"))
+
+
+def operation_keeps_examples(operation, arguments, keywords=None):
+    """True if a weightless Keras `operation`, a Functional graph node
+    called on positional `arguments` and keyword arguments `keywords`
+    (tensors that lead with the batch), keeps examples independent and the
+    batch on axis 0 (see the module).
+
+    Args:
+        operation: the node's Keras operation.
+        arguments: the node's positional arguments (`node.arguments.args`).
+        keywords: its keyword arguments (`node.arguments.kwargs`).
+    """
+    name = type(operation).__name__
+    if name == "ConvertToTensor":
+        # A dtype conversion, entry by entry (Keras adds one where a layer
+        # converts a mask it was handed: pooling after a masked Attention).
+        # Densifying a ragged or sparse tensor (ragged or sparse False; the
+        # symbolic tensor may not say it is ragged) pads every row to the
+        # batch's longest, so one record's length moves the others'.
+        return (getattr(operation, "sparse", None) is None
+                and getattr(operation, "ragged", None) is None
+                and _aligned(arguments, keywords))
+    if name in ELEMENTWISE:
+        if name == "Where" and (len(arguments) < 3 or arguments[1] is None
+                                or arguments[2] is None):
+            return False  # where(condition) alone: the coordinates of its True entries
+        return _aligned(arguments, keywords)
+    rank = _first_rank(arguments)
+    if name in ALONG_AXES:
+        return _off_batch(_axes(getattr(operation, "axis", None)), rank)
+    if name in INSERT_AXIS:
+        axes = _axes(getattr(operation, "axis", None))
+        return rank is not None and _off_batch(axes, rank + len(axes or ()))
+    if name == "Squeeze":
+        return _off_batch(_axes(getattr(operation, "axis", None)), rank)
+    if name == "Transpose":
+        axes = _axes(getattr(operation, "axes", None))
+        return axes is not None and rank == len(axes) and axes[0] % rank == 0
+    if name == "Swapaxes":
+        return _off_batch(_axes([operation.axis1, operation.axis2]), rank)
+    if name == "Moveaxis":
+        return (_off_batch(_axes(operation.source), rank)
+                and _off_batch(_axes(operation.destination), rank))
+    if name == "Matmul":
+        ranks = [_rank(a) for a in arguments[:2]]
+        return len(ranks) == 2 and ranks[0] == ranks[1] and ranks[0] is not None and ranks[0] >= 3
+    if name == "Reshape":
+        shape = getattr(arguments[0], "shape", None) if arguments else None
+        return _reshape_keeps_batch(getattr(operation, "newshape", None), shape)
+    if name == "Pad":
+        width = getattr(operation, "pad_width", None)
+        return (isinstance(width, (list, tuple)) and rank is not None and len(width) == rank
+                and tuple(width[0]) == (0, 0))
+    if name == "Tile":
+        repeats = _axes(getattr(operation, "repeats", None))
+        return (repeats is not None and rank is not None
+                and (len(repeats) < rank or len(repeats) == rank and repeats[0] == 1))
+    if name == "GetItem":
+        return len(arguments) > 1 and _leaves_batch_alone(arguments[1], rank)
+    return False
