@@ -236,3 +236,20 @@ def test_a_ragged_text_vectorization_is_named():
     h = L.GlobalAveragePooling1D()(L.Embedding(5, 4)(vectorize(texts)))
     plan = plan_for(keras.Model(texts, L.Dense(1)(h)))
     assert plan.path == "vectorized" and "text_vectorization" in plan.reason, plan.describe()
+
+
+def test_a_rescaling_that_broadcasts_against_the_batch_is_named():
+    """A scale of shape [4, 1, 1, 1] on [B, 4, 3] inputs gives [4, B, 4, 3]
+    at run time while Keras reports [B, 4, 3]: a mean over axis 1 then
+    averages over the batch (it moved example 0's gradient with example 1
+    on the batched path). A per-channel scale keeps the batched path."""
+    def model(scale):
+        keras.utils.set_random_seed(0)
+        inputs = keras.Input((4, 3))
+        h = L.Dense(2)(L.Rescaling(scale=scale)(inputs))
+        return keras.Model(inputs, O.mean(h, axis=(1, 2)))
+
+    plan = plan_for(model(np.linspace(0.5, 1.5, 4, dtype=np.float32).reshape(4, 1, 1, 1)))
+    assert plan.path == "vectorized" and "broadcasts scale of shape (4, 1, 1, 1)" in plan.reason, \
+        plan.describe()
+    assert plan_for(model(np.array([0.5, 1.0, 2.0], np.float32))).path == "batched"

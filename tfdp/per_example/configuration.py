@@ -43,6 +43,7 @@ True
 import inspect
 
 import keras
+import numpy as np
 
 _ACTIVATION_ATTRIBUTES = ("activation", "recurrent_activation")
 _AXIS_ATTRIBUTES = ("axis", "axes", "attention_axes")
@@ -303,6 +304,29 @@ def merge_call_problem(args):
     return None
 
 
+def rescaling_problem(layer, rank):
+    """Why a `Rescaling` layer's `scale` or `offset` would move the batch
+    axis, or None: a constant with as many axes as the input (its first
+    longer than 1) or more broadcasts against the batch axis, or puts new
+    axes in front of it, though Keras gives the output the input's shape.
+
+    Example:
+
+    >>> rescaling_problem(keras.layers.Rescaling(scale=[0.5, 2.0]), rank=3) is None
+    True
+    >>> rescaling_problem(keras.layers.Rescaling(scale=[[[[2.0]]], [[[3.0]]]]), rank=3)
+    'broadcasts scale of shape (2, 1, 1, 1) against the batch axis of an input of rank 3'
+    """
+    for name in ("scale", "offset"):
+        shape = np.shape(getattr(layer, name))
+        if rank is None and len(shape) > 0:
+            return f"has a {name} of shape {shape} for an input of unknown rank"
+        if rank is not None and (len(shape) > rank or len(shape) == rank and shape[0] != 1):
+            return (f"broadcasts {name} of shape {shape} against the batch axis of an input "
+                    f"of rank {rank}")
+    return None
+
+
 def layer_input_rank(layer):
     """The rank of the layer's first input, from its build shapes (or None)."""
     shapes = list((getattr(layer, "_build_shapes_dict", None) or {}).values())
@@ -356,6 +380,10 @@ def configuration_problem(layer, rank=None, call=None, could_be_batch=None):
             problem = merge_call_problem(args)
             if problem:
                 return problem
+    if isinstance(layer, keras.layers.Rescaling):
+        problem = rescaling_problem(layer, rank)
+        if problem:
+            return problem
     equation = getattr(layer, "equation", None)
     if isinstance(layer, keras.layers.EinsumDense) and not _keeps_batch_letter(equation):
         return f"does not keep the batch axis first (equation={equation!r})"
