@@ -215,7 +215,9 @@ def attention_call_problem(layer, args, kwargs, could_be_batch=None):
     batch-led query, value or key mask keeps its batch aligned.
 
     A mask not passed is read where Keras reads it: the `_keras_mask` its
-    input carries (an `Embedding(mask_zero=True)` or a `Masking` before it).
+    input carries (an `Embedding(mask_zero=True)` or a `Masking` before it);
+    MultiHeadAttention reads its query's own mask even when a query mask is
+    passed, so both are read.
 
     Args:
         layer: an attention layer (`_ATTENTION`).
@@ -254,6 +256,9 @@ def attention_call_problem(layer, args, kwargs, could_be_batch=None):
                          ("key mask", inputs[2] if inputs[2] is not None else inputs[1])):
             mask = bound.get(name.replace(" ", "_"))
             pairs.append((name, _keras_mask(of) if mask is None else mask, of))
+        if isinstance(layer, keras.layers.MultiHeadAttention):
+            # Its call reads the query's own mask and drops the argument.
+            pairs.append(("query mask", _keras_mask(inputs[0]), inputs[0]))
         attention_mask = bound.get("attention_mask")
         axes = len(getattr(layer, "_attention_axes", None) or (1,))
     ranks = [_rank(t) for t in inputs if t is not None]

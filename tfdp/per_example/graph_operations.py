@@ -24,14 +24,19 @@ where it was:
 - squeeze of named axes other than 0; transposes that leave axis 0 first;
   swapaxes and moveaxis away from axis 0;
 - matmul of two tensors of the same rank, 3 or more (a batch of matrix
-  products: a rank-2 operand's rows would be the batch, contracted over);
+  products: a rank-2 operand's rows would be the batch, contracted over),
+  or of a tensor by a constant matrix;
 - reshape to (-1, ...) where the other sizes hold exactly one example's
   entries; pad with nothing added on axis 0; tile with axis 0 repeated once;
 - `x[:, ...]` and `x[..., i]` with integers and slices that leave axis 0
   alone.
 
-Anything else (einsum, tensordot, take with a tensor of indices, an unknown
-operation) sends the model to the vectorized path, named.
+No constant argument may line up with the batch axis (a constant of the
+tensors' rank whose first axis is longer than 1 gives each example a value
+by its position in the batch, which an added record shifts). Only Keras's
+own operation classes are read by name. Anything else (einsum, tensordot,
+take with a tensor of indices, a user's operation, an unknown one) sends
+the model to the vectorized path, named.
 
 Example:
 
@@ -105,17 +110,19 @@ def _first_rank(arguments):
 
 def _leaves_batch_alone(key, rank):
     """`x[key]` keeps axis 0 as is: `x[:, ...]`, or `x[..., k1, ..., kn]`
-    with integers and slices on trailing axes only (n < rank)."""
+    with integers, slices and new axes (None) on trailing axes only (fewer
+    integers and slices than `rank`)."""
     key = key if isinstance(key, tuple) else (key,)
     if not key:
         return False
     if isinstance(key[0], slice) and key[0] == slice(None):
         return True
     rest = key[1:]
-    return (key[0] is Ellipsis and rank is not None and len(rest) < rank
+    axes = [k for k in rest if k is not None]
+    return (key[0] is Ellipsis and rank is not None and len(axes) < rank
             and all(isinstance(k, slice) and all(b is None or isinstance(b, int)
                                                  for b in (k.start, k.stop, k.step))
-                    or isinstance(k, int) and not isinstance(k, bool) for k in rest))
+                    or isinstance(k, int) and not isinstance(k, bool) for k in axes))
 
 
 def _reshape_keeps_batch(newshape, rank_shape):
@@ -123,7 +130,8 @@ def _reshape_keeps_batch(newshape, rank_shape):
     if not isinstance(newshape, (list, tuple)) or not newshape or newshape[0] != -1:
         return False
     rest = newshape[1:]
-    if not all(isinstance(d, int) and d > 0 for d in rest):
+    if not all(isinstance(d, (int, np.integer)) and not isinstance(d, bool) and d > 0
+               for d in rest):
         return False
     example = rank_shape[1:] if rank_shape is not None else None
     if example is None or any(d is None for d in example):
@@ -131,17 +139,36 @@ def _reshape_keeps_batch(newshape, rank_shape):
     return math.prod(rest) == math.prod(example)
 
 
+def _leaves(arguments, keywords):
+    return keras.tree.flatten((list(arguments), dict(keywords or {})))
+
+
+def _position_free(leaves, rank):
+    """Every constant (an argument that is not a graph tensor) has fewer
+    axes than `rank`, or as many with a first axis of 1: none lines up
+    with the batch axis, where its rows would give each example a value
+    by its position in the batch (which an added record shifts)."""
+    for leaf in leaves:
+        if isinstance(leaf, keras.KerasTensor) or not hasattr(leaf, "shape"):
+            continue
+        shape = np.shape(leaf)
+        if rank is None or len(shape) > rank or len(shape) == rank and shape[0] != 1:
+            return False
+    return True
+
+
 def _aligned(arguments, keywords):
-    """Every tensor argument has the same rank, and every other argument
-    (a constant) at most that many axes: broadcasting keeps axis 0 the
-    batch's."""
-    leaves = keras.tree.flatten((list(arguments), dict(keywords or {})))
+    """Every graph tensor argument has the same rank and every constant is
+    `_position_free`: broadcasting keeps axis 0 the batch's."""
+    leaves = _leaves(arguments, keywords)
     ranks = {len(leaf.shape) for leaf in leaves if isinstance(leaf, keras.KerasTensor)}
-    if len(ranks) != 1:
-        return False
-    rank = ranks.pop()
-    return all(np.ndim(leaf) <= rank for leaf in leaves
-               if not isinstance(leaf, keras.KerasTensor) and hasattr(leaf, "shape"))
+    return len(ranks) == 1 and _position_free(leaves, ranks.pop())
+
+
+def _keras_operation(operation):
+    """True for an operation class of Keras's own (a user's class of the
+    same name is not the operation named here)."""
+    return type(operation).__module__.startswith("keras.src.ops.")
 
 
 def operation_keeps_examples(operation, arguments, keywords=None):
@@ -155,6 +182,8 @@ def operation_keeps_examples(operation, arguments, keywords=None):
         arguments: the node's positional arguments (`node.arguments.args`).
         keywords: its keyword arguments (`node.arguments.kwargs`).
     """
+    if not _keras_operation(operation):
+        return False
     name = type(operation).__name__
     if name == "ConvertToTensor":
         # A dtype conversion, entry by entry (Keras adds one where a layer
@@ -171,6 +200,8 @@ def operation_keeps_examples(operation, arguments, keywords=None):
             return False  # where(condition) alone: the coordinates of its True entries
         return _aligned(arguments, keywords)
     rank = _first_rank(arguments)
+    if not _position_free(_leaves(arguments, keywords), rank):
+        return False
     if name in ALONG_AXES:
         return _off_batch(_axes(getattr(operation, "axis", None)), rank)
     if name in INSERT_AXIS:
@@ -187,8 +218,13 @@ def operation_keeps_examples(operation, arguments, keywords=None):
         return (_off_batch(_axes(operation.source), rank)
                 and _off_batch(_axes(operation.destination), rank))
     if name == "Matmul":
-        ranks = [_rank(a) for a in arguments[:2]]
-        return len(ranks) == 2 and ranks[0] == ranks[1] and ranks[0] is not None and ranks[0] >= 3
+        if (len(arguments) != 2 or not isinstance(arguments[0], keras.KerasTensor)
+                or rank is None or rank < 2):
+            return False
+        other = arguments[1]
+        if isinstance(other, keras.KerasTensor):  # a batch of matrix products
+            return _rank(other) == rank and rank >= 3
+        return np.ndim(other) >= 2  # a fixed matrix on each example's rows
     if name == "Reshape":
         shape = getattr(arguments[0], "shape", None) if arguments else None
         return _reshape_keeps_batch(getattr(operation, "newshape", None), shape)
