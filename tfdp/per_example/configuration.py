@@ -48,7 +48,9 @@ import numpy as np
 _ACTIVATION_ATTRIBUTES = ("activation", "recurrent_activation")
 _AXIS_ATTRIBUTES = ("axis", "axes", "attention_axes")
 # Layers whose `axis` names the features a fixed (adapted, not batch)
-# statistic is kept for: no reduction runs over it in the call.
+# statistic is kept for: no reduction runs over it in the call, but on the
+# batch axis it would give each example the statistic of its position in
+# the batch, which an added record shifts.
 _STATISTIC_AXIS_LAYERS = (keras.layers.Normalization,)
 
 _DECLARED_ACTIVATIONS = set()
@@ -309,27 +311,54 @@ def merge_call_problem(args):
     return None
 
 
-def rescaling_problem(layer, rank):
-    """Why a `Rescaling` layer's `scale` or `offset` would move the batch
-    axis, or None: a constant with as many axes as the input (its first
-    longer than 1) or more broadcasts against the batch axis, or puts new
-    axes in front of it, though Keras gives the output the input's shape.
+# Constants a layer combines with its input by broadcasting: one with as
+# many axes as the input (its first longer than 1), or more, lines up with
+# the batch axis or puts new axes in front of it, though Keras gives the
+# output the input's shape.
+_BROADCAST_CONSTANTS = {keras.layers.Rescaling: ("scale", "offset"),
+                        keras.layers.Masking: ("mask_value",)}
+
+
+def constants_problem(layer, rank):
+    """Why a constant a layer broadcasts against its input of `rank`
+    (`_BROADCAST_CONSTANTS`, or a dropout `noise_shape` of another length
+    than the rank) would meet the batch axis, or None.
 
     Example:
 
-    >>> rescaling_problem(keras.layers.Rescaling(scale=[0.5, 2.0]), rank=3) is None
+    >>> constants_problem(keras.layers.Rescaling(scale=[0.5, 2.0]), rank=3) is None
     True
-    >>> rescaling_problem(keras.layers.Rescaling(scale=[[[[2.0]]], [[[3.0]]]]), rank=3)
+    >>> constants_problem(keras.layers.Rescaling(scale=[[[[2.0]]], [[[3.0]]]]), rank=3)
     'broadcasts scale of shape (2, 1, 1, 1) against the batch axis of an input of rank 3'
     """
-    for name in ("scale", "offset"):
+    for name in _BROADCAST_CONSTANTS.get(type(layer), ()):
         shape = np.shape(getattr(layer, name))
         if rank is None and len(shape) > 0:
             return f"has a {name} of shape {shape} for an input of unknown rank"
         if rank is not None and (len(shape) > rank or len(shape) == rank and shape[0] != 1):
             return (f"broadcasts {name} of shape {shape} against the batch axis of an input "
                     f"of rank {rank}")
+    noise_shape = getattr(layer, "noise_shape", None)
+    if noise_shape is not None and (rank is None or len(noise_shape) != rank):
+        return f"draws a dropout mask of shape {tuple(noise_shape)} for an input of rank {rank}"
     return None
+
+
+def _call_ranks(layer, rank, call):
+    """The input ranks to check `layer` at: the given call's (or `rank`),
+    else every rank it recorded (a layer called at several ranks is read at
+    each), or [None] when none is known."""
+    if call is not None:
+        return [rank]
+    ranks = {rank} if rank is not None else set()
+    first = layer_input_rank(layer)
+    if first is not None:
+        ranks.add(first)
+    for args, kwargs in _recorded_calls(layer):
+        tensors = [t for t in keras.tree.flatten((args, kwargs)) if _rank(t) is not None]
+        if tensors:
+            ranks.add(_rank(tensors[0]))
+    return sorted(ranks) or [None]
 
 
 def layer_input_rank(layer):
@@ -368,13 +397,6 @@ def configuration_problem(layer, rank=None, call=None, could_be_batch=None):
                 "(declare it with tfdp.per_example.declare_per_example_activation "
                 "if it is elementwise)"
             )
-    rank = layer_input_rank(layer) if rank is None else rank
-    for attribute in _ACTIVATION_ATTRIBUTES:
-        fn = getattr(layer, attribute, None)
-        name = _activation_name(fn)
-        if (rank == 1 and name is not None and name not in _ELEMENTWISE_ACTIVATIONS
-                and fn not in _DECLARED_ACTIVATIONS):
-            return f"applies {attribute}={name!r} over the batch axis of a rank-1 input"
     if isinstance(layer, _ATTENTION):
         for args, kwargs in _recorded_calls(layer) if call is None else [call]:
             problem = attention_call_problem(layer, args, kwargs, could_be_batch)
@@ -385,18 +407,34 @@ def configuration_problem(layer, rank=None, call=None, could_be_batch=None):
             problem = merge_call_problem(args)
             if problem:
                 return problem
-    if isinstance(layer, keras.layers.Rescaling):
-        problem = rescaling_problem(layer, rank)
-        if problem:
-            return problem
     equation = getattr(layer, "equation", None)
     if isinstance(layer, keras.layers.EinsumDense) and not _keeps_batch_letter(equation):
         return f"does not keep the batch axis first (equation={equation!r})"
-    if isinstance(layer, _STATISTIC_AXIS_LAYERS):
-        return None
+    for input_rank in _call_ranks(layer, rank, call):
+        problem = _rank_problem(layer, input_rank)
+        if problem:
+            return problem
+    return None
+
+
+def _rank_problem(layer, rank):
+    """Why `layer` mixes examples on an input of `rank` (None: unknown):
+    a built-in activation that is not elementwise on a rank-1 input, a
+    constant that meets the batch axis, an axis that is the batch's."""
+    for attribute in _ACTIVATION_ATTRIBUTES:
+        fn = getattr(layer, attribute, None)
+        name = _activation_name(fn)
+        if (rank == 1 and name is not None and name not in _ELEMENTWISE_ACTIVATIONS
+                and fn not in _DECLARED_ACTIVATIONS):
+            return f"applies {attribute}={name!r} over the batch axis of a rank-1 input"
+    problem = constants_problem(layer, rank)
+    if problem:
+        return problem
     for attribute in _AXIS_ATTRIBUTES:
         value = getattr(layer, attribute, None)
         for axis in _axes(value):
             if _touches_batch(axis, rank):
+                if isinstance(layer, _STATISTIC_AXIS_LAYERS):
+                    return f"keeps a statistic per position of the batch axis ({attribute}={value!r})"
                 return f"reduces over the batch axis ({attribute}={value!r})"
     return None

@@ -165,6 +165,24 @@ def _aligned(arguments, keywords):
     return len(ranks) == 1 and _position_free(leaves, ranks.pop())
 
 
+def constants_position_free(arguments, keywords):
+    """A graph node's constant arguments (a layer's too) are
+    `_position_free` against its tensors' highest rank: none lines up with
+    the batch axis.
+
+    Example:
+
+    >>> x = keras.Input((4, 3))
+    >>> constants_position_free([x, np.ones((1, 4, 3))], {})
+    True
+    >>> constants_position_free([x, np.ones((4, 4, 3))], {})
+    False
+    """
+    leaves = _leaves(arguments, keywords)
+    ranks = [len(leaf.shape) for leaf in leaves if isinstance(leaf, keras.KerasTensor)]
+    return _position_free(leaves, max(ranks) if ranks else None)
+
+
 def _keras_operation(operation):
     """True for an operation class of Keras's own (a user's class of the
     same name is not the operation named here)."""
@@ -185,6 +203,12 @@ def operation_keeps_examples(operation, arguments, keywords=None):
     if not _keras_operation(operation):
         return False
     name = type(operation).__name__
+    # Constants in the arguments, and those the operation holds (nan_to_num's
+    # replacements, clip's bounds).
+    held = [value for value in vars(operation).values() if hasattr(value, "shape")]
+    if not constants_position_free(list(arguments) + held, keywords):
+        return False
+    rank = _first_rank(arguments)
     if name == "ConvertToTensor":
         # A dtype conversion, entry by entry (Keras adds one where a layer
         # converts a mask it was handed: pooling after a masked Attention).
@@ -199,9 +223,6 @@ def operation_keeps_examples(operation, arguments, keywords=None):
                                 or arguments[2] is None):
             return False  # where(condition) alone: the coordinates of its True entries
         return _aligned(arguments, keywords)
-    rank = _first_rank(arguments)
-    if not _position_free(_leaves(arguments, keywords), rank):
-        return False
     if name in ALONG_AXES:
         return _off_batch(_axes(getattr(operation, "axis", None)), rank)
     if name in INSERT_AXIS:

@@ -22,7 +22,10 @@ pass (`register_rule`).
 
 import keras
 
-from tfdp.per_example.graph_operations import operation_keeps_examples
+from tfdp.per_example.graph_operations import (
+    constants_position_free,
+    operation_keeps_examples,
+)
 from tfdp.per_example.preprocessing_layers import keeps_examples_independent
 from tfdp.per_example.random_augmentation import is_keyed_augmentation
 
@@ -204,13 +207,15 @@ def is_batch_normalization(layer):
 def node_is_per_example(node):
     """True if a Functional graph node keeps examples independent.
 
-    Layers are checked by class; a weightless operation by
+    Layers are checked by class, and the constants they are called with
+    (none may line up with the batch axis); a weightless operation by
     `tfdp.per_example.graph_operations` (elementwise, along axes other
     than the batch's, or reshaping around it).
     """
     operation = node.operation
     if isinstance(operation, keras.layers.Layer):
-        return is_per_example(operation) or is_graph_model(operation)
+        return ((is_per_example(operation) or is_graph_model(operation))
+                and constants_position_free(node.arguments.args, node.arguments.kwargs))
     return operation_keeps_examples(operation, node.arguments.args, node.arguments.kwargs)
 
 
