@@ -159,6 +159,8 @@ REFUSED_NODES = {
         t, nan=np.ones((4, 1, 1, 1), "float32")),
     "clip bounds per batch position": lambda t: O.clip(t, -10.0, np.full((4, 1, 1), 2.0,
                                                                          "float32")),
+    "a replacement per batch position as nested lists": lambda t: O.nan_to_num(
+        t, nan=[[[[1.0]]]] * 4),
     "matmul by a batch-led matrix": lambda t: O.sum(O.matmul(t[:, 0], O.transpose(t[:, 0])),
                                                     axis=-1, keepdims=True)[:, None] * t,
     "broadcast a constant of higher rank": lambda t: O.mean(t + np.ones((4, 1, 1, 1), "float32"),
@@ -332,11 +334,17 @@ CONFIGURED_LAYERS = {
     "a Softmax built at rank 4, called at rank 2": (
         _shared_softmax, "reduces over the batch axis"),
     "an Add layer with a constant per batch position": (
-        lambda t: L.Add()([t, np.ones((4, 1, 1), "float32")]), "is not known"),
+        lambda t: L.Add()([t, np.ones((4, 1, 1), "float32")]), "lines up with the batch axis"),
     "a Concatenate layer with a constant per batch position": (
-        lambda t: L.Concatenate()([t, np.ones((4, 4, 3), "float32")]), "is not known"),
+        lambda t: L.Concatenate()([t, np.ones((4, 4, 3), "float32")]), "lines up with the batch axis"),
+    "a constant mask per batch position": (
+        lambda t: L.GlobalAveragePooling1D()(t, mask=np.eye(4, dtype=bool))[:, None] * t,
+        "lines up with the batch axis"),
+    "a constant mask per batch position, as nested lists": (
+        lambda t: L.Attention()([t, t], mask=[None, np.eye(4, dtype=bool).tolist()]),
+        "lines up with the batch axis"),
     "an Attention over a constant per batch position": (
-        lambda t: L.Attention()([t, np.ones((4, 4, 3), "float32")]), "is not known"),
+        lambda t: L.Attention()([t, np.ones((4, 4, 3), "float32")]), "lines up with the batch axis"),
 }
 
 

@@ -139,8 +139,35 @@ def _reshape_keeps_batch(newshape, rank_shape):
     return math.prod(rest) == math.prod(example)
 
 
+def _numbers(value):
+    """True for a non-empty nest of lists and tuples of Python or NumPy
+    numbers (a constant written as nested lists)."""
+    if isinstance(value, (list, tuple)):
+        return bool(value) and all(_numbers(item) for item in value)
+    return isinstance(value, (int, float, bool, np.number, np.bool_))
+
+
+def _constant_leaves(value):
+    """Graph tensors and constants in `value`: a nest of numbers counts as
+    one constant (an array), not as its scalars."""
+    if isinstance(value, keras.KerasTensor) or hasattr(value, "shape"):
+        return [value]
+    if isinstance(value, dict):
+        return [leaf for item in value.values() for leaf in _constant_leaves(item)]
+    if isinstance(value, (list, tuple)):
+        if _numbers(value):
+            return [np.asarray(value)]
+        return [leaf for item in value for leaf in _constant_leaves(item)]
+    return []
+
+
 def _leaves(arguments, keywords):
-    return keras.tree.flatten((list(arguments), dict(keywords or {})))
+    return _constant_leaves([list(arguments), dict(keywords or {})])
+
+
+# Operation attributes that hold values combined with the input (nan_to_num's
+# replacements, clip's bounds), whatever their type.
+_VALUE_ATTRIBUTES = ("nan", "posinf", "neginf", "x_min", "x_max")
 
 
 def _position_free(leaves, rank):
@@ -183,6 +210,33 @@ def constants_position_free(arguments, keywords):
     return _position_free(leaves, max(ranks) if ranks else None)
 
 
+# A layer's mask arguments: Keras reads a mask's first axis as the batch's,
+# whatever its rank ([B, T] for [B, T, D] inputs).
+_MASK_ARGUMENTS = ("mask", "query_mask", "value_mask", "key_mask")
+
+
+def constant_masks_position_free(keywords):
+    """No constant passed as a mask (`_MASK_ARGUMENTS`) has a first axis
+    longer than 1: a mask's rows are read as the batch's, so a constant one
+    would mask each example by its position in the batch.
+
+    Example:
+
+    >>> constant_masks_position_free({"mask": np.ones((1, 4), bool)})
+    True
+    >>> constant_masks_position_free({"mask": [None, np.ones((4, 4), bool)]})
+    False
+    """
+    for name in _MASK_ARGUMENTS:
+        for leaf in _constant_leaves((keywords or {}).get(name)):
+            if isinstance(leaf, keras.KerasTensor):
+                continue
+            shape = np.shape(leaf)
+            if len(shape) > 0 and shape[0] != 1:
+                return False
+    return True
+
+
 def _keras_operation(operation):
     """True for an operation class of Keras's own (a user's class of the
     same name is not the operation named here)."""
@@ -205,7 +259,8 @@ def operation_keeps_examples(operation, arguments, keywords=None):
     name = type(operation).__name__
     # Constants in the arguments, and those the operation holds (nan_to_num's
     # replacements, clip's bounds).
-    held = [value for value in vars(operation).values() if hasattr(value, "shape")]
+    held = [value for key, value in vars(operation).items()
+            if hasattr(value, "shape") or key in _VALUE_ATTRIBUTES]
     if not constants_position_free(list(arguments) + held, keywords):
         return False
     rank = _first_rank(arguments)

@@ -18,6 +18,8 @@ Example:
 ('vectorized', "layer 'doubt' (Lambda) is not known to keep examples independent")
 """
 
+import keras
+
 from tfdp.per_example import rules
 from tfdp.per_example.configuration import configuration_problem
 from tfdp.per_example.declared import held_layer_problem
@@ -31,6 +33,7 @@ from tfdp.per_example.registry import (
     _DECLARED,
     is_graph_model,
     is_per_example,
+    node_constants_meet_batch,
     node_is_per_example,
     rule_for,
     runs_sublayer_rules,
@@ -123,6 +126,10 @@ def _check_graph(model):
     for node in nodes:
         operation = node.operation
         if not node_is_per_example(node):
+            if isinstance(operation, keras.layers.Layer) and node_constants_meet_batch(node):
+                return _describe(operation, "is called with a constant whose first axis lines "
+                                 "up with the batch axis (each example would get its row by "
+                                 "its position in the batch)")
             return _describe(operation, "is not known to keep examples independent"
                              + augmentation_hint(operation))
         if hasattr(operation, "_flatten_layers") and operation is not model:

@@ -23,6 +23,7 @@ pass (`register_rule`).
 import keras
 
 from tfdp.per_example.graph_operations import (
+    constant_masks_position_free,
     constants_position_free,
     operation_keeps_examples,
 )
@@ -208,15 +209,23 @@ def node_is_per_example(node):
     """True if a Functional graph node keeps examples independent.
 
     Layers are checked by class, and the constants they are called with
-    (none may line up with the batch axis); a weightless operation by
+    (none may line up with the batch axis, masks included); a weightless operation by
     `tfdp.per_example.graph_operations` (elementwise, along axes other
     than the batch's, or reshaping around it).
     """
     operation = node.operation
     if isinstance(operation, keras.layers.Layer):
         return ((is_per_example(operation) or is_graph_model(operation))
-                and constants_position_free(node.arguments.args, node.arguments.kwargs))
+                and not node_constants_meet_batch(node))
     return operation_keeps_examples(operation, node.arguments.args, node.arguments.kwargs)
+
+
+def node_constants_meet_batch(node):
+    """True if a graph node is called with a constant (a mask included)
+    whose first axis lines up with the batch axis."""
+    arguments = node.arguments
+    return not (constants_position_free(arguments.args, arguments.kwargs)
+                and constant_masks_position_free(arguments.kwargs))
 
 
 def is_graph_model(layer):
