@@ -84,7 +84,8 @@ def declare_per_example(layer_class=None, *, sublayers_on_the_batch=False):
     model's graph (a Softmax over the batch axis inside refuses the batched
     path, `tfdp.per_example.declared`); layers it creates inside `call` or
     keeps where Keras does not track them, a batch moved off axis 0 before
-    a held layer reads it (a transposed batch), and held layers called
+    a held layer reads it (a transposed batch), constants it passes a held
+    layer whose rows line up with the batch, and held layers called
     inside a `tf.function` of its own that was traced before training (its
     graph is reused, so the step never sees those calls) are covered by the
     declaration alone: call held layers as `layer(x)` in `call` itself.
