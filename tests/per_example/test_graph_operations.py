@@ -161,6 +161,8 @@ REFUSED_NODES = {
                                                                          "float32")),
     "a replacement per batch position as nested lists": lambda t: O.nan_to_num(
         t, nan=[[[[1.0]]]] * 4),
+    "an elu alpha per batch position": lambda t: O.elu(t - 3.0, alpha=[[[0.0]], [[10.0]],
+                                                                       [[0.0]], [[10.0]]]),
     "matmul by a batch-led matrix": lambda t: O.sum(O.matmul(t[:, 0], O.transpose(t[:, 0])),
                                                     axis=-1, keepdims=True)[:, None] * t,
     "broadcast a constant of higher rank": lambda t: O.mean(t + np.ones((4, 1, 1, 1), "float32"),
@@ -342,6 +344,17 @@ CONFIGURED_LAYERS = {
         "lines up with the batch axis"),
     "a constant mask per batch position, as nested lists": (
         lambda t: L.Attention()([t, t], mask=[None, np.eye(4, dtype=bool).tolist()]),
+        "lines up with the batch axis"),
+    "a constant mask per batch position, by position": (
+        lambda t: L.GlobalAveragePooling1D()(t, np.eye(4, dtype=bool))[:, None] * t,
+        "lines up with the batch axis"),
+    "a constant mask per batch position, as 0-d arrays": (
+        lambda t: L.Attention()([t, t], mask=[None, [[np.array(bool(v)) for v in row]
+                                                    for row in np.eye(4)]]),
+        "lines up with the batch axis"),
+    "an initial state per batch position": (
+        lambda t: L.SimpleRNN(3, return_sequences=True)(
+            t, initial_state=5.0 * np.eye(4, 3, dtype="float32")),
         "lines up with the batch axis"),
     "an Attention over a constant per batch position": (
         lambda t: L.Attention()([t, np.ones((4, 4, 3), "float32")]), "lines up with the batch axis"),

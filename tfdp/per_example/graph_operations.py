@@ -140,11 +140,15 @@ def _reshape_keeps_batch(newshape, rank_shape):
 
 
 def _numbers(value):
-    """True for a non-empty nest of lists and tuples of Python or NumPy
-    numbers (a constant written as nested lists)."""
+    """True for a non-empty nest of lists and tuples of numbers (Python's,
+    NumPy's, or 0-d arrays and tensors): a constant written as nested
+    lists."""
     if isinstance(value, (list, tuple)):
         return bool(value) and all(_numbers(item) for item in value)
-    return isinstance(value, (int, float, bool, np.number, np.bool_))
+    if isinstance(value, keras.KerasTensor):
+        return False
+    return (isinstance(value, (int, float, bool, np.number, np.bool_))
+            or hasattr(value, "shape") and np.shape(value) == ())
 
 
 def _constant_leaves(value):
@@ -165,9 +169,14 @@ def _leaves(arguments, keywords):
     return _constant_leaves([list(arguments), dict(keywords or {})])
 
 
-# Operation attributes that hold values combined with the input (nan_to_num's
-# replacements, clip's bounds), whatever their type.
-_VALUE_ATTRIBUTES = ("nan", "posinf", "neginf", "x_min", "x_max")
+# Operation attributes that describe axes and shapes; every other attribute
+# (nan_to_num's replacements, clip's bounds, elu's alpha) is a value combined
+# with the input, whatever its type.
+_STRUCTURAL_ATTRIBUTES = frozenset({
+    "name", "axis", "axes", "axis1", "axis2", "source", "destination", "newshape",
+    "pad_width", "repeats", "num_classes", "decimals", "keepdims", "ord", "mode", "dtype",
+    "sparse", "ragged", "subscripts",
+})
 
 
 def _position_free(leaves, rank):
@@ -210,15 +219,18 @@ def constants_position_free(arguments, keywords):
     return _position_free(leaves, max(ranks) if ranks else None)
 
 
-# A layer's mask arguments: Keras reads a mask's first axis as the batch's,
-# whatever its rank ([B, T] for [B, T, D] inputs).
-_MASK_ARGUMENTS = ("mask", "query_mask", "value_mask", "key_mask")
+# A layer's arguments whose first axis Keras reads as the batch's, whatever
+# their rank: masks ([B, T] for [B, T, D] inputs) and a recurrent layer's
+# initial states and constants ([B, units]).
+_BATCH_LED_ARGUMENTS = ("mask", "query_mask", "value_mask", "key_mask", "initial_state",
+                        "constants")
 
 
-def constant_masks_position_free(keywords):
-    """No constant passed as a mask (`_MASK_ARGUMENTS`) has a first axis
-    longer than 1: a mask's rows are read as the batch's, so a constant one
-    would mask each example by its position in the batch.
+def constant_masks_position_free(arguments):
+    """No constant passed as a batch-led argument (`_BATCH_LED_ARGUMENTS`,
+    by name: bind a call's arguments to its signature first) has a first
+    axis longer than 1: its rows are read as the batch's, so a constant one
+    would give each example a mask or state by its position in the batch.
 
     Example:
 
@@ -227,8 +239,8 @@ def constant_masks_position_free(keywords):
     >>> constant_masks_position_free({"mask": [None, np.ones((4, 4), bool)]})
     False
     """
-    for name in _MASK_ARGUMENTS:
-        for leaf in _constant_leaves((keywords or {}).get(name)):
+    for name in _BATCH_LED_ARGUMENTS:
+        for leaf in _constant_leaves((arguments or {}).get(name)):
             if isinstance(leaf, keras.KerasTensor):
                 continue
             shape = np.shape(leaf)
@@ -260,7 +272,7 @@ def operation_keeps_examples(operation, arguments, keywords=None):
     # Constants in the arguments, and those the operation holds (nan_to_num's
     # replacements, clip's bounds).
     held = [value for key, value in vars(operation).items()
-            if hasattr(value, "shape") or key in _VALUE_ATTRIBUTES]
+            if not key.startswith("_") and key not in _STRUCTURAL_ATTRIBUTES]
     if not constants_position_free(list(arguments) + held, keywords):
         return False
     rank = _first_rank(arguments)

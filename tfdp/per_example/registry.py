@@ -20,6 +20,8 @@ class to the module that computes its per-example gradients from the batched
 pass (`register_rule`).
 """
 
+import inspect
+
 import keras
 
 from tfdp.per_example.graph_operations import (
@@ -222,11 +224,21 @@ def node_is_per_example(node):
 
 
 def node_constants_meet_batch(node):
-    """True if a graph node is called with a constant (a mask included)
-    whose first axis lines up with the batch axis."""
+    """True if a graph node is called with a constant (a mask or an initial
+    state included, passed by name or by position) whose first axis lines
+    up with the batch axis."""
     arguments = node.arguments
+    try:
+        bound = inspect.signature(type(node.operation).call).bind(
+            node.operation, *arguments.args, **arguments.kwargs).arguments
+    except (TypeError, ValueError):
+        bound = dict(arguments.kwargs)
+    named = dict(bound)
+    for value in bound.values():
+        if isinstance(value, dict):  # **kwargs of the call
+            named.update(value)
     return not (constants_position_free(arguments.args, arguments.kwargs)
-                and constant_masks_position_free(arguments.kwargs))
+                and constant_masks_position_free(named))
 
 
 def is_graph_model(layer):
