@@ -269,8 +269,9 @@ def operation_keeps_examples(operation, arguments, keywords=None):
     if not _keras_operation(operation):
         return False
     name = type(operation).__name__
-    # Constants in the arguments, and those the operation holds (nan_to_num's
-    # replacements, clip's bounds).
+    # Constants in the arguments, and those the operation holds (every
+    # attribute but its axes and shapes: nan_to_num's replacements, clip's
+    # bounds, elu's alpha).
     held = [value for key, value in vars(operation).items()
             if not key.startswith("_") and key not in _STRUCTURAL_ATTRIBUTES]
     if not constants_position_free(list(arguments) + held, keywords):

@@ -212,9 +212,9 @@ def node_is_per_example(node):
     """True if a Functional graph node keeps examples independent.
 
     Layers are checked by class, and the constants they are called with
-    (none may line up with the batch axis, masks included); a weightless operation by
-    `tfdp.per_example.graph_operations` (elementwise, along axes other
-    than the batch's, or reshaping around it).
+    (none may line up with the batch axis, masks included); a weightless
+    operation by `tfdp.per_example.graph_operations` (elementwise, along
+    axes other than the batch's, or reshaping around it).
     """
     operation = node.operation
     if isinstance(operation, keras.layers.Layer):
