@@ -351,10 +351,7 @@ def _call_ranks(layer, rank, call):
     if call is not None:
         return [rank]
     ranks = {rank} if rank is not None else set()
-    first = layer_input_rank(layer)
-    if first is not None:
-        ranks.add(first)
-    for args, kwargs in _recorded_calls(layer):
+    for args, kwargs in _recorded_calls(layer):  # build shapes and graph nodes alike
         tensors = [t for t in keras.tree.flatten((args, kwargs)) if _rank(t) is not None]
         if tensors:
             ranks.add(_rank(tensors[0]))
