@@ -10,6 +10,7 @@ B == T) are measured on the compiled step (`NeighbourStep`, noise 0): the
 batched path moved a neighbouring step 3.8 times its bound there."""
 
 import keras
+import keras_hub
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -120,6 +121,8 @@ ALLOWED_NODES = {
     "a constant with a first axis of 1": lambda t: t * np.full((1, 4, 3), 2.0, "float32"),
     "a constant first": lambda t: O.multiply(np.full(3, 2.0, "float32"), t),
     "clip to constant bounds per feature": lambda t: O.clip(t, 0.6, np.full(3, 1.2, "float32")),
+    "max with an initial value per feature": lambda t: O.max(
+        t, axis=1, initial=np.full(3, 1.1, "float32"))[:, None] * t,
 }
 
 
@@ -167,6 +170,10 @@ REFUSED_NODES = {
                                                     axis=-1, keepdims=True)[:, None] * t,
     "broadcast a constant of higher rank": lambda t: O.mean(t + np.ones((4, 1, 1, 1), "float32"),
                                                            axis=1),
+    "max with an initial value per batch position": lambda t: O.max(
+        t, axis=1, initial=np.full((4, 3), 2.0, "float32"))[:, None] * t,
+    "min with an initial value per batch position": lambda t: O.min(
+        t, axis=1, initial=np.full((4, 3), 0.0, "float32"))[:, None] * t,
 }
 
 
@@ -358,7 +365,29 @@ CONFIGURED_LAYERS = {
         "lines up with the batch axis"),
     "an Attention over a constant per batch position": (
         lambda t: L.Attention()([t, np.ones((4, 4, 3), "float32")]), "lines up with the batch axis"),
+    "KerasHub's rotary positions per batch position": (
+        lambda t: keras_hub.layers.RotaryEmbedding()(L.Dense(4)(t), positions=np.tile(
+            np.arange(4), (4, 1))), "lines up with the batch axis"),
+    "KerasHub's position embedding at positions per batch position": (
+        lambda t: keras_hub.layers.PositionEmbedding(4)(t, positions=np.tile(
+            np.arange(4), (4, 1))) + t, "lines up with the batch axis"),
+    "KerasHub's constant padding mask per batch position": (
+        lambda t: keras_hub.layers.TransformerEncoder(4, 1)(
+            t, padding_mask=np.tril(np.ones((4, 4), bool))), "lines up with the batch axis"),
+    "a declared layer's positional constant": (
+        lambda t: _PositionalMaskPooling()(t, np.eye(4, dtype="float32"))[:, None] * t,
+        "lines up with the batch axis"),
 }
+
+
+@tfdp.per_example.declare_per_example
+class _PositionalMaskPooling(L.Layer):
+    """Averages each example's positions under its own row of a mask,
+    passed by position through `*args` (no parameter named mask)."""
+
+    def call(self, inputs, *args):
+        weights = args[0][:, :, None]
+        return O.sum(inputs * weights, axis=1) / (O.sum(weights, axis=1) + 1.0)
 
 
 def _rescaling_built_at_rank_5():
@@ -396,3 +425,34 @@ def test_a_constant_that_puts_an_axis_before_the_batch_keeps_the_step_bound():
             ratios += [step.ratio(record, "add"), step.ratio(record, "replace") / 2]
     assert "vectorized" in model.per_example_path, model.per_example_path
     assert max(ratios) <= 1.0 + 1e-5, max(ratios)
+
+
+POSITION_DEPENDENT = {
+    "max with an initial value per batch position": lambda t: O.max(
+        t, axis=1, initial=np.linspace(-1.0, 2.0, 12, dtype="float32").reshape(4, 3))[:, None] * t,
+    "KerasHub's rotary positions per batch position": lambda t: keras_hub.layers.RotaryEmbedding()(
+        L.Dense(4)(t), positions=np.arange(16).reshape(4, 4) * 3),
+}
+
+
+@pytest.mark.parametrize("name", sorted(POSITION_DEPENDENT))
+def test_a_record_inserted_first_moves_no_other_examples_gradient(name):
+    """A constant whose rows give each example a value by its position in
+    the batch: a record inserted first shifts every other example to the
+    next row (a review moved a neighbouring step 1.77x its bound through
+    max's `initial`, 1.87x through KerasHub's rotary `positions`). The
+    exact path gives each example the same gradient either way."""
+    model = _model(POSITION_DEPENDENT[name])
+    x, y = _data(batch=3)
+    record = (np.full((1, 4, 3), 50.0, np.float32), np.zeros((1, 2), np.float32))
+    padded = (np.concatenate([x, x[:1]]), np.concatenate([y, y[:1]]), [1.0, 1.0, 1.0, 0.0])
+    inserted = (np.concatenate([record[0], x]), np.concatenate([record[1], y]), [1.0] * 4)
+    grads = [
+        [g.numpy() for g in compute_per_example_gradients(
+            model, tf.constant(inputs), tf.constant(targets), tf.constant(weights),
+            per_example_loss("mse"))[0].materialize()]
+        for inputs, targets, weights in (padded, inserted)
+    ]
+    for alone, shifted in zip(*grads):
+        np.testing.assert_allclose(shifted[1:], alone[:3], rtol=1e-5, atol=1e-6)
+    assert plan_for(model).path == "vectorized", plan_for(model).describe()

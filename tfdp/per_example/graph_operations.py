@@ -31,9 +31,12 @@ where it was:
 - `x[:, ...]` and `x[..., i]` with integers and slices that leave axis 0
   alone.
 
-No constant argument may line up with the batch axis (a constant of the
-tensors' rank whose first axis is longer than 1 gives each example a value
-by its position in the batch, which an added record shifts). Only Keras's
+No constant argument or attribute may line up with the batch axis of the
+operation's inputs or outputs (a constant of their rank whose first axis
+is longer than 1 gives each example a value by its position in the batch,
+which an added record shifts); a layer may be called with no constant
+whose first axis is longer than 1 (`layer_constants_position_free`). Only
+Keras's
 own operation classes are read by name. Anything else (einsum, tensordot,
 take with a tensor of indices, a user's operation, an unknown one) sends
 the model to the vectorized path, named.
@@ -188,7 +191,7 @@ def _position_free(leaves, rank):
         if isinstance(leaf, keras.KerasTensor) or not hasattr(leaf, "shape"):
             continue
         shape = np.shape(leaf)
-        if rank is None or len(shape) > rank or len(shape) == rank and shape[0] != 1:
+        if rank is None or len(shape) > rank or shape and len(shape) == rank and shape[0] != 1:
             return False
     return True
 
@@ -201,10 +204,16 @@ def _aligned(arguments, keywords):
     return len(ranks) == 1 and _position_free(leaves, ranks.pop())
 
 
-def constants_position_free(arguments, keywords):
-    """A graph node's constant arguments (a layer's too) are
-    `_position_free` against its tensors' highest rank: none lines up with
-    the batch axis.
+def _tensor_ranks(values):
+    return [len(leaf.shape) for leaf in _constant_leaves(values)
+            if isinstance(leaf, keras.KerasTensor)]
+
+
+def constants_position_free(arguments, keywords, outputs=()):
+    """A graph operation's constant arguments are `_position_free` against
+    the lowest rank among its tensors, inputs and `outputs`: none lines up
+    with the batch axis of any of them (a reduction's `initial` of shape
+    [B, D] broadcasts against its [B, D] output, not its [B, T, D] input).
 
     Example:
 
@@ -214,38 +223,35 @@ def constants_position_free(arguments, keywords):
     >>> constants_position_free([x, np.ones((4, 4, 3))], {})
     False
     """
-    leaves = _leaves(arguments, keywords)
-    ranks = [len(leaf.shape) for leaf in leaves if isinstance(leaf, keras.KerasTensor)]
-    return _position_free(leaves, max(ranks) if ranks else None)
+    ranks = _tensor_ranks([list(arguments), dict(keywords or {}), list(outputs)])
+    return _position_free(_leaves(arguments, keywords), min(ranks) if ranks else None)
 
 
-# A layer's arguments whose first axis Keras reads as the batch's, whatever
-# their rank: masks ([B, T] for [B, T, D] inputs) and a recurrent layer's
-# initial states and constants ([B, units]).
-_BATCH_LED_ARGUMENTS = ("mask", "query_mask", "value_mask", "key_mask", "initial_state",
-                        "constants")
-
-
-def constant_masks_position_free(arguments):
-    """No constant passed as a batch-led argument (`_BATCH_LED_ARGUMENTS`,
-    by name: bind a call's arguments to its signature first) has a first
-    axis longer than 1: its rows are read as the batch's, so a constant one
-    would give each example a mask or state by its position in the batch.
+def layer_constants_position_free(arguments, keywords):
+    """No constant a layer is called with (an array, not a graph tensor;
+    scalars aside) has a first axis longer than 1, or more axes than the
+    call's tensors. A layer reads its arguments by their meaning, not by
+    numpy broadcasting: a mask, an initial state or KerasHub's `positions`
+    and `padding_mask` lead with the batch at any rank ([B, T] beside a
+    [B, T, D] input), so a constant one would give each example a row by
+    its position in the batch, which an added record shifts.
 
     Example:
 
-    >>> constant_masks_position_free({"mask": np.ones((1, 4), bool)})
+    >>> x = keras.Input((4, 3))
+    >>> layer_constants_position_free([x], {"mask": np.ones((1, 4), bool)})
     True
-    >>> constant_masks_position_free({"mask": [None, np.ones((4, 4), bool)]})
+    >>> layer_constants_position_free([x], {"positions": np.ones((4, 4), "int32")})
     False
     """
-    for name in _BATCH_LED_ARGUMENTS:
-        for leaf in _constant_leaves((arguments or {}).get(name)):
-            if isinstance(leaf, keras.KerasTensor):
-                continue
-            shape = np.shape(leaf)
-            if len(shape) > 0 and shape[0] != 1:
-                return False
+    ranks = _tensor_ranks([list(arguments), dict(keywords or {})])
+    highest = max(ranks) if ranks else None
+    for leaf in _leaves(arguments, keywords):
+        if isinstance(leaf, keras.KerasTensor) or not hasattr(leaf, "shape"):
+            continue
+        shape = np.shape(leaf)
+        if shape and (shape[0] != 1 or highest is None or len(shape) > highest):
+            return False
     return True
 
 
@@ -255,7 +261,7 @@ def _keras_operation(operation):
     return type(operation).__module__.startswith("keras.src.ops.")
 
 
-def operation_keeps_examples(operation, arguments, keywords=None):
+def operation_keeps_examples(operation, arguments, keywords=None, outputs=None):
     """True if a weightless Keras `operation`, a Functional graph node
     called on positional `arguments` and keyword arguments `keywords`
     (tensors that lead with the batch), keeps examples independent and the
@@ -265,6 +271,8 @@ def operation_keeps_examples(operation, arguments, keywords=None):
         operation: the node's Keras operation.
         arguments: the node's positional arguments (`node.arguments.args`).
         keywords: its keyword arguments (`node.arguments.kwargs`).
+        outputs: its output tensors (`node.outputs`); computed from the
+            arguments when None.
     """
     if not _keras_operation(operation):
         return False
@@ -274,7 +282,12 @@ def operation_keeps_examples(operation, arguments, keywords=None):
     # bounds, elu's alpha).
     held = [value for key, value in vars(operation).items()
             if not key.startswith("_") and key not in _STRUCTURAL_ATTRIBUTES]
-    if not constants_position_free(list(arguments) + held, keywords):
+    if outputs is None:
+        try:
+            outputs = operation.compute_output_spec(*arguments, **(keywords or {}))
+        except Exception:  # noqa: BLE001 - arguments the operation cannot take
+            return False
+    if not constants_position_free(list(arguments) + held, keywords, [outputs]):
         return False
     rank = _first_rank(arguments)
     if name == "ConvertToTensor":

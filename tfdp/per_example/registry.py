@@ -20,13 +20,10 @@ class to the module that computes its per-example gradients from the batched
 pass (`register_rule`).
 """
 
-import inspect
-
 import keras
 
 from tfdp.per_example.graph_operations import (
-    constant_masks_position_free,
-    constants_position_free,
+    layer_constants_position_free,
     operation_keeps_examples,
 )
 from tfdp.per_example.preprocessing_layers import keeps_examples_independent
@@ -220,25 +217,16 @@ def node_is_per_example(node):
     if isinstance(operation, keras.layers.Layer):
         return ((is_per_example(operation) or is_graph_model(operation))
                 and not node_constants_meet_batch(node))
-    return operation_keeps_examples(operation, node.arguments.args, node.arguments.kwargs)
+    return operation_keeps_examples(operation, node.arguments.args, node.arguments.kwargs,
+                                    node.outputs)
 
 
 def node_constants_meet_batch(node):
-    """True if a graph node is called with a constant (a mask or an initial
-    state included, passed by name or by position) whose first axis lines
-    up with the batch axis."""
-    arguments = node.arguments
-    try:
-        bound = inspect.signature(type(node.operation).call).bind(
-            node.operation, *arguments.args, **arguments.kwargs).arguments
-    except (TypeError, ValueError):
-        bound = dict(arguments.kwargs)
-    named = dict(bound)
-    for value in bound.values():
-        if isinstance(value, dict):  # **kwargs of the call
-            named.update(value)
-    return not (constants_position_free(arguments.args, arguments.kwargs)
-                and constant_masks_position_free(named))
+    """True if a layer's graph node is called with a constant (by name or
+    by position, a mask or an initial state included) whose first axis is
+    longer than 1: it could line up with the batch axis
+    (`graph_operations.layer_constants_position_free`)."""
+    return not layer_constants_position_free(node.arguments.args, node.arguments.kwargs)
 
 
 def is_graph_model(layer):
