@@ -374,6 +374,9 @@ CONFIGURED_LAYERS = {
     "KerasHub's constant padding mask per batch position": (
         lambda t: keras_hub.layers.TransformerEncoder(4, 1)(
             t, padding_mask=np.tril(np.ones((4, 4), bool))), "lines up with the batch axis"),
+    "a MultiHeadAttention mask per batch position": (
+        lambda t: L.MultiHeadAttention(1, 2)(t, t, attention_mask=np.stack(
+            [np.eye(4, dtype=bool), np.ones((4, 4), bool)] * 2)), "lines up with the batch axis"),
     "a declared layer's positional constant": (
         lambda t: _PositionalMaskPooling()(t, np.eye(4, dtype="float32"))[:, None] * t,
         "lines up with the batch axis"),

@@ -437,11 +437,14 @@ def test_a_static_batch_size_keeps_the_attention_mask_checks(attention):
     assert plan.path == "vectorized" and "attention mask of rank 2" in plan.reason, plan.describe()
 
 
-def test_a_constant_attention_mask_keeps_the_batched_path():
-    """A mask that is not a graph tensor (a causal [T, T] array) holds no batch."""
+@pytest.mark.parametrize("passed", ["array", "nested lists"])
+def test_a_constant_attention_mask_keeps_the_batched_path(passed):
+    """A mask that is not a graph tensor (a causal [T, T] array), which
+    MultiHeadAttention pads in front, holds no batch."""
     sequence = keras.Input((5, 4))
     causal = np.tril(np.ones((5, 5), bool))
-    h = keras.layers.MultiHeadAttention(1, 4)(sequence, sequence, attention_mask=causal)
+    h = keras.layers.MultiHeadAttention(1, 4)(
+        sequence, sequence, attention_mask=causal.tolist() if passed == "nested lists" else causal)
     model = keras.Model(sequence, keras.layers.Dense(2)(keras.layers.Flatten()(h)))
     assert plan_for(model).path == "batched", plan_for(model).describe()
 

@@ -290,6 +290,45 @@ def attention_call_problem(layer, args, kwargs, could_be_batch=None):
     return None
 
 
+def without_front_padded_attention_mask(layer, args, kwargs):
+    """A call's (args, kwargs) with its constant attention mask taken out
+    where Keras pads it in front: MultiHeadAttention and GroupQueryAttention
+    add leading axes to a mask of rank below 2 n + 1 (n attention axes), so
+    a constant one (a causal [T, T] array) is the same for every example
+    and holds no batch axis. Every other call comes back as it was.
+
+    Example:
+
+    >>> import keras
+    >>> x = keras.Input((5, 4))
+    >>> causal = np.tril(np.ones((5, 5), bool))
+    >>> layer = keras.layers.MultiHeadAttention(1, 4)
+    >>> _ = layer(x, x)
+    >>> without_front_padded_attention_mask(layer, (x, x), {"attention_mask": causal})[1]
+    {'attention_mask': None}
+    """
+    if not isinstance(layer, _ATTENTION) or isinstance(layer, _SEQUENCE_ATTENTION):
+        return args, kwargs
+    try:
+        bound = inspect.signature(type(layer).call).bind(layer, *args, **kwargs)
+    except TypeError:  # the call itself raises the error
+        return args, kwargs
+    mask = bound.arguments.get("attention_mask")
+    axes = len(getattr(layer, "_attention_axes", None) or (1,))
+    if (mask is None or isinstance(mask, keras.KerasTensor) or _tensor_inside(mask)
+            or np.ndim(mask) >= 2 * axes + 1):
+        return args, kwargs
+    bound.arguments["attention_mask"] = None
+    return bound.args[1:], bound.kwargs
+
+
+def _tensor_inside(value):
+    """True for a nest holding a graph tensor."""
+    if isinstance(value, (list, tuple)):
+        return any(_tensor_inside(item) for item in value)
+    return isinstance(value, keras.KerasTensor)
+
+
 def merge_call_problem(args):
     """Why one call of an elementwise merge layer (`_ELEMENTWISE_MERGES`)
     on positional `args` mixes examples, or None: inputs of unequal ranks

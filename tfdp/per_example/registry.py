@@ -22,6 +22,7 @@ pass (`register_rule`).
 
 import keras
 
+from tfdp.per_example.configuration import without_front_padded_attention_mask
 from tfdp.per_example.graph_operations import (
     layer_constants_position_free,
     operation_keeps_examples,
@@ -225,8 +226,12 @@ def node_constants_meet_batch(node):
     """True if a layer's graph node is called with a constant (by name or
     by position, a mask or an initial state included) whose first axis is
     longer than 1: it could line up with the batch axis
-    (`graph_operations.layer_constants_position_free`)."""
-    return not layer_constants_position_free(node.arguments.args, node.arguments.kwargs)
+    (`graph_operations.layer_constants_position_free`). An attention mask
+    that MultiHeadAttention pads in front (a causal [T, T] array) holds no
+    batch axis (`configuration.without_front_padded_attention_mask`)."""
+    args, kwargs = without_front_padded_attention_mask(
+        node.operation, node.arguments.args, node.arguments.kwargs)
+    return not layer_constants_position_free(args, kwargs)
 
 
 def is_graph_model(layer):
