@@ -131,6 +131,12 @@ def test_an_operation_away_from_the_batch_axis_keeps_the_batched_path(name):
     _check_batched_and_exact(_model(ALLOWED_NODES[name]))
 
 
+# One [4, 3] array per batch position: TensorFlow stacks the list into one
+# [4, 4, 3] constant (a review moved a neighbouring step up to 2.37x its
+# bound through lists of arrays, read one array at a time).
+_ROWS = [np.full((4, 3), v, np.float32) for v in (-2.0, 2.0, -2.0, 2.0)]
+
+
 # The same operations on the batch axis, or moving it: each would mix
 # examples, or put another axis where the batched pass reads the batch.
 REFUSED_NODES = {
@@ -174,6 +180,12 @@ REFUSED_NODES = {
         t, axis=1, initial=np.full((4, 3), 2.0, "float32"))[:, None] * t,
     "min with an initial value per batch position": lambda t: O.min(
         t, axis=1, initial=np.full((4, 3), 0.0, "float32"))[:, None] * t,
+    "clip bounds per batch position, as a list of arrays": lambda t: O.clip(t, _ROWS, 100.0),
+    "clip bounds per batch position, as a tuple of arrays": lambda t: O.clip(
+        t, tuple(_ROWS), 100.0),
+    "an elu alpha per batch position, as a list of arrays": lambda t: O.elu(t - 1.0, alpha=_ROWS),
+    "max with an initial value per batch position, as a list of arrays": lambda t: O.max(
+        t, axis=1, initial=[row[0] for row in _ROWS])[:, None] * t,
 }
 
 
@@ -374,6 +386,19 @@ CONFIGURED_LAYERS = {
     "KerasHub's constant padding mask per batch position": (
         lambda t: keras_hub.layers.TransformerEncoder(4, 1)(
             t, padding_mask=np.tril(np.ones((4, 4), bool))), "lines up with the batch axis"),
+    "KerasHub's rotary positions per batch position, as a list of arrays": (
+        lambda t: keras_hub.layers.RotaryEmbedding()(L.Dense(4)(t)[:, :1], positions=[
+            np.array([v]) for v in (0, 7, 2, 9)]), "lines up with the batch axis"),
+    "an initial state per batch position, as a list of rows": (
+        lambda t: L.SimpleRNN(1, return_sequences=True)(t, initial_state=[[
+            np.array([v], np.float32) for v in (-3.0, 3.0, -3.0, 3.0)]]),
+        "lines up with the batch axis"),
+    "a LayerNormalization epsilon per batch position": (
+        lambda t: L.LayerNormalization(epsilon=np.array([1e-3, 1.0, 1e-3, 1.0], "float32").reshape(
+            4, 1, 1))(t), "broadcasts epsilon of shape (4, 1, 1)"),
+    "an RMSNormalization epsilon per batch position": (
+        lambda t: L.RMSNormalization(epsilon=np.ones((4, 1, 1), "float32"))(t),
+        "broadcasts epsilon of shape (4, 1, 1)"),
     "a MultiHeadAttention mask per batch position": (
         lambda t: L.MultiHeadAttention(1, 2)(t, t, attention_mask=np.stack(
             [np.eye(4, dtype=bool), np.ones((4, 4), bool)] * 2)), "lines up with the batch axis"),
@@ -435,6 +460,8 @@ POSITION_DEPENDENT = {
         t, axis=1, initial=np.linspace(-1.0, 2.0, 12, dtype="float32").reshape(4, 3))[:, None] * t,
     "KerasHub's rotary positions per batch position": lambda t: keras_hub.layers.RotaryEmbedding()(
         L.Dense(4)(t), positions=np.arange(16).reshape(4, 4) * 3),
+    "a LayerNormalization epsilon per batch position": lambda t: L.LayerNormalization(
+        epsilon=np.array([1e-3, 10.0, 1e-3, 10.0], "float32").reshape(4, 1, 1))(t),
 }
 
 
@@ -443,8 +470,9 @@ def test_a_record_inserted_first_moves_no_other_examples_gradient(name):
     """A constant whose rows give each example a value by its position in
     the batch: a record inserted first shifts every other example to the
     next row (a review moved a neighbouring step 1.77x its bound through
-    max's `initial`, 1.87x through KerasHub's rotary `positions`). The
-    exact path gives each example the same gradient either way."""
+    max's `initial`, 1.87x through KerasHub's rotary `positions`, 2.61x
+    through a LayerNormalization's epsilon). The exact path gives each
+    example the same gradient either way."""
     model = _model(POSITION_DEPENDENT[name])
     x, y = _data(batch=3)
     record = (np.full((1, 4, 3), 50.0, np.float32), np.zeros((1, 2), np.float32))

@@ -164,11 +164,17 @@ def _recorded_calls(layer):
     calls = [(node.arguments.args, node.arguments.kwargs)
              for node in getattr(layer, "_inbound_nodes", None) or []]
     for shape in (getattr(layer, "_build_shapes_dict", None) or {}).values():
-        if isinstance(shape, (list, tuple)) and shape and isinstance(shape[0], (list, tuple)):
-            calls.append(([[keras.KerasTensor(inner) for inner in shape]], {}))
-        elif isinstance(shape, (list, tuple)):
+        if _is_shape(shape):
             calls.append(([keras.KerasTensor(shape)], {}))
+        elif isinstance(shape, (list, tuple)) and shape and all(map(_is_shape, shape)):
+            calls.append(([[keras.KerasTensor(inner) for inner in shape]], {}))
     return calls
+
+
+def _is_shape(value):
+    """True for a shape: a list or tuple of lengths (ints or None)."""
+    return isinstance(value, (list, tuple)) and all(
+        d is None or isinstance(d, (int, np.integer)) and not isinstance(d, bool) for d in value)
 
 
 def first_axis_could_be_batch(length, batch_size=None):
@@ -354,8 +360,11 @@ def merge_call_problem(args):
 # many axes as the input (its first longer than 1), or more, lines up with
 # the batch axis or puts new axes in front of it, though Keras gives the
 # output the input's shape.
-_BROADCAST_CONSTANTS = {keras.layers.Rescaling: ("scale", "offset"),
-                        keras.layers.Masking: ("mask_value",)}
+# Read by name on every layer (Rescaling's scale and offset, Masking's
+# mask_value, a normalization's epsilon, GaussianNoise's stddev, an
+# activation layer's slope or threshold); its weights are not constants.
+_BROADCAST_CONSTANTS = ("scale", "offset", "mask_value", "epsilon", "stddev", "rate", "alpha",
+                        "negative_slope", "threshold", "max_value")
 
 
 def constants_problem(layer, rank):
@@ -369,9 +378,17 @@ def constants_problem(layer, rank):
     True
     >>> constants_problem(keras.layers.Rescaling(scale=[[[[2.0]]], [[[3.0]]]]), rank=3)
     'broadcasts scale of shape (2, 1, 1, 1) against the batch axis of an input of rank 3'
+    >>> constants_problem(keras.layers.LayerNormalization(epsilon=np.ones((4, 1, 1))), rank=3)
+    'broadcasts epsilon of shape (4, 1, 1) against the batch axis of an input of rank 3'
     """
-    for name in _BROADCAST_CONSTANTS.get(type(layer), ()):
-        shape = np.shape(getattr(layer, name))
+    for name in _BROADCAST_CONSTANTS:
+        value = getattr(layer, name, None)
+        if value is None or isinstance(value, (keras.Variable, str)) or callable(value):
+            continue
+        try:
+            shape = np.shape(value)
+        except (ValueError, TypeError):  # arrays of unequal shapes
+            return f"has a {name} that is not one array"
         if rank is None and len(shape) > 0:
             return f"has a {name} of shape {shape} for an input of unknown rank"
         if rank is not None and (len(shape) > rank or len(shape) == rank and shape[0] != 1):

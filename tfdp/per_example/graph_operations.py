@@ -142,29 +142,35 @@ def _reshape_keeps_batch(newshape, rank_shape):
     return math.prod(rest) == math.prod(example)
 
 
-def _numbers(value):
-    """True for a non-empty nest of lists and tuples of numbers (Python's,
-    NumPy's, or 0-d arrays and tensors): a constant written as nested
-    lists."""
+def _array_like(value):
+    """True for a non-empty nest of lists and tuples whose leaves are all
+    numbers or arrays (NumPy's, tensors, variables), no graph tensor among
+    them: TensorFlow stacks it into one array, so it is one constant."""
     if isinstance(value, (list, tuple)):
-        return bool(value) and all(_numbers(item) for item in value)
+        return bool(value) and all(_array_like(item) for item in value)
     if isinstance(value, keras.KerasTensor):
         return False
-    return (isinstance(value, (int, float, bool, np.number, np.bool_))
-            or hasattr(value, "shape") and np.shape(value) == ())
+    return isinstance(value, (int, float, bool, np.number, np.bool_)) or hasattr(value, "shape")
 
 
 def _constant_leaves(value):
-    """Graph tensors and constants in `value`: a nest of numbers counts as
-    one constant (an array), not as its scalars."""
+    """Graph tensors and constants in `value`. A nest of numbers and arrays
+    is read as one constant (the array TensorFlow stacks from it: four
+    [4, 3] arrays in a list are one [4, 4, 3] constant) and as each of its
+    parts (a layer may read the outer list as a structure: a list of
+    recurrent states, each a list of rows)."""
     if isinstance(value, keras.KerasTensor) or hasattr(value, "shape"):
         return [value]
     if isinstance(value, dict):
         return [leaf for item in value.values() for leaf in _constant_leaves(item)]
     if isinstance(value, (list, tuple)):
-        if _numbers(value):
-            return [np.asarray(value)]
-        return [leaf for item in value for leaf in _constant_leaves(item)]
+        parts = [leaf for item in value for leaf in _constant_leaves(item)]
+        if _array_like(value):
+            try:
+                return [np.asarray(value)] + parts
+            except (ValueError, TypeError):  # arrays of unequal shapes: TensorFlow refuses them
+                pass
+        return parts
     return []
 
 
