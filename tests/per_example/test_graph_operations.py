@@ -399,6 +399,12 @@ CONFIGURED_LAYERS = {
     "an RMSNormalization epsilon per batch position": (
         lambda t: L.RMSNormalization(epsilon=np.ones((4, 1, 1), "float32"))(t),
         "broadcasts epsilon of shape (4, 1, 1)"),
+    "a constant mask that converts to an array per batch position": (
+        lambda t: L.MultiHeadAttention(1, 2)(t, t, value_mask=_ArrayOnly(np.eye(4, dtype=bool))),
+        "lines up with the batch axis"),
+    "a declared MultiHeadAttention's rank-2 mask": (
+        lambda t: _PaddingMaskAttention(1, 2)(t, t, attention_mask=np.eye(4, dtype=bool)),
+        "lines up with the batch axis"),
     "a MultiHeadAttention mask per batch position": (
         lambda t: L.MultiHeadAttention(1, 2)(t, t, attention_mask=np.stack(
             [np.eye(4, dtype=bool), np.ones((4, 4), bool)] * 2)), "lines up with the batch axis"),
@@ -406,6 +412,25 @@ CONFIGURED_LAYERS = {
         lambda t: _PositionalMaskPooling()(t, np.eye(4, dtype="float32"))[:, None] * t,
         "lines up with the batch axis"),
 }
+
+
+class _ArrayOnly:
+    """An array behind `__array__` alone (no `shape`), as TensorFlow converts it."""
+
+    def __init__(self, array):
+        self.array = array
+
+    def __array__(self, dtype=None, copy=None):
+        return self.array if dtype is None else self.array.astype(dtype)
+
+
+@tfdp.per_example.declare_per_example
+class _PaddingMaskAttention(L.MultiHeadAttention):
+    """A MultiHeadAttention that reads a rank-2 attention mask as one
+    padding mask per example ([B, S]), not as Keras's [T, S]."""
+
+    def call(self, query, value, key=None, attention_mask=None, **kwargs):
+        return super().call(query, value, key, attention_mask=attention_mask[:, None, :], **kwargs)
 
 
 @tfdp.per_example.declare_per_example

@@ -301,7 +301,8 @@ def without_front_padded_attention_mask(layer, args, kwargs):
     where Keras pads it in front: MultiHeadAttention and GroupQueryAttention
     add leading axes to a mask of rank below 2 n + 1 (n attention axes), so
     a constant one (a causal [T, T] array) is the same for every example
-    and holds no batch axis. Every other call comes back as it was.
+    and holds no batch axis. Every other call (a subclass's too: it may read
+    the mask otherwise) comes back as it was.
 
     Example:
 
@@ -313,8 +314,8 @@ def without_front_padded_attention_mask(layer, args, kwargs):
     >>> without_front_padded_attention_mask(layer, (x, x), {"attention_mask": causal})[1]
     {'attention_mask': None}
     """
-    if not isinstance(layer, _ATTENTION) or isinstance(layer, _SEQUENCE_ATTENTION):
-        return args, kwargs
+    if type(layer) not in _ATTENTION or type(layer) in _SEQUENCE_ATTENTION:
+        return args, kwargs  # a subclass may read the mask otherwise
     try:
         bound = inspect.signature(type(layer).call).bind(layer, *args, **kwargs)
     except TypeError:  # the call itself raises the error

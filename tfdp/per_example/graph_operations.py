@@ -150,7 +150,8 @@ def _array_like(value):
         return bool(value) and all(_array_like(item) for item in value)
     if isinstance(value, keras.KerasTensor):
         return False
-    return isinstance(value, (int, float, bool, np.number, np.bool_)) or hasattr(value, "shape")
+    return (isinstance(value, (int, float, bool, np.number, np.bool_)) or hasattr(value, "shape")
+            or hasattr(value, "__array__"))
 
 
 def _constant_leaves(value):
@@ -161,6 +162,11 @@ def _constant_leaves(value):
     recurrent states, each a list of rows)."""
     if isinstance(value, keras.KerasTensor) or hasattr(value, "shape"):
         return [value]
+    if hasattr(value, "__array__"):  # converts to an array (TensorFlow converts it so)
+        try:
+            return [np.asarray(value)]
+        except (ValueError, TypeError):
+            return []
     if isinstance(value, dict):
         return [leaf for item in value.values() for leaf in _constant_leaves(item)]
     if isinstance(value, (list, tuple)):
