@@ -18,6 +18,15 @@ from tfdp.per_example.rules.conv import ConvRule
 L = keras.layers
 
 
+# TensorFlow runs its CPU kernels through oneDNN by default on some CPUs only
+# (on an AMD EPYC with AVX2 it does not), and the route needs oneDNN: its
+# tests run here where it is on, and in a process that turns it on where it
+# is off (`test_the_route_tests_pass_with_onednn_on`).
+needs_onednn = pytest.mark.skipif(
+    not onednn.onednn_enabled(),
+    reason="oneDNN is off here; test_the_route_tests_pass_with_onednn_on runs this test with it on")
+
+
 def _call(layer, input_shape, seed=0):
     """(layer, x, g): a built layer, an input batch of 3 and an output gradient."""
     layer.build((None,) + input_shape)
@@ -27,6 +36,7 @@ def _call(layer, input_shape, seed=0):
     return layer, x, g
 
 
+@needs_onednn
 @pytest.mark.parametrize("padding", ["same", "valid"])
 @pytest.mark.parametrize("kernel_size", [1, 3, (5, 3)])
 def test_the_route_computes_the_einsum_of_patches_and_gradients(padding, kernel_size):
@@ -55,6 +65,7 @@ def test_the_route_is_not_taken_outside_the_measured_shapes(name, layer, input_s
     assert not grouped_filter.applies(layer, x, g), name
 
 
+@needs_onednn
 def test_the_route_is_not_taken_under_xla():
     layer, x, g = _call(L.Conv2D(16, 3, padding="same"), (16, 16, 16))
     seen = []
@@ -68,6 +79,7 @@ def test_the_route_is_not_taken_under_xla():
     assert seen == [False] and grouped_filter.applies(layer, x, g)
 
 
+@needs_onednn
 def test_the_rule_measures_and_sums_the_tensor_the_route_returns():
     """The norms are the sums of squares of the route's own matrices (not of
     the einsum's), and the weighted sum adds them."""
@@ -83,6 +95,7 @@ def test_the_rule_measures_and_sums_the_tensor_the_route_returns():
     np.testing.assert_allclose(summed.numpy(), expected.numpy(), rtol=1e-6)
 
 
+@needs_onednn
 def test_the_conv_rule_takes_the_route_where_it_applies(monkeypatch):
     calls = []
     original = grouped_filter.per_example_kernels
@@ -105,6 +118,7 @@ def test_the_conv_rule_takes_the_route_where_it_applies(monkeypatch):
     assert calls == [1]
 
 
+@needs_onednn
 @pytest.mark.parametrize("bad", [float("inf"), float("nan"), 3e38])
 def test_a_crafted_example_changes_no_other_examples_kernels(bad):
     """Folding the batch into channels keeps examples apart: an input of
@@ -120,6 +134,7 @@ def test_a_crafted_example_changes_no_other_examples_kernels(bad):
     assert not np.array_equal(got[1], clean[1], equal_nan=True)
 
 
+@needs_onednn
 @pytest.mark.parametrize("strides, dilation", [(2, 1), ((1, 2), 1), (1, 2)])
 def test_the_route_follows_strides_and_dilation_where_asked(strides, dilation):
     """Outside `applies`'s shapes the route is not taken, but it still
@@ -140,6 +155,26 @@ def test_the_route_is_not_taken_without_onednn(monkeypatch):
     assert grouped_filter.applies(layer, x, g) == onednn.onednn_enabled()
     monkeypatch.setattr(onednn, "onednn_enabled", lambda: False)
     assert not grouped_filter.applies(layer, x, g)
+    with pytest.raises(ValueError, match="needs TensorFlow's oneDNN CPU kernels"):
+        grouped_filter.per_example_kernels(layer, x, g)
+
+
+def test_the_route_tests_pass_with_onednn_on():
+    """Where oneDNN is off, the route's tests above and this module's
+    docstring run in a process that turns it on."""
+    if onednn.onednn_enabled():
+        pytest.skip("oneDNN is on here: the route's tests ran in this process")
+    tests = os.path.dirname(os.path.abspath(__file__))
+    env = dict(os.environ, TF_ENABLE_ONEDNN_OPTS="1", TF_CPP_MIN_LOG_LEVEL="3",
+               PYTHONPATH=os.pathsep.join([os.getcwd()] + sys.path))
+    result = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:randomly",
+         __file__, os.path.join(tests, "..", "test_docstring_examples.py"),
+         "-k", "(test_grouped_filter and not with_onednn_on) or grouped_filter]"],
+        env=env, capture_output=True, text=True, timeout=600)
+    summary = result.stdout.strip().splitlines()[-1] if result.stdout.strip() else ""
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-2000:]
+    assert "passed" in summary and "skipped" not in summary, summary
 
 
 _FIT_WITHOUT_ONEDNN = textwrap.dedent(

@@ -32,7 +32,7 @@ MODELS = {
     "layer_norm": lambda: _seq((5, 4), L.Dense(6), L.LayerNormalization(), L.Flatten(), L.Dense(2)),
     "layer_norm_rms": lambda: _seq((5, 4), L.Dense(6), L.LayerNormalization(rms_scaling=True), L.Flatten(), L.Dense(2)),
     "group_norm": lambda: _seq((6, 6, 4), L.Conv2D(6, 3), L.GroupNormalization(3), L.Flatten(), L.Dense(2)),
-    "group_norm_channels_first": lambda: _seq((4, 5, 5), L.Conv2D(4, 1, data_format="channels_first"), L.GroupNormalization(2, axis=1), L.Flatten(), L.Dense(2)),
+    "group_norm_channels_first": lambda: _seq((4, 5, 5), L.Dense(5), L.GroupNormalization(2, axis=1), L.Flatten(), L.Dense(2)),
     "group_norm_offset_only": lambda: _seq((6, 6, 4), L.Conv2D(6, 3), L.GroupNormalization(3, scale=False), L.Flatten(), L.Dense(2)),
     "group_norm_scale_only_sequence": lambda: _seq((5, 4), L.Dense(6), L.GroupNormalization(2, center=False), L.Flatten(), L.Dense(2)),
     "rms_norm": lambda: _seq((5, 4), L.Dense(6), L.RMSNormalization(), L.Flatten(), L.Dense(2)),

@@ -20,10 +20,10 @@ Example:
 >>> layer.build((None, 32, 32, 16))
 >>> x = tf.random.stateless_normal([2, 32, 32, 16], [0, 1])
 >>> g = tf.random.stateless_normal([2, 32, 32, 16], [0, 2])
->>> applies(layer, x, g)
+>>> applies(layer, x, g) == onednn.onednn_enabled()  # the route runs through oneDNN only
 True
->>> per_example_kernels(layer, x, g).shape
-TensorShape([2, 144, 16])
+>>> not applies(layer, x, g) or per_example_kernels(layer, x, g).shape == (2, 144, 16)
+True
 """
 
 import tensorflow as tf
@@ -83,7 +83,16 @@ def per_example_kernels(layer, x, g):
         layer: the Conv2D.
         x: float32 [B, H, W, Cin], the call's input, channels last.
         g: float32 [B, H', W', Cout], the gradient at its output.
+
+    Raises:
+        ValueError: TensorFlow does not run its CPU kernels through oneDNN.
     """
+    if not onednn.onednn_enabled():
+        raise ValueError(
+            "The grouped-convolution route needs TensorFlow's oneDNN CPU kernels: its own "
+            "kernel has no grouped kernel gradient. TensorFlow turns oneDNN on by default on "
+            "some CPUs only; set TF_ENABLE_ONEDNN_OPTS=1 before importing it, or call "
+            "`applies` first (the Conv2D rule does). Received: oneDNN off")
     batch = tf.shape(x)[0]
     kh, kw = layer.kernel_size
     cin, cout = x.shape[-1], g.shape[-1]
