@@ -512,3 +512,19 @@ def test_a_record_inserted_first_moves_no_other_examples_gradient(name):
     for alone, shifted in zip(*grads):
         np.testing.assert_allclose(shifted[1:], alone[:3], rtol=1e-5, atol=1e-6)
     assert plan_for(model).path == "vectorized", plan_for(model).describe()
+
+
+def test_a_model_that_cannot_run_on_one_example_is_named_before_the_first_step():
+    """A constant with one row per batch position cannot run on one example,
+    which fit builds the model on and the exact path runs: Keras raised its
+    own broadcasting error, which said nothing of why a batch of one ran."""
+    model = tfdp.DPModel(*_graph(lambda x, s: O.elu(x - 1.0, alpha=_ROWS)))
+    model.compile(optimizer=tfdp.optimizers.DPSGD(0.1, l2_norm_clip=1.0, noise_multiplier=1.0),
+                  loss="mse")
+    x, y = _data(batch=8)
+    before = [w.numpy() for w in model.trainable_weights]
+    with pytest.raises(ValueError, match="(?s)fails on a batch of one example.*Elu.*first axis of 1"):
+        model.fit(x, y, batch_size=4, epochs=1, verbose=0)
+    assert model.privacy.steps == 0
+    for w, old in zip(model.trainable_weights, before):
+        np.testing.assert_array_equal(w.numpy(), old)

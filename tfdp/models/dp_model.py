@@ -647,10 +647,16 @@ class DPTrainingMixin:
             with strategy.scope():
                 self._symbolic_build(data_batch=data)
         except ValueError as error:
-            if not isinstance(arrays, sources.RecordSource):
-                raise
+            if isinstance(arrays, sources.RecordSource):
+                raise ValueError(
+                    f"Record 0 of {arrays!r} does not fit the model: {error}"
+                ) from error
             raise ValueError(
-                f"Record 0 of {arrays!r} does not fit the model: {error}"
+                f"Model '{self.name}' fails on a batch of one example (fit builds it on the "
+                "first; tfdp's exact per-example path runs every example alone): "
+                f"{error}\nIf the model holds a constant with one row per batch position (a "
+                "mask, positions, a value per row), it cannot run on one example: give the "
+                "constant a first axis of 1, or pass it as a model input."
             ) from error
         return sample
 
