@@ -239,7 +239,8 @@ def _neighbour_ratio(middle):
     with NeighbourStep(model, data, records=3, batch_size=4, physical_batch_size=None) as step:
         for scale in (1e2, 1e4):
             record = (np.full((4, 3), scale, np.float32), np.zeros(2, np.float32))
-            ratios += [step.ratio(record, "add"), step.ratio(record, "replace") / 2]
+            ratios += [step.ratio(record, relation)
+                       for relation in ("add", "add, record first", "replace")]
     return max(ratios), model.per_example_path
 
 
@@ -475,7 +476,8 @@ def test_a_constant_that_puts_an_axis_before_the_batch_keeps_the_step_bound():
     with NeighbourStep(model, (x, y), records=3, batch_size=4, physical_batch_size=None) as step:
         for scale in (1e2, 1e4):
             record = (np.full((4, 3), scale, np.float32), np.zeros(2, np.float32))
-            ratios += [step.ratio(record, "add"), step.ratio(record, "replace") / 2]
+            ratios += [step.ratio(record, relation)
+                       for relation in ("add", "add, record first", "replace")]
     assert "vectorized" in model.per_example_path, model.per_example_path
     assert max(ratios) <= 1.0 + 1e-5, max(ratios)
 

@@ -492,5 +492,6 @@ def test_masks_carried_by_the_inputs_keep_the_step_bound():
                        physical_batch_size=4) as step:
         for _ in range(6):
             record = (rng.integers(0, 5, (4, 4)).astype("int32"), np.zeros(1, "float32"))
-            ratios += [step.ratio(record, "add"), step.ratio(record, "replace") / 2]
+            ratios += [step.ratio(record, relation)
+                       for relation in ("add", "add, record first", "replace")]
     assert max(ratios) <= 1.0 + 1e-5, max(ratios)

@@ -37,6 +37,11 @@ Relations (D has `records` real rows, the batch `records + 1` rows):
 * "add, record in padding": as "add, padded batch", with the padding rows of
   D' copies of the record (`fit` pads with record 0, and the record may be
   record 0 of the data set).
+* "add, record first": D' = the record followed by D's records, a full
+  batch; D as for "add". A Poisson draw keeps the data set's order, so an
+  added record may come before every other: each of them then moves one
+  row down, which a step that gives an example anything by its position in
+  the batch (a constant's row, a seed) would feel.
 * "replace": the full batch with its first record replaced (bound 2C/b).
 
 With adaptive clipping (`target_unclipped_quantile`) the stand-in starts
@@ -74,7 +79,8 @@ import tensorflow as tf
 
 from tfdp.models import multi_output
 
-RELATIONS = ("add", "add, padded batch", "add, record in padding", "replace")
+RELATIONS = ("add", "add, padded batch", "add, record in padding", "add, record first",
+             "replace")
 
 # Mechanisms whose update is not (learning rate) x (clipped sum) / b.
 _REFUSED = {
@@ -272,6 +278,10 @@ class NeighbourStep:
         if relation == "add":
             drawn = rows + ([] if record is None else [record])
             return drawn + rows[:1] * (n + 1 - len(drawn)), len(drawn)
+        if relation == "add, record first":
+            if record is None:
+                return rows + rows[:1], n
+            return [record] + rows, n + 1
         if relation == "replace":
             base = rows + [self.rows[n]]
             return ([base[0]] if record is None else [record]) + base[1:], n + 1

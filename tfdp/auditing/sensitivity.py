@@ -27,7 +27,8 @@ searches for the record that moves the update the most:
 7. gradient ascent on float inputs and targets, discrete search on token
    ids, labels and masks;
 8. the worst records again as the last drawn row of a full batch, in a
-   padded batch, filling the padding rows, and replacing another record.
+   padded batch, filling the padding rows, before every other record
+   (which each move one row down), and replacing another record.
 
 Constructions 5 and 6 read the model's first layer's kernel (its zero rows,
 its scale) and prediction, and build the record from them.
@@ -106,7 +107,7 @@ class SensitivityResult:
         construction: how the record was made (e.g. "cancelling positions:
             tied inputs, targets +-1e+08 (delta 1e+04)").
         relation: the neighbouring batches ("add", "add, padded batch",
-            "add, record in padding", "replace").
+            "add, record in padding", "add, record first", "replace").
         per_example_path: `model.per_example_path` of the model checked.
         table: one row per construction: (name, train steps, worst ratio,
             relation of the worst).
