@@ -6,8 +6,10 @@ and whose every layer and operation keeps examples independent
 (`registry`). Each layer that owns trainable weights is then run by its rule,
 or by the per-layer fallback when it has none; a layer without weights of its
 own is looked into (MultiHeadAttention's projections, Bidirectional's two
-RNNs, a nested model). Anything else takes the whole-model vectorized path,
-and `Plan.reason` says why.
+RNNs, a nested model). Random augmentation, dropout and noise layers draw
+per example, keyed by its own input (`random_augmentation`, `keyed_noise`).
+Anything else takes the whole-model vectorized path, and `Plan.reason` says
+why.
 
 Example:
 
@@ -24,6 +26,7 @@ from tfdp.per_example import rules
 from tfdp.per_example.configuration import configuration_problem
 from tfdp.per_example.declared import held_layer_problem
 from tfdp.per_example.fallback import LayerFallback
+from tfdp.per_example.keyed_noise import KeyedNoise, is_keyed_noise
 from tfdp.per_example.random_augmentation import (
     KeyedAugmentation,
     augmentation_hint,
@@ -41,6 +44,7 @@ from tfdp.per_example.registry import (
 
 FALLBACK = LayerFallback()
 KEYED = KeyedAugmentation()
+KEYED_NOISE = KeyedNoise()
 
 
 class Plan:
@@ -189,4 +193,6 @@ def plan_for(model):
         return Plan("vectorized", reason="some trainable variables belong to no layer it can run")
     handlers += [(layer, KEYED) for layer in model._flatten_layers(include_self=False)
                  if is_keyed_augmentation(layer)]
+    handlers += [(layer, KEYED_NOISE) for layer in model._flatten_layers(include_self=False)
+                 if is_keyed_noise(layer)]
     return Plan("batched", handlers)

@@ -64,7 +64,9 @@ class _SeedSequence(SeedGenerator):
         return self._seed + tf.constant([0, 1 << 20], tf.int64) * (self._count - 1)
 
 
-def _training(layer, args, kwargs):
+def training_argument(layer, args, kwargs):
+    """The `training` value a call of `layer.call` received (by keyword, as
+    its first extra positional argument, or its default)."""
     parameters = inspect.signature(type(layer).call).parameters
     training = kwargs.get("training", args[0] if args else None)
     if training is None and "training" in parameters:
@@ -79,7 +81,7 @@ def keyed_call(layer, call, data, *args, **kwargs):
     not training or `data` is not a batch of images."""
     from tfdp.models.augmentation import example_hashes
 
-    training = _training(layer, args, kwargs)
+    training = training_argument(layer, args, kwargs)
     if not training or isinstance(data, dict) or len(data.shape) != 4:
         return call(data, *args, **kwargs)
     key = tf.cast(layer._get_seed_generator(keras.backend.backend()).next(), tf.int64)

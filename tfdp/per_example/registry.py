@@ -33,7 +33,8 @@ from tfdp.per_example.random_augmentation import is_keyed_augmentation
 _L = keras.layers
 
 # Layers whose output for one example depends only on that example's inputs
-# (and on randomness that is not data, such as a Dropout mask).
+# (and, on the batched pass, on randomness keyed by them: dropout and noise
+# layers, `tfdp.per_example.keyed_noise`).
 ALLOWED = {
     # Layers with weights (each has a rule, or falls back per layer).
     _L.Dense, _L.EinsumDense, _L.Embedding,
