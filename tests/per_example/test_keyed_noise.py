@@ -87,13 +87,16 @@ def test_keras_own_draw_by_position_moves_the_others_negative_control(monkeypatc
     from tfdp.per_example import keyed_noise
 
     monkeypatch.setattr(keyed_noise, "keyed_noise_call",
-                        lambda layer, call, *args, **kwargs: call(*args, **kwargs))
+                        lambda layer, call, keys, *args, **kwargs: call(*args, **kwargs))
     assert _others_moved(_model("Dropout")) > 1e-3
 
 
-def test_a_neighbouring_step_with_dropout_stays_within_the_bound():
+@pytest.mark.parametrize("physical_batch_size", [None, 2])
+def test_a_neighbouring_step_with_dropout_stays_within_the_bound(physical_batch_size):
     """The compiled step, noise 0: a Dropout(0.5) moved it 2.8 times its
-    bound with the record inserted first, before the masks were keyed."""
+    bound with the record inserted first, before the masks were keyed (3.3
+    in chunks of 2: each chunk drew its own key, so an example moved to the
+    next chunk drew another mask)."""
     base = _model("Dropout")
     model = tfdp.DPModel(base.inputs, base.outputs)
     model.compile(optimizer=tfdp.optimizers.DPSGD(0.1, l2_norm_clip=0.01, noise_multiplier=1.0),
@@ -101,7 +104,8 @@ def test_a_neighbouring_step_with_dropout_stays_within_the_bound():
     rng = np.random.default_rng(1)
     data = (rng.normal(size=(3, 4, 3)).astype(np.float32),
             rng.normal(size=(3, 2)).astype(np.float32))
-    with NeighbourStep(model, data, records=3, batch_size=4, physical_batch_size=None) as step:
+    with NeighbourStep(model, data, records=3, batch_size=4,
+                       physical_batch_size=physical_batch_size) as step:
         ratios = [step.ratio((np.full((4, 3), scale, np.float32), np.zeros(2, np.float32)),
                              relation)
                   for scale in (1.0, 100.0)
@@ -111,7 +115,7 @@ def test_a_neighbouring_step_with_dropout_stays_within_the_bound():
 
 def _call(layer, x):
     layer.build(x.shape)
-    return keyed_noise_call(layer, layer.call, tf.constant(x), training=True).numpy()
+    return keyed_noise_call(layer, layer.call, None, tf.constant(x), training=True).numpy()
 
 
 def test_dropout_keeps_one_minus_rate_scaled_as_keras():
@@ -160,7 +164,7 @@ def test_inference_and_rate_zero_are_the_layers_own_call():
     x = tf.random.stateless_normal([3, 7], [0, 1])
     layer = L.Dropout(0.5)
     layer.build(x.shape)
-    np.testing.assert_array_equal(keyed_noise_call(layer, layer.call, x, training=False), x)
+    np.testing.assert_array_equal(keyed_noise_call(layer, layer.call, None, x, training=False), x)
     none = L.Dropout(0.0)
     none.build(x.shape)
-    np.testing.assert_array_equal(keyed_noise_call(none, none.call, x, training=True), x)
+    np.testing.assert_array_equal(keyed_noise_call(none, none.call, None, x, training=True), x)

@@ -103,6 +103,23 @@ def test_a_records_gradient_does_not_depend_on_the_other_records():
     assert norm_of_record_0([0, 1, 2]) == norm_of_record_0([4, 3, 0])
 
 
+def test_a_record_drawn_first_moves_no_other_records_transform_across_chunks():
+    """In physical chunks each chunk drew its own key: a record drawn
+    before the others moved one of them to the next chunk, onto another
+    key (`tfdp.per_example.step_keys`); the compiled step, noise 0."""
+    from tfdp.auditing.neighbour_step import NeighbourStep
+
+    model = _model()
+    model.compile(optimizer=tfdp.optimizers.DPSGD(0.1, l2_norm_clip=0.01, noise_multiplier=1.0),
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    x = np.random.default_rng(2).random((3, 12, 12, 3)).astype("float32")
+    with NeighbourStep(model, (x, np.array([0, 1, 0])), records=3, batch_size=4,
+                       physical_batch_size=2) as step:
+        ratios = [step.ratio((np.full((12, 12, 3), value, np.float32), 1), relation)
+                  for value in (0.5, 50.0) for relation in ("add", "add, record first")]
+    assert max(ratios) <= 1.0 + 1e-5, ratios
+
+
 @pytest.mark.parametrize("layer, words", [
     (L.RandAugment(), ["augment=augment, augmentations=1", "stateless_random"]),
     (L.MixUp(), ["mixes examples", "fit(augment=augment, augmentations=1)"]),

@@ -35,7 +35,7 @@ import tensorflow as tf
 from tfdp.data.poisson import DEFAULT_OVERFLOW_PROBABILITY, padded_batch_size
 from tfdp.models.state_writes import checked_per_example_pass, seed_generator_states
 from tfdp.models.user_level import per_user_gradients
-from tfdp.per_example import compute_per_example_gradients
+from tfdp.per_example import compute_per_example_gradients, step_keys
 
 
 def unsplittable_reason(optimizer):
@@ -195,7 +195,18 @@ def chunked_private_gradients(model, x, y, weights, step_info, physical_batch_si
         return (tf.nest.map_structure(take, x), tf.nest.map_structure(take, y),
                 take(weights) * inside, take(mask) * inside)
 
+    # Every chunk draws the keys of the step's seed states (`step_keys`), so
+    # a layer keyed per example (dropout, noise, augmentation) gives each
+    # example the same key whichever chunk holds it: a record drawn before it
+    # would otherwise move it to a later chunk, onto a later key. The state
+    # saved with the model would also count the records drawn (the chunks are
+    # the draw's): after the chunks it is set one step past where the step
+    # began ([seed + 1, counter]: no step's seed comes again), whatever was
+    # drawn.
+    seeds = [(state, tf.identity(state.value)) for state in seed_generator_states(model)]
+
     def body(i, sums, counts, losses):
+        step_keys.restart_chunk()
         cx, cy, cweights, cmask = chunk_of(i * k)
         with checked_per_example_pass(model):  # the layers write nothing (state_writes)
             per_example, y_pred, chunk_losses = compute_per_example_gradients(
@@ -229,14 +240,10 @@ def chunked_private_gradients(model, x, y, weights, step_info, physical_batch_si
         tf.TensorArray(tf.float32, size=(rows + k - 1) // k if static_chunks else num_chunks,
                        element_shape=[k if static_chunks else None], infer_shape=static_chunks),
     )
-    # Dropout's seed state advances once a chunk, and the number of chunks is
-    # the draw's: the state saved with the model would count the records
-    # drawn. After the chunks it is set one step past where the step began
-    # ([seed + 1, counter]: no chunk's seed comes again), whatever was drawn.
-    seeds = [(state, tf.identity(state.value)) for state in seed_generator_states(model)]
-    _, sums, counts, losses = tf.while_loop(
-        lambda i, *_: i < num_chunks, body, start, parallel_iterations=1
-    )
+    with step_keys.chunk_keys(seeds):
+        _, sums, counts, losses = tf.while_loop(
+            lambda i, *_: i < num_chunks, body, start, parallel_iterations=1
+        )
     with tf.control_dependencies(sums):
         for state, began in seeds:
             state.assign(began + tf.constant([1, 0], began.dtype))

@@ -17,6 +17,7 @@ import tensorflow as tf
 from tfdp.per_example.declared import held_calls_checked
 from tfdp.per_example.grads import PerExampleGradients
 from tfdp.per_example.inference_mode import inference_mode_calls
+from tfdp.per_example.keyed_noise import KeyedNoise, input_keys
 from tfdp.per_example.recorder import Recorder
 
 
@@ -30,8 +31,9 @@ def batched_gradients(model, plan, x, y, weights, loss_fn, training):
         loss_fn: callable(y_true, y_pred) -> per-example losses [B].
         training: passed to the model's layers.
     """
+    keyed = any(isinstance(handler, KeyedNoise) for _, handler in plan.handlers)
     with tf.GradientTape(watch_accessed_variables=False) as tape:
-        recorder = Recorder(tape)
+        recorder = Recorder(tape, input_keys(x) if keyed else None)
         # The inference-mode hooks and the declared layers' checks wrap the
         # rules' (checked at every call).
         batch_size = tf.nest.flatten(x)[0].shape[0]
@@ -44,7 +46,7 @@ def batched_gradients(model, plan, x, y, weights, loss_fn, training):
     parts = []
     for layer, handler in plan.handlers:
         records = recorder.records_of(layer)
-        if not records:
+        if not records and layer.trainable_weights:
             raise ValueError(
                 f"Layer '{layer.name}' has trainable weights but did not run in the "
                 "model's forward pass; tfdp cannot compute its per-example gradients. "

@@ -13,9 +13,9 @@ On the batched per-example path each call of such a layer in training mode
 instead draws one key from the layer's own seed generator (which advances
 by one a call, whatever the batch holds) and gives example i the noise of a
 counter-based hash of (key, h(x_i), entry index), `h` a hash of the
-example's own input to the layer (`tfdp.models.augmentation.example_hashes`),
-as `tfdp.per_example.random_augmentation` does for image augmentation: for
-a given key each example's noise is a function of its own data only. The
+example's own inputs to the model (`input_keys`), as
+`tfdp.per_example.random_augmentation` does for image augmentation: for a
+given key each example's noise is a function of its own data only. The
 distributions are Keras's: a mask entry is kept with probability 1 - rate
 (24-bit uniforms), the normals come from Box-Muller on two of them (tails
 cut at 5.8 sigma). A `noise_shape` shares one draw along its unit axes
@@ -26,10 +26,10 @@ Example:
 >>> import keras, tensorflow as tf
 >>> layer = keras.layers.Dropout(0.5, seed=0)
 >>> x = tf.ones([3, 1000])
->>> out = keyed_noise_call(layer, layer.call, x, training=True)
+>>> out = keyed_noise_call(layer, layer.call, None, x, training=True)
 >>> sorted(set(out.numpy().ravel().tolist()))
 [0.0, 2.0]
->>> same = keyed_noise_call(layer, layer.call, tf.ones([2, 1000]), training=True)
+>>> same = keyed_noise_call(layer, layer.call, None, tf.ones([2, 1000]), training=True)
 >>> bool(tf.reduce_all(same[0] == same[1]))   # equal inputs, equal masks
 True
 """
@@ -41,6 +41,7 @@ import numpy as np
 import tensorflow as tf
 
 from tfdp.per_example.random_augmentation import training_argument
+from tfdp.per_example.step_keys import call_key
 
 _L = keras.layers
 _DROPOUTS = (_L.Dropout, _L.SpatialDropout1D, _L.SpatialDropout2D, _L.SpatialDropout3D)
@@ -64,16 +65,42 @@ def _fmix32(h):
     return tf.bitwise.bitwise_xor(h, tf.bitwise.right_shift(h, np.uint32(16)))
 
 
-def _row_seeds(layer, x):
-    """Two uint32 words per example, [B] each: the call's key from the
-    layer's seed generator, mixed with the hash of the example's input."""
+def input_keys(x):
+    """int64 [B]: a hash of each example's model inputs (`x`, a nest of
+    dense tensors; strings hashed first), or None when a leaf is not a
+    dense tensor. Each dropout keys its examples by these: they are the
+    records' own values, where a layer's input may round differently by
+    row (a matmul blocks rows by their position), and a hash of it would
+    turn that rounding into another mask."""
     from tfdp.models.augmentation import example_hashes
 
-    key = tf.cast(layer.seed_generator.next(), tf.int64)
-    words = tf.bitcast(tf.bitwise.bitwise_xor(example_hashes(x), key[0]), tf.uint32)  # [B, 2]
+    leaves = tf.nest.flatten(x)
+    if not leaves or not all(isinstance(leaf, tf.Tensor) for leaf in leaves):
+        return None
+    return example_hashes([tf.strings.to_hash_bucket_fast(leaf, 2 ** 62)
+                           if leaf.dtype == tf.string else leaf for leaf in leaves])
+
+
+def _row_seeds(layer, x, example_keys):
+    """Two uint32 words per row of `x`, [rows] each: the call's key from
+    the layer's seed generator, mixed with its example's key. With R = k B
+    rows for B keys (TimeDistributed's [B T, ...]), row r is example r // k's,
+    entry r % k of it."""
+    from tfdp.models.augmentation import example_hashes
+
+    key = call_key(layer.seed_generator)
+    if example_keys is None:
+        example_keys = example_hashes(x)
+    rows, count = tf.shape(x)[0], tf.shape(example_keys)[0]
+    per_example = tf.maximum(rows // count, 1)
+    row = tf.range(rows)
+    keys = tf.gather(example_keys, tf.minimum(row // per_example, count - 1))
+    words = tf.bitcast(tf.bitwise.bitwise_xor(keys, key[0]), tf.uint32)  # [rows, 2]
     key_words = tf.bitcast(key[1], tf.uint32)
+    entry = tf.cast(row % per_example, tf.uint32) * np.uint32(0x9E3779B9)
     return (_fmix32(tf.bitwise.bitwise_xor(words[:, 0], key_words[0])),
-            _fmix32(tf.bitwise.bitwise_xor(words[:, 1], key_words[1])))
+            _fmix32(tf.bitwise.bitwise_xor(tf.bitwise.bitwise_xor(words[:, 1], key_words[1]),
+                                           entry)))
 
 
 def _uniforms(seeds, shape, stream=0):
@@ -106,16 +133,17 @@ def _noise_shape(layer, x):
     return [dims[0]] + [dims[i] if noise[i] is None else noise[i] for i in range(1, len(dims))]
 
 
-def keyed_noise_call(layer, call, x, *args, **kwargs):
+def keyed_noise_call(layer, call, example_keys, x, *args, **kwargs):
     """`layer`'s output on the batch `x`, each example's noise keyed by its
-    own input (see the module); `call` (the layer's own) when not training
-    or when the layer draws nothing."""
+    `example_keys` (`input_keys` of the model's inputs; None: a hash of `x`
+    itself), see the module; `call` (the layer's own) when not training or
+    when the layer draws nothing."""
     training = training_argument(layer, args, kwargs)
     rate = getattr(layer, "rate", getattr(layer, "stddev", 0.0))
     if not training or not rate > 0 or isinstance(x, (dict, list, tuple)):
         return call(x, *args, **kwargs)
     x = tf.convert_to_tensor(x)
-    seeds = _row_seeds(layer, x)
+    seeds = _row_seeds(layer, x, example_keys)
     if isinstance(layer, _L.GaussianNoise):
         noise = _normals(seeds, _noise_shape(layer, x)) * layer.stddev
         return x + tf.cast(noise, x.dtype)
@@ -138,7 +166,7 @@ class KeyedNoise:
 
     def call(self, layer, recorder, call, *args, **kwargs):
         recorder.record(layer)
-        return keyed_noise_call(layer, call, *args, **kwargs)
+        return keyed_noise_call(layer, call, recorder.example_keys, *args, **kwargs)
 
     def parts(self, layer, records):
         return []

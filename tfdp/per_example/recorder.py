@@ -66,10 +66,13 @@ class Recorder:
 
     Args:
         tape: the `tf.GradientTape` recording the batched pass.
+        example_keys: int64 [B], a hash of each example's inputs, which
+            layers keyed per example draw by (`keyed_noise.input_keys`).
     """
 
-    def __init__(self, tape):
+    def __init__(self, tape, example_keys=None):
         self.tape = tape
+        self.example_keys = example_keys
         self._records = {}
 
     def record(self, layer, **values):
