@@ -18,6 +18,7 @@ from tfdp.per_example.declared import held_calls_checked
 from tfdp.per_example.grads import PerExampleGradients
 from tfdp.per_example.inference_mode import inference_mode_calls
 from tfdp.per_example.keyed_noise import KeyedNoise, input_keys
+from tfdp.per_example.random_augmentation import KeyedAugmentation
 from tfdp.per_example.recorder import Recorder
 
 
@@ -31,7 +32,8 @@ def batched_gradients(model, plan, x, y, weights, loss_fn, training):
         loss_fn: callable(y_true, y_pred) -> per-example losses [B].
         training: passed to the model's layers.
     """
-    keyed = any(isinstance(handler, KeyedNoise) for _, handler in plan.handlers)
+    keyed = any(isinstance(handler, (KeyedNoise, KeyedAugmentation))
+                for _, handler in plan.handlers)
     with tf.GradientTape(watch_accessed_variables=False) as tape:
         recorder = Recorder(tape, input_keys(x) if keyed else None)
         # The inference-mode hooks and the declared layers' checks wrap the

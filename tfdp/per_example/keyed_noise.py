@@ -10,8 +10,9 @@ Dropout(0.5), `NeighbourStep`'s "add, record first"). With the seed public
 the step's sensitivity is no longer C.
 
 On the batched per-example path each call of such a layer in training mode
-instead draws one key from the layer's own seed generator (which advances
-by one a call, whatever the batch holds) and gives example i the noise of a
+instead draws one key from the layer's own seed generator (one a call, the
+same in every physical chunk: `tfdp.per_example.step_keys`) and gives
+example i the noise of a
 counter-based hash of (key, h(x_i), entry index), `h` a hash of the
 example's own inputs to the model (`input_keys`), as
 `tfdp.per_example.random_augmentation` does for image augmentation: for a

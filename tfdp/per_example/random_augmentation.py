@@ -5,11 +5,13 @@ draws their random transforms for a whole batch from one seed state, by
 position in the batch: adding a record shifts every later record's draw, so
 one record would change the others' augmentations. On the batched
 per-example path each call of such a layer instead draws one key from the
-layer's own seed generator (which advances by one a call, whatever the
-batch holds) and transforms example i alone with the seed
-`(key_0 ^ h(x_i), key_1)`, `h` a hash of the example's own input to the
-layer (`tfdp.models.augmentation.example_hashes`). For a given key each
-example's transform is a function of its own data only, as for
+layer's own seed generator (one a call, the same in every physical chunk:
+`tfdp.per_example.step_keys`) and transforms example i alone with the seed
+`(key_0 ^ h(x_i), key_1)`, `h` a hash of the example's own inputs to the
+model (`tfdp.per_example.keyed_noise.input_keys`: a layer's input may
+round differently by row, which a hash would turn into another transform).
+For a given key each example's transform is a function of its own data
+only, as for
 `fit(augment=...)`. The layers mix nothing else: each transforms one image
 with statistics of that image alone.
 
@@ -77,17 +79,20 @@ def training_argument(layer, args, kwargs):
     return training
 
 
-def keyed_call(layer, call, data, *args, **kwargs):
+def keyed_call(layer, call, data, *args, example_keys=None, **kwargs):
     """`layer`'s output on the batch `data`, each example transformed with a
     seed of its own (the module's docstring); `call` (the layer's own) when
-    not training or `data` is not a batch of images."""
+    not training or `data` is not a batch of images. `example_keys`: int64
+    [B], a hash of each example's inputs to the model (the batched pass's,
+    `keyed_noise.input_keys`); None: a hash of `data` itself."""
     from tfdp.models.augmentation import example_hashes
 
     training = training_argument(layer, args, kwargs)
     if not training or isinstance(data, dict) or len(data.shape) != 4:
         return call(data, *args, **kwargs)
     key = call_key(layer._get_seed_generator(keras.backend.backend()))
-    seeds = tf.stack([tf.bitwise.bitwise_xor(key[0], example_hashes(data)),
+    hashes = example_hashes(data) if example_keys is None else example_keys
+    seeds = tf.stack([tf.bitwise.bitwise_xor(key[0], hashes),
                       tf.broadcast_to(key[1], tf.shape(data)[:1])], axis=1)
 
     def one(example):
@@ -108,7 +113,7 @@ class KeyedAugmentation:
 
     def call(self, layer, recorder, call, *args, **kwargs):
         recorder.record(layer)
-        return keyed_call(layer, call, *args, **kwargs)
+        return keyed_call(layer, call, *args, example_keys=recorder.example_keys, **kwargs)
 
     def parts(self, layer, records):
         return []
