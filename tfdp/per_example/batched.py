@@ -17,7 +17,12 @@ import tensorflow as tf
 from tfdp.per_example.declared import held_calls_checked
 from tfdp.per_example.grads import PerExampleGradients
 from tfdp.per_example.inference_mode import inference_mode_calls
-from tfdp.per_example.keyed_noise import KeyedNoise, input_keys
+from tfdp.per_example.keyed_noise import (
+    KeyedNoise,
+    has_cell_dropout,
+    input_keys,
+    keyed_cell_masks,
+)
 from tfdp.per_example.random_augmentation import KeyedAugmentation
 from tfdp.per_example.recorder import Recorder
 
@@ -33,14 +38,15 @@ def batched_gradients(model, plan, x, y, weights, loss_fn, training):
         training: passed to the model's layers.
     """
     keyed = any(isinstance(handler, (KeyedNoise, KeyedAugmentation))
-                for _, handler in plan.handlers)
+                for _, handler in plan.handlers) or has_cell_dropout(model)
     with tf.GradientTape(watch_accessed_variables=False) as tape:
         recorder = Recorder(tape, input_keys(x) if keyed else None)
         # The inference-mode hooks and the declared layers' checks wrap the
         # rules' (checked at every call).
         batch_size = tf.nest.flatten(x)[0].shape[0]
         with recorder.hooked(plan.handlers), inference_mode_calls(model), \
-                held_calls_checked(model, batch_size):
+                held_calls_checked(model, batch_size), \
+                keyed_cell_masks(model, recorder.example_keys):
             y_pred = model(x, training=training)
         losses = loss_fn(y, y_pred)
         total = tf.reduce_sum(losses * weights)

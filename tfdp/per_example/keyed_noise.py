@@ -35,6 +35,8 @@ Example:
 True
 """
 
+import contextlib
+import functools
 import math
 
 import keras
@@ -158,6 +160,49 @@ def keyed_noise_call(layer, call, example_keys, x, *args, **kwargs):
         b = -a * alpha_p * rate
         return a * (x * kept + alpha_p * (1 - kept)) + b
     return x * tf.cast(1.0 / (1.0 - rate), x.dtype) * kept
+
+
+def _keyed_cell_mask(cell, example_keys, step_input, rate):
+    """A recurrent cell's dropout mask (ones, kept with probability 1 -
+    rate, scaled by 1 / (1 - rate), as Keras's), keyed per example; a list
+    of `dropout_mask_count` of them where the cell asks for one a gate."""
+    def one():
+        seeds = _row_seeds(cell, step_input, example_keys)
+        shape = [step_input.shape[i] if step_input.shape[i] is not None
+                 else tf.shape(step_input)[i] for i in range(step_input.shape.rank)]
+        kept = tf.cast(_uniforms(seeds, shape) >= rate, step_input.dtype)
+        return kept * tf.cast(1.0 / (1.0 - rate), step_input.dtype)
+
+    count = getattr(cell, "dropout_mask_count", None)
+    return one() if count is None else [one() for _ in range(count)]
+
+
+def _dropout_cells(model):
+    from keras.src.layers.rnn.dropout_rnn_cell import DropoutRNNCell
+
+    return [layer for layer in model._flatten_layers() if isinstance(layer, DropoutRNNCell)]
+
+
+def has_cell_dropout(model):
+    """True if a recurrent cell of `model` draws dropout masks."""
+    return any(getattr(cell, "dropout", 0) > 0 or getattr(cell, "recurrent_dropout", 0) > 0
+               for cell in _dropout_cells(model))
+
+
+@contextlib.contextmanager
+def keyed_cell_masks(model, example_keys):
+    """Within the block, every recurrent cell of `model` (LSTM's, GRU's,
+    SimpleRNN's `dropout` and `recurrent_dropout`) draws its masks keyed per
+    example, as the layers above: Keras draws them by batch position too."""
+    cells = _dropout_cells(model)
+    for cell in cells:
+        object.__setattr__(cell, "_create_dropout_mask",
+                           functools.partial(_keyed_cell_mask, cell, example_keys))
+    try:
+        yield
+    finally:
+        for cell in cells:
+            cell.__dict__.pop("_create_dropout_mask", None)
 
 
 class KeyedNoise:
