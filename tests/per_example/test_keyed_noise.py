@@ -179,3 +179,93 @@ def test_inference_and_rate_zero_are_the_layers_own_call():
     none = L.Dropout(0.0)
     none.build(x.shape)
     np.testing.assert_array_equal(keyed_noise_call(none, none.call, None, x, training=True), x)
+
+
+@tfdp.per_example.declare_per_example
+class _HeldDropout(L.Layer):
+    """A declared layer holding a Dropout: its weights take the per-layer
+    fallback, whose re-run draws Keras's own masks."""
+
+    def build(self, shape):
+        self.dense = L.Dense(shape[-1])
+        self.dense.build(shape)
+        self.drop = L.Dropout(0.5)
+
+    def call(self, x, training=None):
+        return self.drop(self.dense(x), training=training)
+
+
+@tfdp.per_example.declare_per_example
+class _DroppedPositions(L.Layer):
+    """Adds a learned [T, D] table, dropped: a tensor of one row, not the batch."""
+
+    def build(self, shape):
+        self.table = self.add_weight(shape=tuple(shape[1:]), initializer="random_normal")
+        self.drop = L.Dropout(0.5)
+
+    def call(self, x, training=None):
+        return x + self.drop(self.table[None], training=training)
+
+
+def _step_ratios(middle, physical_batch_size, **model_settings):
+    """NeighbourStep's worst ratio over far and near records and three relations."""
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((4, 3))
+    h = middle(L.Dense(3, activation="tanh")(inputs))
+    model = tfdp.DPModel(inputs, L.Dense(2)(L.Flatten()(h)), **model_settings)
+    model.compile(optimizer=tfdp.optimizers.DPSGD(0.1, l2_norm_clip=0.01, noise_multiplier=1.0),
+                  loss="mse")
+    rng = np.random.default_rng(1)
+    data = (rng.normal(size=(3, 4, 3)).astype(np.float32),
+            rng.normal(size=(3, 2)).astype(np.float32))
+    with NeighbourStep(model, data, records=3, batch_size=4,
+                       physical_batch_size=physical_batch_size) as step:
+        return max(step.ratio((np.full((4, 3), scale, np.float32), np.zeros(2, np.float32)),
+                              relation)
+                   for scale in (1.0, 100.0)
+                   for relation in ("add", "add, record first", "replace"))
+
+
+@pytest.mark.parametrize("name, middle, settings", [
+    ("the whole-model vectorized path", lambda h: L.GaussianNoise(0.5)(L.Dropout(0.5)(h)),
+     {"per_example_gradients": "vectorized"}),
+    ("a declared layer's Dropout, re-run by the fallback", lambda h: _HeldDropout()(h), {}),
+    ("a dropped table of positions in a declared layer", lambda h: _DroppedPositions()(h), {}),
+])
+def test_each_chunk_draws_the_steps_seeds(name, middle, settings):
+    """Review of the keyed masks: in chunks of 2 each chunk's run drew the
+    next seed, so a record drawn first moved an example to the next chunk,
+    onto another mask (vectorized path 1.62x, the fallback's re-run 1.27x);
+    a [1, T, D] table in a chunk of one row was read as that row's example
+    (1.005x; 1.03x without chunks when its rows were keyed by the examples')."""
+    for physical_batch_size in (None, 2):
+        assert _step_ratios(middle, physical_batch_size, **settings) <= 1.0 + 1e-5, name
+
+
+@pytest.mark.parametrize("layer", [L.Attention, L.AdditiveAttention])
+def test_an_attention_that_draws_its_own_dropout_takes_the_exact_path(layer):
+    """Attention(dropout=...) draws its mask in its own call, by batch
+    position (2.1x a neighbouring step's bound, record first)."""
+    inputs = keras.Input((4, 3))
+    h = layer(dropout=0.5)([inputs, inputs])
+    plan = plan_for(keras.Model(inputs, L.Dense(2)(L.Flatten()(h))))
+    assert plan.path == "vectorized" and "draws its attention dropout mask" in plan.reason
+    assert _step_ratios(lambda t: layer(dropout=0.5)([t, t]), None) <= 1.0 + 1e-5
+
+
+def test_bidirectional_recurrent_dropout_is_keyed():
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((4, 3))
+    h = L.Bidirectional(L.LSTM(3, dropout=0.5, return_sequences=True))(inputs)
+    model = keras.Model(inputs, L.Dense(2)(L.Flatten()(h)))
+    assert _others_moved(model) < 1e-6
+
+
+def test_inputs_of_unknown_length_are_keyed():
+    """input_keys read a static length (a TypeError on [None, None, 3])."""
+    from tfdp.per_example.keyed_noise import input_keys
+
+    keys = tf.function(input_keys, input_signature=[tf.TensorSpec([None, None, 3])])
+    padded = np.zeros((2, 6, 3), np.float32)
+    padded[:, :4] = np.arange(24, dtype=np.float32).reshape(2, 4, 3)
+    np.testing.assert_array_equal(keys(tf.constant(padded)), keys(tf.constant(padded[:, :4])))

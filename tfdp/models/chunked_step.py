@@ -33,7 +33,7 @@ import numpy as np
 import tensorflow as tf
 
 from tfdp.data.poisson import DEFAULT_OVERFLOW_PROBABILITY, padded_batch_size
-from tfdp.models.state_writes import checked_per_example_pass, seed_generator_states
+from tfdp.models.state_writes import checked_per_example_pass, seed_generators
 from tfdp.models.user_level import per_user_gradients
 from tfdp.per_example import compute_per_example_gradients, step_keys
 
@@ -195,15 +195,16 @@ def chunked_private_gradients(model, x, y, weights, step_info, physical_batch_si
         return (tf.nest.map_structure(take, x), tf.nest.map_structure(take, y),
                 take(weights) * inside, take(mask) * inside)
 
-    # Every chunk draws the keys of the step's seed states (`step_keys`), so
-    # a layer keyed per example (dropout, noise, augmentation) gives each
-    # example the same key whichever chunk holds it: a record drawn before it
-    # would otherwise move it to a later chunk, onto a later key. The state
+    # Every chunk draws the step's seeds (`step_keys`), so a random layer
+    # (keyed per example or Keras's own) gives each example the same draws
+    # whichever chunk holds it: a record drawn before it would otherwise move
+    # it to a later chunk, onto a later seed. The state
     # saved with the model would also count the records drawn (the chunks are
     # the draw's): after the chunks it is set one step past where the step
     # began ([seed + 1, counter]: no step's seed comes again), whatever was
     # drawn.
-    seeds = [(state, tf.identity(state.value)) for state in seed_generator_states(model)]
+    generators = [(generator, tf.identity(generator.state.value))
+                  for generator in seed_generators(model)]
 
     def body(i, sums, counts, losses):
         step_keys.restart_chunk()
@@ -240,13 +241,13 @@ def chunked_private_gradients(model, x, y, weights, step_info, physical_batch_si
         tf.TensorArray(tf.float32, size=(rows + k - 1) // k if static_chunks else num_chunks,
                        element_shape=[k if static_chunks else None], infer_shape=static_chunks),
     )
-    with step_keys.chunk_keys(seeds):
+    with step_keys.chunk_keys(generators):
         _, sums, counts, losses = tf.while_loop(
             lambda i, *_: i < num_chunks, body, start, parallel_iterations=1
         )
     with tf.control_dependencies(sums):
-        for state, began in seeds:
-            state.assign(began + tf.constant([1, 0], began.dtype))
+        for generator, began in generators:
+            generator.state.assign(began + tf.constant([1, 0], began.dtype))
     grads = optimizer.noisy_gradients(sums, step_info, variables)
     stats = {"nonfinite_examples": counts["nonfinite_examples"],
              **optimizer.update_clip_norm(counts, step_info)}

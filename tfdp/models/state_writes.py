@@ -649,16 +649,21 @@ def _handles(variables):
     return found
 
 
-def seed_generator_states(model):
-    """The state variables of the `keras.random.SeedGenerator`s the model's
-    layers hold (`Dropout`'s), each once."""
-    states = []
+def seed_generators(model):
+    """The `keras.random.SeedGenerator`s the model's layers hold
+    (`Dropout`'s), each once."""
+    generators = []
     for layer in model._flatten_layers(include_self=True):  # pylint: disable=protected-access
         for generator in getattr(layer, "_seed_generators", ()):
             if isinstance(generator, keras.random.SeedGenerator) and not any(
-                    generator.state is s for s in states):
-                states.append(generator.state)
-    return states
+                    generator.state is g.state for g in generators):
+                generators.append(generator)
+    return generators
+
+
+def seed_generator_states(model):
+    """The state variables of the model's `seed_generators`."""
+    return [generator.state for generator in seed_generators(model)]
 
 
 def _seed_states(model):

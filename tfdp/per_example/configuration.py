@@ -451,6 +451,10 @@ def configuration_problem(layer, rank=None, call=None, could_be_batch=None):
                 "(declare it with tfdp.per_example.declare_per_example_activation "
                 "if it is elementwise)"
             )
+    if isinstance(layer, _SEQUENCE_ATTENTION) and getattr(layer, "dropout", 0) > 0:
+        # Its call draws the mask itself (no Dropout layer to key per example).
+        return (f"draws its attention dropout mask (dropout={layer.dropout}) by position in "
+                "the batch")
     if isinstance(layer, _ATTENTION):
         for args, kwargs in _recorded_calls(layer) if call is None else [call]:
             problem = attention_call_problem(layer, args, kwargs, could_be_batch)

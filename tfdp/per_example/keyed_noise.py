@@ -44,7 +44,6 @@ import numpy as np
 import tensorflow as tf
 
 from tfdp.per_example.random_augmentation import training_argument
-from tfdp.per_example.step_keys import call_key
 
 _L = keras.layers
 _DROPOUTS = (_L.Dropout, _L.SpatialDropout1D, _L.SpatialDropout2D, _L.SpatialDropout3D)
@@ -74,30 +73,61 @@ def input_keys(x):
     dense tensor. Each dropout keys its examples by these: they are the
     records' own values, where a layer's input may round differently by
     row (a matmul blocks rows by their position), and a hash of it would
-    turn that rounding into another mask."""
-    from tfdp.models.augmentation import example_hashes
+    turn that rounding into another mask. The hash is linear in the
+    entries (each times a fixed pseudo-random factor, the factors a prefix
+    of one stream), so zero padding after an example's entries leaves it
+    as it was, whatever length the batch is padded to.
 
+    Example:
+
+    >>> keys = input_keys(tf.constant([[1, 2, 0], [1, 2, 0], [2, 1, 0]]))
+    >>> bool(keys[0] == keys[1]), bool(keys[0] == keys[2])
+    (True, False)
+    >>> bool(input_keys(tf.constant([[1, 2]]))[0] == keys[0])   # padding moves nothing
+    True
+    """
     leaves = tf.nest.flatten(x)
     if not leaves or not all(isinstance(leaf, tf.Tensor) for leaf in leaves):
         return None
-    return example_hashes([tf.strings.to_hash_bucket_fast(leaf, 2 ** 62)
-                           if leaf.dtype == tf.string else leaf for leaf in leaves])
+    total = None
+    for index, leaf in enumerate(leaves):
+        if leaf.dtype == tf.string:
+            leaf = tf.strings.to_hash_bucket_fast(leaf, 2 ** 62)
+        elif leaf.dtype.is_floating:
+            leaf = tf.bitcast(leaf, {2: tf.int16, 4: tf.int32, 8: tf.int64}[leaf.dtype.size])
+        words = tf.reshape(tf.cast(leaf, tf.int64), [tf.shape(leaf)[0], -1])
+        factors = tf.random.stateless_uniform(
+            tf.shape(words)[1:], seed=tf.constant([index, 0x6B657965], tf.int64),
+            minval=None, maxval=None, dtype=tf.int64)
+        leaf_hash = tf.reduce_sum(words * factors[None, :], axis=1)
+        total = leaf_hash if total is None else total * 1000003 + leaf_hash
+    return total
 
 
 def _row_seeds(layer, x, example_keys):
     """Two uint32 words per row of `x`, [rows] each: the call's key from
     the layer's seed generator, mixed with its example's key. With R = k B
     rows for B keys (TimeDistributed's [B T, ...]), row r is example r // k's,
-    entry r % k of it."""
-    from tfdp.models.augmentation import example_hashes
-
-    key = call_key(layer.seed_generator)
+    entry r % k of it. Rows that are not a multiple of the examples, or
+    of a fixed number where the batch's differs (a [1, T, D] table of
+    positions), are not examples': keyed by the call's key and their index
+    alone, as Keras draws them. A tensor that is not the batch but has its
+    length (or a multiple) inside a declared layer is read as the batch:
+    the declaration covers it (`declare_per_example`)."""
+    key = tf.cast(layer.seed_generator.next(), tf.int64)
     if example_keys is None:
-        example_keys = example_hashes(x)
+        example_keys = input_keys(x)
     rows, count = tf.shape(x)[0], tf.shape(example_keys)[0]
-    per_example = tf.maximum(rows // count, 1)
+    aligned = tf.logical_and(rows >= count, tf.equal(rows % count, 0))
+    fixed, batch = x.shape[0], example_keys.shape[0]
+    if fixed is not None and (batch is None or fixed < batch or fixed % batch):
+        # A fixed length where the batch's is another, or not fixed: not a
+        # batch (a chunk of one row would otherwise match a [1, T, D] table).
+        aligned = tf.constant(False)
+    per_example = tf.where(aligned, rows // count, rows)
     row = tf.range(rows)
-    keys = tf.gather(example_keys, tf.minimum(row // per_example, count - 1))
+    keys = tf.where(aligned, tf.gather(example_keys, tf.minimum(row // per_example, count - 1)),
+                    tf.zeros([rows], tf.int64))
     words = tf.bitcast(tf.bitwise.bitwise_xor(keys, key[0]), tf.uint32)  # [rows, 2]
     key_words = tf.bitcast(key[1], tf.uint32)
     entry = tf.cast(row % per_example, tf.uint32) * np.uint32(0x9E3779B9)

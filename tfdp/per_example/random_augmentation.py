@@ -35,8 +35,6 @@ import keras
 import tensorflow as tf
 from keras.src.random.seed_generator import SeedGenerator
 
-from tfdp.per_example.step_keys import call_key
-
 _L = keras.layers
 _NAMES = (
     "RandomFlip", "RandomRotation", "RandomZoom", "RandomTranslation", "RandomContrast",
@@ -90,7 +88,7 @@ def keyed_call(layer, call, data, *args, example_keys=None, **kwargs):
     training = training_argument(layer, args, kwargs)
     if not training or isinstance(data, dict) or len(data.shape) != 4:
         return call(data, *args, **kwargs)
-    key = call_key(layer._get_seed_generator(keras.backend.backend()))
+    key = tf.cast(layer._get_seed_generator(keras.backend.backend()).next(), tf.int64)
     hashes = example_hashes(data) if example_keys is None else example_keys
     seeds = tf.stack([tf.bitwise.bitwise_xor(key[0], hashes),
                       tf.broadcast_to(key[1], tf.shape(data)[:1])], axis=1)

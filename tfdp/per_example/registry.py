@@ -86,7 +86,9 @@ def declare_per_example(layer_class=None, *, sublayers_on_the_batch=False):
     path, `tfdp.per_example.declared`); layers it creates inside `call` or
     keeps where Keras does not track them, a batch moved off axis 0 before
     a held layer reads it (a transposed batch), constants it passes a held
-    layer whose rows line up with the batch, and held layers called
+    layer whose rows line up with the batch, a held dropout or noise
+    layer called on a tensor that is not the batch but has its length (its
+    masks are keyed by the examples', `keyed_noise`), and held layers called
     inside a `tf.function` of its own that was traced before training (its
     graph is reused, so the step never sees those calls) are covered by the
     declaration alone: call held layers as `layer(x)` in `call` itself.

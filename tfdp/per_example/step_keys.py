@@ -1,63 +1,64 @@
-"""The key a layer keyed per example draws for one call: the same in every
-physical chunk of a step.
+"""The seeds a model's random layers draw in a physical chunk: the step's,
+the same in every chunk.
 
-Layers keyed per example (random augmentation, dropout and noise layers)
-draw one key a call from their seed generator and give example i the draws
-of (key, a hash of example i). A step in physical chunks runs the layers
-once a chunk, and each chunk's `next()` advances the generator: an example
-moved to a later chunk (a record drawn before it) would get a later key, and
-another mask. Inside `chunk_keys` (the chunked step holds it around its
-loop) a call's key is instead the generator's state where the step began,
-offset by the call's rank among the chunk's calls of that generator: the
-same for every chunk. The step then sets the generator one step past where
-it began.
+A step in physical chunks runs the model once a chunk, and each run's
+`SeedGenerator.next()` advances the layer's generator: an example moved to
+a later chunk (a record drawn before it) would draw with a later seed, and
+get another mask or transform, whether the layer is keyed per example
+(dropout, noise, augmentation on the batched pass) or Keras's own (the
+whole-model vectorized path, the per-layer fallback's re-run). Inside
+`chunk_keys` (the chunked step holds it around its loop) a generator's
+`next()` instead returns its state where the step began, offset by the
+call's rank among the chunk's draws from it, and writes nothing: the same
+seeds for every chunk. The step then sets the state one step past where it
+began.
 
 Example:
 
 >>> import keras
 >>> generator = keras.random.SeedGenerator(0)
 >>> began = generator.state.value
->>> with chunk_keys([(generator.state, began)]):
-...     first, again = call_key(generator), call_key(generator)
->>> bool((first == began).numpy().all()), bool((again == first).numpy().all())
-(True, False)
+>>> with chunk_keys([(generator, began)]):
+...     first, second = generator.next(), generator.next()
+...     restart_chunk()
+...     again = generator.next()
+>>> [bool((a == b).numpy().all()) for a, b in ((first, began), (again, first), (second, first))]
+[True, True, False]
 """
 
 import contextlib
+import functools
 
 import tensorflow as tf
 
-_STEP = {"began": None, "calls": None}
+_CALLS = []  # the open block's count of draws a generator, this chunk
+
+
+def _chunk_next(generator, began, ordered=True):
+    calls = _CALLS[-1]
+    rank = calls.get(id(generator), 0)
+    calls[id(generator)] = rank + 1
+    return began + tf.constant([0, 1], began.dtype) * rank
 
 
 @contextlib.contextmanager
-def chunk_keys(seeds):
-    """Within the block, `call_key` returns keys from the states `seeds`
-    ((state variable, its value where the step began) pairs) held, counted
-    by call."""
-    previous = dict(_STEP)
-    _STEP["began"] = {id(state): began for state, began in seeds}
-    _STEP["calls"] = {}
+def chunk_keys(generators):
+    """Within the block, each of `generators` ((SeedGenerator, its state's
+    value where the step began) pairs) draws the step's seeds, counted by
+    call since the last `restart_chunk`."""
+    _CALLS.append({})
+    for generator, began in generators:
+        generator.__dict__["next"] = functools.partial(_chunk_next, generator, began)
     try:
         yield
     finally:
-        _STEP.update(previous)
+        for generator, _ in generators:
+            generator.__dict__.pop("next", None)
+        _CALLS.pop()
 
 
 def restart_chunk():
-    """Counts calls afresh: a new chunk's first call of each generator gets
-    the step's first key again."""
-    if _STEP["calls"] is not None:
-        _STEP["calls"] = {}
-
-
-def call_key(generator):
-    """int64 [2]: the generator's `next()` (which advances it), or, inside
-    `chunk_keys`, the step's starting state offset by this call's rank in
-    the chunk (no write: the step sets the state afterwards)."""
-    began = (_STEP["began"] or {}).get(id(generator.state))
-    if began is None:
-        return tf.cast(generator.next(), tf.int64)
-    rank = _STEP["calls"].get(id(generator.state), 0)
-    _STEP["calls"][id(generator.state)] = rank + 1
-    return tf.cast(began, tf.int64) + tf.constant([0, 1], tf.int64) * rank
+    """Counts draws afresh: a new chunk's first draw from each generator is
+    the step's first seed again."""
+    if _CALLS:
+        _CALLS[-1].clear()
