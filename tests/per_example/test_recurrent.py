@@ -7,6 +7,7 @@ import pytest
 import tensorflow as tf
 
 from tfdp.per_example import compute_per_example_gradients, plan_for
+from tfdp.per_example.keyed_noise import input_keys, keyed_cell_masks
 from tfdp.per_example.recorder import Recorder
 from tfdp.per_example.rules.recurrent import RecurrentRule
 
@@ -167,7 +168,9 @@ def test_outputs_match_keras_in_training_with_dropout(layer):
 )
 def test_per_example_gradients_under_dropout_use_the_forward_masks(layer, mse):
     """Reference: each example's own loss differentiated through Keras's own
-    batched training forward, with the same dropout masks (seed restored)."""
+    batched training forward, with the same dropout masks: the seed restored
+    and the cells' masks keyed per example by the inputs, as the batched
+    pass keys them (`keyed_noise.keyed_cell_masks`)."""
     keras.utils.set_random_seed(4)
     model = _seq((5, 3), layer, L.Dense(2))
     x = tf.random.normal([4, 5, 3])
@@ -176,7 +179,7 @@ def test_per_example_gradients_under_dropout_use_the_forward_masks(layer, mse):
     state = _seed_state(layer).numpy()
     grads, _, _ = compute_per_example_gradients(model, x, y, weights, mse, "batched")
     _seed_state(layer).assign(state)
-    with tf.GradientTape(persistent=True) as tape:
+    with tf.GradientTape(persistent=True) as tape, keyed_cell_masks(model, input_keys(x)):
         losses = mse(y, model(x, training=True)) * weights
         per_example_losses = [losses[i] for i in range(4)]
     reference = [
